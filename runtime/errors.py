@@ -1,0 +1,110 @@
+"""Every exception ringweave raises on purpose, in one place.
+
+Each message names what was involved: the ranks, the address, the operation,
+the key, the limit and the value that broke it. Callers catch the family
+(``RingweaveError``) or one member; nothing here carries behaviour.
+
+This module deliberately imports nothing from the rest of the package, so any
+layer (runtime, collectives, trainer, tools) can raise these.
+"""
+
+from __future__ import annotations
+
+
+class RingweaveError(Exception):
+    """Base of every error ringweave raises on purpose."""
+
+
+# -- the network -----------------------------------------------------------
+
+
+class BadFrameError(RingweaveError):
+    """A frame broke the wire format: bad magic or version, a size past its
+    limit, a header that is not msgpack or does not follow the schema.
+
+    The connection that carried it is closed; other connections go on.
+    """
+
+
+class AuthenticationError(RingweaveError):
+    """A peer or store client could not prove it holds the job's secret."""
+
+
+class ConnectError(RingweaveError):
+    """Could not connect to an address before the deadline."""
+
+
+class PeerLostError(RingweaveError):
+    """A peer rank died, disconnected or left while we still needed it.
+
+    Attributes:
+        rank: the global rank of the peer that was lost.
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class MailboxFullError(RingweaveError):
+    """Messages that arrived before their receive was posted exceeded the
+    mailbox bound (bytes kept for receives that nobody posted)."""
+
+
+class WouldBlock(RingweaveError):
+    """A ``*_nowait`` call could not complete without waiting."""
+
+
+class ClosedError(RingweaveError):
+    """The actor, connection, store or communicator was already closed."""
+
+
+class RemoteCallError(RingweaveError):
+    """A handler called with ``Actor.call`` raised on the remote rank."""
+
+
+# -- the store ---------------------------------------------------------------
+
+
+class StoreError(RingweaveError):
+    """The rendezvous store refused a request or could not be reached."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store wait ran out of time.
+
+    Attributes:
+        keys: the keys still missing when the time ran out.
+        waited_s: how long the call waited, in seconds.
+    """
+
+    def __init__(self, message: str, keys: list[str] | None = None, waited_s: float = 0.0):
+        super().__init__(message)
+        self.keys = list(keys or [])
+        self.waited_s = waited_s
+
+
+# -- collectives -------------------------------------------------------------
+
+
+class CollectiveError(RingweaveError):
+    """A collective failed; subclasses say why."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks of one group called different collectives at the same point
+    (different operation, dtype, length or root). The message names both
+    calls and both ranks."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not finish in time. The message names the ranks that
+    had not delivered what this rank was waiting for.
+
+    Attributes:
+        missing: group ranks this rank was still waiting on.
+    """
+
+    def __init__(self, message: str, missing: list[int] | None = None):
+        super().__init__(message)
+        self.missing = list(missing or [])
