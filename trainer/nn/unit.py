@@ -1,0 +1,133 @@
+"""A Unit: one module whose parameters live in ONE flat, padded 1-D buffer.
+
+What it is: the granularity at which sharding strategies work. FSDP gathers a
+unit's flat buffer just before its forward and frees it after; DDP/ZeRO reduce
+a unit's flat gradient as soon as its backward finishes. The buffer layout comes
+from a size table, as llm.c's `malloc_and_point_parameters`:
+
+    param_specs = [ParamSpec(name, shape, offset), ...]  # contiguous, in order
+    numel        = sum of the specs' sizes                # unpadded
+    padded_numel = numel rounded up to a multiple of pad_to (the world size)
+
+    flat: [ 0.weight | 0.bias | 1.weight | 1.bias | ... | zero padding ]
+
+Every layer weight is a view into the flat array; the padding is never read by
+a forward and never written by a backward, so a gradient's padding stays zero.
+
+Contract:
+    forward(flat_params, x, ctx) -> (out, cache)
+        flat_params: ANY 1-D array of length padded_numel (e.g. a buffer that
+        was just all-gathered); it is only viewed, never copied or kept past
+        the cache.
+    backward(flat_params, cache, dout, flat_grad) -> dx
+        ACCUMULATES (+=) into flat_grad, a 1-D array of length padded_numel.
+
+What it is not: it owns no arrays; parameters, gradients and optimizer state
+all live outside it (in the model's lists or in a strategy's shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.nn.context import Context
+from trainer.nn.layers import Layer, Sequential
+
+__all__ = ["ParamSpec", "Unit", "round_up"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= n, e.g. round_up(10, 4) == 12."""
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # e.g. "0.weight"
+    shape: tuple[int, ...]  # e.g. (64, 128)
+    offset: int  # first element inside the flat buffer, e.g. 8192
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class Unit:
+    """A module (usually a Sequential) plus the flat-buffer layout of its parameters.
+
+    Args:
+        module: a Layer, or a list of layers that is wrapped in Sequential.
+        pad_to: padded_numel is a multiple of this (the world size), e.g. 4.
+        dtype: dtype of the buffers `init_params` / `zeros` make (float32, or float64
+            for exact checks). forward/backward accept any dtype.
+        index: position in the model; keys the dropout streams. Model sets it.
+    """
+
+    def __init__(self, module: Layer | list[Layer], *, pad_to: int = 1, dtype=np.float32, index: int = 0) -> None:
+        if pad_to < 1:
+            raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+        self.module = Sequential(*module) if isinstance(module, (list, tuple)) else module
+        self.pad_to = int(pad_to)
+        self.dtype = np.dtype(dtype)
+        specs, offset = [], 0
+        for name, shape in self.module.param_shapes():
+            spec = ParamSpec(name, tuple(int(s) for s in shape), offset)
+            specs.append(spec)
+            offset = spec.end
+        self.param_specs: list[ParamSpec] = specs
+        self.numel: int = offset
+        self.padded_numel: int = round_up(offset, self.pad_to)
+        self.index = index
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @index.setter
+    def index(self, value: int) -> None:
+        self._index = int(value)
+        self.module.bind((self._index,))
+
+    def __repr__(self) -> str:
+        return f"Unit(index={self.index}, numel={self.numel}, padded_numel={self.padded_numel}, pad_to={self.pad_to})"
+
+    # ---- buffers ----------------------------------------------------------
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """name -> view of `flat` with the spec's shape (no copy)."""
+        if flat.ndim != 1 or flat.shape[0] != self.padded_numel:
+            raise ValueError(
+                f"unit {self.index}: flat buffer must be 1-D of length padded_numel={self.padded_numel}, "
+                f"got shape {flat.shape}"
+            )
+        return {s.name: flat[s.offset : s.end].reshape(s.shape) for s in self.param_specs}
+
+    def zeros(self, dtype=None) -> np.ndarray:
+        """A zero flat buffer (padded length), e.g. a gradient buffer."""
+        return np.zeros(self.padded_numel, dtype=self.dtype if dtype is None else dtype)
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """Deterministic parameters from (seed, unit index) only.
+
+        Values are drawn in float64 and then cast, so they do not depend on
+        pad_to, on the process, and (up to rounding) on the dtype.
+        """
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), self.index])))
+        flat64 = np.zeros(self.padded_numel, dtype=np.float64)
+        self.module.init(self.views(flat64), rng)
+        return flat64.astype(self.dtype)
+
+    # ---- compute ----------------------------------------------------------
+
+    def forward(self, flat_params: np.ndarray, x: np.ndarray, ctx: Context) -> tuple[np.ndarray, Any]:
+        return self.module.forward(self.views(flat_params), x, ctx)
+
+    def backward(self, flat_params: np.ndarray, cache: Any, dout: np.ndarray, flat_grad: np.ndarray) -> np.ndarray:
+        return self.module.backward(self.views(flat_params), cache, dout, self.views(flat_grad))
