@@ -1,0 +1,199 @@
+"""Data: the distributed sampler, global/local batching, the digits set and synthetic data.
+
+What it is:
+
+* `epoch_order(n, seed, epoch, shuffle)`: the epoch's permutation of 0..n-1, a
+  pure function; the same on every process.
+* `DistributedSampler`: torch.utils.data.DistributedSampler semantics (ranks
+  take the order with stride num_replicas; without drop_last the order is padded
+  by repeating its head so every rank has ceil(n / R) samples; with drop_last
+  the tail is cut so every rank has floor(n / R)). The permutation is NumPy's,
+  so the indices are not torch's bit for bit. Use it to shard evaluation or
+  anything that does not need to equal a single-process run.
+* `iter_local_batches`: the batching the data-parallel equivalence tests rely
+  on. The exact ordering is:
+
+      order   = epoch_order(n, seed, epoch, shuffle)           # (n,)
+      global batch k = order[k G : (k + 1) G]                  # G = global_batch_size
+                       (the last one is shorter unless drop_last)
+      rank r's local batch k = global_batch_k[bounds[r] : bounds[r + 1]]
+      bounds = split_bounds(len(global_batch_k), R)            # np.array_split sizes:
+                                                              # the first (size % R) ranks hold one more
+
+  so concatenating the local batches of ranks 0..R-1 gives global batch k row
+  for row, with nothing padded or repeated. Each `LocalBatch` carries `offset`
+  (= bounds[r], for `Context.batch_offset`, which keeps dropout masks equal) and
+  `global_size` (for `loss_denominator`). A rank may get an EMPTY local batch
+  when the last global batch has fewer rows than ranks; the model handles that.
+  With R = 1 this is exactly the single-process run.
+* `load_digits_split`: sklearn's 8x8 digits (1797 x 64, 10 classes, shipped with
+  scikit-learn, no download), split by seed and standardized with the training
+  set's statistics.
+* `make_synthetic`: Gaussian class clusters of any size, for benchmarks.
+
+What it is not: no loader threads, no prefetching, no file formats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+__all__ = [
+    "epoch_order", "DistributedSampler", "split_bounds", "num_global_batches", "LocalBatch",
+    "iter_local_batches", "Split", "train_val_split", "load_digits_split", "make_synthetic",
+]
+
+
+def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Permutation of range(n) for this epoch (int64), from (seed, epoch) only."""
+    if n < 0:
+        raise ValueError(f"data set size must be >= 0, got {n}")
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch)])))
+    return rng.permutation(n).astype(np.int64)
+
+
+class DistributedSampler:
+    """Indices of one rank, torch semantics: same length on every rank, disjoint when n % R == 0."""
+
+    def __init__(self, n: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False) -> None:
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got rank={rank} of {num_replicas}")
+        if n < 0:
+            raise ValueError(f"data set size must be >= 0, got {n}")
+        self.n, self.num_replicas, self.rank = n, num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        if drop_last and n % num_replicas:
+            self.num_samples = math.ceil((n - num_replicas) / num_replicas)  # == n // R
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle: the next iteration uses the permutation for `epoch`."""
+        self.epoch = epoch
+
+    def indices(self) -> np.ndarray:
+        order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)  # (n,)
+        if self.drop_last:
+            order = order[: self.total_size]
+        elif self.total_size > self.n:
+            if self.n == 0:
+                raise ValueError("cannot pad an empty data set to a positive length")
+            reps = math.ceil((self.total_size - self.n) / self.n)
+            order = np.concatenate([order, np.tile(order, reps)[: self.total_size - self.n]])
+        return order[self.rank : self.total_size : self.num_replicas]  # (num_samples,)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def split_bounds(size: int, num_replicas: int) -> list[int]:
+    """Row bounds of each rank's block, np.array_split sizes: split_bounds(10, 4) == [0, 3, 6, 8, 10]."""
+    q, rem = divmod(size, num_replicas)
+    bounds = [0]
+    for r in range(num_replicas):
+        bounds.append(bounds[-1] + q + (1 if r < rem else 0))
+    return bounds
+
+
+def num_global_batches(n: int, global_batch_size: int, drop_last: bool = False) -> int:
+    return n // global_batch_size if drop_last else math.ceil(n / global_batch_size)
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    step: int  # index of the global batch within the epoch, e.g. 3
+    indices: np.ndarray  # (b_local,) data set rows held by this rank
+    offset: int  # first row of this rank inside the global batch, e.g. 64
+    global_size: int  # rows in the global batch (the loss denominator), e.g. 128
+
+
+def iter_local_batches(n: int, global_batch_size: int, num_replicas: int = 1, rank: int = 0, *,
+                       seed: int = 0, epoch: int = 0, shuffle: bool = True,
+                       drop_last: bool = False) -> Iterator[LocalBatch]:
+    """This rank's block of every global batch of the epoch (ordering in the module docstring)."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got rank={rank} of {num_replicas}")
+    order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
+    for k in range(num_global_batches(n, global_batch_size, drop_last)):
+        batch = order[k * global_batch_size : (k + 1) * global_batch_size]  # (G,) or shorter at the end
+        bounds = split_bounds(len(batch), num_replicas)
+        lo, hi = bounds[rank], bounds[rank + 1]
+        yield LocalBatch(step=k, indices=batch[lo:hi], offset=lo, global_size=len(batch))
+
+
+# ---- data sets ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    x_train: np.ndarray  # (N_train, D)
+    y_train: np.ndarray  # (N_train,) int64
+    x_val: np.ndarray  # (N_val, D)
+    y_val: np.ndarray  # (N_val,) int64
+    num_classes: int  # e.g. 10
+
+    @property
+    def in_dim(self) -> int:
+        return self.x_train.shape[1]
+
+
+def train_val_split(x: np.ndarray, y: np.ndarray, *, val_fraction: float, seed: int,
+                    num_classes: int, standardize: bool = True, dtype=np.float32) -> Split:
+    """Shuffle by seed, cut off the validation part, standardize with TRAIN mean/std."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    perm = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), 0xDA7A]))).permutation(len(x))
+    n_val = int(round(len(x) * val_fraction))
+    val, train = perm[:n_val], perm[n_val:]
+    x = np.asarray(x, dtype=np.float64)
+    x_train, x_val = x[train], x[val]
+    if standardize:
+        mean = x_train.mean(axis=0)  # (D,)
+        std = x_train.std(axis=0)  # (D,)
+        std[std == 0] = 1.0  # constant features (the digits' corner pixels) stay at zero
+        x_train, x_val = (x_train - mean) / std, (x_val - mean) / std
+    y = np.asarray(y, dtype=np.int64)
+    return Split(x_train.astype(dtype), y[train], x_val.astype(dtype), y[val], num_classes)
+
+
+def load_digits_split(*, seed: int = 0, val_fraction: float = 0.2, dtype=np.float32) -> Split:
+    """sklearn digits: 1797 samples of 64 features, 10 classes; 360 validation rows by default."""
+    from sklearn.datasets import load_digits  # local: importing sklearn costs ~1 s
+
+    digits = load_digits()
+    return train_val_split(digits.data, digits.target, val_fraction=val_fraction, seed=seed,
+                           num_classes=10, dtype=dtype)
+
+
+def make_synthetic(n: int, in_dim: int = 64, num_classes: int = 10, *, seed: int = 0,
+                   class_sep: float = 0.5, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian clusters: x = center[y] + N(0, I), centers ~ class_sep N(0, I).
+
+    Returns x (n, in_dim) of `dtype` and y (n,) int64. Memory is n * in_dim
+    elements of `dtype`, generated in chunks, so large sets fit as long as x does.
+    """
+    if n < 0 or in_dim < 1 or num_classes < 1:
+        raise ValueError(f"need n >= 0, in_dim >= 1, num_classes >= 1, got {n}, {in_dim}, {num_classes}")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), 0x5E7])))
+    centers = (class_sep * rng.standard_normal((num_classes, in_dim))).astype(dtype)  # (K, D)
+    y = rng.integers(0, num_classes, size=n, dtype=np.int64)  # (n,)
+    x = np.empty((n, in_dim), dtype=dtype)
+    chunk = max(1, (1 << 22) // in_dim)  # ~4M elements per chunk
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        x[lo:hi] = rng.standard_normal((hi - lo, in_dim)).astype(dtype) + centers[y[lo:hi]]
+    return x, y
