@@ -1,0 +1,619 @@
+"""``python -m runtime.launch``: start the ranks of a job on this node, host its
+store, and stop them all together.
+
+Usage::
+
+    python -m runtime.launch -n 4 train.py --lr 0.1            # 4 ranks on this machine
+    python -m runtime.launch -n 4 -m trainer --epochs 3        # run a module instead of a script
+
+    # two machines, 4 ranks each; the same command on both, each with its node rank,
+    # and the same RINGWEAVE_SECRET in the environment of both:
+    python -m runtime.launch -n 4 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 \\
+        --master-port 29500 --job-id exp7 train.py
+    python -m runtime.launch -n 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 \\
+        --master-port 29500 --job-id exp7 train.py
+
+Options (everything after the script or module name goes to the ranks)::
+
+    -n, --nproc-per-node N   ranks on this node                                e.g. 4
+    --nnodes M               nodes in the job (default 1); every node runs N ranks
+    --node-rank K            this node, 0..M-1 (default 0); node 0 hosts the store
+    --master-addr H          where the store is (default 127.0.0.1; required if M > 1)
+    --master-port P          its port (single node: default 0, any free port; required if M > 1)
+    --job-id ID              the run id, same on every node (default: fresh on a single
+                             node, "H:P" on several)
+    --max-restarts R         restart the whole job after a failure, up to R times (default 0)
+    --grace-s S              SIGTERM -> SIGKILL grace when stopping ranks (default 5)
+    --timeout-s T            every wait in the runtime times out after T s (sets
+                             RINGWEAVE_TIMEOUT_S for the ranks; default: the runtime's own)
+    --max-time-s T           wall-clock limit of the whole job; past it, stop all, exit 124
+    -m, --module             the target is a module name (python -m), not a script path
+
+The store
+    Node 0 runs the rendezvous store server (``runtime.store_tcp.StoreServer``)
+    inside the launcher's own event loop, for the whole job, restarts included.
+    A single node listens on 127.0.0.1 (or ``--master-addr`` if given). With
+    several nodes, node 0 listens on ``--master-addr`` when that is a loopback
+    address and on every interface (0.0.0.0 / ::) otherwise, so that the other
+    nodes reach it at ``--master-addr``. Other nodes host nothing.
+
+The secret
+    A job that listens beyond loopback needs ``RINGWEAVE_SECRET`` in the
+    launcher's environment (the same on every node); without it the launcher
+    refuses to start (exit 2). A single node without it makes a fresh secret
+    (``auth.make_secret()``). Several nodes on loopback without it run
+    unauthenticated, as DESIGN.md allows.
+
+Environment of every rank (the names torchrun uses, plus ours)::
+
+    RANK               node_rank * N + local_rank             e.g. 5
+    WORLD_SIZE         M * N                                  e.g. 8
+    LOCAL_RANK         0..N-1 on this node
+    LOCAL_WORLD_SIZE   N
+    GROUP_RANK         this node's rank (torchrun's name)
+    NODE_RANK          the same
+    GROUP_WORLD_SIZE   M
+    MASTER_ADDR        where the store is                     e.g. 10.0.0.1
+    MASTER_PORT        its port (the real one when port 0 was asked for)
+    RINGWEAVE_SECRET   the job's secret (unset when the job runs unauthenticated)
+    RINGWEAVE_JOB      the run id, same on every node
+    RINGWEAVE_STORE_HOSTED=1   the launcher hosts the store: rank 0 must not
+    RINGWEAVE_RESTART  how many times the job was restarted: 0, 1, ...
+    RINGWEAVE_TIMEOUT_S        only with --timeout-s
+    PYTHONUNBUFFERED=1
+    NUMBA_NUM_THREADS, OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS
+                       max(1, cores // N), each only where the launcher's own
+                       environment does not set it
+
+Everything else is inherited from the launcher's environment. Ranks run with
+the launcher's Python (``sys.executable``), stdin from /dev/null, each in its
+own session (``start_new_session``): its process group is the rank and all it
+starts, and is what the launcher signals.
+
+Output
+    Each line a rank writes to stdout (stderr) is written to the launcher's
+    stdout (stderr) as ``[rank R] line``; a last line without a newline gets
+    one at exit. The launcher's own messages go to stderr as ``[launch] ...``.
+
+Exit codes
+    0        every rank exited 0
+    c        the first rank to fail exited with code c != 0
+    128+s    the first rank to fail was killed by signal s (137 for SIGKILL)
+    130/143  the launcher got SIGINT / SIGTERM (129 for SIGHUP)
+    124      --max-time-s ran out
+    2        bad arguments, or a secret was needed and not given
+    1        the launcher itself failed (the store could not listen, a rank
+             could not be spawned)
+    "First" is the rank whose exit the launcher saw first; ranks that die
+    after that, while being stopped, never change the code. On a failure the
+    launcher stops the others (SIGTERM to each group, --grace-s, then
+    SIGKILL), then prints which rank failed, its code or signal name and its
+    last lines. A signal to the launcher is forwarded to every rank's group
+    (SIGINT stays SIGINT), with the same grace; a second one kills at once.
+
+Restarts (``--max-restarts R``) and what the runtime must do about them
+    After a failure, everything is stopped and the whole job (all ranks of
+    this node) starts again, up to R times, each with RINGWEAVE_RESTART one
+    higher. The store server stays up and keeps the keys of earlier attempts,
+    so the runtime must namespace every key it uses by attempt: it wraps its
+    store client in ``PrefixStore(attempt_prefix(restart), client)``, i.e.
+    ``"restart/<RINGWEAVE_RESTART>"``, before its first key. Then a rank of
+    attempt 1 can never read a key that attempt 0 left behind. With several
+    nodes, each launcher restarts its own ranks when one of them fails (the
+    ranks of the other nodes then fail with a lost peer and restart too), so
+    counts stay in step as long as every failure takes down every node's
+    attempt once; this is not elastic rendezvous.
+
+What this is not: elastic membership, per-node process counts that differ,
+or a watchdog for a launcher killed with SIGKILL (its ranks then live on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import enum
+import ipaddress
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from runtime import auth, procs
+
+THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+EXIT_TIMEOUT = 124
+EXIT_USAGE = 2
+EXIT_LAUNCHER = 1
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+# -- configuration (pure) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    nproc: int                       # ranks on this node, e.g. 4
+    target: str                      # script path or module name, e.g. "train.py"
+    args: tuple[str, ...] = ()       # passed to every rank, e.g. ("--lr", "0.1")
+    module: bool = False             # run the target with python -m
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None   # e.g. "10.0.0.1"
+    master_port: int | None = None   # e.g. 29500
+    job_id: str | None = None        # e.g. "exp7"
+    max_restarts: int = 0
+    grace_s: float = 5.0
+    timeout_s: float | None = None   # runtime wait timeout for the ranks, e.g. 60
+    max_time_s: float | None = None  # wall-clock limit of the job, e.g. 3600
+    tail_lines: int = 20
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    @property
+    def hosts_store(self) -> bool:
+        return self.node_rank == 0
+
+    @property
+    def advertised_addr(self) -> str:
+        """MASTER_ADDR as the ranks see it."""
+        return self.master_addr or "127.0.0.1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m runtime.launch",
+        description="Start the ranks of a ringweave job on this node, host its store, "
+                    "stop them all when one fails.")
+    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--job-id", default=None)
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--grace-s", type=float, default=5.0)
+    p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--max-time-s", type=float, default=None)
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the target is a module name, run as python -m TARGET")
+    p.add_argument("target", help="script path, or module name with -m")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for every rank")
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> LaunchConfig:
+    """Parses and checks the command line.
+
+    Raises:
+        SystemExit(2): argparse's usage errors (printed by argparse).
+        ValueError: the options do not make a job (see :func:`check_config`).
+    """
+    ns = build_parser().parse_args(list(argv))
+    cfg = LaunchConfig(
+        nproc=ns.nproc, target=ns.target, args=tuple(ns.args), module=ns.module,
+        nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+        master_port=ns.master_port, job_id=ns.job_id, max_restarts=ns.max_restarts,
+        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s)
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: LaunchConfig) -> None:
+    """Raises ValueError naming the first option that does not make a job."""
+    if cfg.nproc < 1:
+        raise ValueError(f"-n must be at least 1, got {cfg.nproc}")
+    if cfg.nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {cfg.nnodes}")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{cfg.nnodes - 1}, got {cfg.node_rank}")
+    if cfg.nnodes > 1 and not cfg.master_addr:
+        raise ValueError(f"--nnodes {cfg.nnodes} needs --master-addr (where node 0 hosts the store)")
+    if cfg.nnodes > 1 and not cfg.master_port:
+        raise ValueError(f"--nnodes {cfg.nnodes} needs a fixed --master-port (not 0): "
+                         f"the other nodes must know it in advance")
+    if cfg.master_port is not None and not 0 <= cfg.master_port <= 65535:
+        raise ValueError(f"--master-port must be in 0..65535, got {cfg.master_port}")
+    if cfg.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
+    if cfg.grace_s < 0:
+        raise ValueError(f"--grace-s must be >= 0, got {cfg.grace_s}")
+    for name, value in (("--timeout-s", cfg.timeout_s), ("--max-time-s", cfg.max_time_s)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def is_loopback_addr(host: str) -> bool:
+    """Whether ``host`` names a loopback address ("localhost", 127.x, ::1)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return auth.is_loopback(host)  # a name: resolve it
+
+
+def store_listen_host(cfg: LaunchConfig) -> str:
+    """Where node 0's store listens: the master address itself when it is
+    loopback (nothing else may reach it), else every interface, because
+    the master address may be any of this host's names or addresses."""
+    addr = cfg.advertised_addr
+    if is_loopback_addr(addr):
+        return addr
+    return "::" if ":" in addr else "0.0.0.0"
+
+
+def choose_secret(cfg: LaunchConfig, env_secret: str | None,
+                  make: Callable[[], str] = auth.make_secret) -> str | None:
+    """The job's secret: the user's RINGWEAVE_SECRET, else a fresh one on a
+    single node, else none for several nodes on loopback.
+
+    Raises:
+        ValueError: several nodes beyond loopback and no RINGWEAVE_SECRET.
+    """
+    if env_secret:
+        return env_secret
+    if cfg.nnodes == 1:
+        return make()
+    if is_loopback_addr(cfg.advertised_addr):
+        return None
+    raise ValueError(
+        f"a job over {cfg.nnodes} nodes listens beyond loopback ({cfg.advertised_addr}), so it "
+        f"needs a secret: set {auth.SECRET_ENV} to the same value on every node, e.g. "
+        f"export {auth.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')")
+
+
+def choose_job_id(cfg: LaunchConfig, make: Callable[[], str] = lambda: secrets.token_hex(6)) -> str:
+    """``--job-id``, else fresh on a single node, else ``"H:P"`` (the same on
+    every node without the user choosing one)."""
+    if cfg.job_id:
+        return cfg.job_id
+    if cfg.nnodes == 1:
+        return f"job-{make()}"
+    return f"{cfg.master_addr}:{cfg.master_port}"
+
+
+def thread_count(cores: int, local_world_size: int) -> int:
+    return max(1, cores // local_world_size)
+
+
+def rank_argv(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
+    if cfg.module:
+        return [python, "-m", cfg.target, *cfg.args]
+    return [python, cfg.target, *cfg.args]
+
+
+def attempt_prefix(restart: int) -> str:
+    """The store namespace the runtime must use in attempt ``restart`` (see
+    the module docstring): ``PrefixStore(attempt_prefix(n), client)``."""
+    return f"restart/{restart}"
+
+
+def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, master_port: int,
+             secret: str | None, job: str, restart: int, cores: int) -> dict[str, str]:
+    """The whole environment of one rank (see the module docstring)."""
+    env = dict(base)
+    env.update(
+        RANK=str(cfg.node_rank * cfg.nproc + local_rank),
+        WORLD_SIZE=str(cfg.world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(cfg.nproc),
+        GROUP_RANK=str(cfg.node_rank),
+        NODE_RANK=str(cfg.node_rank),
+        GROUP_WORLD_SIZE=str(cfg.nnodes),
+        MASTER_ADDR=cfg.advertised_addr,
+        MASTER_PORT=str(master_port),
+        RINGWEAVE_JOB=job,
+        RINGWEAVE_STORE_HOSTED="1",
+        RINGWEAVE_RESTART=str(restart),
+        PYTHONUNBUFFERED="1",
+    )
+    if secret:
+        env[auth.SECRET_ENV] = secret
+    else:
+        env.pop(auth.SECRET_ENV, None)
+    if cfg.timeout_s is not None:
+        env["RINGWEAVE_TIMEOUT_S"] = f"{cfg.timeout_s:g}"
+    threads = str(thread_count(cores, cfg.nproc))
+    for name in THREAD_VARS:
+        if not base.get(name):
+            env[name] = threads
+    return env
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# -- decisions (pure) ----------------------------------------------------------
+
+
+def exit_code_of(returncode: int) -> int:
+    """A rank's returncode as a shell would report it: a code as is, a
+    signal s (asyncio's -s) as 128+s."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL (exit code 137)"``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    return f"signal {signal_name(-returncode)} (exit code {exit_code_of(returncode)})"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    rank: int
+    returncode: int
+    exited_at: float  # time.monotonic()
+
+
+def first_failure(exits: Sequence[RankExit]) -> RankExit | None:
+    """The earliest non-zero exit (ties: the lowest rank), or None."""
+    failed = [e for e in exits if e.returncode != 0]
+    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+
+
+class Ending(enum.Enum):
+    SUCCEEDED = "succeeded"      # every rank exited 0
+    FAILED = "failed"            # a rank exited non-zero or by a signal
+    INTERRUPTED = "interrupted"  # the launcher got a signal
+    TIMED_OUT = "timed out"      # --max-time-s ran out
+
+
+@dataclass
+class Outcome:
+    """How one attempt ended."""
+
+    ending: Ending
+    failure: RankExit | None = None   # FAILED: the first failing rank
+    signum: int | None = None         # INTERRUPTED: the signal the launcher got
+    tail: list[str] = field(default_factory=list)  # FAILED: its last lines
+    running: list[int] = field(default_factory=list)  # TIMED_OUT: ranks still running
+
+
+class Action(enum.Enum):
+    EXIT = "exit"
+    RESTART = "restart"
+
+
+def next_step(outcome: Outcome, restarts_done: int, max_restarts: int) -> tuple[Action, int]:
+    """What the launcher does after an attempt: ``(Action.RESTART, 0)`` or
+    ``(Action.EXIT, code)`` with the code of the module docstring's table."""
+    if outcome.ending is Ending.SUCCEEDED:
+        return Action.EXIT, 0
+    if outcome.ending is Ending.INTERRUPTED:
+        return Action.EXIT, 128 + int(outcome.signum or signal.SIGTERM)
+    if outcome.ending is Ending.TIMED_OUT:
+        return Action.EXIT, EXIT_TIMEOUT
+    if restarts_done < max_restarts:
+        return Action.RESTART, 0
+    return Action.EXIT, exit_code_of(outcome.failure.returncode)
+
+
+def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str]) -> list[str]:
+    """The lines printed about a failed rank (without the ``[launch]`` prefix)."""
+    local = failure.rank - cfg.node_rank * cfg.nproc
+    where = f" (node {cfg.node_rank}, local rank {local})" if cfg.nnodes > 1 else ""
+    lines = [f"rank {failure.rank}{where} failed first: {describe_exit(failure.returncode)}"]
+    if tail:
+        lines.append(f"last {len(tail)} lines of rank {failure.rank}:")
+        lines.extend(f"  | {line}" for line in tail)
+    else:
+        lines.append(f"rank {failure.rank} wrote no output")
+    return lines
+
+
+def restart_message(outcome: Outcome, restarts_done: int, max_restarts: int) -> str:
+    f = outcome.failure
+    return (f"restarting the job ({restarts_done + 1} of {max_restarts}) after rank {f.rank} "
+            f"failed with {describe_exit(f.returncode)}")
+
+
+# -- the program ---------------------------------------------------------------
+
+
+class Console:
+    """The launcher's stdout and stderr: rank lines and ``[launch]`` messages,
+    written through one place so they keep their order. A closed stdout
+    (``| head``) stops the writes to it, not the job."""
+
+    def __init__(self, out=None, err=None):
+        self._files = {1: out or sys.stdout.buffer, 2: err or sys.stderr.buffer}
+
+    def write(self, fd: int, data: bytes) -> None:
+        f = self._files.get(fd)
+        if f is None:
+            return
+        try:
+            f.write(data)
+            f.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._files.pop(fd, None)
+
+    def say(self, *lines: str) -> None:
+        self.write(2, "".join(f"[launch] {line}\n" for line in lines).encode())
+
+
+class Stopper:
+    """The launcher's own signals: the first asks the job to stop (forwarded
+    to the ranks), a second one skips the grace period."""
+
+    def __init__(self, console: Console):
+        self.requested: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.hurried = False
+        self._console = console
+
+    def on_signal(self, signum: int) -> None:
+        if not self.requested.done():
+            self._console.say(f"got {signal_name(signum)}: stopping every rank "
+                              f"(again to kill them at once)")
+            self.requested.set_result(signum)
+        else:
+            self.hurried = True
+
+    @contextlib.contextmanager
+    def installed(self):
+        loop = asyncio.get_running_loop()
+        for sig in HANDLED_SIGNALS:
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        try:
+            yield self
+        finally:
+            for sig in HANDLED_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+
+@contextlib.asynccontextmanager
+async def hosted_store(host: str, port: int, secret: str | None, job: str):
+    """Runs the job's store server in this event loop; yields its real port.
+
+    The only place the launcher touches the store (runtime.store_tcp)."""
+    from runtime.store_tcp import StoreServer
+
+    server = StoreServer(host, port, secret=secret.encode() if secret else None, job=job)
+    await server.start()
+    try:
+        yield server.port
+    finally:
+        await server.close()
+
+
+async def watch(ranks: list[procs.RankProcess], stopper: Stopper,
+                deadline: float | None) -> Outcome:
+    """Waits for the first of: a rank failing, every rank exiting 0, a
+    signal to the launcher, the deadline. Does not stop anything."""
+    by_future = {r.protocol.exited: r for r in ranks}
+    waiting: set[asyncio.Future] = set(by_future) | {stopper.requested}
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if stopper.requested.done():
+            return Outcome(Ending.INTERRUPTED, signum=stopper.requested.result())
+        exits = [RankExit(by_future[f].rank, f.result(), by_future[f].protocol.exited_at)
+                 for f in done]
+        failure = first_failure(exits)
+        if failure is not None:
+            return Outcome(Ending.FAILED, failure=failure)
+        waiting -= done
+        if waiting == {stopper.requested}:
+            return Outcome(Ending.SUCCEEDED)
+        if not done:
+            return Outcome(Ending.TIMED_OUT, running=[r.rank for r in ranks if r.returncode is None])
+
+
+async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Console,
+                      stopper: Stopper, deadline: float | None) -> Outcome:
+    """Spawns this node's ranks, watches them, and always stops and reaps all
+    of them (and their descendants) before returning."""
+    argv = rank_argv(cfg)
+    first_rank = cfg.node_rank * cfg.nproc
+    ranks: list[procs.RankProcess] = []
+    outcome: Outcome | None = None
+    try:
+        for local_rank, env in enumerate(envs):
+            if stopper.requested.done():
+                break
+            ranks.append(await procs.spawn(first_rank + local_rank, argv, env, console.write,
+                                           cfg.tail_lines))
+        outcome = await watch(ranks, stopper, deadline)
+    finally:
+        if outcome is None or outcome.ending is Ending.FAILED:
+            if outcome is not None:
+                f = outcome.failure
+                console.say(f"rank {f.rank} failed with {describe_exit(f.returncode)}; "
+                            f"stopping the other ranks")
+            sig = signal.SIGTERM
+        elif outcome.ending is Ending.INTERRUPTED:
+            sig = outcome.signum
+        else:
+            if outcome.ending is Ending.TIMED_OUT:
+                console.say(f"the job ran past --max-time-s {cfg.max_time_s:g}; stopping ranks "
+                            f"{outcome.running}")
+            sig = signal.SIGTERM
+        killed = await procs.stop_all(ranks, sig, cfg.grace_s, hurry=lambda: stopper.hurried)
+        if killed:
+            console.say(f"ranks {killed} did not stop within --grace-s {cfg.grace_s:g}: killed")
+        await procs.drain(ranks, timeout_s=1.0)
+        for r in ranks:
+            r.close()
+    if outcome.ending is Ending.FAILED:
+        failed = next(r for r in ranks if r.rank == outcome.failure.rank)
+        outcome.tail = list(failed.protocol.tail)
+    return outcome
+
+
+async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
+    """The whole job: secret, store, attempts, restarts. Returns the exit code."""
+    try:
+        secret = choose_secret(cfg, environ.get(auth.SECRET_ENV))
+    except ValueError as exc:
+        console.say(f"error: {exc}")
+        return EXIT_USAGE
+    if secret is None:
+        console.say(f"{auth.SECRET_ENV} is unset: the job runs unauthenticated (loopback only)")
+    job = choose_job_id(cfg)
+    procs.become_subreaper()
+    cores = usable_cores()
+    deadline = None if cfg.max_time_s is None else time.monotonic() + cfg.max_time_s
+    with Stopper(console).installed() as stopper:
+        async with contextlib.AsyncExitStack() as stack:
+            master_port = cfg.master_port or 0
+            if cfg.hosts_store:
+                host = store_listen_host(cfg)
+                try:
+                    master_port = await stack.enter_async_context(
+                        hosted_store(host, master_port, secret, job))
+                except OSError as exc:
+                    console.say(f"error: could not host the store on {host}:{master_port}: {exc}")
+                    return EXIT_LAUNCHER
+            restart = 0
+            while True:
+                envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
+                                 job=job, restart=restart, cores=cores)
+                        for local_rank in range(cfg.nproc)]
+                try:
+                    outcome = await run_attempt(cfg, envs, console, stopper, deadline)
+                except OSError as exc:
+                    console.say(f"error: could not start the ranks: {exc}")
+                    return EXIT_LAUNCHER
+                if outcome.ending is Ending.FAILED:
+                    console.say(*failure_report(cfg, outcome.failure, outcome.tail))
+                action, code = next_step(outcome, restart, cfg.max_restarts)
+                if action is Action.RESTART:
+                    console.say(restart_message(outcome, restart, cfg.max_restarts))
+                    restart += 1
+                    continue
+                if code != 0:
+                    console.say(f"job {job} {outcome.ending.value}; exiting with {code}")
+                return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    console = Console()
+    try:
+        cfg = parse_args(argv)
+    except ValueError as exc:
+        console.say(f"error: {exc}")
+        return EXIT_USAGE
+    return asyncio.run(run_job(cfg, console, os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
