@@ -1,0 +1,1 @@
+"""Conformance suites: one body per interface, run by every implementation's tests."""
