@@ -125,6 +125,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from runtime import auth, procs
+from runtime.errors import RingweaveError
 
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_TIMEOUT = 124
@@ -579,7 +580,7 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 try:
                     master_port = await stack.enter_async_context(
                         hosted_store(host, master_port, secret, job))
-                except OSError as exc:
+                except (OSError, RingweaveError) as exc:
                     console.say(f"error: could not host the store on {host}:{master_port}: {exc}")
                     return EXIT_LAUNCHER
             restart = 0
