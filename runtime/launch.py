@@ -90,6 +90,10 @@ Exit codes
     SIGKILL), then prints which rank failed, its code or signal name and its
     last lines. A signal to the launcher is forwarded to every rank's group
     (SIGINT stays SIGINT), with the same grace; a second one kills at once.
+    However an attempt ends, whatever is left in the ranks' process groups
+    (e.g. a data-loader process a rank did not wait for) is stopped the same
+    way, and descendants that left their group (setsid) but were orphaned are
+    killed too: the launcher is their subreaper (Linux).
 
 Restarts (``--max-restarts R``) and what the runtime must do about them
     After a failure, everything is stopped and the whole job (all ranks of
@@ -435,7 +439,8 @@ class Console:
     (``| head``) stops the writes to it, not the job."""
 
     def __init__(self, out=None, err=None):
-        self._files = {1: out or sys.stdout.buffer, 2: err or sys.stderr.buffer}
+        self._files = {1: sys.stdout.buffer if out is None else out,
+                       2: sys.stderr.buffer if err is None else err}
 
     def write(self, fd: int, data: bytes) -> None:
         f = self._files.get(fd)

@@ -71,6 +71,10 @@ elif mode == "fail":  # argv: bad rank, exit code
     bad, code = int(sys.argv[3]), int(sys.argv[4])
     if rank == bad:
         wait_for(all_started)
+        # a grandchild that inherits the pipes and outlives its rank must not
+        # delay the failure, and must not outlive the job
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        put(f"gc.{rank}.{restart}", str(child.pid))
         print(f"rank {rank} is about to fail")
         put("t_fail", repr(time.time()))
         sys.exit(code)
@@ -210,7 +214,7 @@ def test_failing_rank_stops_the_job_fast_with_its_exit_code(job):
     assert "rank 2 failed first: exit code 3" in r.stderr
     assert "  | rank 2 is about to fail" in r.stderr  # its last lines
     assert "[rank 2] rank 2 is about to fail" in r.stdout
-    assert_no_orphans(out, 4)
+    assert_no_orphans(out, 5)  # 4 ranks + the grandchild of rank 2
 
 
 @pytest.mark.timeout(30)
@@ -286,7 +290,7 @@ def test_max_restarts_exhausted_exits_with_the_last_failure(job):
     assert r.returncode == 3, r.stderr
     assert r.stderr.count("rank 2 failed first: exit code 3") == 2
     assert r.stderr.count("restarting the job") == 1
-    assert_no_orphans(out, 6)
+    assert_no_orphans(out, 7)
 
 
 @pytest.mark.timeout(30)
