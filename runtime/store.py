@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 import math
 import threading
 import time
@@ -496,11 +495,12 @@ class LoopThread:
     def closed(self) -> bool:
         return self._closed
 
-    def run(self, coro: Awaitable, timeout_s: float | None = None) -> Any:
+    def run(self, coro: Awaitable) -> Any:
         """Runs ``coro`` on the loop and returns its result in the calling thread.
 
-        If the calling thread is interrupted (KeyboardInterrupt) or ``timeout_s``
-        passes, the coroutine is cancelled before the exception propagates.
+        The coroutine bounds its own time (store calls all have timeouts). If
+        the calling thread is interrupted (KeyboardInterrupt), the coroutine is
+        cancelled before the exception propagates.
 
         Raises:
             RuntimeError: called from the loop's own thread (that would deadlock).
@@ -514,10 +514,7 @@ class LoopThread:
             raise ClosedError("the blocking store's event loop thread is closed")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return fut.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"blocking store call did not finish in {timeout_s} s") from None
+            return fut.result()
         except BaseException:
             fut.cancel()
             raise

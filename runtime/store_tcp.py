@@ -303,39 +303,42 @@ class StoreServer:
     # -- serving ----------------------------------------------------------------
 
     async def _serve_requests(self, conn: _Conn) -> None:
-        limit = 2 * self.max_value_nbytes  # the largest payload of any kind (cas: expected + desired)
-        try:
-            async with asyncio.TaskGroup() as waits:
-                try:
-                    while True:
-                        prefix = await conn.reader.readexactly(wire.PREFIX_NBYTES)
-                        hlen, plen = wire.parse_prefix(prefix, limit, where=f" from {conn.where}")
-                        header = wire.parse_header(await conn.reader.readexactly(hlen), REQUEST_SCHEMA,
-                                                   where=f" from {conn.where}")
-                        kind = header["k"]
-                        kind_limit = (self.max_value_nbytes if kind == "set" else limit if kind == "cas" else 0)
-                        if plen > kind_limit:
-                            raise BadFrameError(f"bad frame from {conn.where}: a {kind!r} request with a "
-                                                f"payload of {plen} bytes; the limit is {kind_limit}")
-                        payload = await conn.reader.readexactly(plen) if plen else b""
-                        self._requests += 1
-                        await self._dispatch(conn, header, payload, waits)
-                finally:
-                    for task in conn.waits.values():  # the client left: its waits go with it
-                        task.cancel()
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
+        """Reads and answers requests until the client leaves or breaks the format."""
+        async with asyncio.TaskGroup() as waits:  # the connection's waiting get/wait calls
+            try:
+                await self._read_requests(conn, waits)
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    self._rejected += 1
+                    log.warning("%s disconnected in the middle of a frame (%d of %d bytes)",
+                                conn.where, len(exc.partial), exc.expected)
+                else:
+                    log.debug("%s disconnected", conn.where)
+            except BadFrameError as exc:
                 self._rejected += 1
-                log.warning("%s disconnected in the middle of a frame (%d of %d bytes)",
-                            conn.where, len(exc.partial), exc.expected)
-            else:
-                log.debug("%s disconnected", conn.where)
-        except BadFrameError as exc:
-            self._rejected += 1
-            log.warning("%s disconnected: %s", conn.where, exc)
-            conn.send_now({"k": "err", "i": 0, "type": "bad_frame", "msg": str(exc)})
-        except (ConnectionError, OSError) as exc:
-            log.debug("%s lost: %s", conn.where, exc)
+                log.warning("%s disconnected: %s", conn.where, exc)
+                conn.send_now({"k": "err", "i": 0, "type": "bad_frame", "msg": str(exc)})
+            except (ConnectionError, OSError) as exc:
+                log.debug("%s lost: %s", conn.where, exc)
+            finally:
+                for task in conn.waits.values():  # the client left: its waits go with it
+                    task.cancel()
+
+    async def _read_requests(self, conn: _Conn, waits: asyncio.TaskGroup) -> None:
+        limit = 2 * self.max_value_nbytes  # the largest payload of any kind (cas: expected + desired)
+        where = f" from {conn.where}"
+        while True:
+            prefix = await conn.reader.readexactly(wire.PREFIX_NBYTES)
+            hlen, plen = wire.parse_prefix(prefix, limit, where=where)  # before anything is allocated
+            header = wire.parse_header(await conn.reader.readexactly(hlen), REQUEST_SCHEMA, where=where)
+            kind = header["k"]
+            kind_limit = self.max_value_nbytes if kind == "set" else limit if kind == "cas" else 0
+            if plen > kind_limit:
+                raise BadFrameError(f"bad frame{where}: a {kind!r} request with a payload of {plen} bytes; "
+                                    f"the limit is {kind_limit}")
+            payload = await conn.reader.readexactly(plen) if plen else b""
+            self._requests += 1
+            await self._dispatch(conn, header, payload, waits)
 
     async def _dispatch(self, conn: _Conn, h: dict, payload: bytes, waits: asyncio.TaskGroup) -> None:
         kind, i, data = h["k"], h["i"], self.data
