@@ -122,7 +122,6 @@ import ipaddress
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -424,6 +423,25 @@ def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str]) ->
     return lines
 
 
+def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | None]:
+    """How the rest of an attempt is stopped: the signal for every rank's
+    group, and what to say first. ``outcome`` is None when the launcher
+    itself failed in the middle of the attempt. A SUCCEEDED attempt is
+    "stopped" too: that only reaches what the ranks left behind."""
+    if outcome is None:
+        return signal.SIGTERM, None
+    if outcome.ending is Ending.FAILED:
+        f = outcome.failure
+        return signal.SIGTERM, (f"rank {f.rank} failed with {describe_exit(f.returncode)}; "
+                                f"stopping the other ranks")
+    if outcome.ending is Ending.INTERRUPTED:
+        return outcome.signum, None  # forwarded as is: SIGINT stays SIGINT
+    if outcome.ending is Ending.TIMED_OUT:
+        return signal.SIGTERM, (f"the job ran past --max-time-s {cfg.max_time_s:g}; stopping ranks "
+                                f"{outcome.running}")
+    return signal.SIGTERM, None
+
+
 def restart_message(outcome: Outcome, restarts_done: int, max_restarts: int) -> str:
     f = outcome.failure
     return (f"restarting the job ({restarts_done + 1} of {max_restarts}) after rank {f.rank} "
@@ -539,21 +557,13 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
                                            cfg.tail_lines))
         outcome = await watch(ranks, stopper, deadline)
     finally:
-        if outcome is None or outcome.ending is Ending.FAILED:
-            if outcome is not None:
-                f = outcome.failure
-                console.say(f"rank {f.rank} failed with {describe_exit(f.returncode)}; "
-                            f"stopping the other ranks")
-            sig = signal.SIGTERM
-        elif outcome.ending is Ending.INTERRUPTED:
-            sig = outcome.signum
-        else:
-            if outcome.ending is Ending.TIMED_OUT:
-                console.say(f"the job ran past --max-time-s {cfg.max_time_s:g}; stopping ranks "
-                            f"{outcome.running}")
-            sig = signal.SIGTERM
+        sig, notice = stop_plan(cfg, outcome)
+        if notice:
+            console.say(notice)
         killed = await procs.stop_all(ranks, sig, cfg.grace_s, hurry=lambda: stopper.hurried)
-        if killed:
+        if killed and stopper.hurried:
+            console.say(f"ranks {killed} killed at once (second signal)")
+        elif killed:
             console.say(f"ranks {killed} did not stop within --grace-s {cfg.grace_s:g}: killed")
         await procs.drain(ranks, timeout_s=1.0)
         for r in ranks:

@@ -231,3 +231,13 @@ def test_splitter_cuts_a_line_that_never_ends():
     s = LineSplitter(max_line_nbytes=4)
     assert s.feed(b"0123456789") == [b"0123", b"4567"]
     assert s.feed(b"\n") == [b"89"]
+
+
+def test_stop_plan():
+    assert launch.stop_plan(cfg(), None) == (signal.SIGTERM, None)
+    assert launch.stop_plan(cfg(), Outcome(Ending.SUCCEEDED)) == (signal.SIGTERM, None)
+    assert launch.stop_plan(cfg(), failed(rank=1, rc=-signal.SIGSEGV)) == (
+        signal.SIGTERM, "rank 1 failed with signal SIGSEGV (exit code 139); stopping the other ranks")
+    assert launch.stop_plan(cfg(), Outcome(Ending.INTERRUPTED, signum=signal.SIGINT)) == (signal.SIGINT, None)
+    assert launch.stop_plan(cfg(max_time_s=2.0), Outcome(Ending.TIMED_OUT, running=[0, 3])) == (
+        signal.SIGTERM, "the job ran past --max-time-s 2; stopping ranks [0, 3]")
