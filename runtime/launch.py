@@ -32,10 +32,10 @@ Options (everything after the script or module name goes to the ranks)::
 The store
     Node 0 runs the rendezvous store server (``runtime.store_tcp.StoreServer``)
     inside the launcher's own event loop, for the whole job, restarts included.
-    A single node listens on 127.0.0.1 (or ``--master-addr`` if given). With
-    several nodes, node 0 listens on ``--master-addr`` when that is a loopback
-    address and on every interface (0.0.0.0 / ::) otherwise, so that the other
-    nodes reach it at ``--master-addr``. Other nodes host nothing.
+    It listens on ``--master-addr`` (default 127.0.0.1) when that is a
+    loopback address, and on every interface (0.0.0.0 / ::) otherwise, so
+    that the other nodes reach it at ``--master-addr`` whichever of this
+    host's names or addresses that is. Other nodes host nothing.
 
 The secret
     A job that listens beyond loopback needs ``RINGWEAVE_SECRET`` in the
