@@ -19,6 +19,18 @@ def test_layout_is_contiguous_and_padded():
     assert [s.name for s in u0.param_specs] == ["0.weight", "0.bias", "1.weight", "1.bias"]
 
 
+def test_shard_slices_tile_the_padded_buffer():
+    model = mlp(5, (7,), 3, pad_to=4)
+    for unit in model.units:
+        parts = [unit.shard_slice(r, 4) for r in range(4)]
+        assert parts[0].start == 0 and parts[-1].stop == unit.padded_numel
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+        assert len({p.stop - p.start for p in parts}) == 1
+    assert model.units[0].shard_slice(1, 2) == slice(28, 56)  # padded_numel 56 = 5*7 + 7 + 2*7
+    with pytest.raises(ValueError, match="not divisible by world_size=3"):
+        model.units[0].shard_slice(0, 3)
+
+
 def test_views_alias_the_flat_buffer_and_check_length():
     unit = Unit([Linear(3, 2)], pad_to=4)
     flat = unit.zeros()

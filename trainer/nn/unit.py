@@ -109,6 +109,23 @@ class Unit:
             )
         return {s.name: flat[s.offset : s.end].reshape(s.shape) for s in self.param_specs}
 
+    def shard_slice(self, rank: int, world_size: int) -> slice:
+        """The part of the flat buffer rank `rank` owns under ZeRO/FSDP sharding.
+
+        Shards are contiguous and equal: [rank * S, (rank + 1) * S) with
+        S = padded_numel // world_size, so world_size must divide padded_numel
+        (build the model with pad_to = world_size or a multiple of it).
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank} of {world_size}")
+        if self.padded_numel % world_size:
+            raise ValueError(
+                f"unit {self.index}: padded_numel={self.padded_numel} (pad_to={self.pad_to}) is not divisible by "
+                f"world_size={world_size}; build the model with pad_to={world_size}"
+            )
+        size = self.padded_numel // world_size
+        return slice(rank * size, (rank + 1) * size)
+
     def zeros(self, dtype=None) -> np.ndarray:
         """A zero flat buffer (padded length), e.g. a gradient buffer."""
         return np.zeros(self.padded_numel, dtype=self.dtype if dtype is None else dtype)
