@@ -75,7 +75,7 @@ def timeout_error(missing: Sequence[str], waited_s: float, timeout_s: float, whe
     shown = ", ".join(repr(k) for k in list(missing)[:20])
     more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
     return StoreTimeoutError(
-        f"{where}: waited {waited_s:.3f} s (timeout {timeout_s:g} s) for keys that never appeared: "
+        f"{where}: waited {waited_s:.3f} s (timeout {timeout_s:g} s) for keys still missing: "
         f"{shown}{more}", keys=list(missing), waited_s=waited_s)
 
 
@@ -307,7 +307,7 @@ class MemoryStore(Store):
 
     async def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """See base class."""
-        await self.wait([check_key(key)], timeout_s)
+        await self.wait_named([check_key(key)], timeout_s, f"get({key!r})")
         return self._data[key]  # wait() returned with the key present and nothing ran since
 
     async def add(self, key: str, amount: int = 1) -> int:
@@ -320,8 +320,12 @@ class MemoryStore(Store):
 
     async def wait(self, keys: Sequence[str], timeout_s: float | None = None) -> None:
         """See base class."""
-        self._check_open()
         keys = check_keys(keys)
+        await self.wait_named(keys, timeout_s, f"wait({len(keys)} keys)")
+
+    async def wait_named(self, keys: list[str], timeout_s: float | None, what: str) -> None:
+        """:meth:`wait` whose timeout error names the call ``what`` (e.g. ``"get('k')"``)."""
+        self._check_open()
         timeout_s = resolve_timeout(timeout_s, self.default_timeout_s)
         missing = [k for k in keys if k not in self._data]
         if not missing:
@@ -344,7 +348,7 @@ class MemoryStore(Store):
                     if not missing:
                         return
                     raise timeout_error(missing, time.monotonic() - start, timeout_s,
-                                        f"{self.name} wait") from None
+                                        f"{self.name}: {what}") from None
                 finally:
                     for k in registered:
                         waiters = self._waiters.get(k)
@@ -556,7 +560,15 @@ class BlockingStore:
     def __init__(self, loop_thread: LoopThread, store: Store):
         self._lt = loop_thread
         self.store = store
-        self.default_timeout_s = store.default_timeout_s
+
+    @property
+    def default_timeout_s(self) -> float:
+        """The wrapped store's default timeout (setting it sets the wrapped store's)."""
+        return self.store.default_timeout_s
+
+    @default_timeout_s.setter
+    def default_timeout_s(self, value: float) -> None:
+        self.store.default_timeout_s = value
 
     @classmethod
     def create(cls, make: Callable[..., Any], *args: Any, **kwargs: Any) -> "BlockingStore":

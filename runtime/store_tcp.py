@@ -190,7 +190,7 @@ class StoreServer:
         self.max_clients = max_clients
         self.handshake_timeout_s = handshake_timeout_s
         self.max_waits_per_client = max_waits_per_client
-        self.data = MemoryStore(name=f"store server {host}:{port}")
+        self.data = MemoryStore(name="store server")
         self._listener: socket.socket | None = None
         self._main: asyncio.Task | None = None
         self._conns: set[_Conn] = set()
@@ -206,12 +206,12 @@ class StoreServer:
             AuthenticationError: no secret on a non-loopback host.
             OSError: the address is taken or cannot be bound.
         """
-        if self._main is not None:
-            raise StoreError(f"store server {self.host}:{self.port} was already started")
+        if self._main is not None or self._closing:
+            raise StoreError(f"store server {self.host}:{self.port} was already started"
+                             f"{' and closed' if self._closing else ''}; make a new one")
         auth.check_policy(self.secret, self.host, "store")
         self._listener = net.listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
-        self.data.name = f"store server {self.host}:{self.port}"
         # The one task the server owns; every other task lives in its TaskGroup. close() awaits it.
         self._main = asyncio.get_running_loop().create_task(self._run(), name=f"store server :{self.port}")
         log.info("store serving on %s:%d (job %r, %s)", self.host, self.port, self.job,
@@ -414,9 +414,10 @@ class StoreServer:
     async def _wait_then_reply(self, conn: _Conn, i: int, keys: list[str], timeout_s: float,
                                get_key: str | None) -> None:
         """A waiting get/wait, as a task of its connection. Never raises (but cancellation)."""
+        what = f"get({get_key!r})" if get_key is not None else f"wait({len(keys)} keys)"
         try:
             try:
-                await self.data.wait(keys, timeout_s)
+                await self.data.wait_named(keys, timeout_s, what)
                 if get_key is None:
                     await conn.send({"k": "ok", "i": i})
                 else:
@@ -654,8 +655,8 @@ class TCPStore(Store):
         except TimeoutError:
             waited = time.monotonic() - start
             if keys:
-                raise timeout_error(list(keys), waited, budget_s,
-                                    f"store at {self.addr} did not answer {what}") from None
+                raise timeout_error(list(keys), waited, float(header.get("t", budget_s)),
+                                    f"store at {self.addr}: {what} (the server did not answer)") from None
             raise StoreTimeoutError(f"store at {self.addr} did not answer {what} in {waited:.3f} s "
                                     f"(limit {budget_s:g} s)", waited_s=waited) from None
         except (ConnectionError, OSError) as exc:
@@ -668,10 +669,11 @@ class TCPStore(Store):
                 self._writer.writelines(_frame({"k": "cancel", "i": i}))  # drop the server's wait too
         if reply["k"] == "ok":
             return reply, data
-        msg = f"store at {self.addr}: {reply['msg']}"
-        if reply["type"] == "timeout":
-            raise StoreTimeoutError(msg, keys=list(reply.get("keys", ())), waited_s=float(reply.get("waited", 0.0)))
-        raise StoreError(msg)
+        if reply["type"] == "timeout":  # say it in our words: the address as we know it, our call
+            missing = [k for k in reply.get("keys", ()) if type(k) is str] or list(keys)
+            raise timeout_error(missing, float(reply.get("waited", 0.0)), float(header.get("t", budget_s)),
+                                f"store at {self.addr}: {what}")
+        raise StoreError(f"store at {self.addr}: {reply['msg']}")
 
     def _check_size(self, what: str, nbytes: int) -> None:
         if nbytes > self.max_value_nbytes:
@@ -680,7 +682,9 @@ class TCPStore(Store):
 
     @staticmethod
     def _wait_budget(timeout_s: float) -> float:
-        return timeout_s + min(timeout_s / 4, 5.0) + 0.05
+        """How long the client waits for the server's own answer to a get/wait of ``timeout_s``:
+        a little longer (for the reply to travel), at most 1.45 x."""
+        return timeout_s + min(timeout_s / 4, 5.0) + min(timeout_s / 5, 0.05)
 
     # -- the contract -----------------------------------------------------------
 
@@ -728,6 +732,8 @@ class TCPStore(Store):
         keys = check_keys(keys)
         t = resolve_timeout(timeout_s, self.default_timeout_s)
         if not keys:
+            if self._closed or self._broken is not None:
+                raise self._unusable()
             return
         await self._request({"k": "wait", "keys": keys, "t": t}, timeout_s=self._wait_budget(t),
                             what=f"wait({len(keys)} keys)", keys=keys)
