@@ -404,3 +404,43 @@ def test_request_header_kinds_are_schema_checked():
     assert ok["keys"] == ("a",)
     with pytest.raises(Exception):
         wire.parse_header(msgpack.packb({"k": "wait", "i": 1, "keys": "a", "t": 1}), REQUEST_SCHEMA)
+
+
+async def test_fuzzed_frames_never_hurt_the_server(server):
+    """Valid request frames with random bytes flipped, cut short or appended,
+    each on its own authenticated connection: the server may answer or hang
+    up, but it keeps serving and keeps what it stored."""
+    import random
+    rng = random.Random(1234)
+    valid = [b"".join(wire.encode(h, p)) for h, p in [
+        ({"k": "set", "i": 1, "key": "k"}, b"value"),
+        ({"k": "get", "i": 2, "key": "k", "t": 0.01}, b""),
+        ({"k": "add", "i": 3, "key": "n", "n": 2}, b""),
+        ({"k": "cas", "i": 4, "key": "k", "ne": 5}, b"valuenew"),
+        ({"k": "wait", "i": 5, "keys": ["k", "n"], "t": 0.01}, b""),
+        ({"k": "check", "i": 6, "keys": ["k"]}, b""),
+        ({"k": "del", "i": 7, "key": "gone"}, b""),
+        ({"k": "num", "i": 8}, b""),
+    ]]
+    async with await client(server) as keeper:
+        await keeper.set("sentinel", b"kept")
+        loop = asyncio.get_running_loop()
+        for case in range(150):
+            data = bytearray(rng.choice(valid))
+            for _ in range(rng.randint(1, 4)):
+                how = rng.random() if data else 1.0
+                if how < 0.6:
+                    data[rng.randrange(len(data))] = rng.randrange(256)
+                elif how < 0.8:
+                    del data[rng.randrange(len(data)):]
+                else:
+                    data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
+            sock = await raw_authenticated(server)
+            try:
+                if data:
+                    await loop.sock_sendall(sock, bytes(data))
+            finally:
+                sock.close()
+        assert await keeper.get("sentinel") == b"kept"
+        await assert_serving(server)
+        await eventually(lambda: server.statistics().clients == 1)
