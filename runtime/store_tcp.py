@@ -267,13 +267,18 @@ class StoreServer:
     async def _serve_client(self, sock: socket.socket, where: str) -> None:
         """Handshake, then requests until the client leaves. Never raises (but cancellation)."""
         try:
-            net.tune(sock)
             try:
+                net.tune(sock)
                 who = await auth.accept(sock, self.secret, self.job, where, timeout_s=self.handshake_timeout_s)
             except (AuthenticationError, BadFrameError, ConnectError, OSError, TimeoutError) as exc:
                 self._rejected += 1
                 why = f"no handshake in {self.handshake_timeout_s:g} s" if isinstance(exc, TimeoutError) else exc
                 log.warning("%s dropped during the handshake: %s", where, why)
+                sock.close()
+                return
+            except Exception:  # a bug in the handshake must not take the server down with it
+                self._rejected += 1
+                log.exception("%s dropped: the handshake failed", where)
                 sock.close()
                 return
             except BaseException:
@@ -618,6 +623,9 @@ class TCPStore(Store):
         except asyncio.CancelledError:
             why, why_type = "the client was closed", ClosedError
             raise
+        except Exception as exc:  # a bug here must fail the calls, not leave them hanging
+            log.exception("store client of %s: reading replies failed", self.addr)
+            why = f"reading replies failed ({type(exc).__name__}: {exc})"
         finally:
             if self._broken is None:
                 self._broken, self._broken_type = why, why_type
@@ -640,12 +648,16 @@ class TCPStore(Store):
         i = self._next_id
         self._next_id += 1
         header["i"] = i
+        try:
+            frame = _frame(header, payload)
+        except BadFrameError as exc:  # e.g. a wait on so many keys that the header passes 64 KiB
+            raise StoreError(f"{what}: cannot be sent to the store at {self.addr}: {exc}") from None
         fut = asyncio.get_running_loop().create_future()
         self._pending[i] = fut
         start = time.monotonic()
         answered = False
         try:
-            self._writer.writelines(_frame(header, payload))
+            self._writer.writelines(frame)
             self._requests += 1
             self._bytes_sent += len(payload)
             async with asyncio.timeout(budget_s):

@@ -444,3 +444,12 @@ async def test_fuzzed_frames_never_hurt_the_server(server):
         assert await keeper.get("sentinel") == b"kept"
         await assert_serving(server)
         await eventually(lambda: server.statistics().clients == 1)
+
+
+async def test_a_request_too_large_to_frame_is_refused_and_the_client_stays_usable(server):
+    async with await client(server) as store:
+        keys = [f"rank/{r}/a-rather-long-key-name" for r in range(5000)]  # a header past 64 KiB
+        with pytest.raises(StoreError, match="cannot be sent"):
+            await store.wait(keys, timeout_s=0.1)
+        await store.set("k", b"v")
+        assert await store.get("k") == b"v"
