@@ -1,0 +1,105 @@
+"""Element-wise reduction kernels with one dispatch function, :func:`reduce_into`.
+
+Three implementations of one contract (``reference.py`` states it):
+
+* ``reference`` -- plain NumPy, the definition.
+* ``cpu`` -- Numba ``@njit(nogil=True)``, bit-identical to the reference.
+* ``cuda`` -- numba.cuda, for device arrays (imported only when one shows up,
+  so that ``NUMBA_ENABLE_CUDASIM`` can still be set by then).
+
+Choosing a backend, first match wins:
+
+1. ``backend=`` argument: ``"numpy"``, ``"numba"`` or ``"cuda"``;
+2. device arrays (``__cuda_array_interface__`` or simulator arrays) -> ``cuda``;
+3. environment ``RINGWEAVE_KERNELS=numpy|numba``;
+4. ``numba`` for C-contiguous host arrays, ``numpy`` otherwise.
+
+Nothing here communicates; the collectives call these between receives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import reference
+from .reference import DTYPES, OPS
+
+BACKENDS = ("numpy", "numba", "cuda")
+ENV_VAR = "RINGWEAVE_KERNELS"
+
+__all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "reduce_into", "scale_into"]
+
+
+def _is_device_array(a) -> bool:
+    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
+
+
+def choose_backend(*arrays, backend: str | None = None) -> str:
+    """The backend :func:`reduce_into` would use for ``arrays`` (see module docstring).
+
+    Raises:
+        ValueError: an unknown backend name, here or in ``RINGWEAVE_KERNELS``.
+        TypeError: host arrays with ``backend="cuda"``, or device arrays with a host backend.
+    """
+    on_device = [_is_device_array(a) for a in arrays]
+    if any(on_device) and not all(on_device):
+        raise TypeError("mixing device and host arrays; copy explicitly first")
+    if backend is None and not any(on_device):
+        backend = os.environ.get(ENV_VAR) or None
+        if backend is not None and backend not in ("numpy", "numba"):
+            raise ValueError(f"{ENV_VAR} must be 'numpy' or 'numba', got {backend!r}")
+    if backend is None:
+        if any(on_device):
+            return "cuda"
+        contiguous = all(a.flags.c_contiguous for a in arrays)
+        return "numba" if contiguous else "numpy"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if (backend == "cuda") != any(on_device):
+        where = "device" if any(on_device) else "host"
+        raise TypeError(f"backend {backend!r} cannot take {where} arrays")
+    return backend
+
+
+def _module(name: str):
+    if name == "numpy":
+        return reference
+    if name == "numba":
+        from . import cpu
+
+        return cpu
+    from . import cuda
+
+    return cuda
+
+
+def reduce_into(dst, src, op: str, *, backend: str | None = None):
+    """``dst = dst <op> src`` element-wise, in place; returns ``dst``.
+
+    Args:
+        dst, src: same shape and dtype; NumPy arrays or device arrays.
+        op: ``"sum" | "prod" | "min" | "max"`` (avg: sum, then :func:`divide_into`).
+        backend: ``None`` (choose), ``"numpy"``, ``"numba"`` or ``"cuda"``.
+
+    Raises:
+        ValueError / TypeError: see ``reference.check_operands`` and :func:`choose_backend`.
+
+    Example (two ranks' buffers, as the ring's reduce step sees them)::
+
+        >>> a = np.array([1.0, 2.0], np.float32); b = np.array([10.0, 20.0], np.float32)
+        >>> reduce_into(a, b, "sum")
+        array([11., 22.], dtype=float32)
+    """
+    return _module(choose_backend(dst, src, backend=backend)).reduce_into(dst, src, op)
+
+
+def divide_into(dst: np.ndarray, n: int, *, backend: str | None = None) -> np.ndarray:
+    """``dst /= n`` (floor for integers), host arrays only; see ``reference.divide_into``."""
+    return _module(choose_backend(dst, backend=backend)).divide_into(dst, n)
+
+
+def scale_into(dst: np.ndarray, factor, *, backend: str | None = None) -> np.ndarray:
+    """``dst *= factor``, host arrays only; see ``reference.scale_into``."""
+    return _module(choose_backend(dst, backend=backend)).scale_into(dst, factor)

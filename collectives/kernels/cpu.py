@@ -1,0 +1,266 @@
+"""Numba CPU kernels for the element-wise reductions (``dst = dst <op> src``).
+
+Same contract as ``reference.py`` (read its docstring for the semantics), bit
+for bit, for every op and dtype. Kernels are ``@njit(nogil=True)``: a caller on
+the event loop thread hands large reductions to a worker thread so that the
+reduction overlaps network transfer::
+
+    if worth_offloading(dst.nbytes):
+        await asyncio.to_thread(reduce_into, dst, src, op)
+    else:
+        reduce_into(dst, src, op)
+
+:data:`OFFLOAD_MIN_NBYTES` comes from ``python bench/kernels.py --offload``:
+on the 2-core development box a thread hand-off costs ~60-100 us round trip,
+which is the time to reduce ~256 KiB of float32; above 1 MiB the hand-off is
+under a tenth of the kernel time.
+
+Compilation is lazy per (op, dtype) on first use, and cached on disk
+(``cache=True``, in ``__pycache__``). Measured on the development box: compiling
+all 32 reduce signatures plus divide/scale from cold takes ~7 s; loading them
+from the on-disk cache takes ~0.3 s (plus ~0.4 s to import numba). :func:`warmup` compiles (or loads) them all
+up front, e.g. once per rank at start-up, so the first all_reduce is not slow.
+
+Deliberately not here: threading inside a kernel (``parallel=True``). These
+kernels are memory-bound, and with several ranks per host the cores are already
+shared between ranks; one thread per reduction is the right default.
+Non-contiguous arrays are not handled (the dispatcher falls back to NumPy).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numba import njit
+
+from . import reference
+from .halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+
+OFFLOAD_MIN_NBYTES = 1 << 20  # 1 MiB; see module docstring and bench/kernels.py --offload
+
+_JIT = dict(nogil=True, cache=True)
+
+
+def worth_offloading(nbytes: int) -> bool:
+    """True when a reduction of ``nbytes`` should run in a worker thread."""
+    return nbytes >= OFFLOAD_MIN_NBYTES
+
+
+# ---- scalar ops (inlined into the loops) -------------------------------------
+
+
+@njit(inline="always", cache=True)
+def _min(a, b):
+    return a if (a != a or a < b) else b  # NaN in a wins, then NaN in b; ties -> b
+
+
+@njit(inline="always", cache=True)
+def _max(a, b):
+    return a if (a != a or a > b) else b
+
+
+# ---- native dtypes: float32, float64 and all integers -------------------------
+# Integer arithmetic widens to int64 in Numba and is truncated on store: wraps.
+
+
+@njit(**_JIT)
+def _sum_native(dst, src):
+    for i in range(dst.size):
+        dst[i] = dst[i] + src[i]
+
+
+@njit(**_JIT)
+def _prod_native(dst, src):
+    for i in range(dst.size):
+        dst[i] = dst[i] * src[i]
+
+
+@njit(**_JIT)
+def _min_native(dst, src):
+    for i in range(dst.size):
+        dst[i] = _min(dst[i], src[i])
+
+
+@njit(**_JIT)
+def _max_native(dst, src):
+    for i in range(dst.size):
+        dst[i] = _max(dst[i], src[i])
+
+
+# ---- float16 as uint16 bits ---------------------------------------------------
+
+
+@njit(**_JIT)
+def _sum_f16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_f16(f16_to_f32(dst[i]) + f16_to_f32(src[i]))
+
+
+@njit(**_JIT)
+def _prod_f16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_f16(f16_to_f32(dst[i]) * f16_to_f32(src[i]))
+
+
+@njit(**_JIT)
+def _min_f16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_f16(_min(f16_to_f32(dst[i]), f16_to_f32(src[i])))
+
+
+@njit(**_JIT)
+def _max_f16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_f16(_max(f16_to_f32(dst[i]), f16_to_f32(src[i])))
+
+
+# ---- bfloat16 as uint16 bits --------------------------------------------------
+
+
+@njit(**_JIT)
+def _sum_bf16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) + bf16_to_f32(src[i]))
+
+
+@njit(**_JIT)
+def _prod_bf16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) * bf16_to_f32(src[i]))
+
+
+@njit(**_JIT)
+def _min_bf16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_bf16(_min(bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
+
+
+@njit(**_JIT)
+def _max_bf16(dst, src):
+    for i in range(dst.size):
+        dst[i] = f32_to_bf16(_max(bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
+
+
+# ---- divide / scale -----------------------------------------------------------
+
+
+@njit(**_JIT)
+def _divide_float(dst, n):  # n already in dst's dtype
+    for i in range(dst.size):
+        dst[i] = dst[i] / n
+
+
+@njit(**_JIT)
+def _divide_int(dst, n):  # floor division, as Python's //
+    for i in range(dst.size):
+        dst[i] = np.int64(dst[i]) // n
+
+
+@njit(**_JIT)
+def _divide_f16(dst, n):
+    for i in range(dst.size):
+        dst[i] = f32_to_f16(f16_to_f32(dst[i]) / n)
+
+
+@njit(**_JIT)
+def _divide_bf16(dst, n):
+    for i in range(dst.size):
+        dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) / n)
+
+
+@njit(**_JIT)
+def _scale_native(dst, factor):  # factor already in dst's dtype
+    for i in range(dst.size):
+        dst[i] = dst[i] * factor
+
+
+@njit(**_JIT)
+def _scale_f16(dst, factor):
+    for i in range(dst.size):
+        dst[i] = f32_to_f16(f16_to_f32(dst[i]) * factor)
+
+
+@njit(**_JIT)
+def _scale_bf16(dst, factor):
+    for i in range(dst.size):
+        dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) * factor)
+
+
+_REDUCE = {
+    ("native", "sum"): _sum_native, ("native", "prod"): _prod_native,
+    ("native", "min"): _min_native, ("native", "max"): _max_native,
+    ("f16", "sum"): _sum_f16, ("f16", "prod"): _prod_f16,
+    ("f16", "min"): _min_f16, ("f16", "max"): _max_f16,
+    ("bf16", "sum"): _sum_bf16, ("bf16", "prod"): _prod_bf16,
+    ("bf16", "min"): _min_bf16, ("bf16", "max"): _max_bf16,
+}  # fmt: skip
+_DIVIDE = {"f16": _divide_f16, "bf16": _divide_bf16}
+_SCALE = {"f16": _scale_f16, "bf16": _scale_bf16}
+
+
+def _kind_and_flat(a: np.ndarray):
+    """('native' | 'f16' | 'bf16', a 1-D view the kernels accept)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"Numba kernels need C-contiguous arrays, got strides {a.strides}")
+    flat = a.reshape(-1)
+    if a.dtype == np.float16:
+        return "f16", flat.view(np.uint16)
+    if a.dtype == reference.BFLOAT16:
+        return "bf16", flat.view(np.uint16)
+    return "native", flat
+
+
+def reduce_into(dst: np.ndarray, src: np.ndarray, op: str) -> np.ndarray:
+    """``dst = dst <op> src`` in place with Numba; returns ``dst``. Releases the GIL."""
+    reference.check_operands(dst, src, op)
+    kind, d = _kind_and_flat(dst)
+    _, s = _kind_and_flat(src)
+    _REDUCE[kind, op](d, s)
+    return dst
+
+
+def divide_into(dst: np.ndarray, n: int) -> np.ndarray:
+    """See ``reference.divide_into``."""
+    reference.check_dtype(dst.dtype)
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"divide_into needs a positive integer n, got {n!r}")
+    kind, d = _kind_and_flat(dst)
+    if kind != "native":
+        _DIVIDE[kind](d, np.float32(n))
+    elif dst.dtype.kind == "f":
+        _divide_float(d, dst.dtype.type(n))
+    else:
+        _divide_int(d, np.int64(n))
+    return dst
+
+
+def scale_into(dst: np.ndarray, factor) -> np.ndarray:
+    """See ``reference.scale_into``."""
+    reference.check_dtype(dst.dtype)
+    kind, d = _kind_and_flat(dst)
+    if kind != "native":
+        _SCALE[kind](d, np.float32(factor))
+    elif dst.dtype.kind == "f":
+        _scale_native(d, dst.dtype.type(factor))
+    else:
+        if not isinstance(factor, (int, np.integer)) or isinstance(factor, bool):
+            raise TypeError(f"integer dtype {dst.dtype} needs an integer factor, got {factor!r}")
+        _scale_native(d, np.int64(factor).astype(dst.dtype))
+    return dst
+
+
+def warmup() -> float:
+    """Compile (or load from the disk cache) every reduce/divide/scale signature.
+
+    Returns:
+        Seconds spent. Safe to call more than once (later calls are ~free).
+    """
+    start = time.perf_counter()
+    for dtype in reference.DTYPES:
+        a = np.ones(2, dtype)
+        for op in reference.OPS:
+            reduce_into(a, a.copy(), op)
+        divide_into(a, 1)
+        scale_into(a, 1)
+    return time.perf_counter() - start
