@@ -1,0 +1,546 @@
+"""A rank as an actor: connections to every peer, a mailbox, and remote calls.
+
+The mailbox matches incoming frames to receives by ``(source, tag)``, in the
+order they were sent (TCP keeps a pair's order). A receive that is posted
+before its frame arrives gets the payload written straight into its buffer;
+a frame that arrives first is kept (copied once, later) up to
+``max_unexpected_nbytes``; past that bound every receive from that source
+fails with :class:`MailboxFullError` instead of memory growing without end.
+
+Frame kinds on a rank-to-rank connection (header field ``k``)::
+
+    d  {t: tag, m?: meta}        payload: raw bytes         send/recv of buffers
+    o  {t: tag}                  payload: msgpack object    send/recv of objects
+    c  {t: [gid, seq], f: fp}    payload: raw bytes         collective traffic (see runtime/group.py)
+    q  {i: id, n: name}          payload: msgpack args      request to a registered handler
+    r  {i: id, e?: error}        payload: msgpack result
+    a  {g: gid, m: msg, x: kind} no payload                 abort a group (mismatch seen elsewhere)
+    b  {}                        no payload                 goodbye: this rank closes on purpose
+
+Life of an actor (grammar)::
+
+    Actor() -> (listen -> connect_mesh | attach*) -> (send | recv | call | ...)* -> close -> end
+
+Tasks: the actor owns every task it starts (accept loop, handler calls) and
+cancels and awaits them in :meth:`close`; none outlives it.
+
+Not here: numbers, dtypes, algorithms (collectives/), rendezvous (group.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import msgpack
+
+from runtime import auth, net, wire
+from runtime.errors import (AuthenticationError, BadFrameError, ClosedError, ConnectError,
+                            MailboxFullError, PeerLostError, RemoteCallError)
+from runtime.transport import Connection, TCPConnection
+
+log = logging.getLogger("ringweave.actor")
+
+_TAG = (int, str, tuple)
+SCHEMA: wire.Schema = {
+    "d": {"t": _TAG + (True,), "m": (wire.ANY, False)},
+    "o": {"t": _TAG + (True,)},
+    "c": {"t": (tuple, True), "f": (str, True)},
+    "q": {"i": (int, True), "n": (str, True)},
+    "r": {"i": (int, True), "e": (str, False)},
+    "a": {"g": (int, True), "m": (str, True), "x": (str, True)},
+    "b": {},
+}
+MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
+DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
+
+
+def _is_buffer(obj: Any) -> bool:
+    return isinstance(obj, (bytes, bytearray, memoryview)) or hasattr(obj, "__array_interface__")
+
+
+class _Recv:
+    """A posted receive. ``buf`` None: allocate (``recv``); ``check(header, nbytes)``
+    may return an exception to fail the receive (used for collective fingerprints)."""
+    __slots__ = ("buf", "fut", "check", "src", "tag")
+
+    def __init__(self, src, tag, buf, fut, check):
+        self.src, self.tag, self.buf, self.fut, self.check = src, tag, buf, fut, check
+
+
+@dataclass(frozen=True)
+class ActorStatistics:
+    rank: int
+    peers_connected: int
+    frames_sent: int
+    bytes_sent: int
+    frames_received: int
+    bytes_received: int
+    posted_receives: int
+    unexpected_frames: int
+    unexpected_nbytes: int
+    pending_calls: int
+
+
+class Actor:
+    """One rank's endpoint: peers, mailbox, handlers."""
+
+    def __init__(self, rank: int, world_size: int, *, secret: bytes | None = None, job: str = "ringweave",
+                 max_unexpected_nbytes: int = DEFAULT_MAX_UNEXPECTED_NBYTES,
+                 max_payload_nbytes: int = wire.DEFAULT_MAX_PAYLOAD_NBYTES,
+                 handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.rank = rank
+        self.world_size = world_size
+        self.schema = SCHEMA
+        self._secret = secret
+        self._job = job
+        self._max_unexpected = max_unexpected_nbytes
+        self._max_payload = max_payload_nbytes
+        self._handshake_timeout_s = handshake_timeout_s
+        self.conns: dict[int, Connection] = {}
+        self._posted: dict[tuple, collections.deque[_Recv]] = {}
+        self._unexpected: dict[tuple, collections.deque] = {}
+        self._unexpected_nbytes = 0
+        self._unexpected_frames = 0
+        self._incoming: dict[int, tuple] = {}  # peer -> (kind, target, buf) of the frame being received
+        self._lost: dict[int, BaseException] = {}  # peer -> why it is gone
+        self._poisoned: dict[int, BaseException] = {}  # peer -> mailbox overflow error
+        self._handlers: dict[str, Callable[..., Any]] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}
+        self._next_call = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._lost_listeners: list[Callable[[int, BaseException], None]] = []
+        self._abort_listeners: list[Callable[[dict], None]] = []
+        self._listener = None
+        self._mesh_ready: asyncio.Event | None = None
+        self._closed = False
+        self.address: tuple[str, int] | None = None
+        self.register("ringweave.ping", lambda: self.rank)
+
+    # -- life cycle ----------------------------------------------------------
+    def _spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=f"rank{self.rank}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rank %d: task %s failed: %r", self.rank, task.get_name(), task.exception())
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Opens the listening socket and starts accepting peers. Returns (host, port)."""
+        auth.check_policy(self._secret, host, f"rank {self.rank}")
+        self._listener = net.listen(host, port)
+        self.address = (host, self._listener.getsockname()[1])
+        self._mesh_ready = asyncio.Event()
+        self._spawn(self._accept_loop(), "accept")
+        return self.address
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, addr = await loop.sock_accept(self._listener)
+            net.tune(sock)
+            self._spawn(self._admit(sock, addr), f"admit {addr}")
+
+    async def _admit(self, sock, addr) -> None:
+        where = f"{addr[0]}:{addr[1]}"
+        try:
+            who = await auth.accept(sock, self._secret, self._job, where, self._handshake_timeout_s)
+            peer = who.get("rank")
+            if type(peer) is not int or not 0 <= peer < self.world_size or peer == self.rank:
+                raise AuthenticationError(f"{where} claims rank {peer!r}; this job has ranks 0..{self.world_size - 1}")
+            if peer in self.conns:
+                raise AuthenticationError(f"{where} claims rank {peer}, which is already connected")
+            conn = await TCPConnection.open(sock, peer, f"rank {peer} at {where}", self, self.schema,
+                                            self._max_payload)
+        except (AuthenticationError, BadFrameError, ConnectError, TimeoutError, OSError) as exc:
+            log.warning("rank %d: refused a connection from %s: %s", self.rank, where, exc)
+            sock.close()
+            return
+        except BaseException:
+            sock.close()
+            raise
+        self._add_conn(conn)
+
+    async def connect_mesh(self, addresses: dict[int, tuple[str, int]], timeout_s: float) -> None:
+        """Connects to every lower rank and waits for every higher rank to connect.
+
+        Raises:
+            ConnectError: a peer could not be reached, or did not connect, in time;
+                names the ranks missing.
+        """
+        async def dial(peer: int) -> None:
+            host, port = addresses[peer]
+            sock = await net.connect(host, port, timeout_s, what=f"rank {peer}")
+            try:
+                await auth.connect(sock, self._secret, self._job, {"rank": self.rank},
+                                   f"rank {peer} at {host}:{port}", self._handshake_timeout_s)
+                conn = await TCPConnection.open(sock, peer, f"rank {peer} at {host}:{port}", self,
+                                                self.schema, self._max_payload)
+            except BaseException:
+                sock.close()
+                raise
+            self._add_conn(conn)
+
+        async with asyncio.TaskGroup() as tg:
+            for peer in range(self.rank):
+                tg.create_task(dial(peer))
+        try:
+            async with asyncio.timeout(timeout_s):
+                while len(self.conns) < self.world_size - 1:
+                    self._mesh_ready.clear()
+                    await self._mesh_ready.wait()
+        except TimeoutError:
+            missing = [r for r in range(self.world_size) if r != self.rank and r not in self.conns]
+            raise ConnectError(f"rank {self.rank}: ranks {missing} did not connect within {timeout_s:.1f} s") from None
+
+    def attach(self, conn: Connection) -> None:
+        """Adds a connection made elsewhere (the in-memory transport of runtime/testing)."""
+        self._add_conn(conn)
+
+    def _add_conn(self, conn: Connection) -> None:
+        if self._closed:
+            conn.close()
+            return
+        self.conns[conn.peer] = conn
+        if self._mesh_ready is not None:
+            self._mesh_ready.set()
+
+    async def close(self) -> None:
+        """Says goodbye to every peer, closes connections and listener, cancels and
+        awaits every task of the actor. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self.conns.values()):
+            if conn.peer not in self._lost:
+                try:
+                    async with asyncio.timeout(1.0):
+                        await conn.send({"k": "b"})
+                except (PeerLostError, TimeoutError, OSError):
+                    pass
+        for conn in list(self.conns.values()):
+            conn.close()
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        closed = ClosedError(f"rank {self.rank} closed its actor")
+        self._fail_all(closed)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for q in self._posted.values():
+            for r in q:
+                if not r.fut.done():
+                    r.fut.set_exception(exc)
+        self._posted.clear()
+        for _, fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._calls.clear()
+
+    # -- listeners used by process groups -------------------------------------
+    def add_lost_listener(self, fn: Callable[[int, BaseException], None]) -> None:
+        self._lost_listeners.append(fn)
+
+    def add_abort_listener(self, fn: Callable[[dict], None]) -> None:
+        self._abort_listeners.append(fn)
+
+    # -- sending ----------------------------------------------------------------
+    def _conn(self, dst: int) -> Connection:
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: the actor is closed")
+        lost = self._lost.get(dst)
+        if lost is not None:
+            raise lost if isinstance(lost, PeerLostError) else PeerLostError(str(lost), dst)
+        conn = self.conns.get(dst)
+        if conn is None:
+            raise PeerLostError(f"rank {self.rank} has no connection to rank {dst}", dst)
+        return conn
+
+    async def send_frame(self, dst: int, header: dict, payload=None) -> None:
+        """Low level: one frame to ``dst``. Returns when ``payload`` may be reused."""
+        await self._conn(dst).send(header, payload)
+
+    async def send(self, dst: int, tag, payload, *, meta=None) -> None:
+        """Sends a buffer (bytes-like, or anything with the buffer protocol) or a
+        msgpack-able object to rank ``dst`` under ``tag``. Returns when a buffer
+        may be reused."""
+        if _is_buffer(payload):
+            header = {"k": "d", "t": tag}
+            if meta is not None:
+                header["m"] = meta
+            await self.send_frame(dst, header, memoryview(payload).cast("B"))
+        else:
+            await self.send_frame(dst, {"k": "o", "t": tag}, msgpack.packb(payload, use_bin_type=True))
+
+    # -- receiving --------------------------------------------------------------
+    def post(self, key: tuple, src: int, buf: memoryview | None, check=None) -> asyncio.Future:
+        """Posts a receive for ``key`` (``(src, tag)`` or ``("c", src, tag)``); returns
+        a future of (header, payload). A frame already kept for it completes it now."""
+        fut = asyncio.get_running_loop().create_future()
+        self._poll_failed(src, fut)
+        if fut.done():
+            return fut
+        waiting = self._unexpected.get(key)
+        if waiting:
+            header, data = waiting.popleft()
+            if not waiting:
+                del self._unexpected[key]
+            self._unexpected_nbytes -= len(data)
+            self._unexpected_frames -= 1
+            self._complete(_Recv(src, key, buf, fut, check), header, data, copy=True)
+            return fut
+        self._posted.setdefault(key, collections.deque()).append(_Recv(src, key, buf, fut, check))
+        return fut
+
+    def unpost(self, key: tuple, fut: asyncio.Future) -> None:
+        """Withdraws a posted receive whose waiter gave up (timeout, cancel)."""
+        q = self._posted.get(key)
+        if q:
+            for r in q:
+                if r.fut is fut:
+                    q.remove(r)
+                    break
+            if not q:
+                del self._posted[key]
+
+    def _poll_failed(self, src: int, fut: asyncio.Future) -> None:
+        exc = self._poisoned.get(src) or self._lost.get(src)
+        if exc is not None:
+            fut.set_exception(exc)
+        elif self._closed:
+            fut.set_exception(ClosedError(f"rank {self.rank}: the actor is closed"))
+
+    async def recv(self, src: int, tag) -> Any:
+        """Receives the next buffer (as ``bytearray``) or object sent by ``src`` under ``tag``."""
+        key = (src, tag)
+        fut = self.post(key, src, None)
+        try:
+            header, data = await fut
+        except asyncio.CancelledError:
+            self.unpost(key, fut)
+            raise
+        if header["k"] == "o":
+            return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return data
+
+    async def recv_into(self, src: int, tag, buffer) -> int:
+        """Receives the next buffer sent by ``src`` under ``tag`` into ``buffer``
+        (which must have exactly the sent length). Returns the byte count."""
+        key = (src, tag)
+        fut = self.post(key, src, memoryview(buffer).cast("B"))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.unpost(key, fut)
+            raise
+        return memoryview(buffer).nbytes
+
+    def _complete(self, r: _Recv, header: dict, data, copy: bool) -> None:
+        """Finishes receive ``r`` with a frame; ``data`` is its payload (kept or direct)."""
+        if r.fut.done():
+            return
+        if r.check is not None:
+            exc = r.check(header, len(data) if data is not None else 0)
+            if exc is not None:
+                r.fut.set_exception(exc)
+                return
+        if r.buf is None:
+            r.fut.set_result((header, data if data is not None else bytearray()))
+            return
+        if header["k"] == "o":
+            r.fut.set_exception(TypeError(f"rank {r.src} sent an object under tag {r.tag!r}; recv_into needs a buffer"))
+            return
+        n = 0 if data is None else len(data)
+        if n != r.buf.nbytes:
+            r.fut.set_exception(ValueError(
+                f"rank {r.src} sent {n} bytes under tag {r.tag!r}; the posted buffer holds {r.buf.nbytes}"))
+            return
+        if copy and n:
+            r.buf[:] = data
+        r.fut.set_result((header, r.buf))
+
+    # -- sink interface (called by connections) -------------------------------
+    def on_header(self, conn: Connection, header: dict, nbytes: int) -> memoryview | None:
+        kind = header["k"]
+        peer = conn.peer
+        if kind in ("d", "o", "c"):
+            key = ("c", peer, header["t"]) if kind == "c" else (peer, header["t"])
+            q = self._posted.get(key)
+            if q:
+                r = q.popleft()
+                if not q:
+                    del self._posted[key]
+                if r.check is not None:
+                    exc = r.check(header, nbytes)
+                    if exc is not None:
+                        r.fut.set_exception(exc)
+                        self._incoming[peer] = ("drop", None, None)
+                        return None
+                if r.buf is not None and kind != "o" and r.buf.nbytes == nbytes:
+                    self._incoming[peer] = ("direct", r, r.buf)
+                    return r.buf
+                if kind == "o" and nbytes > MAX_OBJECT_NBYTES:
+                    raise BadFrameError(f"object of {nbytes} bytes from {conn.where}; limit {MAX_OBJECT_NBYTES}")
+                buf = bytearray(nbytes)  # recv() of unknown size, or a size error reported at completion
+                self._incoming[peer] = ("copy", r, buf)
+                return memoryview(buf)
+            if peer in self._poisoned:
+                self._incoming[peer] = ("drop", None, None)
+                return None
+            if self._unexpected_nbytes + nbytes > self._max_unexpected:
+                exc = MailboxFullError(
+                    f"rank {self.rank}: {self._unexpected_nbytes + nbytes} bytes would be kept for receives "
+                    f"nobody posted (latest: {nbytes} bytes from rank {peer}, tag {header['t']!r}); "
+                    f"the bound is {self._max_unexpected} bytes")
+                self._poison(peer, exc)
+                self._incoming[peer] = ("drop", None, None)
+                return None
+            buf = bytearray(nbytes)
+            self._unexpected_nbytes += nbytes
+            self._unexpected_frames += 1
+            self._incoming[peer] = ("keep", key, buf)
+            return memoryview(buf)
+        if nbytes > MAX_OBJECT_NBYTES:
+            raise BadFrameError(f"{kind!r} frame of {nbytes} bytes from {conn.where}; limit {MAX_OBJECT_NBYTES}")
+        buf = bytearray(nbytes)
+        self._incoming[peer] = ("ctl", None, buf)
+        return memoryview(buf)
+
+    def on_frame(self, conn: Connection, header: dict, buf) -> None:
+        peer = conn.peer
+        mode, target, data = self._incoming.pop(peer, ("ctl", None, bytearray()))
+        if mode == "direct":
+            if not target.fut.done():
+                target.fut.set_result((header, target.buf))
+        elif mode == "copy":
+            self._complete(target, header, data, copy=True)
+        elif mode == "keep":
+            q = self._posted.get(target)
+            if q:  # a receive was posted while this frame was still arriving
+                r = q.popleft()
+                if not q:
+                    del self._posted[target]
+                self._unexpected_nbytes -= len(data)
+                self._unexpected_frames -= 1
+                self._complete(r, header, data, copy=True)
+            else:
+                self._unexpected.setdefault(target, collections.deque()).append((header, data))
+        elif mode == "ctl":
+            self._control(conn, header, data)
+
+    def _control(self, conn: Connection, header: dict, data: bytearray) -> None:
+        kind = header["k"]
+        peer = conn.peer
+        if kind == "q":
+            self._spawn(self._serve_call(peer, header["i"], header["n"], data), f"call {header['n']}")
+        elif kind == "r":
+            entry = self._calls.pop(header["i"], None)
+            if entry is not None and not entry[1].done():
+                if "e" in header:
+                    entry[1].set_exception(RemoteCallError(f"rank {peer}: {header['e']}"))
+                else:
+                    entry[1].set_result(msgpack.unpackb(data, raw=False, strict_map_key=False))
+        elif kind == "a":
+            for fn in self._abort_listeners:
+                fn(header)
+        elif kind == "b":
+            self._mark_lost(peer, PeerLostError(f"rank {peer} has closed its runtime", peer), orderly=True)
+
+    def on_lost(self, conn: Connection, exc: BaseException) -> None:
+        peer = conn.peer
+        if self._closed or peer in self._lost:
+            return
+        self._mark_lost(peer, PeerLostError(f"rank {self.rank} lost its connection to {conn.where}: {exc}", peer),
+                        orderly=False)
+
+    def _mark_lost(self, peer: int, exc: PeerLostError, orderly: bool) -> None:
+        if peer in self._lost:
+            return
+        self._lost[peer] = exc
+        for key in [k for k in self._posted if (k[1] if k[0] == "c" else k[0]) == peer]:
+            for r in self._posted.pop(key):
+                if not r.fut.done():
+                    r.fut.set_exception(exc)
+        for i, (dst, fut) in list(self._calls.items()):
+            if dst == peer and not fut.done():
+                fut.set_exception(exc)
+                del self._calls[i]
+        if not orderly:
+            for fn in self._lost_listeners:
+                fn(peer, exc)
+
+    def _poison(self, peer: int, exc: BaseException) -> None:
+        self._poisoned[peer] = exc
+        for key in [k for k in self._posted if (k[1] if k[0] == "c" else k[0]) == peer]:
+            for r in self._posted.pop(key):
+                if not r.fut.done():
+                    r.fut.set_exception(exc)
+
+    # -- remote calls ---------------------------------------------------------------
+    def register(self, name: str, fn: Callable[..., Any]) -> None:
+        """Registers ``fn`` (plain or async) as the handler of ``call(.., name, ...)``."""
+        self._handlers[name] = fn
+
+    async def call(self, dst: int, name: str, *args, timeout_s: float | None = 30.0) -> Any:
+        """Calls handler ``name`` on rank ``dst`` with msgpack-able ``args``; returns its result.
+
+        Raises:
+            RemoteCallError: the handler raised (message carries its error).
+            PeerLostError: ``dst`` went away. TimeoutError: no answer in ``timeout_s``.
+        """
+        self._next_call += 1
+        call_id = self._next_call
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (dst, fut)
+        try:
+            await self.send_frame(dst, {"k": "q", "i": call_id, "n": name},
+                                  msgpack.packb(list(args), use_bin_type=True))
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _serve_call(self, peer: int, call_id: int, name: str, data: bytearray) -> None:
+        try:
+            fn = self._handlers.get(name)
+            if fn is None:
+                raise KeyError(f"no handler named {name!r} on rank {self.rank}")
+            result = fn(*msgpack.unpackb(data, raw=False, strict_map_key=False))
+            if asyncio.iscoroutine(result):
+                result = await result
+            reply, payload = {"k": "r", "i": call_id}, msgpack.packb(result, use_bin_type=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reply, payload = {"k": "r", "i": call_id, "e": f"{type(exc).__name__}: {exc}"}, None
+        try:
+            await self.send_frame(peer, reply, payload)
+        except (PeerLostError, ClosedError):
+            pass
+
+    # -- introspection -----------------------------------------------------------------
+    def lost_peers(self) -> dict[int, BaseException]:
+        return dict(self._lost)
+
+    def statistics(self) -> ActorStatistics:
+        stats = [c.statistics() for c in self.conns.values()]
+        return ActorStatistics(
+            rank=self.rank, peers_connected=len(self.conns) - len(self._lost),
+            frames_sent=sum(s.frames_sent for s in stats), bytes_sent=sum(s.bytes_sent for s in stats),
+            frames_received=sum(s.frames_received for s in stats),
+            bytes_received=sum(s.bytes_received for s in stats),
+            posted_receives=sum(len(q) for q in self._posted.values()),
+            unexpected_frames=self._unexpected_frames, unexpected_nbytes=self._unexpected_nbytes,
+            pending_calls=len(self._calls))

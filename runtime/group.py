@@ -1,0 +1,296 @@
+"""Process groups: who takes part in a collective, and how its messages match.
+
+A :class:`Runtime` is one rank's view of the job: its actor (connections to
+every peer), the rendezvous store, and its groups. The world group has id 0;
+``new_group(ranks)`` makes the next id, and, as in torch.distributed, every
+rank of the world calls ``new_group`` in the same order, members or not.
+
+Each collective call on a group takes the group's next sequence number, and
+every message it sends is framed ``c {t: [gid, seq], f: fingerprint}``. The
+fingerprint says what the sender is doing, e.g. ``"all_reduce op=sum
+dtype=float32 count=1000 root=-"``. Messages of one call between one pair of
+ranks are matched in order (TCP keeps it), and each is checked against the
+receiver's own fingerprint, so two ranks that call different collectives, or
+the same one with a different dtype, length or root, fail with a
+:class:`CollectiveMismatchError` naming both calls and both ranks. The rank
+that sees the mismatch tells every other member (an ``a`` frame), so every
+rank raises, not only the pair that met.
+
+A group fails as a whole: after a mismatch, a lost peer or a timeout, the
+pending calls of the group and every later call raise the same error (as a
+communicator does after an NCCL abort): the group's message stream can no
+longer be trusted.
+
+Not here: the algorithms and the arrays (collectives/), the sockets (actor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from runtime.actor import Actor
+from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
+                            CollectiveTimeoutError, PeerLostError)
+
+log = logging.getLogger("ringweave.group")
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("RINGWEAVE_TIMEOUT_S", "300"))
+
+
+@dataclass
+class CallRecord:
+    """What a rank is doing in one collective call (shown by tools/status)."""
+    gid: int
+    seq: int
+    fingerprint: str
+    started: float
+    waiting_on: set = field(default_factory=set)  # group ranks with a receive outstanding
+
+
+class Call:
+    """One collective call on one group: the ``comm`` an algorithm talks through.
+
+    Algorithms use only ``rank``, ``size``, ``send``, ``irecv`` and ``recv_into``;
+    ranks are group ranks and buffers are bytes-like (memoryviews of arrays).
+    """
+
+    def __init__(self, group: "ProcessGroup", seq: int, fingerprint: str, timeout_s: float):
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.seq = seq
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self._tag = (group.gid, seq)
+        self._header = {"k": "c", "t": self._tag, "f": fingerprint}
+        self.record = CallRecord(group.gid, seq, fingerprint, time.monotonic())
+        self._outstanding: dict[asyncio.Future, tuple[tuple, int]] = {}
+        self.bytes_sent = 0
+
+    async def send(self, dst: int, buf) -> None:
+        """Sends ``buf`` to group rank ``dst``; returns when ``buf`` may be reused."""
+        g = self.group
+        if g.error is not None:
+            raise g.error
+        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+        self.bytes_sent += mv.nbytes
+        await g.runtime.actor.send_frame(g.ranks[dst], self._header, mv)
+
+    def irecv(self, src: int, buf) -> asyncio.Future:
+        """Posts a receive from group rank ``src`` into ``buf`` (exact length);
+        returns a future to await. Post before sending to avoid a copy."""
+        g = self.group
+        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+        key = ("c", g.ranks[src], self._tag)
+        fut = g.runtime.actor.post(key, g.ranks[src], mv, self._check_from(src))
+        if g.error is not None and not fut.done():
+            g.runtime.actor.unpost(key, fut)
+            fut.set_exception(g.error)
+        if not fut.done():
+            self._outstanding[fut] = (key, src)
+            self.record.waiting_on.add(src)
+            fut.add_done_callback(self._recv_done)
+            g._outstanding.add(fut)
+        return fut
+
+    def _recv_done(self, fut: asyncio.Future) -> None:
+        key, src = self._outstanding.pop(fut, (None, None))
+        self.group._outstanding.discard(fut)
+        if src is not None and not any(s == src for _, s in self._outstanding.values()):
+            self.record.waiting_on.discard(src)
+
+    async def recv_into(self, src: int, buf) -> None:
+        await self.irecv(src, buf)
+
+    def _check_from(self, src: int):
+        def check(header: dict, nbytes: int):
+            if header["f"] == self.fingerprint:
+                return None
+            exc = CollectiveMismatchError(
+                f"collective mismatch in group {self.group.gid} at call #{self.seq}: "
+                f"rank {self.group.ranks[self.rank]} called {self.fingerprint!r} but rank "
+                f"{self.group.ranks[src]} called {header['f']!r}")
+            self.group.abort(exc)
+            return exc
+        return check
+
+    def cancel_outstanding(self) -> list[int]:
+        """Withdraws every outstanding receive; returns the group ranks they waited on."""
+        missing = sorted({src for _, src in self._outstanding.values()})
+        actor = self.group.runtime.actor
+        for fut, (key, _) in list(self._outstanding.items()):
+            actor.unpost(key, fut)
+            if not fut.done():
+                fut.cancel()
+        return missing
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together."""
+
+    def __init__(self, runtime: "Runtime", ranks: list[int], gid: int):
+        self.runtime = runtime
+        self.ranks = list(ranks)  # group rank -> global rank
+        self.gid = gid
+        me = runtime.actor.rank
+        self.rank = self.ranks.index(me) if me in self.ranks else -1
+        self.size = len(self.ranks)
+        self.error: BaseException | None = None
+        self._seq = 0
+        self._outstanding: set[asyncio.Future] = set()
+        self.calls: dict[int, CallRecord] = {}  # seq -> record of calls in flight
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(gid={self.gid}, rank={self.rank}, size={self.size}, ranks={self.ranks})"
+
+    def new_group(self, ranks) -> "ProcessGroup":
+        """See :meth:`Runtime.new_group` (sub-groups are always made from the world)."""
+        return self.runtime.new_group(ranks)
+
+    def open_call(self, fingerprint: str, timeout_s: float | None = None) -> Call:
+        """Starts a collective call: takes the next sequence number.
+
+        Raises:
+            CollectiveError (or the group's stored error): the group has failed.
+            ValueError: this rank is not a member.
+        """
+        if not self.is_member:
+            raise ValueError(f"rank {self.runtime.actor.rank} is not a member of group {self.gid} {self.ranks}")
+        if self.error is not None:
+            raise self.error
+        self._seq += 1
+        call = Call(self, self._seq, fingerprint, timeout_s if timeout_s is not None else self.runtime.timeout_s)
+        self.calls[call.seq] = call.record
+        return call
+
+    async def run(self, call: Call, coro_fn, *args) -> None:
+        """Runs ``coro_fn(call, *args)`` under the call's timeout and failure rules."""
+        try:
+            async with asyncio.timeout(call.timeout_s):
+                await coro_fn(call, *args)
+        except TimeoutError:
+            missing = call.cancel_outstanding()
+            names = [self.ranks[m] for m in missing]
+            exc = CollectiveTimeoutError(
+                f"rank {self.runtime.actor.rank}: {call.fingerprint!r} (group {self.gid}, call #{call.seq}) "
+                f"timed out after {call.timeout_s:.1f} s waiting on rank(s) {names}", missing=names)
+            self.abort(exc, tell_peers=False)
+            raise exc from None
+        except BaseException:
+            call.cancel_outstanding()
+            raise
+        finally:
+            self.calls.pop(call.seq, None)
+
+    def abort(self, exc: BaseException, tell_peers: bool = True) -> None:
+        """Fails the group: every pending and later call raises ``exc``."""
+        if self.error is not None:
+            return
+        self.error = exc
+        for fut in list(self._outstanding):
+            if not fut.done():
+                fut.set_exception(exc)
+        self._outstanding.clear()
+        if tell_peers and isinstance(exc, CollectiveMismatchError):
+            self.runtime.tell_abort(self, exc)
+
+    def statistics(self) -> dict:
+        return {"gid": self.gid, "seq": self._seq, "in_flight": len(self.calls),
+                "error": repr(self.error) if self.error else None}
+
+
+class Runtime:
+    """One rank's runtime: actor, store, groups."""
+
+    def __init__(self, actor: Actor, store=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 local_rank: int = 0, local_world_size: int = 1):
+        self.actor = actor
+        self.store = store
+        self.timeout_s = timeout_s
+        self.local_rank = local_rank
+        self.local_world_size = local_world_size
+        self.groups: dict[int, ProcessGroup] = {}
+        self.world = self._add_group(list(range(actor.world_size)))
+        actor.add_lost_listener(self._on_peer_lost)
+        actor.add_abort_listener(self._on_abort)
+        actor.register("ringweave.status", self.status)
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.actor.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.actor.world_size
+
+    def _add_group(self, ranks: list[int]) -> ProcessGroup:
+        gid = len(self.groups)
+        group = ProcessGroup(self, ranks, gid)
+        self.groups[gid] = group
+        return group
+
+    def new_group(self, ranks) -> ProcessGroup:
+        """A sub-group of the given global ranks, in that order. Every rank of the
+        world must call it, in the same order (non-members get ``rank == -1``).
+
+        Raises:
+            ValueError: a rank out of range or given twice.
+        """
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"new_group: ranks {ranks} must be distinct and within 0..{self.world_size - 1}")
+        return self._add_group(ranks)
+
+    def _on_peer_lost(self, peer: int, exc: BaseException) -> None:
+        for group in self.groups.values():
+            if peer in group.ranks and group.is_member:
+                group.abort(PeerLostError(f"rank {peer} was lost (group {group.gid}): {exc}", peer),
+                            tell_peers=False)
+
+    def _on_abort(self, header: dict) -> None:
+        group = self.groups.get(header["g"])
+        if group is not None:
+            cls = CollectiveMismatchError if header["x"] == "mismatch" else CollectiveError
+            group.abort(cls(header["m"]), tell_peers=False)
+
+    def tell_abort(self, group: ProcessGroup, exc: BaseException) -> None:
+        kind = "mismatch" if isinstance(exc, CollectiveMismatchError) else "error"
+        for r in group.ranks:
+            if r != self.rank and r not in self.actor.lost_peers():
+                self.actor._spawn(self._send_abort(r, group.gid, str(exc), kind), f"abort g{group.gid}")
+
+    async def _send_abort(self, dst: int, gid: int, message: str, kind: str) -> None:
+        try:
+            await self.actor.send_frame(dst, {"k": "a", "g": gid, "m": message, "x": kind})
+        except (PeerLostError, ClosedError, OSError):
+            pass
+
+    def status(self) -> dict:
+        """What this rank is doing now: its calls in flight and how long each has waited."""
+        now = time.monotonic()
+        calls = []
+        for g in self.groups.values():
+            for rec in g.calls.values():
+                calls.append({"group": g.gid, "seq": rec.seq, "op": rec.fingerprint,
+                              "waited_s": round(now - rec.started, 3),
+                              "waiting_on": sorted(g.ranks[r] for r in rec.waiting_on)})
+        return {"rank": self.rank, "calls": calls,
+                "lost": sorted(self.actor.lost_peers()),
+                "failed_groups": {g.gid: repr(g.error) for g in self.groups.values() if g.error}}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.actor.close()
+        if self.store is not None:
+            await self.store.close()

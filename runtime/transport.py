@@ -1,0 +1,337 @@
+"""Connections: frames between two ranks, over TCP or in memory, with one contract.
+
+A connection moves frames (runtime/wire.py) between exactly two endpoints. It
+knows bytes, never arrays. Receiving is driven by a *sink* (the actor) that is
+asked where each payload should go once its header has arrived::
+
+    sink.on_header(conn, header, nbytes) -> memoryview of nbytes | None (discard; called for every frame)
+    sink.on_frame(conn, header, buf)        payload complete in buf
+    sink.on_lost(conn, exc)                 the connection is gone (exc: why)
+
+so a large array lands straight in the buffer its receiver posted, with no
+intermediate copy (asyncio ``BufferedProtocol``: ``get_buffer`` hands the
+kernel that buffer). Small frames are read through a staging buffer, several
+per system call.
+
+Sending: ``await conn.send(header, payload)`` returns when the payload buffer
+may be reused by the caller (its bytes are in the kernel or copied). The write
+buffer's high-water mark is 0, so the transport tells us (``pause_writing`` /
+``resume_writing``) exactly when it holds bytes of ours; that is both the
+back-pressure and the "buffer reusable" signal.
+
+Call order of a connection (grammar)::
+
+    open -> (send* | on_header on_frame)* -> [on_lost] -> close -> end
+
+Implementations: :class:`TCPConnection` (a socket through an asyncio or
+uvloop transport) and :class:`MemoryConnection` (a pair in one process that
+copies each payload once, as a network would); tests/conformance checks both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime import wire
+from runtime.errors import BadFrameError, ClosedError, PeerLostError
+
+log = logging.getLogger("ringweave.transport")
+
+STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
+_DISCARD_NBYTES = 1024 * 1024
+
+
+class Sink(Protocol):
+    def on_header(self, conn: "Connection", header: dict, nbytes: int) -> memoryview | None: ...
+    def on_frame(self, conn: "Connection", header: dict, buf: memoryview | None) -> None: ...
+    def on_lost(self, conn: "Connection", exc: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
+class ConnectionStatistics:
+    frames_sent: int
+    bytes_sent: int
+    frames_received: int
+    bytes_received: int
+    write_buffer_nbytes: int
+
+
+class Connection:
+    """Base class: one endpoint of a frame connection to one peer."""
+
+    peer: int  # the peer's global rank (or -1 before it is known)
+    where: str  # human-readable "rank 2 at 127.0.0.1:4242"
+
+    async def send(self, header: dict, payload: memoryview | bytes | None = None) -> None:
+        """Sends one frame. Returns when ``payload`` may be reused.
+
+        Raises:
+            PeerLostError: the connection broke before or during the send.
+        Cancellation: cancelling may leave part of a frame in the transport;
+            the connection is then closed (a half frame cannot be recalled).
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Closes the connection; ``on_lost`` is not called for a local close."""
+        raise NotImplementedError
+
+    def statistics(self) -> ConnectionStatistics:
+        raise NotImplementedError
+
+
+class _FrameProtocol(asyncio.BufferedProtocol):
+    """The receive state machine: staging buffer for heads, direct payload reads."""
+
+    def __init__(self, conn: "TCPConnection", schema: wire.Schema, max_payload_nbytes: int):
+        self._conn = conn
+        self._schema = schema
+        self._max_payload = max_payload_nbytes
+        self._stage = bytearray(STAGE_NBYTES)
+        self._stage_mv = memoryview(self._stage)
+        self._start = 0  # first unconsumed byte in the stage
+        self._end = 0  # one past the last received byte in the stage
+        self._header: dict | None = None  # header of the payload being received directly
+        self._dest: memoryview | None = None  # its destination (None: discard)
+        self._pos = 0  # bytes of the payload received so far
+        self._need = 0  # payload length
+        self._discard: memoryview | None = None
+        self.transport: asyncio.Transport | None = None
+        self._paused = False
+        self._drained: asyncio.Future | None = None
+        self.lost: BaseException | None = None
+
+    # -- asyncio callbacks -------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._header is not None:  # payload mode: straight into its destination
+            if self._dest is not None:
+                return self._dest[self._pos:]
+            if self._discard is None:
+                self._discard = memoryview(bytearray(_DISCARD_NBYTES))
+            return self._discard[: min(_DISCARD_NBYTES, self._need - self._pos)]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif STAGE_NBYTES - self._end < wire.MAX_HEADER_NBYTES + wire.PREFIX_NBYTES:
+            n = self._end - self._start  # compact: move the unread tail to the front
+            self._stage_mv[:n] = self._stage_mv[self._start:self._end]
+            self._start, self._end = 0, n
+        return self._stage_mv[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._header is not None:
+                self._pos += nbytes
+                if self._pos == self._need:
+                    self._finish_payload()
+                return
+            self._end += nbytes
+            self._parse_stage()
+        except BadFrameError as exc:
+            log.warning("closing connection to %s: %s", self._conn.where, exc)
+            self._fail(exc)
+        except Exception as exc:  # a sink bug must not kill the event loop silently
+            log.exception("error handling a frame from %s", self._conn.where)
+            self._fail(exc)
+
+    def _parse_stage(self) -> None:
+        stage = self._stage_mv
+        conn = self._conn
+        while True:
+            avail = self._end - self._start
+            if avail < wire.PREFIX_NBYTES:
+                return
+            hlen, plen = wire.parse_prefix(stage[self._start:], self._max_payload, where=f" from {conn.where}")
+            if avail < wire.PREFIX_NBYTES + hlen:
+                return
+            hstart = self._start + wire.PREFIX_NBYTES
+            header = wire.parse_header(stage[hstart:hstart + hlen], self._schema, where=f" from {conn.where}")
+            self._start = hstart + hlen
+            conn.frames_received += 1
+            conn.bytes_received += wire.PREFIX_NBYTES + hlen + plen
+            dest = conn.sink.on_header(conn, header, plen)
+            if not plen:
+                dest = None
+            inline = min(plen, self._end - self._start)
+            if dest is not None and inline:
+                dest[:inline] = stage[self._start:self._start + inline]
+            self._start += inline
+            if inline == plen:
+                conn.sink.on_frame(conn, header, dest)
+                continue
+            self._header, self._dest, self._pos, self._need = header, dest, inline, plen
+            return
+
+    def _finish_payload(self) -> None:
+        header, dest = self._header, self._dest
+        self._header = self._dest = None
+        self._pos = self._need = 0
+        self._conn.sink.on_frame(self._conn, header, dest)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    def eof_received(self):
+        return False  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc) -> None:
+        if self.lost is None:
+            self.lost = exc or ConnectionResetError("connection closed by the peer")
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(PeerLostError(f"{self._conn.where}: {self.lost}", self._conn.peer))
+            self._drained.exception()  # mark retrieved; the sender re-raises
+        self._conn._on_protocol_lost(self.lost)
+
+    async def wait_drained(self) -> None:
+        if not self._paused:
+            return
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._drained)
+
+
+class TCPConnection(Connection):
+    """A frame connection over an authenticated TCP socket."""
+
+    def __init__(self, peer: int, where: str, sink: Sink, schema: wire.Schema,
+                 max_payload_nbytes: int = wire.DEFAULT_MAX_PAYLOAD_NBYTES):
+        self.peer = peer
+        self.where = where
+        self.sink = sink
+        self._proto = _FrameProtocol(self, schema, max_payload_nbytes)
+        self._closed = False
+        self.frames_sent = self.bytes_sent = 0
+        self.frames_received = self.bytes_received = 0
+
+    @classmethod
+    async def open(cls, sock, peer: int, where: str, sink: Sink, schema: wire.Schema,
+                   max_payload_nbytes: int = wire.DEFAULT_MAX_PAYLOAD_NBYTES) -> "TCPConnection":
+        """Wraps a connected, already authenticated socket (the connection owns it)."""
+        conn = cls(peer, where, sink, schema, max_payload_nbytes)
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: conn._proto, sock=sock)
+        return conn
+
+    async def send(self, header: dict, payload=None) -> None:
+        """See base class."""
+        proto = self._proto
+        if proto.lost is not None or self._closed:
+            raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
+        nbytes = 0 if payload is None else memoryview(payload).nbytes
+        head = wire.encode_head(header, nbytes)
+        transport = proto.transport
+        transport.write(head)
+        if nbytes:
+            transport.write(payload)
+        self.frames_sent += 1
+        self.bytes_sent += len(head) + nbytes
+        await proto.wait_drained()
+
+    def close(self) -> None:
+        """See base class."""
+        if not self._closed:
+            self._closed = True
+            if self._proto.transport is not None:
+                self._proto.transport.close()
+
+    def abort(self) -> None:
+        self._closed = True
+        if self._proto.transport is not None:
+            self._proto.transport.abort()
+
+    def _on_protocol_lost(self, exc: BaseException) -> None:
+        if not self._closed:
+            self._closed = True
+            self.sink.on_lost(self, exc)
+
+    def statistics(self) -> ConnectionStatistics:
+        t = self._proto.transport
+        return ConnectionStatistics(self.frames_sent, self.bytes_sent, self.frames_received,
+                                    self.bytes_received, t.get_write_buffer_size() if t else 0)
+
+
+class MemoryConnection(Connection):
+    """One end of an in-process connection pair; each payload is copied once,
+    into the buffer the receiving sink names, exactly as TCP would deliver it."""
+
+    def __init__(self, peer: int, where: str, sink: Sink):
+        self.peer = peer
+        self.where = where
+        self.sink = sink
+        self.other: MemoryConnection | None = None
+        self._closed = False
+        self.frames_sent = self.bytes_sent = 0
+        self.frames_received = self.bytes_received = 0
+
+    @staticmethod
+    def pair(rank_a: int, sink_a: Sink, rank_b: int, sink_b: Sink) -> tuple["MemoryConnection", "MemoryConnection"]:
+        """Returns (a's end, b's end)."""
+        a = MemoryConnection(rank_b, f"rank {rank_b} (memory)", sink_a)
+        b = MemoryConnection(rank_a, f"rank {rank_a} (memory)", sink_b)
+        a.other, b.other = b, a
+        return a, b
+
+    async def send(self, header: dict, payload=None) -> None:
+        """See base class."""
+        other = self.other
+        if self._closed or other is None or other._closed:
+            raise PeerLostError(f"cannot send to {self.where}: connection closed", self.peer)
+        # Headers go through msgpack as on the wire, so both transports see the same values.
+        head = wire.encode_head(header)
+        hlen, _ = wire.parse_prefix(head)
+        header = wire.parse_header(memoryview(head)[wire.PREFIX_NBYTES:], _schema_of(other.sink))
+        mv = memoryview(payload).cast("B") if payload is not None else None
+        nbytes = 0 if mv is None else mv.nbytes
+        self.frames_sent += 1
+        self.bytes_sent += len(head) + nbytes
+        other.frames_received += 1
+        other.bytes_received += len(head) + nbytes
+        dest = other.sink.on_header(other, header, nbytes)
+        if not nbytes:
+            dest = None
+        elif dest is not None:
+            dest[:] = mv
+        other.sink.on_frame(other, header, dest)
+        await asyncio.sleep(0)  # a network yields; so do we (fairness between ranks)
+
+    def close(self) -> None:
+        """See base class."""
+        if self._closed:
+            return
+        self._closed = True
+        other = self.other
+        if other is not None and not other._closed:
+            other._closed = True
+            other.sink.on_lost(other, ConnectionResetError("connection closed by the peer"))
+
+    def abort(self) -> None:
+        self.close()
+
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(self.frames_sent, self.bytes_sent, self.frames_received,
+                                    self.bytes_received, 0)
+
+
+def _schema_of(sink) -> wire.Schema:
+    schema = getattr(sink, "schema", None)
+    if schema is None:
+        raise ClosedError("memory connection sink has no schema")
+    return schema
