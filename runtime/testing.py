@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from runtime.actor import Actor
 from runtime.group import ProcessGroup, Runtime
+from runtime.init import set_current
 from runtime.transport import MemoryConnection
 
 
@@ -60,13 +61,22 @@ async def run_ranks(n: int, body: Callable[[ProcessGroup], Awaitable[Any]], *, t
     """Runs ``body(world_group)`` on ``n`` ranks; returns the results by rank."""
     runtimes = await make_runtimes(n, transport, timeout_s=timeout_s, **kw)
     try:
+        def start(rt):  # each rank's task sees its own runtime as runtime.current()
+            set_current(rt)
+            return body(rt.world)
+
         if return_exceptions:
-            return await asyncio.gather(*(body(rt.world) for rt in runtimes), return_exceptions=True)
+            tasks = [asyncio.ensure_future(_in_context(start, rt)) for rt in runtimes]
+            return await asyncio.gather(*tasks, return_exceptions=True)
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(body(rt.world)) for rt in runtimes]
+            tasks = [tg.create_task(_in_context(start, rt)) for rt in runtimes]
         return [t.result() for t in tasks]
     finally:
         await asyncio.gather(*(rt.close() for rt in runtimes), return_exceptions=True)
+
+
+async def _in_context(start, rt):
+    return await start(rt)
 
 
 try:  # the pytest fixture, when pytest is there

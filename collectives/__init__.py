@@ -1,0 +1,1 @@
+"""ringweave collectives (see collectives/api.py)."""

@@ -1,0 +1,240 @@
+"""Joining a job: ``rt = await runtime.init()`` and ``await runtime.shutdown()``.
+
+Where the numbers come from, first found wins::
+
+    arguments of init()  >  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE  (torchrun, our launcher)
+                         >  OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE  (mpirun)
+                         >  PMI_RANK / PMI_SIZE                              (MPICH, Intel MPI)
+                         >  SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID      (srun)
+    MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required when WORLD_SIZE > 1)
+
+Steps (each under ``timeout_s``):
+
+1. the store: with ``RINGWEAVE_STORE_HOSTED=1`` (our launcher hosts it) every
+   rank connects to MASTER_ADDR:MASTER_PORT; otherwise rank 0 hosts it there and
+   all ranks connect. Keys go under ``restart/<RINGWEAVE_RESTART>/`` so an
+   attempt never reads the last one's keys.
+2. listen on port 0 (loopback when MASTER_ADDR is loopback, else every interface),
+   publish ``addr/<rank>`` = {host, port, node} where ``node`` names the machine
+   (hostname + boot id: ranks with the same node share memory).
+3. read every rank's address; connect to lower ranks, accept higher ones.
+
+The current runtime is kept per task context (``contextvars``), so several
+runtimes can live in one event loop (runtime.testing) and collectives called
+without ``group=`` use the world of the runtime of the calling task.
+
+Not here: the store itself (store.py, store_tcp.py), the mesh (actor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import socket
+import time
+
+import msgpack
+
+from runtime import auth
+from runtime.actor import Actor
+from runtime.errors import ClosedError, RingweaveError
+from runtime.group import DEFAULT_TIMEOUT_S, ProcessGroup, Runtime
+from runtime.store import PrefixStore
+
+log = logging.getLogger("ringweave.init")
+
+_current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("ringweave_runtime", default=None)
+_process_default: Runtime | None = None
+
+_ENV_SOURCES = [  # (rank, size, local rank, local size)
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+]
+
+
+def _int_env(name: str, env) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    digits = value.split("(")[0].split(",")[0]  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+    try:
+        return int(digits)
+    except ValueError:
+        raise RingweaveError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_env(env=None) -> dict:
+    """Rank, sizes and master address from the environment (see module docstring)."""
+    env = os.environ if env is None else env
+    out = {"rank": None, "world_size": None, "local_rank": None, "local_world_size": None}
+    for names in _ENV_SOURCES:
+        rank, size = _int_env(names[0], env), _int_env(names[1], env)
+        if rank is not None and size is not None:
+            out.update(rank=rank, world_size=size, local_rank=_int_env(names[2], env),
+                       local_world_size=_int_env(names[3], env))
+            break
+    out["master_addr"] = env.get("MASTER_ADDR") or "127.0.0.1"
+    out["master_port"] = _int_env("MASTER_PORT", env)
+    out["restart"] = _int_env("RINGWEAVE_RESTART", env) or 0
+    out["job"] = env.get("RINGWEAVE_JOB") or "ringweave"
+    out["store_hosted"] = env.get("RINGWEAVE_STORE_HOSTED") == "1"
+    return out
+
+
+def node_id() -> str:
+    """Names this machine: ranks with equal node ids can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _advertised_host(master_addr: str) -> str:
+    """The address of this host that the master can reach (RINGWEAVE_HOST overrides)."""
+    if os.environ.get("RINGWEAVE_HOST"):
+        return os.environ["RINGWEAVE_HOST"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent for UDP connect
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+async def init(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
+               master_port: int | None = None, local_rank: int | None = None,
+               local_world_size: int | None = None, secret: bytes | str | None = None,
+               job: str | None = None, timeout_s: float | None = None, store=None) -> Runtime:
+    """Joins the job and returns this rank's :class:`Runtime` (``rt.world`` is the world group).
+
+    Args override the environment. ``store`` may be any async Store shared by
+    all ranks (tests); then no server is hosted or contacted.
+
+    Raises:
+        RingweaveError: missing or inconsistent rank / size / port.
+        ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
+            the message names the address and the ranks missing.
+    """
+    global _process_default
+    env = read_env()
+    rank = env["rank"] if rank is None else rank
+    world_size = env["world_size"] if world_size is None else world_size
+    if rank is None or world_size is None:
+        rank, world_size = 0, 1 if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise RingweaveError(f"rank {rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    local_rank = env["local_rank"] if local_rank is None else local_rank
+    local_world_size = env["local_world_size"] if local_world_size is None else local_world_size
+    master_addr = master_addr or env["master_addr"]
+    master_port = env["master_port"] if master_port is None else master_port
+    job = job or env["job"]
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    if isinstance(secret, str):
+        secret = secret.encode()
+    secret = secret if secret is not None else auth.secret_from_env()
+
+    loopback = auth.is_loopback(master_addr)
+    server = None
+    own_store = store is None
+    if store is None:
+        if world_size > 1 and master_port is None:
+            raise RingweaveError("MASTER_PORT is not set: rank 0's store address is needed for WORLD_SIZE > 1")
+        from runtime.store import MemoryStore
+        from runtime.store_tcp import StoreServer, TCPStore
+        if world_size == 1 and master_port is None:
+            store = MemoryStore(timeout_s)
+        else:
+            if rank == 0 and not env["store_hosted"]:
+                server = StoreServer(master_addr if loopback else "0.0.0.0", master_port, secret=secret, job=job)
+                await server.start()
+            try:
+                store = await TCPStore.connect(master_addr, master_port, secret=secret, job=job,
+                                               timeout_s=timeout_s, who={"rank": rank})
+            except BaseException:
+                if server is not None:
+                    await server.close()
+                raise
+    prefixed = PrefixStore(f"restart/{env['restart']}", store, owns_store=own_store)
+    actor = Actor(rank, world_size, secret=secret, job=job)
+    try:
+        if world_size > 1:
+            host = "127.0.0.1" if loopback else _advertised_host(master_addr)
+            _, port = await actor.listen("127.0.0.1" if loopback else "0.0.0.0", 0)
+            me = {"host": host, "port": port, "node": node_id()}
+            await prefixed.set(f"addr/{rank}", msgpack.packb(me))
+            keys = [f"addr/{r}" for r in range(world_size)]
+            await prefixed.wait(keys, timeout_s)
+            peers = {r: msgpack.unpackb(await prefixed.get(f"addr/{r}")) for r in range(world_size)}
+            await actor.connect_mesh({r: (p["host"], p["port"]) for r, p in peers.items()}, timeout_s)
+            nodes = [peers[r]["node"] for r in range(world_size)]
+        else:
+            nodes = [node_id()]
+    except BaseException:
+        await actor.close()
+        await prefixed.close()
+        if server is not None:
+            await server.close()
+        raise
+    rt = Runtime(actor, prefixed, timeout_s=timeout_s, local_rank=local_rank or 0,
+                 local_world_size=local_world_size or 1)
+    rt.nodes = nodes
+    rt.store_server = server
+    _current.set(rt)
+    _process_default = rt
+    log.debug("rank %d of %d joined job %r", rank, world_size, job)
+    return rt
+
+
+def set_current(rt: Runtime | None) -> None:
+    """Makes ``rt`` the runtime of the calling task context (runtime.testing uses it)."""
+    _current.set(rt)
+
+
+def current() -> Runtime:
+    """The runtime of the calling task, else the last one ``init`` made in this process.
+
+    Raises:
+        ClosedError: no runtime (call ``await runtime.init()`` first).
+    """
+    rt = _current.get() or _process_default
+    if rt is None or rt._closed:
+        raise ClosedError("no ringweave runtime: call `await runtime.init()` first")
+    return rt
+
+
+def world() -> ProcessGroup:
+    """The world group of :func:`current`."""
+    return current().world
+
+
+async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0) -> None:
+    """Leaves the job: waits (bounded) for every rank to arrive here, so the rank
+    hosting the store does not close it under the others, then closes everything."""
+    global _process_default
+    rt = rt or _current.get() or _process_default
+    if rt is None or rt._closed:
+        return
+    server = getattr(rt, "store_server", None)
+    try:
+        if rt.world_size > 1 and rt.store is not None:
+            await rt.store.add("shutdown", 1)
+            if server is not None:
+                deadline = time.monotonic() + timeout_s
+                while int(await rt.store.get("shutdown")) < rt.world_size and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+    except (RingweaveError, OSError) as exc:
+        log.warning("rank %d: shutdown rendezvous failed: %s", rt.rank, exc)
+    finally:
+        await rt.close()
+        if server is not None:
+            await server.close()
+        if _process_default is rt:
+            _process_default = None
+        if _current.get() is rt:
+            _current.set(None)
