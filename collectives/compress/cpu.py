@@ -1,0 +1,199 @@
+"""Numba kernels for the codecs' array maths; each equals ``reference.py``.
+
+Bit-exact with the reference for casts, int8 (nearest and stochastic: the same
+splitmix64 counter hash), top-k (same key and tie rule) and error feedback.
+PowerSGD's Gram-Schmidt matches to float32 rounding only (dot products sum in a
+different order from BLAS), see ``tests/compress``.
+
+Top-k here is a radix select, O(n) in three passes, where the reference calls
+``np.partition``: pass 1 histograms the high 15 bits of the magnitude key,
+pass 2 the low 16 bits of the keys in the boundary bucket, giving the k-th
+largest key T; pass 3 keeps every key > T and the first (k - #greater) keys == T
+in index order. Output comes out sorted by index without a sort.
+
+Single-threaded on purpose (several ranks share the cores). Kernels take 1-D
+contiguous arrays; 16-bit floats travel as uint16 bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ..kernels.halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+from .reference import GOLDEN, MIX1, MIX2
+
+_JIT = dict(nogil=True, cache=True)
+_U64 = np.uint64
+_GOLDEN, _MIX1, _MIX2 = _U64(GOLDEN), _U64(MIX1), _U64(MIX2)
+_S30, _S27, _S31, _S40 = _U64(30), _U64(27), _U64(31), _U64(40)
+
+
+# ---- casts ------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def cast_encode(x, out, bf16):
+    """out (uint16 bits) = x rounded to bfloat16 if ``bf16`` else float16."""
+    if bf16:
+        for i in range(x.size):
+            out[i] = f32_to_bf16(x[i])
+    else:
+        for i in range(x.size):
+            out[i] = f32_to_f16(x[i])
+
+
+@njit(**_JIT)
+def cast_decode(h, out, bf16):
+    """out (float32) = the 16-bit floats whose bits are ``h``."""
+    if bf16:
+        for i in range(h.size):
+            out[i] = bf16_to_f32(h[i])
+    else:
+        for i in range(h.size):
+            out[i] = f16_to_f32(h[i])
+
+
+# ---- int8 -------------------------------------------------------------------------
+
+
+@njit(inline="always", cache=True)
+def uniform_at(key, i):
+    """The reference's ``uniform(key, n)[i]``."""
+    z = _U64(key) + _U64(i) * _GOLDEN
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    z = z ^ (z >> _S31)
+    return np.float32(z >> _S40) * np.float32(2.0**-24)
+
+
+@njit(**_JIT)
+def int8_encode(x, block, key, stochastic, q, scale):
+    """Fill q (int8, n) and scale (float32, nblocks); see ``reference.int8_encode``."""
+    n = x.size
+    for b in range(scale.size):
+        start, stop = b * block, min((b + 1) * block, n)
+        absmax = np.float32(0.0)
+        for i in range(start, stop):
+            a = abs(x[i])
+            if a > absmax or a != a:
+                absmax = a
+                if a != a:
+                    break
+        if not math.isfinite(absmax):
+            scale[b] = np.float32(np.nan)
+            q[start:stop] = 0
+            continue
+        scale[b] = absmax / np.float32(127.0)
+        inv = np.float32(127.0) / absmax if absmax > 0 else np.float32(0.0)
+        for i in range(start, stop):
+            v = x[i] * inv
+            if stochastic:
+                r = np.floor(v + uniform_at(key, i))
+            else:
+                r = np.rint(v)
+            q[i] = np.int8(max(-127.0, min(127.0, r)))
+
+
+@njit(**_JIT)
+def int8_decode(q, scale, block, out):
+    """out (float32, n) = q * scale of its block."""
+    for i in range(q.size):
+        out[i] = np.float32(q[i]) * scale[i // block]
+
+
+@njit(**_JIT)
+def int8_residual(y, q, scale, block, error):
+    """error = y - decode(q, scale), fused (no decoded array)."""
+    for i in range(y.size):
+        error[i] = y[i] - np.float32(q[i]) * scale[i // block]
+
+
+# ---- top-k ---------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def topk_encode(x, k, values, indices):
+    """Fill values (float32, k) and indices (int32, k); see ``reference.topk_encode``."""
+    n = x.size
+    if k == 0:
+        return
+    bits = x.view(np.uint32)
+    high = np.zeros(1 << 15, np.int64)  # pass 1: high 15 bits of the 31-bit key
+    for i in range(n):
+        high[(np.int64(bits[i]) & 0x7FFFFFFF) >> 16] += 1
+    need, hi = k, (1 << 15) - 1
+    while high[hi] < need:
+        need -= high[hi]
+        hi -= 1
+    low = np.zeros(1 << 16, np.int64)  # pass 2: low 16 bits, inside bucket hi
+    for i in range(n):
+        key = np.int64(bits[i]) & 0x7FFFFFFF
+        if key >> 16 == hi:
+            low[key & 0xFFFF] += 1
+    lo = (1 << 16) - 1
+    while low[lo] < need:
+        need -= low[lo]
+        lo -= 1
+    threshold, ties_left = (hi << 16) | lo, need
+    j = 0
+    for i in range(n):  # pass 3: gather in index order
+        key = np.int64(bits[i]) & 0x7FFFFFFF
+        if key > threshold or (key == threshold and ties_left > 0):
+            if key == threshold:
+                ties_left -= 1
+            values[j] = x[i]
+            indices[j] = i
+            j += 1
+
+
+@njit(**_JIT)
+def topk_decode(values, indices, out, accumulate):
+    """out[indices] = values (or += when ``accumulate``); out is not cleared here."""
+    if accumulate:
+        for j in range(values.size):
+            out[indices[j]] += values[j]
+    else:
+        for j in range(values.size):
+            out[indices[j]] = values[j]
+
+
+# ---- PowerSGD ---------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def orthogonalize(p):
+    """Modified Gram-Schmidt on the columns of p (n, r), in place, float64 dot products."""
+    n, r = p.shape
+    for j in range(r):
+        for i in range(j):
+            dot = 0.0
+            for t in range(n):
+                dot += np.float64(p[t, i]) * np.float64(p[t, j])
+            d32 = np.float32(dot)
+            for t in range(n):
+                p[t, j] -= d32 * p[t, i]
+        sq = 0.0
+        for t in range(n):
+            sq += np.float64(p[t, j]) * np.float64(p[t, j])
+        if sq > 0:
+            inv = np.float32(1.0 / math.sqrt(sq))
+            for t in range(n):
+                p[t, j] *= inv
+
+
+# ---- error feedback -----------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def ef_compensate(x, error, out):
+    for i in range(x.size):
+        out[i] = x[i] + error[i]
+
+
+@njit(**_JIT)
+def ef_residual(compensated, decoded, error):
+    for i in range(compensated.size):
+        error[i] = compensated[i] - decoded[i]
