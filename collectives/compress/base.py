@@ -102,6 +102,11 @@ class Codec(abc.ABC):
 
     def residual_into(self, compensated, payload: Payload, error) -> None:
         """``error = compensated - decode(payload)``; fused by codecs that can."""
+        if is_device_array(compensated):
+            from . import cuda
+
+            cuda.ef_residual(compensated, self.decode(payload, compensated.shape), error)
+            return
         np.subtract(compensated, self.decode(payload, compensated.shape), out=error)
 
     def __repr__(self) -> str:
