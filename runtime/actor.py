@@ -58,10 +58,6 @@ MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 
 
-def _is_buffer(obj: Any) -> bool:
-    return isinstance(obj, (bytes, bytearray, memoryview)) or hasattr(obj, "__array_interface__")
-
-
 class _Recv:
     """A posted receive. ``buf`` None: allocate (``recv``); ``check(header, nbytes)``
     may return an exception to fail the receive (used for collective fingerprints)."""
@@ -276,11 +272,15 @@ class Actor:
         """Sends a buffer (bytes-like, or anything with the buffer protocol) or a
         msgpack-able object to rank ``dst`` under ``tag``. Returns when a buffer
         may be reused."""
-        if _is_buffer(payload):
+        try:
+            mv = payload if type(payload) is memoryview else memoryview(payload)
+        except TypeError:
+            mv = None
+        if mv is not None:
             header = {"k": "d", "t": tag}
             if meta is not None:
                 header["m"] = meta
-            await self.send_frame(dst, header, memoryview(payload).cast("B"))
+            await self.send_frame(dst, header, mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
         else:
             await self.send_frame(dst, {"k": "o", "t": tag}, msgpack.packb(payload, use_bin_type=True))
 
