@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels.halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
-from .reference import GOLDEN, MIX1, MIX2
+from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2
 
 _JIT = dict(nogil=True, cache=True)
 _U64 = np.uint64
@@ -86,8 +86,12 @@ def int8_encode(x, block, key, stochastic, q, scale):
             scale[b] = np.float32(np.nan)
             q[start:stop] = 0
             continue
+        if absmax < np.float32(INT8_FLUSH):
+            scale[b] = np.float32(0.0)
+            q[start:stop] = 0
+            continue
         scale[b] = absmax / np.float32(127.0)
-        inv = np.float32(127.0) / absmax if absmax > 0 else np.float32(0.0)
+        inv = np.float32(127.0) / absmax
         for i in range(start, stop):
             v = x[i] * inv
             if stochastic:

@@ -30,7 +30,7 @@ from numba import cuda
 
 from ..kernels import halfmath
 from ..kernels.cuda import THREADS, grid
-from .reference import GOLDEN, MIX1, MIX2
+from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2
 
 _dev = cuda.jit(device=True)
 _f16_to_f32 = _dev(halfmath.f16_bits_to_f32)
@@ -117,9 +117,12 @@ def _int8_encode(x, block, key, stochastic, q, scale):
         absmax = shared[0]
         cuda.syncthreads()  # everyone has read shared[0] before the next block reuses it
         finite = not (math.isinf(absmax) or absmax != absmax)
+        flush = absmax < np.float32(INT8_FLUSH)
         if t == 0:
             scale[b] = absmax / np.float32(127.0) if finite else np.float32(math.nan)
-        inv = np.float32(127.0) / absmax if (finite and absmax > 0) else np.float32(0.0)
+            if flush:
+                scale[b] = np.float32(0.0)
+        inv = np.float32(127.0) / absmax if (finite and not flush) else np.float32(0.0)
         for i in range(start + t, stop, THREADS):
             if not finite:
                 q[i] = 0

@@ -17,7 +17,8 @@ Error bound, per element, with scale = absmax(block) / 127:
   counter-based hash of (seed, call number, element index), so the NumPy,
   Numba and CUDA versions give identical codes. Give each rank its own seed.
 
-A block containing inf or NaN decodes to all-NaN (scale NaN, codes 0), so
+A block whose absmax is below 2**-100 is sent as zeros (error <= absmax, which
+keeps 127 / absmax finite). A block containing inf or NaN decodes to all-NaN (scale NaN, codes 0), so
 overflow still reaches the loss scaler.
 
 Reduction across ranks (``"gather-decode-sum"``): int8 codes with different
@@ -68,7 +69,7 @@ class Int8Codec(Codec):
             return cuda.int8_encode(flat, self.block, key)
         q = np.empty(flat.size, np.int8)
         scale = np.empty(-(-flat.size // self.block), np.float32)
-        cpu.int8_encode(flat, self.block, 0 if key is None else key, key is not None, q, scale)
+        cpu.int8_encode(flat, self.block, np.uint64(key or 0), key is not None, q, scale)
         return q, scale
 
     def decode(self, payload, shape):

@@ -18,6 +18,7 @@ import numpy as np
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MASK64 = (1 << 64) - 1
+INT8_FLUSH = 2.0**-100  # blocks with a smaller absmax encode as zeros (keeps 127 / absmax finite)
 
 # splitmix64 constants (Steele, Lea, Flood 2014)
 GOLDEN = 0x9E3779B97F4A7C15
@@ -72,7 +73,8 @@ def int8_encode(x: np.ndarray, block: int, key: int | None = None) -> tuple[np.n
     Per block b: absmax = max |x| (NaN if any NaN), scale = absmax / 127 and
     q = round(x * (127 / absmax)), clipped to [-127, 127]. Round to nearest even
     when ``key`` is None, else stochastic: floor(x * (127 / absmax) + u) with u
-    from :func:`uniform`. An all-zero block has scale 0 and codes 0; a block
+    from :func:`uniform`. A block with absmax < INT8_FLUSH (2**-100, all zero
+included) has scale 0 and codes 0; a block
     whose absmax is inf or NaN has scale NaN and codes 0 (it decodes to NaN).
     """
     n = x.size
@@ -81,9 +83,11 @@ def int8_encode(x: np.ndarray, block: int, key: int | None = None) -> tuple[np.n
     padded[:n] = x
     absmax = np.abs(padded).reshape(nblocks, block).max(axis=1)  # (nblocks,) NaN propagates
     finite = np.isfinite(absmax)
+    flush = absmax < F32(INT8_FLUSH)
     with np.errstate(all="ignore"):
-        scale = np.where(finite, absmax / F32(127), F32(np.nan)).astype(F32)
-        inv = np.where(finite & (absmax > 0), F32(127) / absmax, F32(0)).astype(F32)
+        scale = np.where(finite, absmax / F32(127), F32(np.nan))
+        scale = np.where(flush, F32(0), scale).astype(F32)
+        inv = np.where(finite & ~flush, F32(127) / absmax, F32(0)).astype(F32)
         v = x * np.repeat(inv, block)[:n]  # (n,) float32
         if key is None:
             q = np.rint(v)
