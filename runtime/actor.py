@@ -149,12 +149,9 @@ class Actor:
     async def _admit(self, sock, addr) -> None:
         where = f"{addr[0]}:{addr[1]}"
         try:
-            who = await auth.accept(sock, self._secret, self._job, where, self._handshake_timeout_s)
-            peer = who.get("rank")
-            if type(peer) is not int or not 0 <= peer < self.world_size or peer == self.rank:
-                raise AuthenticationError(f"{where} claims rank {peer!r}; this job has ranks 0..{self.world_size - 1}")
-            if peer in self.conns:
-                raise AuthenticationError(f"{where} claims rank {peer}, which is already connected")
+            who = await auth.accept(sock, self._secret, self._job, where, self._handshake_timeout_s,
+                                    admit=self._admit_who)
+            peer = who["rank"]
             conn = await TCPConnection.open(sock, peer, f"rank {peer} at {where}", self, self.schema,
                                             self._max_payload)
         except (AuthenticationError, BadFrameError, ConnectError, TimeoutError, OSError) as exc:
@@ -165,6 +162,14 @@ class Actor:
             sock.close()
             raise
         self._add_conn(conn)
+
+    def _admit_who(self, who: dict) -> str | None:
+        peer = who.get("rank")
+        if type(peer) is not int or not 0 <= peer < self.world_size or peer == self.rank:
+            return f"claims rank {peer!r}; this job has ranks 0..{self.world_size - 1} and this is rank {self.rank}"
+        if peer in self.conns:
+            return f"claims rank {peer}, which is already connected"
+        return None
 
     async def connect_mesh(self, addresses: dict[int, tuple[str, int]], timeout_s: float) -> None:
         """Connects to every lower rank and waits for every higher rank to connect.

@@ -123,9 +123,12 @@ async def _send_frame(loop, sock, header: dict) -> None:
 
 
 async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str,
-                 timeout_s: float = HANDSHAKE_TIMEOUT_S) -> dict:
+                 timeout_s: float = HANDSHAKE_TIMEOUT_S, admit=None) -> dict:
     """Runs the acceptor side on a connected non-blocking socket.
 
+    Args:
+        admit: optional ``admit(who) -> refusal message | None``, asked after the
+            MAC checks out and before ``ok`` (e.g. a rank that is already connected).
     Returns:
         the connector's ``who`` map (for ranks: ``{"rank": r}``).
     Raises:
@@ -144,6 +147,10 @@ async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str
         if not hmac.compare_digest(expected, msg["mac"]):
             await _send_frame(loop, sock, {"k": "denied", "why": "authentication failed"})
             raise AuthenticationError(f"{where} ({who}) failed authentication for job {job!r}")
+        refusal = admit(who) if admit is not None else None
+        if refusal:
+            await _send_frame(loop, sock, {"k": "denied", "why": refusal})
+            raise AuthenticationError(f"{where} ({who}) refused: {refusal}")
         await _send_frame(loop, sock, {"k": "ok", "mac": _mac(secret, b"a", msg["n"], nonce_a)})
     return who
 
