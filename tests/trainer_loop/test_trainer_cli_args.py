@@ -1,0 +1,79 @@
+"""`python -m trainer` argument parsing and the TrainConfig it makes (no processes)."""
+
+import numpy as np
+import pytest
+
+from trainer.cli import build_parser, load_data, make_config, parse_args
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_defaults():
+    args = parse_args([])
+    assert (args.strategy, args.epochs, args.batch_size, args.lr, args.optimizer) == ("ddp", 5, 64, 2e-3, "adamw")
+    assert (args.data, args.width, args.depth, args.grad_accum) == ("digits", 256, 2, 1)
+    assert args.checkpoint_dir is None and not args.resume and args.clip_norm is None
+    config = make_config(args, steps_per_epoch=23)
+    assert config.total_steps == 115 and config.warmup_steps == 11
+    assert config.strategy == "ddp" and config.loss_scale is None and config.compression is None
+    assert config.reshard_after_forward and config.prefetch
+
+
+def test_every_flag_reaches_the_config():
+    args = parse_args([
+        "--strategy", "fsdp", "--epochs", "3", "--batch-size", "128", "--lr", "0.01", "--optimizer", "sgd",
+        "--momentum", "0.8", "--weight-decay", "0", "--param-dtype", "bfloat16", "--reduce-dtype", "float16",
+        "--grad-accum", "4", "--clip-norm", "1.5", "--compression", "int8", "--seed", "7",
+        "--no-reshard-after-forward", "--no-prefetch", "--loss-scale", "on", "--check-every", "10",
+        "--warmup-steps", "5", "--bucket-cap-mb", "2", "--master-dtype", "float64",
+    ])
+    c = make_config(args, steps_per_epoch=10)
+    assert (c.strategy, c.optimizer, c.lr, c.momentum, c.weight_decay) == ("fsdp", "sgd", 0.01, 0.8, 0.0)
+    assert (c.param_dtype, c.reduce_dtype, c.master_dtype) == ("bfloat16", "float16", "float64")
+    assert (c.grad_accum, c.clip_norm, c.compression, c.seed) == (4, 1.5, "int8", 7)
+    assert not c.reshard_after_forward and not c.prefetch and c.loss_scale is True
+    assert (c.check_every, c.warmup_steps, c.total_steps, c.bucket_cap_mb) == (10, 5, 30, 2.0)
+    assert make_config(parse_args(["--compression", "none"]), 5).compression is None
+    assert make_config(parse_args(["--loss-scale", "off"]), 5).loss_scale is False
+
+
+def test_warmup_never_exceeds_the_schedule():
+    c = make_config(parse_args(["--epochs", "1", "--warmup-steps", "50"]), steps_per_epoch=10)
+    assert c.warmup_steps == 10 and c.total_steps == 10
+    assert make_config(parse_args(["--epochs", "0"]), steps_per_epoch=10).total_steps == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--strategy", "zero4"], "invalid choice"),
+    (["--epochs", "-1"], "must be >= 0"),
+    (["--batch-size", "0"], "must be >= 1"),
+    (["--lr", "0"], "must be > 0"),
+    (["--grad-accum", "0"], "must be >= 1"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--param-dtype", "int8"], "invalid choice"),
+    (["--val-fraction", "1.5"], "--val-fraction"),
+    (["--dropout", "1"], "--dropout"),
+])
+def test_bad_flags_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_the_flags():
+    text = build_parser().format_help()
+    for flag in ("--strategy", "--epochs", "--batch-size", "--lr", "--optimizer", "--param-dtype",
+                 "--reduce-dtype", "--grad-accum", "--clip-norm", "--compression", "--checkpoint-dir",
+                 "--resume", "--seed", "--data", "--size", "--width", "--depth"):
+        assert flag in text
+
+
+def test_data_choices():
+    digits = load_data(parse_args([]))
+    assert digits.x_train.shape == (1438, 64) and digits.x_val.shape == (359, 64)
+    syn = load_data(parse_args(["--data", "synthetic", "--size", "1000", "--in-dim", "12", "--classes", "4"]))
+    assert syn.x_train.shape == (800, 12) and syn.x_val.shape == (200, 12) and syn.num_classes == 4
+    assert syn.x_train.dtype == np.float32
+    assert load_data(parse_args(["--data", "synthetic", "--size", "100", "--master-dtype", "float64"])).x_val.dtype \
+        == np.float64
