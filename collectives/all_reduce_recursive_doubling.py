@@ -1,0 +1,70 @@
+"""Recursive-doubling all_reduce: log2(n) exchanges of the whole array; for tiny messages.
+
+How it works (n ranks, rank r; p = the largest power of two <= n, rem = n - p):
+
+* **fold** (only when n is not a power of two): among the first 2*rem ranks,
+  each even rank r sends its whole array to r+1 and waits; odd rank r+1 reduces
+  it (``x = x[r] <op> x[r+1]``) and joins the power-of-two part as new rank
+  ``(r+1) // 2``. Ranks >= 2*rem join as new rank ``r - rem``.
+* **exchange**: in round i (mask = 2^i < p) new rank q swaps its whole array
+  with new rank ``q ^ mask`` and both compute ``lower <op> higher`` (lower and
+  higher by new rank, which keeps rank order), so both hold bit-identical
+  results. After log2(p) rounds every new rank holds the full result.
+* **unfold**: odd rank r+1 sends the result back to even rank r.
+
+Each round costs one latency and moves the whole array, so this wins only
+when the array is small (see the table in registry.py). No padding.
+
+Worked example, n = 3, op = sum, rank i holds [xi] (p = 2, rem = 1)::
+
+    fold      r0 -> r1: r1 = x0+x1         (r1 is new rank 0, r2 new rank 1)
+    round 0   r1 <-> r2: both = (x0+x1)+x2
+    unfold    r1 -> r0: r0 = x0+x1+x2
+
+Signature: ``await run(comm, x, op)``; ``x`` 1-D reduced in place; ``op`` a kernel op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collectives.ops import as_bytes, reduce_now
+
+
+async def run(comm, x: np.ndarray, op: str) -> None:
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+    buf = as_bytes(x)
+    scratch = np.empty_like(x)
+    if r < 2 * rem:  # fold
+        if r % 2 == 0:  # an extra rank: hand our data over and wait for the result
+            await comm.send(r + 1, buf)
+            await comm.recv_into(r + 1, buf)
+            return
+        await comm.recv_into(r - 1, as_bytes(scratch))
+        reduce_now(scratch, x, op)  # x[r-1] <op> x[r]
+        x[...] = scratch
+        q = r // 2
+    else:
+        q = r - rem
+
+    def real(new: int) -> int:
+        return 2 * new + 1 if new < rem else new + rem
+
+    mask = 1
+    while mask < p:  # exchange with new rank q ^ mask
+        partner = real(q ^ mask)
+        arrived = comm.irecv(partner, as_bytes(scratch))  # post first
+        await comm.send(partner, buf)
+        await arrived
+        if q & mask:  # the partner is lower: result = theirs <op> ours
+            reduce_now(scratch, x, op)
+            x[...] = scratch
+        else:
+            reduce_now(x, scratch, op)
+        mask <<= 1
+    if r < 2 * rem:  # unfold: give the extra rank the result
+        await comm.send(r - 1, buf)

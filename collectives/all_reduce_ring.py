@@ -1,0 +1,96 @@
+"""Ring all_reduce: a reduce-scatter then an all-gather around a ring, segmented and pipelined.
+
+How it works (n ranks, rank r, right = r+1 mod n, left = r-1 mod n):
+
+* The array is cut into n **chunks** (chunk c = elements ``bounds[c]:bounds[c+1]``,
+  the first ``count % n`` chunks one element longer; no padding), and each
+  chunk into the same number of **segments** (``nseg``, from the largest chunk
+  and :data:`SEGMENT_NBYTES`), so sender and receiver agree on every message.
+* There are ``2(n-1)`` **steps**. At step s rank r sends chunk ``(r - s) mod n``
+  to the right and receives chunk ``(r - s - 1) mod n`` from the left.
+  - steps 0 .. n-2 (reduce-scatter): the received segment lands in a scratch
+    slot and is reduced into ``x``; after them rank r holds the full result of
+    chunk ``(r + 1) mod n``;
+  - steps n-1 .. 2n-3 (all-gather): the received segment is already final and
+    lands straight in ``x``.
+* The pipeline is per segment: the chunk sent at step s+1 is the one received
+  (and reduced) at step s, so segment k of step s+1 goes out as soon as segment k
+  of step s is reduced, while the later segments of step s are still in flight.
+  Receives are posted one step ahead (scratch has two slots per segment, one
+  for the even steps and one for the odd), so data lands in its buffer without
+  a copy. Every message of a call from the left is matched in order, and both
+  ends go through (step, segment) in the same lexicographic order.
+
+Each rank sends ``2(n-1)/n`` of the array in total, the bandwidth optimum.
+
+Worked example, n = 3, count = 4, op = sum, one segment per chunk
+(chunks: A = x[0:2], B = x[2:3], C = x[3:4]; "a0" is rank 0's A)::
+
+    step 0  r0 sends A to r1   r1 sends B to r2   r2 sends C to r0
+            r0: C = c0+c2      r1: A = a1+a0      r2: B = b2+b1
+    step 1  r0 sends C         r1 sends A         r2 sends B
+            r0: B = b0+b2+b1   r1: C = c1+c0+c2   r2: A = a2+a1+a0    (each holds one full chunk)
+    step 2  r0 sends B         r1 sends C         r2 sends A          (all-gather: copies, no reduce)
+            r0: A full         r1: B full         r2: C full
+    step 3  r0 sends A         r1 sends B         r2 sends C
+            r0: C full         r1: A full         r2: B full          (everyone holds everything)
+
+Every element is reduced by one chain of ranks and then copied, so all ranks
+get bit-identical results.
+
+Signature: ``await run(comm, x, op)``; ``x`` a 1-D C-contiguous array reduced in
+place, ``op`` a kernel op (sum, prod, min, max; avg is handled by the caller).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collectives.ops import as_bytes, chunk_bounds, reduce_async
+
+SEGMENT_NBYTES = 1 << 20  # one message; set from measurements (registry.py notes)
+
+
+async def run(comm, x: np.ndarray, op: str) -> None:
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    bounds = chunk_bounds(x.size, n)  # chunk c is x[bounds[c]:bounds[c+1]]
+    max_chunk = bounds[1] - bounds[0]
+    seg_elems = max(1, SEGMENT_NBYTES // x.itemsize)
+    nseg = max(1, -(-max_chunk // seg_elems))
+    seg_bounds = {length: chunk_bounds(length, nseg) for length in {max_chunk, max(0, max_chunk - 1)}}
+    max_seg = -(-max_chunk // nseg)
+    scratch = np.empty((2, nseg, max_seg), x.dtype)  # [step parity, segment] receive slots
+    steps = 2 * (n - 1)
+
+    def segment(c: int, k: int) -> np.ndarray:
+        """Segment k of chunk c, a view into x."""
+        start = bounds[c]
+        sb = seg_bounds[bounds[c + 1] - start]
+        return x[start + sb[k]:start + sb[k + 1]]
+
+    def post(s: int, k: int):
+        """Posts the receive of step s, segment k from the left."""
+        dst = segment((r - s - 1) % n, k)
+        if s < n - 1:  # reduce-scatter: into a scratch slot
+            dst = scratch[s % 2, k, :dst.size]
+        return comm.irecv(left, as_bytes(dst))
+
+    pending = [post(0, k) for k in range(nseg)]  # step 0's receives, before any send
+    for k in range(nseg):  # step 0: send our own chunk r, segment by segment
+        await comm.send(right, as_bytes(segment(r, k)))
+    for s in range(steps):
+        upcoming = []
+        for k in range(nseg):
+            if s + 1 < steps:
+                upcoming.append(post(s + 1, k))  # post step s+1 before step s's data is used
+            await pending[k]  # segment k of step s has arrived from the left
+            chunk = (r - s - 1) % n
+            if s < n - 1:  # reduce it into x (reduce-scatter phase)
+                seg = segment(chunk, k)
+                await reduce_async(seg, scratch[s % 2, k, :seg.size], op)
+            if s + 1 < steps:  # it is what we send at step s+1
+                await comm.send(right, as_bytes(segment(chunk, k)))
+        pending = upcoming

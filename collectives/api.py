@@ -1,0 +1,359 @@
+"""The public collectives, async, in place on the caller's NumPy arrays (like torch.distributed).
+
+    import collectives as C
+    await C.all_reduce(x, op="sum")                 # every rank: x = sum over ranks
+    await C.all_gather(out, x)                      # out holds size * x.size elements
+    await C.reduce_scatter(out, x, op="sum")        # x holds size * out.size elements
+    await C.broadcast(x, src=0)
+    await C.reduce(x, dst=0, op="max")
+    await C.gather(out, x, dst=0)                   # out only needed on dst
+    await C.scatter(out, x, src=0)                  # x only needed on src
+    await C.all_to_all(out, x)
+    await C.barrier()
+    await C.send(x, dst=1, tag=7); await C.recv(x, src=0, tag=7)
+
+Common keyword arguments:
+
+* ``group``: a ``runtime.group.ProcessGroup``; default the world of the
+  calling task's runtime (``runtime.current().world``).
+* ``timeout``: seconds; default the runtime's (``RINGWEAVE_TIMEOUT_S``, 300).
+  A call that runs out raises ``CollectiveTimeoutError`` naming the ranks not
+  heard from, and the group fails (every later call raises too).
+* ``algorithm``: a name from ``collectives.registry.ALGORITHMS`` (also
+  ``RINGWEAVE_ALGO_<COLLECTIVE>``); default the registry's table. Every rank
+  must choose the same one: the name is part of the call's fingerprint.
+
+Contract of every call:
+
+* ops: ``sum, avg, prod, min, max``; dtypes: float16, bfloat16, float32,
+  float64, int8, int32, int64, uint8; any shape, zero-length included
+  (a zero-length call still exchanges its empty messages, so a rank whose
+  length differs still gets a mismatch error rather than a hang).
+* float16 / bfloat16 reduce in float32 per step and round back (the kernels'
+  contract, collectives/kernels/reference.py); integer sum/prod wrap.
+  ``avg`` is ``sum`` then a division by the group size; for integer dtypes the
+  division floors (-7 avg over 2 ranks is -4), like ``torch.div(...,
+  rounding_mode="floor")``.
+* arguments are checked before any message is sent: ``TypeError`` for a
+  wrong type or dtype, ``ValueError`` for a wrong length, a non-contiguous or
+  read-only array, a bad root or op, each naming the argument and the values.
+* several calls may be in flight on one group (``asyncio.gather(all_reduce(a),
+  all_reduce(b))``) as long as every rank issues them in the same order: a
+  call takes its sequence number when its coroutine starts, before its first
+  wait.
+* failures: ``CollectiveMismatchError`` (ranks called different collectives,
+  or with a different op / dtype / length / root / algorithm), ``PeerLostError``
+  (a rank died or left), ``CollectiveTimeoutError``; after any of them the
+  group is failed and every later call on it raises the same error.
+
+Not here: the blocking facade (blocking.py), algorithms (one file each),
+selection (registry.py), checks and fingerprints (ops.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from collectives import ops, registry
+from runtime.errors import CollectiveTimeoutError
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+           "all_to_all", "barrier", "send", "recv"]
+
+
+def _group(group):
+    if group is not None:
+        return group
+    import runtime
+    return runtime.current().world
+
+
+def _start(group, collective: str, nbytes: int, algorithm, timeout, **fp):
+    """Chooses the algorithm and opens the call (takes the sequence number). No waiting."""
+    name, fn = registry.choose(collective, nbytes, group.size, algorithm)
+    call = group.open_call(ops.fingerprint(collective, algo=name, **fp), timeout)
+    return call, fn
+
+
+async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float | None = None,
+                     algorithm: str | None = None, compression=None) -> np.ndarray:
+    """Reduces ``x`` over all ranks of the group, in place on every rank; returns ``x``.
+
+    Args:
+        x: any shape; C-contiguous, writeable.
+        op: ``"sum" | "avg" | "prod" | "min" | "max"``.
+        compression: must be None for now (codecs in collectives/compress
+            come later); anything else raises NotImplementedError.
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2], np.float32) + 2 * rank
+        # Rank 0: [1. 2.]   Rank 1: [3. 4.]
+        await all_reduce(x, op="sum")
+        # Rank 0: [4. 6.]   Rank 1: [4. 6.]
+    """
+    if compression is not None:
+        raise NotImplementedError(f"all_reduce(compression={compression!r}): compression is not implemented yet; "
+                                  "pass compression=None")
+    group = _group(group)
+    ops.check_array("x", x)
+    ops.check_op(op)
+    call, fn = _start(group, "all_reduce", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype, count=x.size)
+    flat = ops.flat(x)
+    await group.run(call, fn, flat, ops.kernel_op(op))
+    ops.finish_avg(flat, op, group.size)
+    return x
+
+
+async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
+                     algorithm: str | None = None) -> np.ndarray:
+    """Gathers every rank's ``x`` into ``out`` on every rank, in rank order; returns ``out``.
+
+    Args:
+        out: ``group.size * x.size`` elements (e.g. shape ``(size, *x.shape)``), x's dtype.
+        x: any shape; may be ``out``'s block of this rank itself.
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2]) + 2 * rank; out = np.empty(4, x.dtype)
+        # Rank 0: x = [1 2]       Rank 1: x = [3 4]
+        await all_gather(out, x)
+        # Rank 0: out = [1 2 3 4] Rank 1: out = [1 2 3 4]
+    """
+    group = _group(group)
+    ops.check_array("out", out)
+    ops.check_array("x", x, writeable=False)
+    ops.check_same_dtype("out", out, "x", x)
+    ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
+    call, fn = _start(group, "all_gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
+    await group.run(call, fn, ops.flat(out), ops.flat(x))
+    return out
+
+
+async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=None,
+                         timeout: float | None = None, algorithm: str | None = None) -> np.ndarray:
+    """Reduces ``x`` over all ranks and leaves block ``rank`` of the result in ``out``; returns ``out``.
+
+    ``x`` (not modified) holds ``group.size`` blocks of ``out.size`` elements.
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2, 3, 4]) * (rank + 1); out = np.empty(2, x.dtype)
+        # Rank 0: x = [1 2 3 4]   Rank 1: x = [2 4 6 8]
+        await reduce_scatter(out, x, op="sum")
+        # Rank 0: out = [3 6]     Rank 1: out = [9 12]
+    """
+    group = _group(group)
+    ops.check_array("out", out)
+    ops.check_array("x", x, writeable=False)
+    ops.check_same_dtype("out", out, "x", x)
+    ops.check_op(op)
+    ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
+    if np.shares_memory(out, x):
+        raise ValueError("reduce_scatter: out and x overlap; pass separate arrays")
+    call, fn = _start(group, "reduce_scatter", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype,
+                      count=out.size)
+    flat = ops.flat(out)
+    await group.run(call, fn, flat, ops.flat(x), ops.kernel_op(op))
+    ops.finish_avg(flat, op, group.size)
+    return out
+
+
+async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | None = None,
+                    algorithm: str | None = None) -> np.ndarray:
+    """Copies ``x`` of group rank ``src`` into ``x`` on every rank; returns ``x``.
+
+    Example (2 ranks)::
+
+        x = np.array([7, 8]) if rank == 0 else np.zeros(2, np.int64)
+        # Rank 0: [7 8]   Rank 1: [0 0]
+        await broadcast(x, src=0)
+        # Rank 0: [7 8]   Rank 1: [7 8]
+    """
+    group = _group(group)
+    ops.check_array("x", x)
+    src = ops.check_root("src", src, group.size)
+    call, fn = _start(group, "broadcast", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size, root=src)
+    await group.run(call, fn, ops.flat(x), src)
+    return x
+
+
+async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeout: float | None = None,
+                 algorithm: str | None = None) -> np.ndarray:
+    """Reduces ``x`` over all ranks into ``x`` of group rank ``dst``; other ranks' ``x`` is unchanged.
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2]) + 2 * rank
+        # Rank 0: [1 2]   Rank 1: [3 4]
+        await reduce(x, dst=0, op="sum")
+        # Rank 0: [4 6]   Rank 1: [3 4]
+    """
+    group = _group(group)
+    ops.check_array("x", x)
+    ops.check_op(op)
+    dst = ops.check_root("dst", dst, group.size)
+    call, fn = _start(group, "reduce", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype, count=x.size, root=dst)
+    flat = ops.flat(x)
+    await group.run(call, fn, flat, dst, ops.kernel_op(op))
+    if group.rank == dst:
+        ops.finish_avg(flat, op, group.size)
+    return x
+
+
+async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None, timeout: float | None = None,
+                 algorithm: str | None = None) -> np.ndarray | None:
+    """Gathers every rank's ``x`` into ``out`` of group rank ``dst``, in rank order; returns ``out``.
+
+    ``out`` (``group.size * x.size`` elements) is needed on ``dst`` only; pass
+    None elsewhere (it is ignored there).
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2]) + 2 * rank; out = np.empty(4, x.dtype) if rank == 0 else None
+        # Rank 0: x = [1 2]          Rank 1: x = [3 4]
+        await gather(out, x, dst=0)
+        # Rank 0: out = [1 2 3 4]    Rank 1: (nothing)
+    """
+    group = _group(group)
+    ops.check_array("x", x, writeable=False)
+    dst = ops.check_root("dst", dst, group.size)
+    if group.rank == dst:
+        if out is None:
+            raise ValueError(f"gather: out is None on the destination rank {dst}")
+        ops.check_array("out", out)
+        ops.check_same_dtype("out", out, "x", x)
+        ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
+    call, fn = _start(group, "gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size, root=dst)
+    await group.run(call, fn, ops.flat(out) if group.rank == dst else None, ops.flat(x), dst)
+    return out
+
+
+async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=None, timeout: float | None = None,
+                  algorithm: str | None = None) -> np.ndarray:
+    """Sends block ``r`` of ``x`` on group rank ``src`` to ``out`` of rank ``r``; returns ``out``.
+
+    ``x`` (``group.size * out.size`` elements) is needed on ``src`` only; pass
+    None elsewhere (it is ignored there).
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2, 3, 4]) if rank == 0 else None; out = np.empty(2, np.int64)
+        # Rank 0: x = [1 2 3 4]   Rank 1: x = None
+        await scatter(out, x, src=0)
+        # Rank 0: out = [1 2]     Rank 1: out = [3 4]
+    """
+    group = _group(group)
+    ops.check_array("out", out)
+    src = ops.check_root("src", src, group.size)
+    if group.rank == src:
+        if x is None:
+            raise ValueError(f"scatter: x is None on the source rank {src}")
+        ops.check_array("x", x, writeable=False)
+        ops.check_same_dtype("out", out, "x", x)
+        ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
+    call, fn = _start(group, "scatter", out.nbytes, algorithm, timeout, dtype=out.dtype, count=out.size, root=src)
+    await group.run(call, fn, ops.flat(out), ops.flat(x) if group.rank == src else None, src)
+    return out
+
+
+async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
+                     algorithm: str | None = None) -> np.ndarray:
+    """Block ``j`` of ``x`` on rank ``r`` goes to block ``r`` of ``out`` on rank ``j``; returns ``out``.
+
+    ``x`` and ``out`` hold ``group.size`` equal blocks (same size, same dtype,
+    not overlapping).
+
+    Example (2 ranks)::
+
+        x = np.array([1, 2]) + 2 * rank; out = np.empty(2, x.dtype)
+        # Rank 0: x = [1 2]     Rank 1: x = [3 4]
+        await all_to_all(out, x)
+        # Rank 0: out = [1 3]   Rank 1: out = [2 4]
+    """
+    group = _group(group)
+    ops.check_array("out", out)
+    ops.check_array("x", x, writeable=False)
+    ops.check_same_dtype("out", out, "x", x)
+    if x.size % group.size:
+        raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the group size {group.size}")
+    ops.check_size("out", out, x.size, "the same as x")
+    if np.shares_memory(out, x):
+        raise ValueError("all_to_all: out and x overlap; pass separate arrays")
+    call, fn = _start(group, "all_to_all", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
+    await group.run(call, fn, ops.flat(out), ops.flat(x))
+    return out
+
+
+async def barrier(group=None, timeout: float | None = None, algorithm: str | None = None) -> None:
+    """Returns once every rank of the group has entered the barrier.
+
+    Example (2 ranks)::
+
+        # Rank 0: await barrier()   Rank 1: await asyncio.sleep(1); await barrier()
+        # both return after about 1 s
+    """
+    group = _group(group)
+    call, fn = _start(group, "barrier", 0, algorithm, timeout)
+    await group.run(call, fn)
+
+
+def _p2p_tag(group, tag) -> tuple:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__} {tag!r}")
+    return ("p2p", group.gid, int(tag))
+
+
+def _peer(group, name: str, peer) -> int:
+    peer = ops.check_root(name, peer, group.size)
+    if peer == group.rank:
+        raise ValueError(f"{name}={peer} is this rank itself")
+    if group.error is not None:
+        raise group.error
+    return group.ranks[peer]
+
+
+async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float | None = None) -> None:
+    """Sends ``x`` to group rank ``dst`` under ``tag``; returns when ``x`` may be reused.
+
+    Point to point: messages from one rank to another with one tag are
+    received in the order sent. Sizes are checked at the receiver (a different
+    length raises ValueError there); dtypes are not carried.
+
+    Example (2 ranks)::
+
+        # Rank 0: await send(np.array([1, 2]), dst=1)
+        # Rank 1: x = np.empty(2, np.int64); await recv(x, src=0)   -> x = [1 2]
+    """
+    group = _group(group)
+    ops.check_array("x", x, writeable=False)
+    key, peer = _p2p_tag(group, tag), _peer(group, "dst", dst)
+    timeout = group.runtime.timeout_s if timeout is None else timeout
+    try:
+        async with asyncio.timeout(timeout):
+            await group.runtime.actor.send(peer, key, ops.as_bytes(x))
+    except TimeoutError:
+        raise CollectiveTimeoutError(f"rank {group.runtime.rank}: send to rank {peer} (tag {tag}) timed out after "
+                                     f"{timeout:.1f} s", missing=[peer]) from None
+
+
+async def recv(x: np.ndarray, src: int, tag: int = 0, group=None, timeout: float | None = None) -> np.ndarray:
+    """Receives into ``x`` what group rank ``src`` sent under ``tag``; returns ``x``.
+
+    Raises:
+        ValueError: the message has a different byte length than ``x``.
+        PeerLostError: ``src`` went away. CollectiveTimeoutError: nothing came in time.
+    """
+    group = _group(group)
+    ops.check_array("x", x)
+    key, peer = _p2p_tag(group, tag), _peer(group, "src", src)
+    timeout = group.runtime.timeout_s if timeout is None else timeout
+    try:
+        async with asyncio.timeout(timeout):
+            await group.runtime.actor.recv_into(peer, key, ops.as_bytes(x))
+    except TimeoutError:
+        raise CollectiveTimeoutError(f"rank {group.runtime.rank}: recv from rank {peer} (tag {tag}) timed out after "
+                                     f"{timeout:.1f} s", missing=[peer]) from None
+    return x

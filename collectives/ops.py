@@ -1,0 +1,137 @@
+"""What every collective checks and computes before and after its messages.
+
+* validation: ops, dtypes, and arrays (type, dtype, C-contiguity, writeability,
+  length), each error naming the argument and the value, raised BEFORE the
+  call takes a sequence number or sends a byte (a local mistake must not leave
+  the other ranks waiting; a rank whose input is wrong while its peers' are
+  right is caught by the fingerprint instead);
+* fingerprints: the string every message of a call carries, e.g.
+  ``"all_reduce op=sum dtype=float32 count=1000 root=- algo=ring"``;
+* buffers: arrays as flat 1-D views and as byte memoryviews for the transport;
+* reductions: ``avg`` is ``sum`` then a division by the group size
+  (:func:`finish_avg`; integer dtypes round toward minus infinity, as
+  ``torch.div(rounding_mode="floor")``: -7 // 2 == -4), and large reductions
+  run on a worker thread (:func:`reduce_async`).
+
+Not here: messages (the algorithm files), choosing algorithms (registry.py),
+the kernels themselves (collectives/kernels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from collectives.kernels import divide_into, reduce_into
+from collectives.kernels.reference import DTYPES
+
+OPS = ("sum", "avg", "prod", "min", "max")
+DTYPE_NAMES = tuple(str(d) for d in DTYPES)
+
+# Reductions of at least this many bytes run on a worker thread (asyncio.to_thread),
+# so the event loop keeps moving bytes meanwhile. Measured in registry.py's notes.
+OFFLOAD_MIN_NBYTES = 1 << 62  # off by default: see the measurement in registry.py
+
+
+def check_op(op) -> str:
+    """Returns ``op`` if it is one of :data:`OPS`; else ValueError naming it."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return op
+
+
+def kernel_op(op: str) -> str:
+    """The element-wise kernel op: ``avg`` reduces as ``sum``."""
+    return "sum" if op == "avg" else op
+
+
+def check_array(name: str, x, *, writeable: bool = True) -> np.ndarray:
+    """Returns ``x`` if it is a C-contiguous NumPy array of a supported dtype.
+
+    Raises:
+        TypeError: not a NumPy array, or an unsupported dtype (names ``name``).
+        ValueError: not C-contiguous, or read-only when ``writeable``.
+    """
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous, got shape {x.shape} with strides {x.strides} "
+                         f"(use numpy.ascontiguousarray and copy the result back)")
+    if writeable and not x.flags.writeable:
+        raise ValueError(f"{name} is read-only; the collective writes its result into it in place")
+    return x
+
+
+def check_same_dtype(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None:
+    if a.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {a.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
+
+
+def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
+    if a.size != expected:
+        raise ValueError(f"{name} has {a.size} elements (shape {a.shape}); expected {expected} ({why})")
+
+
+def check_root(name: str, root, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"{name}={root!r} is not a rank of this group (0..{size - 1})")
+    return int(root)
+
+
+def fingerprint(collective: str, *, op: str | None = None, dtype=None, count: int = 0,
+                root: int | None = None, algo: str = "-") -> str:
+    """What must agree across the ranks of one call, carried by each of its messages.
+
+    The algorithm is part of it: every rank must run the same one, and a rank
+    whose override (``algorithm=`` or environment) differs then gets a
+    :class:`CollectiveMismatchError` naming both choices instead of a hang.
+    """
+    return (f"{collective} op={op or '-'} dtype={dtype if dtype is not None else '-'} count={count} "
+            f"root={'-' if root is None else root} algo={algo}")
+
+
+def flat(x: np.ndarray) -> np.ndarray:
+    """A 1-D view of a C-contiguous array (no copy)."""
+    return x.reshape(-1)
+
+
+def as_bytes(x: np.ndarray) -> memoryview:
+    """A byte memoryview of a C-contiguous array (bfloat16 included; no copy)."""
+    return memoryview(x.reshape(-1).view(np.uint8))
+
+
+def chunk_bounds(count: int, parts: int) -> list[int]:
+    """Element offsets of ``parts`` near-equal pieces of ``count``: the first
+    ``count % parts`` pieces are one element longer (``numpy.array_split``).
+
+    >>> chunk_bounds(10, 4)
+    [0, 3, 6, 8, 10]
+    """
+    base, extra = divmod(count, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def reduce_now(dst: np.ndarray, src: np.ndarray, op: str) -> None:
+    """``dst = dst <op> src`` on the calling thread (op: a kernel op)."""
+    if dst.size:
+        reduce_into(dst, src, op)
+
+
+async def reduce_async(dst: np.ndarray, src: np.ndarray, op: str) -> None:
+    """``dst = dst <op> src``; on a worker thread when large (the kernel releases the GIL)."""
+    if dst.nbytes >= OFFLOAD_MIN_NBYTES:
+        await asyncio.to_thread(reduce_into, dst, src, op)
+    elif dst.size:
+        reduce_into(dst, src, op)
+
+
+def finish_avg(x: np.ndarray, op: str, size: int) -> None:
+    """Second half of ``avg``: divides the sum by the group size (floor for integers)."""
+    if op == "avg" and size > 1 and x.size:
+        divide_into(x, size)

@@ -1,0 +1,106 @@
+"""Which algorithm runs a collective: name -> function, and the default selection table.
+
+Every collective has a table, an ordered list of :class:`Rule`; the first rule
+whose ``applies(nbytes, world)`` holds names the algorithm (``nbytes`` is the
+size of one rank's input, ``world`` the group size). Overrides, first wins:
+
+1. ``algorithm="ring"`` on the call;
+2. the environment, ``RINGWEAVE_ALGO_<COLLECTIVE>=<name>``, e.g.
+   ``RINGWEAVE_ALGO_ALL_REDUCE=ring`` (read at each call);
+3. the table.
+
+Every rank must run the same algorithm, so its name is part of the call's
+fingerprint (collectives/ops.py): a rank whose override differs gets a
+``CollectiveMismatchError`` naming both choices, not a hang. The table itself
+depends only on values that are already in the fingerprint (bytes, group
+size), so ranks that agree on the call agree on the table's choice.
+
+Not here: the algorithms (one file each, ``collectives/<collective>_<name>.py``),
+argument checks (ops.py), the public calls (api.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from collectives import (all_gather_ring, all_reduce_halving_doubling, all_reduce_recursive_doubling,
+                         all_reduce_ring, all_to_all_direct, barrier_dissemination, broadcast_tree,
+                         gather_tree, reduce_scatter_ring, reduce_tree, scatter_tree)
+
+ALGORITHMS: dict[str, dict[str, Callable]] = {
+    "all_reduce": {"ring": all_reduce_ring.run,
+                   "halving_doubling": all_reduce_halving_doubling.run,
+                   "recursive_doubling": all_reduce_recursive_doubling.run},
+    "all_gather": {"ring": all_gather_ring.run},
+    "reduce_scatter": {"ring": reduce_scatter_ring.run},
+    "broadcast": {"tree": broadcast_tree.run},
+    "reduce": {"tree": reduce_tree.run},
+    "gather": {"tree": gather_tree.run},
+    "scatter": {"tree": scatter_tree.run},
+    "all_to_all": {"direct": all_to_all_direct.run},
+    "barrier": {"dissemination": barrier_dissemination.run},
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a selection table: use ``algorithm`` when ``applies(nbytes, world)``."""
+    algorithm: str
+    applies: Callable[[int, int], bool]
+    why: str = ""
+
+
+def always(nbytes: int, world: int) -> bool:
+    return True
+
+
+# The default tables. Figures behind them: see the notes at the end of this file.
+TABLES: dict[str, list[Rule]] = {
+    "all_reduce": [
+        Rule("recursive_doubling", lambda nbytes, world: nbytes <= 16 * 1024,
+             "latency-bound: log2(n) rounds of the whole (small) array"),
+        Rule("halving_doubling", lambda nbytes, world: nbytes <= 2 * 1024 * 1024,
+             "2 log2(n) rounds and the bandwidth optimum"),
+        Rule("ring", always, "bandwidth optimum, pipelined by segment; 2(n-1) rounds"),
+    ],
+    "all_gather": [Rule("ring", always)],
+    "reduce_scatter": [Rule("ring", always)],
+    "broadcast": [Rule("tree", always)],
+    "reduce": [Rule("tree", always)],
+    "gather": [Rule("tree", always)],
+    "scatter": [Rule("tree", always)],
+    "all_to_all": [Rule("direct", always)],
+    "barrier": [Rule("dissemination", always)],
+}
+
+
+def env_var(collective: str) -> str:
+    return f"RINGWEAVE_ALGO_{collective.upper()}"
+
+
+def choose(collective: str, nbytes: int, world: int, override: str | None = None) -> tuple[str, Callable]:
+    """The algorithm (name, run function) for one call.
+
+    Raises:
+        ValueError: an unknown collective, or an override (argument or
+            environment) naming an algorithm that does not exist; the message
+            lists the ones that do.
+    """
+    algorithms = ALGORITHMS.get(collective)
+    if algorithms is None:
+        raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
+    where = "algorithm="
+    if override is None:
+        override = os.environ.get(env_var(collective)) or None
+        where = f"environment variable {env_var(collective)}="
+    if override is not None:
+        fn = algorithms.get(override)
+        if fn is None:
+            raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
+        return override, fn
+    for rule in TABLES[collective]:
+        if rule.applies(nbytes, world):
+            return rule.algorithm, algorithms[rule.algorithm]
+    raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover

@@ -1,0 +1,147 @@
+"""The collective test matrix over the in-memory transport: one body per collective,
+run over algorithm x world size x length, with every dtype x op inside the body
+(so each test also runs ~40 calls back to back on one group). Answers are
+closed forms (coll_cases.py), never a second implementation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import collectives as C
+from collectives.registry import ALGORITHMS
+from coll_cases import DTYPES, LARGE, OPS, WORLDS, assert_equal, contribution, expected, lengths, pattern
+
+pytestmark = pytest.mark.timeout(60)
+
+F32, BF16, I32 = np.dtype(np.float32), DTYPES[1], np.dtype(np.int32)
+
+
+def grid(collective: str, large_worlds=(4, 5)) -> list:
+    return list(_grid(collective, large_worlds))
+
+
+def _grid(collective, large_worlds):
+    for algo in ALGORITHMS[collective]:
+        for n in WORLDS:
+            for count in lengths(n):
+                yield pytest.param(algo, n, count, id=f"{algo}-n{n}-c{count}")
+        for n in large_worlds:
+            yield pytest.param(algo, n, LARGE, id=f"{algo}-n{n}-large")
+
+
+def combos(count: int, with_ops=True):
+    """Every dtype x op for small lengths; a few for the large one."""
+    if count >= LARGE:
+        return [(F32, "sum"), (BF16, "avg"), (I32, "max")] if with_ops else [(F32, None), (BF16, None)]
+    if not with_ops:
+        return [(d, None) for d in DTYPES]
+    return [(d, op) for d in DTYPES for op in OPS]
+
+
+@pytest.mark.parametrize("algo,n,count", grid("all_reduce"))
+async def test_all_reduce(ranks, algo, n, count):
+    async def body(g):
+        for dtype, op in combos(count):
+            x = contribution(g.rank, n, count, dtype, op)
+            shaped = x.reshape(1, -1) if count else x  # any shape is fine
+            assert await C.all_reduce(shaped, op=op, algorithm=algo) is shaped
+            assert_equal(x, expected(n, count, dtype, op), f"rank {g.rank} {dtype} {op}")
+    await ranks(n, body)
+
+
+@pytest.mark.parametrize("algo,n,count", grid("reduce_scatter"))
+async def test_reduce_scatter(ranks, algo, n, count):
+    async def body(g):
+        for dtype, op in combos(count):
+            x = contribution(g.rank, n, n * count, dtype, op)
+            before = x.copy()
+            out = np.full(count, 99, dtype)
+            await C.reduce_scatter(out, x, op=op, algorithm=algo)
+            want = expected(n, n * count, dtype, op)[g.rank * count:(g.rank + 1) * count]
+            assert_equal(out, want, f"rank {g.rank} {dtype} {op}")
+            assert_equal(x, before, "input unchanged")
+    await ranks(n, body)
+
+
+@pytest.mark.parametrize("algo,n,count", grid("all_gather"))
+async def test_all_gather(ranks, algo, n, count):
+    async def body(g):
+        for dtype, _ in combos(count, with_ops=False):
+            out = np.zeros((n, count), dtype)
+            await C.all_gather(out, pattern(g.rank, count, dtype), algorithm=algo)
+            want = np.stack([pattern(r, count, dtype) for r in range(n)])
+            assert_equal(out, want, f"rank {g.rank} {dtype}")
+            inplace = np.zeros(n * count, dtype)  # x may be our own block of out
+            inplace[g.rank * count:(g.rank + 1) * count] = pattern(g.rank, count, dtype)
+            await C.all_gather(inplace, inplace[g.rank * count:(g.rank + 1) * count], algorithm=algo)
+            assert_equal(inplace, want.reshape(-1), f"rank {g.rank} {dtype} in place")
+    await ranks(n, body)
+
+
+def roots(n):
+    return sorted({0, n - 1, n // 2})
+
+
+@pytest.mark.parametrize("algo,n,count", grid("broadcast"))
+async def test_broadcast(ranks, algo, n, count):
+    async def body(g):
+        for dtype, _ in combos(count, with_ops=False):
+            for root in roots(n):
+                x = pattern(root, count, dtype) if g.rank == root else np.zeros(count, dtype)
+                await C.broadcast(x, src=root, algorithm=algo)
+                assert_equal(x, pattern(root, count, dtype), f"rank {g.rank} {dtype} root {root}")
+    await ranks(n, body)
+
+
+@pytest.mark.parametrize("algo,n,count", grid("reduce"))
+async def test_reduce(ranks, algo, n, count):
+    async def body(g):
+        for dtype, op in combos(count):
+            for root in roots(n) if count < LARGE else [n - 1]:
+                x = contribution(g.rank, n, count, dtype, op)
+                before = x.copy()
+                await C.reduce(x, dst=root, op=op, algorithm=algo)
+                want = expected(n, count, dtype, op) if g.rank == root else before
+                assert_equal(x, want, f"rank {g.rank} {dtype} {op} root {root}")
+    await ranks(n, body)
+
+
+@pytest.mark.parametrize("algo,n,count", grid("gather"))
+async def test_gather(ranks, algo, n, count):
+    async def body(g):
+        for dtype, _ in combos(count, with_ops=False):
+            for root in roots(n):
+                out = np.zeros((n, count), dtype) if g.rank == root else None
+                await C.gather(out, pattern(g.rank, count, dtype), dst=root, algorithm=algo)
+                if g.rank == root:
+                    want = np.stack([pattern(r, count, dtype) for r in range(n)])
+                    assert_equal(out, want, f"rank {g.rank} {dtype} root {root}")
+    await ranks(n, body)
+
+
+@pytest.mark.parametrize("algo,n,count", grid("scatter"))
+async def test_scatter(ranks, algo, n, count):
+    async def body(g):
+        for dtype, _ in combos(count, with_ops=False):
+            for root in roots(n):
+                x = np.stack([pattern(r, count, dtype) for r in range(n)]) if g.rank == root else None
+                out = np.zeros(count, dtype)
+                await C.scatter(out, x, src=root, algorithm=algo)
+                assert_equal(out, pattern(g.rank, count, dtype), f"rank {g.rank} {dtype} root {root}")
+    await ranks(n, body)
+
+
+@pytest.mark.parametrize("algo,n,count", grid("all_to_all", large_worlds=(4,)))
+async def test_all_to_all(ranks, algo, n, count):
+    def block(src, dst, dtype):  # what rank src sends rank dst
+        return pattern(src * n + dst, count, dtype)
+
+    async def body(g):
+        for dtype, _ in combos(count, with_ops=False):
+            x = np.stack([block(g.rank, j, dtype) for j in range(n)])
+            out = np.zeros_like(x)
+            await C.all_to_all(out, x, algorithm=algo)
+            want = np.stack([block(j, g.rank, dtype) for j in range(n)])
+            assert_equal(out, want, f"rank {g.rank} {dtype}")
+    await ranks(n, body)
