@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--momentum", type=float, default=0.9, help="sgd only")
+    g.add_argument("--nesterov", action="store_true", help="sgd only")
+    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 100)")
+    g.add_argument("--adam-kernel", choices=("numba", "numpy"), default="numba")
     g.add_argument("--warmup-steps", type=_non_negative_int, default=None,
                    help="linear warm-up steps (default half an epoch)")
     g.add_argument("--seed", type=_non_negative_int, default=0,
@@ -147,15 +150,19 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
     """The TrainConfig of the flags; the schedule spans `epochs * steps_per_epoch` steps."""
     total = max(1, args.epochs * steps_per_epoch)
     warmup = steps_per_epoch // 2 if args.warmup_steps is None else args.warmup_steps
-    return TrainConfig(
+    fields = dict(
         strategy=args.strategy, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        momentum=args.momentum, warmup_steps=min(warmup, total), total_steps=total,
+        momentum=args.momentum, nesterov=args.nesterov, adam_kernel=args.adam_kernel,
+        min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
+        warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
         grad_accum=args.grad_accum, clip_norm=args.clip_norm,
         compression=None if args.compression in (None, "none") else args.compression,
         bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every)
+    known = TrainConfig.__dataclass_fields__  # fields a newer TrainConfig has are passed when present
+    return TrainConfig(**{k: v for k, v in fields.items() if k in known})
 
 
 def load_data(args: argparse.Namespace):
