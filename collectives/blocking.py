@@ -1,0 +1,203 @@
+"""The blocking facade: the collectives for programs that are not asyncio.
+
+    from collectives import Communicator
+
+    with Communicator.from_env() as comm:         # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        x = np.ones(4, np.float32) * (comm.rank + 1)
+        comm.all_reduce(x)                        # blocks; x is the sum on every rank
+        h = comm.all_gather_async(out, x)         # returns at once
+        ...                                       # compute meanwhile
+        h.wait()
+
+    # python -m runtime.launch -n 2 script.py   ->  both ranks: x = [3. 3. 3. 3.]
+
+A :class:`Communicator` owns one event loop on a daemon thread
+(``runtime.store.LoopThread``) and the runtime that lives on it. Every method of
+collectives/api.py is here under the same name and arguments, blocking until
+done, plus a ``<name>_async`` twin that returns a :class:`Handle` at once.
+Arrays passed to an ``*_async`` call belong to the collective until its handle
+is done.
+
+Threads: any number of threads may call one communicator. Calls are issued to
+the loop in the order they are made; as in the async API, every rank must
+issue the calls of one group in the same order, so threads that run
+collectives concurrently should each use their own group (``new_group``), or
+agree on an order among themselves.
+
+Life cycle (grammar)::
+
+    Communicator(...) | Communicator.from_env() -> (call | call_async -> wait)* -> close -> end
+
+``close()`` (also on leaving a ``with`` block) waits, bounded, for every rank
+to arrive at shutdown, closes the runtime and joins the loop thread; later
+calls raise ``ClosedError``.
+
+Not here: the calls themselves (api.py), joining a job (runtime/init.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+
+import runtime
+from collectives import api
+from runtime.errors import ClosedError
+from runtime.store import LoopThread
+
+
+class Handle:
+    """An in-flight collective started by a ``*_async`` call."""
+
+    def __init__(self, future: concurrent.futures.Future, what: str):
+        self._future = future
+        self._what = what
+
+    def done(self) -> bool:
+        """True once the collective finished (successfully or not); never blocks."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None):
+        """Blocks until the collective is done and returns its result (the output array).
+
+        Args:
+            timeout: seconds to wait here, None for as long as the collective's
+                own timeout allows. Running out here does not cancel the
+                collective; call ``wait`` again.
+
+        Raises:
+            TimeoutError: not done within ``timeout``.
+            whatever the collective raised (CollectiveMismatchError, PeerLostError, ...).
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{self._what} not done after {timeout} s (still running)") from None
+
+    def __repr__(self) -> str:
+        return f"Handle({self._what}, done={self.done()})"
+
+
+_CALLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+          "all_to_all", "barrier", "send", "recv")
+
+
+class Communicator:
+    """One rank's blocking collectives, over a runtime on a background event loop.
+
+    Args (each overrides the environment, see runtime/init.py):
+        rank, world_size: this rank and the job size (RANK, WORLD_SIZE).
+        master_addr, master_port: where the rendezvous store is (MASTER_ADDR, MASTER_PORT).
+        timeout: default seconds for joining and for every collective.
+        **init_kw: passed to ``runtime.init`` (secret, job, local_rank, ...).
+
+    Raises:
+        whatever ``runtime.init`` raises (RingweaveError, ConnectError, ...);
+        the loop thread is stopped first.
+    """
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
+                 master_port: int | None = None, timeout: float | None = None, **init_kw):
+        self._thread = LoopThread("ringweave-communicator")
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            self._rt = self._thread.run(runtime.init(rank, world_size, master_addr=master_addr,
+                                                     master_port=master_port, timeout_s=timeout, **init_kw))
+        except BaseException:
+            self._thread.close()
+            raise
+        self.rank = self._rt.rank
+        self.world_size = self._rt.world_size
+        self.world = self._rt.world
+
+    @classmethod
+    def from_env(cls, **kw) -> "Communicator":
+        """Joins the job described by the environment (our launcher, torchrun, mpirun, srun)."""
+        return cls(**kw)
+
+    @property
+    def runtime(self):
+        return self._rt
+
+    def new_group(self, ranks):
+        """A sub-group of the given world ranks; every rank must call it, in the same order."""
+        return self._submit_sync(self._new_group(list(ranks)))
+
+    async def _new_group(self, ranks):
+        return self._rt.new_group(ranks)
+
+    def _coro(self, name: str, args, kw):
+        if kw.get("group") is None:  # the world of *this* runtime (several may share a process)
+            kw["group"] = self._rt.world
+        return getattr(api, name)(*args, **kw)
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        with self._lock:  # issue order = call order, and never onto a closed loop
+            if self._closed:
+                coro.close()
+                raise ClosedError("the communicator is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._thread.loop)
+
+    def _submit_sync(self, coro):
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._thread.loop:
+            coro.close()
+            raise RuntimeError("a blocking collective was called from the communicator's own loop thread; "
+                               "use the async API (collectives.api) there")
+        fut = self._submit(coro)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Leaves the job (waits up to ``timeout`` for the other ranks) and stops the loop thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            fut = asyncio.run_coroutine_threadsafe(runtime.shutdown(self._rt, timeout), self._thread.loop)
+            fut.result(timeout + 5)
+        finally:
+            self._thread.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, closed={self._closed})"
+
+
+def _blocking(name: str):
+    fn = getattr(api, name)
+
+    @functools.wraps(fn)
+    def call(self, *args, **kw):
+        return self._submit_sync(self._coro(name, args, kw))
+    call.__doc__ = f"Blocking :func:`collectives.api.{name}` (same arguments; ``group`` defaults to the world)."
+    return call
+
+
+def _nonblocking(name: str):
+    def call(self, *args, **kw) -> Handle:
+        return Handle(self._submit(self._coro(name, args, kw)), name)
+    call.__name__ = f"{name}_async"
+    call.__doc__ = (f"Starts :func:`collectives.api.{name}` and returns a :class:`Handle` at once "
+                    "(same arguments; the arrays belong to the call until the handle is done).")
+    return call
+
+
+for _name in _CALLS:
+    setattr(Communicator, _name, _blocking(_name))
+    setattr(Communicator, f"{_name}_async", _nonblocking(_name))

@@ -1,0 +1,103 @@
+"""The blocking facade: from a plain script through the real launcher, and from
+several threads of one process (each rank a Communicator, several threads per rank)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collectives import Communicator
+from runtime.errors import ClosedError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from collectives import Communicator
+
+    with Communicator.from_env(timeout=30) as comm:
+        x = np.ones(4, np.float32) * (comm.rank + 1)
+        comm.all_reduce(x)
+        out = np.empty(2 * comm.world_size, np.int64)
+        h = comm.all_gather_async(out, np.array([comm.rank, 10 * comm.rank]))
+        y = np.arange(3, dtype=np.float64) if comm.rank == 0 else np.zeros(3)
+        comm.broadcast(y, src=0)
+        h.wait(timeout=30)
+        comm.barrier()
+        print(f"rank {comm.rank}: x={x.tolist()} out={out.tolist()} y={y.tolist()} done={h.done()}")
+""")
+
+
+@pytest.mark.timeout(90)
+def test_plain_script_through_launcher(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "2", str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert (f"rank {r}: x=[3.0, 3.0, 3.0, 3.0] out=[0, 0, 1, 10] y=[0.0, 1.0, 2.0] done=True"
+                in proc.stdout), proc.stdout + proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_threads(fns):
+    errors, results = [], [None] * len(fns)
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.timeout(90)
+def test_several_threads_per_rank():
+    n, nthreads, calls = 3, 3, 15
+    port = _free_port()
+    comms = _run_threads([lambda r=r: Communicator(rank=r, world_size=n, master_addr="127.0.0.1",
+                                                   master_port=port, timeout=30) for r in range(n)])
+    try:
+        # every rank makes the same groups in the same order: one per thread
+        groups = [[c.new_group(range(n)) for _ in range(nthreads)] for c in comms]
+
+        def worker(r, t):
+            comm, group = comms[r], groups[r][t]
+            for i in range(calls):
+                x = np.full(5, r + t + i, np.int64)
+                comm.all_reduce(x, group=group)
+                assert (x == n * (t + i) + n * (n - 1) // 2).all(), x
+            handles = [comm.all_reduce_async(np.full(3, 1.0), group=group) for _ in range(4)]
+            return [h.wait(30).tolist() for h in handles]
+
+        results = _run_threads([lambda r=r, t=t: worker(r, t) for r in range(n) for t in range(nthreads)])
+        assert all(res == [[float(n)] * 3] * 4 for res in results)
+        # the world group, also from threads
+        sums = _run_threads([lambda c=c: c.all_reduce(np.array([c.rank], np.int32)).tolist() for c in comms])
+        assert sums == [[n * (n - 1) // 2]] * n
+    finally:
+        _run_threads([c.close for c in comms])
+    with pytest.raises(ClosedError):
+        comms[0].all_reduce(np.ones(1))
+    comms[0].close()  # idempotent
