@@ -54,6 +54,7 @@ SCHEMA: wire.Schema = {
     "a": {"g": (int, True), "m": (str, True), "x": (str, True)},
     "b": {},
 }
+TOOL_SCHEMA: wire.Schema = {"q": SCHEMA["q"], "b": {}}  # what a tool may send: requests, goodbye
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 
@@ -112,6 +113,8 @@ class Actor:
         self._tasks: set[asyncio.Task] = set()
         self._lost_listeners: list[Callable[[int, BaseException], None]] = []
         self._abort_listeners: list[Callable[[dict], None]] = []
+        self.tools: dict[int, Connection] = {}  # negative ids: authenticated tool connections
+        self._next_tool = 0
         self._listener = None
         self._mesh_ready: asyncio.Event | None = None
         self._closed = False
@@ -151,6 +154,13 @@ class Actor:
         try:
             who = await auth.accept(sock, self._secret, self._job, where, self._handshake_timeout_s,
                                     admit=self._admit_who)
+            if "tool" in who:  # an authenticated tool (tools.status): requests only
+                self._next_tool -= 1
+                peer = self._next_tool
+                conn = await TCPConnection.open(sock, peer, f"tool {who['tool']!r} at {where}", self,
+                                                TOOL_SCHEMA, 64 * 1024)
+                self.tools[peer] = conn
+                return
             peer = who["rank"]
             conn = await TCPConnection.open(sock, peer, f"rank {peer} at {where}", self, self.schema,
                                             self._max_payload)
@@ -164,6 +174,8 @@ class Actor:
         self._add_conn(conn)
 
     def _admit_who(self, who: dict) -> str | None:
+        if set(who) == {"tool"} and type(who["tool"]) is str:
+            return None
         peer = who.get("rank")
         if type(peer) is not int or not 0 <= peer < self.world_size or peer == self.rank:
             return f"claims rank {peer!r}; this job has ranks 0..{self.world_size - 1} and this is rank {self.rank}"
@@ -228,7 +240,7 @@ class Actor:
                         await conn.send({"k": "b"})
                 except (PeerLostError, TimeoutError, OSError):
                     pass
-        for conn in list(self.conns.values()):
+        for conn in list(self.conns.values()) + list(self.tools.values()):
             conn.close()
         if self._listener is not None:
             self._listener.close()
@@ -264,7 +276,7 @@ class Actor:
         lost = self._lost.get(dst)
         if lost is not None:
             raise lost if isinstance(lost, PeerLostError) else PeerLostError(str(lost), dst)
-        conn = self.conns.get(dst)
+        conn = self.conns.get(dst) if dst >= 0 else self.tools.get(dst)
         if conn is None:
             raise PeerLostError(f"rank {self.rank} has no connection to rank {dst}", dst)
         return conn
@@ -449,6 +461,9 @@ class Actor:
         kind = header["k"]
         peer = conn.peer
         if kind == "q":
+            if peer < 0 and not header["n"].startswith("ringweave."):
+                self._spawn(self._refuse_call(peer, header["i"], header["n"]), "refuse")
+                return
             self._spawn(self._serve_call(peer, header["i"], header["n"], data), f"call {header['n']}")
         elif kind == "r":
             entry = self._calls.pop(header["i"], None)
@@ -465,6 +480,9 @@ class Actor:
 
     def on_lost(self, conn: Connection, exc: BaseException) -> None:
         peer = conn.peer
+        if peer < 0:  # a tool went away: nothing of the job depends on it
+            self.tools.pop(peer, None)
+            return
         if self._closed or peer in self._lost:
             return
         self._mark_lost(peer, PeerLostError(f"rank {self.rank} lost its connection to {conn.where}: {exc}", peer),
@@ -516,6 +534,12 @@ class Actor:
                 return await fut
         finally:
             self._calls.pop(call_id, None)
+
+    async def _refuse_call(self, peer: int, call_id: int, name: str) -> None:
+        try:
+            await self.send_frame(peer, {"k": "r", "i": call_id, "e": f"tools may not call {name!r}"})
+        except (PeerLostError, ClosedError):
+            pass
 
     async def _serve_call(self, peer: int, call_id: int, name: str, data: bytearray) -> None:
         try:

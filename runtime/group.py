@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from runtime.actor import Actor
+from runtime.trace import Tracer
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
                             CollectiveTimeoutError, PeerLostError)
 
@@ -173,9 +174,13 @@ class ProcessGroup:
 
     async def run(self, call: Call, coro_fn, *args) -> None:
         """Runs ``coro_fn(call, *args)`` under the call's timeout and failure rules."""
+        tracer = self.runtime.tracer
+        start_us = tracer.now_us() if tracer.enabled else 0.0
+        outcome = "error"
         try:
             async with asyncio.timeout(call.timeout_s):
                 await coro_fn(call, *args)
+            outcome = "ok"
         except TimeoutError:
             missing = call.cancel_outstanding()
             names = [self.ranks[m] for m in missing]
@@ -189,6 +194,11 @@ class ProcessGroup:
             raise
         finally:
             self.calls.pop(call.seq, None)
+            if tracer.enabled:
+                tracer.complete(call.fingerprint.split(" ", 1)[0], start_us, tracer.now_us(), self.gid,
+                                {"op": call.fingerprint, "seq": call.seq, "group": self.gid,
+                                 "bytes_sent": call.bytes_sent, "algorithm": getattr(call, "algorithm", None),
+                                 "outcome": outcome})
 
     def abort(self, exc: BaseException, tell_peers: bool = True) -> None:
         """Fails the group: every pending and later call raises ``exc``."""
@@ -211,8 +221,9 @@ class Runtime:
     """One rank's runtime: actor, store, groups."""
 
     def __init__(self, actor: Actor, store=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 local_rank: int = 0, local_world_size: int = 1):
+                 local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None):
         self.actor = actor
+        self.tracer = Tracer(actor.rank, trace_dir or os.environ.get("RINGWEAVE_TRACE") or None)
         self.store = store
         self.timeout_s = timeout_s
         self.local_rank = local_rank
@@ -291,6 +302,10 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.tracer.write()
+        except OSError as exc:
+            log.warning("rank %d: could not write its trace: %s", self.rank, exc)
         await self.actor.close()
         if self.store is not None:
             await self.store.close()

@@ -127,7 +127,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from runtime import auth, procs
+from runtime import auth, jobfile, procs
 from runtime.errors import RingweaveError
 
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -598,8 +598,14 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 except (OSError, RingweaveError) as exc:
                     console.say(f"error: could not host the store on {host}:{master_port}: {exc}")
                     return EXIT_LAUNCHER
+            if cfg.hosts_store:  # tools.status finds the job through this file
+                stack.callback(jobfile.remove, job)
             restart = 0
             while True:
+                if cfg.hosts_store:
+                    jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
+                                        "secret": secret, "restart": restart, "world_size": cfg.world_size,
+                                        "launcher_pid": os.getpid()})
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
                                  job=job, restart=restart, cores=cores)
                         for local_rank in range(cfg.nproc)]

@@ -1,0 +1,130 @@
+"""What is every rank of a job doing now? The first thing to ask of a job that seems stuck.
+
+    python -m tools.status                 # the newest job started on this machine
+    python -m tools.status --job job-1a2b  # a given job
+    python -m tools.status --json
+
+It finds the job through the file its launcher keeps (runtime/jobfile.py),
+reads every rank's address from the store, connects to each rank as an
+authenticated tool (the job's secret; tools may call only ``ringweave.*``
+handlers) and prints each rank's collective calls in flight: the operation,
+how long it has waited and which ranks it is waiting on. A rank that does not
+answer within ``--timeout-s`` is reported as not answering (stopped,
+busy in native code without the GIL, or dead).
+
+Example, a job whose rank 2 was stopped with SIGSTOP::
+
+    rank 0: all_reduce op=sum dtype=float32 count=1048576 (group 0, call #12) waiting 41.2 s on ranks [2]
+    rank 1: all_reduce op=sum dtype=float32 count=1048576 (group 0, call #12) waiting 41.2 s on ranks [2]
+    rank 2: not answering (timed out after 2.0 s)
+    rank 3: all_reduce op=sum dtype=float32 count=1048576 (group 0, call #12) waiting 41.1 s on ranks [2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import msgpack
+
+from runtime import auth, jobfile, net, wire
+from runtime.store import PrefixStore
+from runtime.store_tcp import TCPStore
+
+_REPLY_SCHEMA: wire.Schema = {"r": {"i": (int, True), "e": (str, False)}, "b": {}}
+
+
+async def _recv_exact(loop, sock, n: int) -> bytes:
+    buf = bytearray(n)
+    mv, got = memoryview(buf), 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, mv[got:])
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+async def ask(host: str, port: int, secret: bytes | None, job: str, name: str = "ringweave.status",
+              timeout_s: float = 2.0):
+    """Calls handler ``name`` on the rank listening at host:port, as a tool."""
+    loop = asyncio.get_running_loop()
+    sock = await net.connect(host, port, timeout_s, what="rank")
+    try:
+        async with asyncio.timeout(timeout_s):
+            await auth.connect(sock, secret, job, {"tool": "status"}, f"{host}:{port}")
+            args = msgpack.packb([])
+            await loop.sock_sendall(sock, wire.encode_head({"k": "q", "i": 1, "n": name}, len(args)) + args)
+            hlen, plen = wire.parse_prefix(await _recv_exact(loop, sock, wire.PREFIX_NBYTES), 1 << 24)
+            header = wire.parse_header(await _recv_exact(loop, sock, hlen), _REPLY_SCHEMA)
+            payload = await _recv_exact(loop, sock, plen)
+            if "e" in header:
+                raise RuntimeError(header["e"])
+            return msgpack.unpackb(payload, strict_map_key=False)
+    finally:
+        sock.close()
+
+
+async def collect(info: dict, timeout_s: float) -> list[dict]:
+    secret = info["secret"].encode() if info.get("secret") else None
+    store = await TCPStore.connect(info["master_addr"], info["master_port"], secret=secret, job=info["job"],
+                                   timeout_s=timeout_s, who={"tool": "status"})
+    try:
+        prefixed = PrefixStore(f"restart/{info['restart']}", store)
+        out = []
+        for r in range(info["world_size"]):
+            try:
+                addr = msgpack.unpackb(await prefixed.get(f"addr/{r}", timeout_s))
+            except Exception as exc:
+                out.append({"rank": r, "error": f"no address in the store ({type(exc).__name__})"})
+                continue
+            try:
+                out.append(await ask(addr["host"], addr["port"], secret, info["job"], timeout_s=timeout_s))
+            except (TimeoutError, OSError, ConnectionError, RuntimeError) as exc:
+                out.append({"rank": r, "error": f"not answering ({type(exc).__name__}: {exc or 'timed out'} "
+                                                f"after {timeout_s:.1f} s)"})
+        return out
+    finally:
+        await store.close()
+
+
+def render(statuses: list[dict]) -> list[str]:
+    lines = []
+    for st in statuses:
+        r = st["rank"]
+        if "error" in st:
+            lines.append(f"rank {r}: {st['error']}")
+            continue
+        if not st["calls"]:
+            extra = f"; failed groups {st['failed_groups']}" if st.get("failed_groups") else ""
+            lines.append(f"rank {r}: no collective in flight{extra}")
+        for c in st["calls"]:
+            waiting = f" on ranks {c['waiting_on']}" if c["waiting_on"] else ""
+            lines.append(f"rank {r}: {c['op']} (group {c['group']}, call #{c['seq']}) "
+                         f"waiting {c['waited_s']:.1f} s{waiting}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", default=None)
+    p.add_argument("--timeout-s", type=float, default=2.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        info = jobfile.find(args.job)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    statuses = asyncio.run(collect(info, args.timeout_s))
+    if args.json:
+        print(json.dumps(statuses, indent=1))
+    else:
+        print("\n".join(render(statuses)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
