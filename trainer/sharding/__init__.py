@@ -1,0 +1,43 @@
+"""trainer.sharding: DDP, ZeRO-1/2 and ZeRO-3/FSDP over the same flat-buffer model.
+
+    from trainer.sharding import TrainConfig, make_strategy
+    model = mlp(64, (256, 256), 10, pad_to=world.size)
+    strategy = make_strategy("zero3", model, TrainConfig(lr=2e-3), world)
+    await strategy.setup()
+    result = await strategy.train_step([(x_local, y_local, offset, global_size)])
+    strategy.close()
+
+Files: base.py (the contract, TrainConfig, StepResult), common.py (the step every
+strategy shares), comm.py (accounted collectives and the compute-thread bridge),
+ddp.py, zero.py (stages 1 and 2), fsdp.py (stage 3).
+
+What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no loop.
+"""
+
+from __future__ import annotations
+
+from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
+from trainer.sharding.common import STRATEGIES
+
+__all__ = ["STRATEGIES", "ReplicaMismatchError", "StepResult", "Strategy", "TrainConfig", "make_strategy"]
+
+
+def make_strategy(name: str, model, config: TrainConfig, group, **kw) -> Strategy:
+    """The strategy called ``name`` (ddp | zero1 | zero2 | zero3 | fsdp) over ``model`` on ``group``.
+
+    ``kw`` goes to the strategy (e.g. ``schedule=`` a callable step -> lr that
+    replaces the one TrainConfig describes). Call ``await setup()`` next.
+
+    Raises:
+        ValueError: an unknown name, or a model whose padding does not fit the group size.
+    """
+    if name == "ddp":
+        from trainer.sharding.ddp import DDPStrategy
+        return DDPStrategy(model, config, group, **kw)
+    if name in ("zero1", "zero2"):
+        from trainer.sharding.zero import ZeroStrategy
+        return ZeroStrategy(model, config, group, stage=int(name[-1]), **kw)
+    if name in ("zero3", "fsdp"):
+        from trainer.sharding.fsdp import FSDPStrategy
+        return FSDPStrategy(model, config, group, name=name, **kw)
+    raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(STRATEGIES)}")

@@ -8,10 +8,30 @@ optimizer state, the gradient communication and the loss scaler.
 Life of a strategy (grammar)::
 
     Strategy(...) -> await setup() -> (await train_step(...) | await evaluate(...)
-                  | await full_params() | state_dict() / load_state_dict())* -> end
+                  | await full_params() | await check_replicas()
+                  | state_dict() / load_state_dict())* -> close() -> end
 
 All ranks of ``group`` call the async methods in the same order (they run
-collectives). Not here: data loading, logging, checkpoint files.
+collectives). ``load_state_dict`` is local; the collectives it implies (e.g.
+re-gathering replicated parameters from loaded shards) run at the start of the
+next async call. Not here: data loading, logging, checkpoint files.
+
+Checkpoint state (``state_dict``), the format trainer/checkpoint.py writes::
+
+    {"strategy": "zero3", "world_size": 4, "rank": 1,
+     "step": 17,                   # train_step calls done (skipped steps included)
+     "optim_step": 16,             # optimizer updates applied (skipped steps excluded)
+     "optimizer": "adamw", "master_dtype": "float32",
+     "scaler": {"scale": 65536.0, "good_steps": 3},
+     "shards": {"unit0.param": array, "unit0.exp_avg": array, ...},
+     "layout": {"unit0.param": {"numel": 17152, "start": 4288, "replicated": False}, ...}}
+
+Every name is one unit's UNPADDED flat array of ``numel`` elements (padding
+depends on the world size, so it is never stored); this rank's shard covers
+``[start, start + len(shard))`` of it. A replicated array (ddp) has start 0 and
+the full length on every rank; the checkpoint writes it from rank 0 only.
+``load_state_dict`` takes the same structure with the shards this rank's
+``state_dict()["layout"]`` asks for, cut from whatever layout was saved.
 """
 
 from __future__ import annotations
@@ -29,18 +49,23 @@ class TrainConfig:
     lr: float = 2e-3                  # peak learning rate
     weight_decay: float = 0.01
     momentum: float = 0.9             # sgd only
+    nesterov: bool = False            # sgd only
+    adam_kernel: str = "numba"        # adamw kernel: numba (fused, releases the GIL) | numpy (reference)
     warmup_steps: int = 0
-    total_steps: int = 1              # for the cosine schedule
-    param_dtype: str = "float32"      # compute copy and its all-gather: float32 | float16 | bfloat16
-    reduce_dtype: str = "float32"     # gradient communication dtype
+    total_steps: int = 1              # for the cosine schedule; <= 1 means a constant lr
+    min_lr: float = 0.0               # cosine schedule's floor, e.g. 2e-5
+    param_dtype: str = "float32"      # compute copy and its all-gather: float32 | float16 | bfloat16 | float64
+    reduce_dtype: str = "float32"     # gradient communication (and accumulation) dtype
     master_dtype: str = "float32"     # float32, or float64 for exactness tests
     grad_accum: int = 1               # micro-batches per optimizer step
-    clip_norm: float | None = None    # global-norm gradient clipping
+    clip_norm: float | None = None    # global-norm gradient clipping, e.g. 1.0
     compression: str | None = None    # codec name for gradient collectives (compression issue)
     bucket_cap_mb: float = 25.0       # ddp bucket size
     reshard_after_forward: bool = True  # fsdp/zero3; False keeps gathered params until backward
     prefetch: bool = True             # fsdp/zero3: gather the next unit while this one computes
     loss_scale: bool | None = None    # dynamic loss scaling (default: on for float16)
+    init_scale: float = 2.0**16       # first loss scale when scaling is on
+    growth_interval: int = 2000       # good steps before the loss scale doubles
     seed: int = 0
     check_every: int = 0              # every N steps check replicated state is equal across ranks (0: never)
 
@@ -49,22 +74,33 @@ class TrainConfig:
 class StepResult:
     loss: float                       # mean loss over the global batch (all micro-batches)
     skipped: bool = False             # the step was skipped (inf/NaN gradients under loss scaling)
-    grad_norm: float | None = None    # global gradient norm before clipping (when computed)
-    comm_bytes: int = 0               # bytes this rank sent in this step
-    timings: dict = field(default_factory=dict)  # compute_s, comm_s, exposed_comm_s
+    grad_norm: float | None = None    # global gradient norm before clipping (inf/nan when skipped)
+    comm_bytes: int = 0               # bytes this rank sent in this step (ring-algorithm volume)
+    timings: dict = field(default_factory=dict)  # compute_s, comm_s, exposed_comm_s, step_s
+    loss_scale: float = 1.0           # loss scale this step's backward used
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Replicated state differs across ranks (``check_replicas``); names the ranks."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class Strategy(abc.ABC):
     """Args of every strategy: ``model`` (trainer.nn.Model built with
-    ``pad_to=group.size``), ``config`` (TrainConfig), ``group`` (runtime
-    ProcessGroup)."""
+    ``pad_to`` a multiple of ``group.size``), ``config`` (TrainConfig), ``group``
+    (runtime ProcessGroup)."""
 
     name: str
+    step: int  # train_step calls done so far (restored by load_state_dict)
 
     @abc.abstractmethod
     async def setup(self) -> None:
         """Initialises parameters identically on every rank (from ``config.seed``,
-        or broadcast from rank 0) and the optimizer state of this rank's shard."""
+        then broadcast from rank 0 for replicated strategies) and the optimizer
+        state of this rank's shard."""
 
     @abc.abstractmethod
     async def train_step(self, micro_batches: list[tuple[np.ndarray, np.ndarray, int, int]]) -> StepResult:
@@ -72,27 +108,57 @@ class Strategy(abc.ABC):
 
         Each micro-batch is ``(x_local, y_local, offset, global_size)``: this
         rank's rows of a global micro-batch of ``global_size`` rows starting at
-        row ``offset`` of it. Gradients are communicated only at the last
-        micro-batch. Returns the step's result (loss agreed by all ranks)."""
+        row ``offset`` of it. The step's global batch is the concatenation of
+        the global micro-batches in order, so the loss (and the gradient) is the
+        mean over ``sum(global_size)`` rows, exactly as single-process training
+        on that batch. Gradients are communicated only at the last micro-batch.
+        Every rank passes the same number of micro-batches (an empty local
+        part is fine). Returns the step's result (loss agreed by all ranks).
+
+        Raises:
+            ReplicaMismatchError: ``config.check_every`` is set and replicated
+                state differs across ranks after this step.
+            runtime.errors.CollectiveError (and subclasses): a peer failed.
+        """
 
     @abc.abstractmethod
     async def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """(sum of losses, number correct) over this rank's rows of an evaluation set."""
+        """(sum of losses, number correct) over this rank's rows of an evaluation set.
+        Every rank calls it (zero3 gathers parameters), with any number of rows, 0 included."""
 
     @abc.abstractmethod
     async def full_params(self) -> list[np.ndarray]:
-        """The full, unpadded-by-unit flat parameters of every unit (float32 or the
-        master dtype), identical on every rank."""
+        """The full parameters of every unit as unpadded flat arrays of the master
+        dtype (``unit.numel`` each), identical on every rank."""
+
+    async def check_replicas(self) -> None:
+        """Checksums replicated state on every rank and compares them.
+
+        Raises:
+            ReplicaMismatchError: naming the ranks whose state differs from the majority.
+        """
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """This rank's part of the training state for a sharded checkpoint:
-        ``{"step": int, "shards": {name: array}, "layout": {...}, "scaler": {...}}``."""
+        """This rank's part of the training state (format in the module docstring)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned (possibly resharded by the checkpoint code)."""
+        """Restores what :meth:`state_dict` returned (possibly resharded by the checkpoint code).
+
+        Raises:
+            ValueError: a shard is missing or has the wrong length / optimizer.
+        """
 
     @abc.abstractmethod
     def memory_bytes(self) -> dict:
-        """Bytes this rank holds now: ``{"params", "grads", "optim", "gathered_peak"}``."""
+        """Bytes this rank holds now: ``{"params", "grads", "optim", "total",
+        "gathered_peak"}``; gathered_peak is the peak of transient buffers
+        (gathered units, unsharded unit gradients, collective scratch) since
+        setup or :meth:`reset_peak`."""
+
+    def reset_peak(self) -> None:
+        """Restarts the ``gathered_peak`` measurement."""
+
+    def close(self) -> None:
+        """Releases the compute thread. Idempotent."""

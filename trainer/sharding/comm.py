@@ -1,0 +1,175 @@
+"""The strategies' one door to collectives/: counted, timed, and callable from the compute thread.
+
+What it is: `Comm` wraps the four collectives a strategy uses (all_reduce,
+all_gather, reduce_scatter, broadcast) with
+
+* accounting: bytes this rank sends, estimated with the ring algorithm's
+  volume (all_reduce 2 (N-1)/N n, reduce_scatter and all_gather (N-1)/N n,
+  broadcast n, where n is the full buffer's bytes; 0 at N = 1), and the time at
+  least one collective was in flight ("comm_s", a union of intervals, so
+  overlapping collectives are not counted twice);
+* a bridge for the compute thread: strategies run the model's synchronous
+  forward/backward on their own thread (so the event loop keeps moving the
+  collectives meanwhile: that is the overlap), and its hooks `launch()` a
+  collective (a task on the event loop, issued in program order) and later
+  `wait()` for it; the time spent blocked in `wait()` is the EXPOSED
+  communication;
+* a world-size-1 shortcut (the collective is a local copy; nothing is sent).
+
+Calls are issued in the same order on every rank because every rank runs the
+same program; the group's sequence numbers then match them up.
+
+What it is not: no algorithm, no socket, no dtype casting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from typing import Any, Awaitable
+
+import numpy as np
+
+
+def _collectives():
+    import collectives  # local: the strategies import without it, e.g. for memory maths
+
+    return collectives
+
+
+class Comm:
+    """Collectives on one group, accounted. Loop-thread methods are ``async``;
+    ``launch``/``wait`` are for the compute thread."""
+
+    def __init__(self, group, *, codec=None, timeout_s: float | None = None):
+        self.group = group
+        self.size = group.size
+        self.rank = group.rank
+        self.codec = codec  # gradient codec (compression issue); all_reduce(compression=codec) for gradients
+        runtime_timeout = getattr(getattr(group, "runtime", None), "timeout_s", 300.0)
+        self.timeout_s = float(timeout_s if timeout_s is not None else runtime_timeout) + 10.0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._busy_since = 0.0
+        self.comm_s = 0.0  # union of in-flight intervals
+        self.exposed_s = 0.0  # time the compute or the step blocked on communication
+        self.bytes_sent = 0
+        self._pending: list[concurrent.futures.Future] = []
+        self.aborted = False  # set by cancel_pending: the compute thread must stop launching
+
+    # ---- accounting -----------------------------------------------------------
+
+    def reset_counters(self) -> None:
+        self.comm_s = self.exposed_s = 0.0
+        self.bytes_sent = 0
+
+    def _enter(self, nbytes: int) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._busy_since = time.perf_counter()
+            self._inflight += 1
+            self.bytes_sent += int(nbytes)
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self.comm_s += time.perf_counter() - self._busy_since
+
+    async def _timed(self, nbytes: int, coro: Awaitable) -> Any:
+        self._enter(nbytes)
+        try:
+            return await coro
+        finally:
+            self._exit()
+
+    def _ring(self, nbytes: int, factor: float) -> int:
+        return 0 if self.size == 1 else int(factor * (self.size - 1) / self.size * nbytes)
+
+    # ---- collectives (event-loop thread) ----------------------------------------
+
+    async def all_reduce(self, x: np.ndarray, op: str = "sum", *, grad: bool = False) -> None:
+        """In place; ``grad=True`` passes the gradient codec."""
+        if self.size == 1:
+            return
+        kw = {"compression": self.codec} if grad and self.codec is not None else {}
+        await self._timed(self._ring(x.nbytes, 2.0),
+                          _collectives().all_reduce(x, op=op, group=self.group, **kw))
+
+    async def all_gather(self, out: np.ndarray, x: np.ndarray) -> None:
+        """``out`` (size * len(x),) gets every rank's ``x``, rank-major."""
+        if self.size == 1:
+            np.copyto(out, x)
+            return
+        await self._timed(self._ring(out.nbytes, 1.0), _collectives().all_gather(out, x, group=self.group))
+
+    async def reduce_scatter(self, out: np.ndarray, x: np.ndarray, *, grad: bool = True) -> None:
+        """``out`` gets this rank's chunk of the sum of every rank's ``x``."""
+        if self.size == 1:
+            np.copyto(out, x)
+            return
+        if grad and self.codec is not None:
+            raise NotImplementedError("gradient compression on reduce_scatter waits for the compression issue; "
+                                      "use strategy='ddp' (all_reduce) with compression, or compression=None")
+        await self._timed(self._ring(x.nbytes, 1.0), _collectives().reduce_scatter(out, x, "sum", group=self.group))
+
+    async def broadcast(self, x: np.ndarray, src: int = 0) -> None:
+        if self.size == 1:
+            return
+        # the root sends n (a ring or tree forwards it, but the root's share is what we count)
+        await self._timed(x.nbytes if self.rank == src else 0, _collectives().broadcast(x, src, group=self.group))
+
+    async def exposed(self, coro: Awaitable) -> Any:
+        """Awaits ``coro`` on the loop, counting the wait as exposed communication."""
+        t0 = time.perf_counter()
+        try:
+            return await coro
+        finally:
+            self.exposed_s += time.perf_counter() - t0
+
+    # ---- the compute-thread bridge ----------------------------------------------
+
+    def launch(self, coro) -> concurrent.futures.Future:
+        """From the compute thread: runs ``coro`` as a task on the event loop, now.
+        Calls keep their program order (the loop takes them first in, first out)."""
+        with self._lock:
+            if self.aborted:
+                coro.close()
+                raise RuntimeError("the step was aborted (an earlier collective failed); not launching more")
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._pending.append(fut)
+        return fut
+
+    def wait(self, fut: concurrent.futures.Future) -> Any:
+        """From the compute thread: blocks until ``fut`` is done; the blocked time is exposed.
+
+        Raises:
+            whatever the collective raised; TimeoutError after the group's timeout
+            (plus 10 s) if the loop never completes it.
+        """
+        t0 = time.perf_counter()
+        try:
+            return fut.result(timeout=self.timeout_s)
+        finally:
+            with self._lock:
+                self.exposed_s += time.perf_counter() - t0
+
+    async def drain(self) -> None:
+        """On the loop: waits for everything launched (exposed time), re-raising the first error."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            await self.exposed(asyncio.gather(*(asyncio.wrap_future(f) for f in pending)))
+
+    async def cancel_pending(self) -> None:
+        """On the loop, after a failure: cancels and reaps what was launched (never raises)."""
+        with self._lock:
+            self.aborted = True
+            pending, self._pending = self._pending, []
+        for f in pending:
+            f.cancel()
+        if pending:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)

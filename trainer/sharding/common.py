@@ -1,0 +1,403 @@
+"""What every strategy shares: the step skeleton, the compute thread, the update, checksums, state.
+
+What it is: `DataParallelBase`, the concrete half of the Strategy contract.
+A step is
+
+    compute thread:  for each micro-batch j (sync = last j):
+                         model.forward_backward(params, grads, x_j, y_j,
+                             Context(step, batch_offset = rows before j + offset_j),
+                             loss_denominator = rows of ALL micro-batches,
+                             grad_scale = loss scale, **strategy hooks(sync))
+                     (the hooks gather parameters and launch gradient collectives)
+    event loop:      drain the launched collectives -> this rank's reduced gradient shards
+                     unscale; local found_inf; local sum of squares
+                     ONE all_reduce(sum) of [loss, found_inf, sum of squares]:
+                         loss = the global mean; found_inf > 0 on any rank means
+                         skip everywhere (a sum of 0/1 flags is > 0 exactly when
+                         their max is 1, so it decides as an all_reduce max would);
+                         global norm = sqrt(sum of squares over every shard)
+    compute thread:  clip (coef = clip / (norm + 1e-6), as torch.nn.utils.clip_grad_norm_),
+                     optimizer step on this rank's shards (lr = schedule(step))
+    event loop:      strategy's after-update collectives (zero1/2: all-gather params)
+
+Gradients are SUMMED across ranks, never averaged: each rank's loss is divided
+by the global row count (trainer.nn.loss), which makes every strategy equal
+single-process training on the same global batches.
+
+The model's forward/backward is synchronous, so it runs on one compute thread
+per strategy while the event loop moves collectives (see comm.py); the hooks
+block only when a gathered unit is not there yet.
+
+Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks:
+
+    _allocate(full_init)          buffers from the full initial params (master dtype)
+    _after_update(applied)        async; re-derive compute params after the optimizer step
+    _compute_params()             list handed to the model (entries may be None: fsdp)
+    _grad_list()                  list handed to the model (entries may be None)
+    _hooks(sync, params, grads)   the model hooks for one micro-batch
+    _finish_grads()               async; after the compute thread, before the update
+    _opt_shards()                 [(param shard, reduced grad shard, optimizer state)]
+    _owned(i) -> (start, stop)    padded coordinates of this rank's master/optimizer shard
+    _replicated_arrays()          what check_replicas compares
+    _nbytes() -> (params, grads)  persistent bytes
+
+What it is not: no data loading, no checkpoint files, no logging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import hashlib
+import math
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from trainer.nn import EVAL, Context, Model
+from trainer.nn.loss import cross_entropy_forward
+from trainer.optim import SGD, AdamW, Constant, WarmupCosine
+from trainer.precision import DynamicLossScaler, PrecisionPolicy, dtype_name, has_inf_or_nan, resolve_dtype, unscale_
+from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
+from trainer.sharding.comm import Comm
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+def make_optimizer(config: TrainConfig):
+    if config.optimizer == "adamw":
+        return AdamW(weight_decay=config.weight_decay, kernel=config.adam_kernel)
+    if config.optimizer == "sgd":
+        return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay)
+    raise ValueError(f"TrainConfig.optimizer must be 'adamw' or 'sgd', got {config.optimizer!r}")
+
+
+def make_schedule(config: TrainConfig):
+    """Constant when total_steps <= 1, else linear warm-up + cosine to min_lr."""
+    if config.total_steps <= 1:
+        return Constant(config.lr)
+    return WarmupCosine(config.lr, min(config.warmup_steps, config.total_steps), config.total_steps, config.min_lr)
+
+
+def clip_coefficient(total_norm: float, clip_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor, capped at 1: clip / (norm + 1e-6)."""
+    return min(1.0, clip_norm / (total_norm + 1e-6))
+
+
+class DataParallelBase(Strategy):
+    """The shared machinery; see the module docstring. Not used directly."""
+
+    name = "base"
+    replicated_state = False  # ddp: master params and optimizer state are the same on every rank
+    replicated_grads = False  # ddp: the reduced gradient is whole on every rank (norm needs no sum)
+
+    def __init__(self, model: Model, config: TrainConfig, group, *, schedule: Callable[[int], float] | None = None):
+        if config.grad_accum < 1:
+            raise ValueError(f"TrainConfig.grad_accum must be >= 1, got {config.grad_accum}")
+        if config.clip_norm is not None and not config.clip_norm > 0:
+            raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {config.clip_norm}")
+        self.model, self.config, self.group = model, config, group
+        self.units = model.units
+        self.N, self.rank = group.size, group.rank
+        for u in self.units:
+            u.shard_slice(self.rank, self.N)  # raises, naming the unit, if pad_to does not fit the world
+        self.policy = PrecisionPolicy(master=config.master_dtype, compute=config.param_dtype,
+                                      reduce=config.reduce_dtype)
+        self.master_dtype = resolve_dtype(config.master_dtype)
+        self.param_dtype = resolve_dtype(config.param_dtype)
+        self.reduce_dtype = resolve_dtype(config.reduce_dtype)
+        self.optimizer = make_optimizer(config)
+        self.schedule = schedule or make_schedule(config)
+        scaling = self.policy.needs_loss_scaling if config.loss_scale is None else bool(config.loss_scale)
+        self.scaler = DynamicLossScaler(config.init_scale, growth_interval=config.growth_interval, enabled=scaling)
+        codec = None
+        if config.compression not in (None, "none"):
+            from collectives.compress import get_codec  # the compression issue's codecs
+            codec = get_codec(config.compression)
+        self.comm = Comm(group, codec=codec)
+        self.step = 0
+        self.states: list = []
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-compute-r{self.rank}")
+        self._mem_lock = threading.Lock()
+        self._transient = 0
+        self._transient_peak = 0
+        self._stale = False  # load_state_dict ran; compute params are re-derived on the next async call
+        self._overflow_at: dict[int, set[int] | None] = {}
+        self._is_setup = False
+
+    # ---- life cycle -----------------------------------------------------------
+
+    async def setup(self) -> None:
+        """See base class."""
+        full = [p.astype(self.master_dtype) for p in self.model.init_params(self.config.seed)]
+        self._allocate(full)
+        self.states = [self.optimizer.init_state(self._owned(i)[1] - self._owned(i)[0], self.master_dtype)
+                       for i in range(len(self.units))]
+        self.comm.loop = asyncio.get_running_loop()
+        await self._sync_initial_params()
+        self._is_setup = True
+        if self.config.check_every:
+            await self.check_replicas()
+
+    async def _sync_initial_params(self) -> None:
+        """Every rank initialised from one seed; replicated strategies also broadcast from rank 0."""
+        await self._after_update(True)
+
+    def close(self) -> None:
+        """See base class."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- memory ---------------------------------------------------------------
+
+    def _track(self, nbytes: int) -> None:
+        with self._mem_lock:
+            self._transient += nbytes
+            self._transient_peak = max(self._transient_peak, self._transient)
+
+    def _untrack(self, nbytes: int) -> None:
+        with self._mem_lock:
+            self._transient -= nbytes
+
+    def memory_bytes(self) -> dict:
+        """See base class."""
+        params, grads = self._nbytes()
+        optim = sum(s.nbytes for s in self.states)
+        return {"params": params, "grads": grads, "optim": optim, "total": params + grads + optim,
+                "gathered_peak": self._transient_peak, "transient_now": self._transient}
+
+    def reset_peak(self) -> None:
+        """See base class."""
+        with self._mem_lock:
+            self._transient_peak = self._transient
+
+    # ---- testing hook -----------------------------------------------------------
+
+    def inject_overflow(self, step: int, ranks: list[int] | None = None) -> None:
+        """Test hook: at ``step`` (the value of ``self.step`` when train_step starts)
+        the gradient of unit 0, element 0, becomes +inf on ``ranks`` (default: every
+        rank) just before it is communicated, as an fp16 overflow would. With
+        ``ranks=[0]`` under zero2/zero3 only rank 0's shard sees it, which tests that
+        the skip is agreed by all ranks."""
+        self._overflow_at[int(step)] = None if ranks is None else {int(r) for r in ranks}
+
+    def _inject(self, grads: list) -> None:
+        if self.step in self._overflow_at:
+            ranks = self._overflow_at[self.step]
+            if ranks is None or self.rank in ranks:
+                grads[0][0] = np.inf
+
+    # ---- the step -------------------------------------------------------------
+
+    async def _in_thread(self, fn, *args):
+        ctx = contextvars.copy_context()  # collectives launched from the thread see this rank's runtime
+        return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, fn, *args)
+
+    def _cast_input(self, x: np.ndarray) -> np.ndarray:
+        """Inputs follow the compute dtype (as autocast does), e.g. float32 data -> float16."""
+        if x.dtype == self.param_dtype or not np.issubdtype(x.dtype, np.floating):
+            return x
+        return x.astype(self.param_dtype)
+
+    async def _ensure_fresh(self) -> None:
+        if not self._is_setup:
+            raise RuntimeError(f"{self.name}: call `await setup()` before training or evaluating")
+        self.comm.loop = asyncio.get_running_loop()
+        self.comm.aborted = False
+        if self._stale:
+            self._stale = False
+            await self._after_update(True)
+
+    def _compute(self, micro_batches, denominator: float, scale: float) -> float:
+        """Compute thread: forward/backward of every micro-batch; returns the local loss sum."""
+        loss, rows_before = 0.0, 0
+        params = self._compute_params()
+        for j, (x, y, offset, global_size) in enumerate(micro_batches):
+            sync = j == len(micro_batches) - 1
+            grads = self._grad_list()
+            hooks = self._hooks(sync, params, grads)
+            if sync and self._overflow_at:
+                after = hooks.get("after_unit_backward")
+
+                def after_with_injection(i, after=after, grads=grads):
+                    if i == 0:
+                        self._inject(grads)
+                    if after is not None:
+                        after(i)
+
+                hooks["after_unit_backward"] = after_with_injection
+            ctx = Context(training=True, seed=self.config.seed, step=self.step, batch_offset=rows_before + int(offset))
+            loss += self.model.forward_backward(params, grads, self._cast_input(x), y, ctx,
+                                                loss_denominator=denominator, grad_scale=scale, **hooks)
+            rows_before += int(global_size)
+        return loss
+
+    async def train_step(self, micro_batches) -> StepResult:
+        """See base class."""
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        await self._ensure_fresh()
+        t_start = time.perf_counter()
+        self.comm.reset_counters()
+        denominator = float(sum(int(mb[3]) for mb in micro_batches))
+        if denominator <= 0:
+            raise ValueError(f"the step's global batch is empty (global sizes {[mb[3] for mb in micro_batches]})")
+        scale = self.scaler.scale
+        self._begin_step()
+        try:
+            t0 = time.perf_counter()
+            loss_local = await self._in_thread(self._compute, micro_batches, denominator, scale)
+            thread_s = time.perf_counter() - t0
+            thread_exposed = self.comm.exposed_s
+            await self._finish_grads()
+        except BaseException:
+            await self.comm.cancel_pending()
+            raise
+        shards = self._opt_shards()
+        # grads in the master dtype (a cast copy only when reduce != master), unscaled, checked
+        grads = [g if g.dtype == self.master_dtype else g.astype(self.master_dtype) for _, g, _ in shards]
+        local_inf = False
+        for g in grads:
+            local_inf |= unscale_(g, scale) if scale != 1.0 else has_inf_or_nan(g)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sumsq = float(sum(float(np.dot(g, g)) for g in grads))
+        # one all_reduce decides for every rank: [loss, found_inf flags, sum of squares]
+        stats = np.array([loss_local, float(local_inf), 0.0 if self.replicated_grads else sumsq], dtype=np.float64)
+        await self.comm.exposed(self.comm.all_reduce(stats))
+        loss, found_inf = float(stats[0]), bool(stats[1] > 0)
+        grad_norm = math.sqrt(sumsq if self.replicated_grads else float(stats[2])) if not found_inf else math.inf
+        applied = self.scaler.update(found_inf) and not found_inf
+        t_update = time.perf_counter()
+        if applied:
+            lr = self.schedule(self.step)
+            coef = clip_coefficient(grad_norm, self.config.clip_norm) if self.config.clip_norm else 1.0
+            await self._in_thread(self._update, shards, grads, coef, lr)
+        update_s = time.perf_counter() - t_update
+        await self._after_update(applied)
+        self.step += 1
+        if self.config.check_every and self.step % self.config.check_every == 0:
+            await self.check_replicas()
+        timings = {"compute_s": max(0.0, thread_s - thread_exposed) + update_s, "comm_s": self.comm.comm_s,
+                   "exposed_comm_s": self.comm.exposed_s, "step_s": time.perf_counter() - t_start}
+        return StepResult(loss=loss, skipped=not applied, grad_norm=grad_norm, comm_bytes=self.comm.bytes_sent,
+                          timings=timings, loss_scale=scale)
+
+    def _update(self, shards, grads, coef: float, lr: float) -> None:
+        """Compute thread: clip and step this rank's shards."""
+        for (param, _, state), g in zip(shards, grads):
+            if coef < 1.0:
+                g *= coef
+            self.optimizer.step(param, g, state, lr)
+
+    # ---- evaluation -------------------------------------------------------------
+
+    async def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """See base class."""
+        await self._ensure_fresh()
+        params = self._compute_params()
+        hooks = self._eval_hooks(params)
+        try:
+            logits = await self._in_thread(self.model.forward, params, self._cast_input(x), EVAL, **hooks)
+            await self.comm.drain()
+        except BaseException:
+            await self.comm.cancel_pending()
+            raise
+        if len(y) == 0:
+            return 0.0, 0.0
+        loss_sum, _ = cross_entropy_forward(np.asarray(logits, dtype=np.float64), y, 1.0)
+        return float(loss_sum), float((np.asarray(logits).argmax(axis=1) == y).sum())
+
+    def _eval_hooks(self, params: list) -> dict:
+        return {}
+
+    # ---- replicas -----------------------------------------------------------------
+
+    def _digest(self) -> np.ndarray:
+        h = hashlib.blake2b(digest_size=8)
+        scalars = np.array([self.step, self.states[0].step if self.states else 0, self.scaler.state.scale,
+                            self.scaler.state.good_steps], dtype=np.float64)
+        h.update(scalars.tobytes())
+        for a in self._replicated_arrays():
+            h.update(np.ascontiguousarray(a).view(np.uint8))
+        return np.frombuffer(h.digest(), dtype=np.int64).copy()  # (1,)
+
+    async def check_replicas(self) -> None:
+        """See base class."""
+        mine = self._digest()
+        every = np.zeros(self.N, dtype=np.int64)
+        await self.comm.all_gather(every, mine)
+        values, counts = np.unique(every, return_counts=True)
+        if len(values) == 1:
+            return
+        best = counts.max()
+        majority = every[0] if counts[list(values).index(every[0])] == best else values[counts.argmax()]
+        differ = [r for r in range(self.N) if every[r] != majority]
+        raise ReplicaMismatchError(
+            f"{self.name}: replicated state (parameters{', optimizer state' if self.replicated_state else ''}, "
+            f"step, loss scale) differs across ranks at step {self.step}: rank(s) {differ} differ from "
+            f"rank(s) {[r for r in range(self.N) if every[r] == majority]}", differ)
+
+    # ---- checkpoint state ---------------------------------------------------------
+
+    def _layout(self, i: int) -> tuple[int, int]:
+        """(start, length) of this rank's shard of unit i in UNPADDED coordinates."""
+        start, stop = self._owned(i)
+        numel = self.units[i].numel
+        if start >= numel:
+            return numel, 0
+        return start, min(stop, numel) - start
+
+    def state_dict(self) -> dict:
+        """See base class."""
+        shards, layout = {}, {}
+        for i, unit in enumerate(self.units):
+            start, n = self._layout(i)
+            arrays = {"param": self._master_shard(i)}
+            arrays.update(self.states[i].buffers)
+            for key, arr in arrays.items():
+                name = f"unit{i}.{key}"
+                shards[name] = arr[:n]
+                layout[name] = {"numel": unit.numel, "start": start, "replicated": self.replicated_state}
+        return {"strategy": self.name, "world_size": self.N, "rank": self.rank, "step": self.step,
+                "optim_step": self.states[0].step if self.states else 0,
+                "optimizer": self.config.optimizer, "master_dtype": dtype_name(self.master_dtype),
+                "scaler": self.scaler.state_dict(), "shards": shards, "layout": layout}
+
+    def load_state_dict(self, state: dict) -> None:
+        """See base class."""
+        if not self._is_setup:
+            raise RuntimeError(f"{self.name}: call `await setup()` before load_state_dict")
+        shards = state["shards"]
+        for i in range(len(self.units)):
+            start, n = self._layout(i)
+            targets = {"param": self._master_shard(i)}
+            targets.update(self.states[i].buffers)
+            for key, dst in targets.items():
+                name = f"unit{i}.{key}"
+                if name not in shards:
+                    raise ValueError(f"{self.name}: state has no {name!r} (saved with optimizer "
+                                     f"{state.get('optimizer')!r}, this run uses {self.config.optimizer!r})")
+                src = np.asarray(shards[name])
+                if src.shape != (n,):
+                    raise ValueError(f"{self.name}: {name!r} must have {n} elements for rank {self.rank} "
+                                     f"(start {start}), got shape {src.shape}")
+                dst[:n] = src
+                dst[n:] = 0
+            self.states[i].step = int(state["optim_step"])
+        self.step = int(state["step"])
+        self.scaler.load_state_dict(state["scaler"])
+        self._stale = True
+
+    def _master_shard(self, i: int) -> np.ndarray:
+        """The master-dtype array covering this rank's padded range _owned(i)."""
+        raise NotImplementedError
+
+    # ---- subclass hooks (see the module docstring) ------------------------------
+
+    def _begin_step(self) -> None:
+        pass
+
+    async def _finish_grads(self) -> None:
+        await self.comm.drain()

@@ -1,0 +1,149 @@
+"""DDP: replicated parameters and optimizer state; gradients all-reduced in buckets during backward.
+
+How it works:
+
+    setup:     every rank initialises from config.seed; rank 0's parameters are then
+               broadcast (as torch DDP does), so replicas start bit-identical.
+    buckets:   units are grouped in BACKWARD order (last unit first) into buckets of
+               at most bucket_cap_mb of gradient bytes (a unit larger than the cap gets
+               its own bucket). Each bucket is one flat buffer in reduce_dtype, and every
+               unit's gradient buffer is a VIEW into it (torch DDP's
+               gradient_as_bucket_view), so "bucket_copy_in" and "bucket_copy_out" are
+               free and the collective works on the gradients themselves.
+    backward:  after_unit_backward(i) for the LOWEST unit index of a bucket means every
+               unit of that bucket has its gradient: all_reduce(sum) of the bucket is
+               launched right then, as a task on the event loop, while the compute thread
+               goes on with the backward of the next units (the overlap).
+    accumulation: micro-batches before the last only accumulate (no_sync); the last
+               micro-batch's backward launches the buckets.
+    step:      all buckets awaited; every rank holds the same summed gradient, so the
+               global norm needs no communication; every rank steps all parameters.
+
+    Worked example: units 0, 1, 2 with 66 KB, 263 KB, 10 KB of float32 gradients and
+    bucket_cap_mb = 0.25 give buckets [2, 1] and [0] ... except 10 + 263 KB > 256 KB,
+    so the buckets are [2], [1], [0]: the all_reduce of unit 2 runs while unit 1's
+    backward computes, that of unit 1 while unit 0's does.
+
+Memory (float32 Adam, P parameters): params 4P + grads 4P + Adam 8P = 16P, plus
+the float32 master when param_dtype is lower (then params = 4P master + the
+compute copy).
+
+Not here: the step skeleton (common.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from trainer.precision import cast_to
+from trainer.sharding.common import DataParallelBase
+
+
+class Bucket:
+    """Consecutive units whose gradients are views into one flat buffer."""
+
+    def __init__(self, unit_ids: list[int], sizes: list[int], dtype) -> None:
+        self.unit_ids = sorted(unit_ids)  # e.g. [1, 2]
+        self.buffer = np.zeros(sum(sizes[i] for i in self.unit_ids), dtype=dtype)  # (sum of padded numels,)
+        self.views: dict[int, np.ndarray] = {}
+        offset = 0
+        for i in self.unit_ids:
+            self.views[i] = self.buffer[offset : offset + sizes[i]]
+            offset += sizes[i]
+
+    @property
+    def ready_after(self) -> int:
+        """The unit whose after_unit_backward completes the bucket (backward runs high to low)."""
+        return self.unit_ids[0]
+
+
+def plan_buckets(sizes_nbytes: list[int], cap_nbytes: int) -> list[list[int]]:
+    """Units grouped in backward order (highest index first) with at most cap bytes each.
+
+    plan_buckets([4, 4, 4], 8) == [[2, 1], [0]]; a unit above the cap is alone.
+    """
+    buckets, current, used = [], [], 0
+    for i in reversed(range(len(sizes_nbytes))):
+        if current and used + sizes_nbytes[i] > cap_nbytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += sizes_nbytes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class DDPStrategy(DataParallelBase):
+    """See the module docstring."""
+
+    name = "ddp"
+    replicated_state = True
+    replicated_grads = True
+
+    def _allocate(self, full: list[np.ndarray]) -> None:
+        self.master = full  # (padded_numel,) each, master dtype
+        self.separate = self.param_dtype != self.master_dtype
+        self.compute = [cast_to(m, self.param_dtype) for m in full] if self.separate else self.master
+        sizes = [u.padded_numel for u in self.units]
+        cap = max(1, int(self.config.bucket_cap_mb * 2**20))
+        plan = plan_buckets([s * self.reduce_dtype.itemsize for s in sizes], cap)
+        self.buckets = [Bucket(ids, sizes, self.reduce_dtype) for ids in plan]  # in launch order
+        self.grads: list[np.ndarray] = [None] * len(self.units)
+        self._bucket_of: dict[int, Bucket] = {b.ready_after: b for b in self.buckets}
+        for b in self.buckets:
+            for i in b.unit_ids:
+                self.grads[i] = b.views[i]
+
+    def _owned(self, i: int) -> tuple[int, int]:
+        return 0, self.units[i].padded_numel
+
+    def _master_shard(self, i: int) -> np.ndarray:
+        return self.master[i]
+
+    async def _sync_initial_params(self) -> None:
+        await asyncio.gather(*(self.comm.broadcast(m, 0) for m in self.master))
+        await self._after_update(True)
+
+    async def _after_update(self, applied: bool) -> None:
+        if applied and self.separate:
+            for m, c in zip(self.master, self.compute):
+                cast_to(m, self.param_dtype, out=c)
+
+    def _begin_step(self) -> None:
+        for b in self.buckets:
+            b.buffer.fill(0)
+
+    def _compute_params(self) -> list:
+        return list(self.compute)
+
+    def _grad_list(self) -> list:
+        return list(self.grads)
+
+    def _hooks(self, sync: bool, params: list, grads: list) -> dict:
+        if not sync:
+            return {}
+
+        def after_unit_backward(i: int) -> None:
+            bucket = self._bucket_of.get(i)
+            if bucket is not None:  # its last unit is done: reduce the whole bucket now
+                self.comm.launch(self.comm.all_reduce(bucket.buffer, grad=True))
+
+        return {"after_unit_backward": after_unit_backward}
+
+    def _opt_shards(self) -> list:
+        return [(self.master[i], self.grads[i], self.states[i]) for i in range(len(self.units))]
+
+    def _replicated_arrays(self) -> list:
+        return list(self.master) + [b for s in self.states for b in s.buffers.values()]
+
+    def _nbytes(self) -> tuple[int, int]:
+        params = sum(m.nbytes for m in self.master) + (sum(c.nbytes for c in self.compute) if self.separate else 0)
+        return params, sum(b.buffer.nbytes for b in self.buckets)
+
+    async def full_params(self) -> list[np.ndarray]:
+        """See base class."""
+        await self._ensure_fresh()
+        return [m[: u.numel].copy() for m, u in zip(self.master, self.units)]

@@ -1,0 +1,187 @@
+"""ZeRO-3 / FSDP: parameters, gradients and optimizer state all sharded; units gathered on demand.
+
+How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r
+owns [r S_i, (r + 1) S_i) of every unit):
+
+    kept per rank:  master shard (S_i, master dtype), its compute-dtype cast when
+                    param_dtype differs (the all-gather's input), gradient shard
+                    (S_i, reduce dtype), optimizer state (S_i each).
+    forward i:      before_unit_forward(i): launch all_gather(unit i) if not yet
+                    launched, then (prefetch) launch unit i+1's, then wait for unit i
+                    only; unit i+1's gather travels while unit i computes.
+                    after_unit_forward(i): free the gathered unit (reshard_after_forward),
+                    except the last unit, whose backward starts right away.
+    backward i:     before_unit_backward(i): (re)gather unit i, prefetch unit i-1, wait
+                    for unit i; allocate unit i's full gradient (zeros).
+                    after_unit_backward(i): free the gathered unit; at the last
+                    micro-batch launch reduce_scatter(grad shard <- full gradient) and
+                    free the full gradient when it is done (earlier micro-batches keep
+                    accumulating into it: communication only at the boundary).
+    step:           the optimizer updates the master shard; its cast refreshes the
+                    compute shard; nothing is gathered until the next forward.
+    reshard_after_forward=False keeps every gathered unit from its forward to its
+    backward (FSDP's SHARD_GRAD_OP): no second gather, more memory.
+
+    Worked example, 3 units, prefetch on, resharding on: the gathers are issued in
+    the order 0 1 | 2 | (none) | 1 | 0 and the gathered units alive at once are at
+    most 2 (the one computing and the one prefetched) in the forward and 2 in the
+    backward, plus at most 2 full unit gradients (the one computing and the one
+    being reduce-scattered).
+
+Memory (float32 Adam, P parameters, N ranks): 4P/N + 4P/N + 8P/N = 16P/N, plus
+padding and the units in flight (memory_bytes()["gathered_peak"]).
+
+Not here: the step skeleton (common.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from trainer.precision import cast_to
+from trainer.sharding.common import DataParallelBase
+
+
+class FSDPStrategy(DataParallelBase):
+    """See the module docstring. ``name`` is "zero3" or "fsdp" (the same strategy)."""
+
+    def __init__(self, model, config, group, *, name: str = "zero3", **kw) -> None:
+        self.name = name
+        super().__init__(model, config, group, **kw)
+
+    def _allocate(self, full: list[np.ndarray]) -> None:
+        self.separate = self.param_dtype != self.master_dtype
+        self.slices = [u.shard_slice(self.rank, self.N) for u in self.units]
+        self.master = [f[s].copy() for f, s in zip(full, self.slices)]  # (S_i,) each; the full init is dropped
+        self.compute_shards = [cast_to(m, self.param_dtype) for m in self.master] if self.separate else self.master
+        self.grad_shards = [np.zeros(s.stop - s.start, self.reduce_dtype) for s in self.slices]
+        U = len(self.units)
+        self._gathered: list[tuple[np.ndarray, object] | None] = [None] * U  # (buffer, pending future | None)
+        self._full_grads: list[np.ndarray | None] = [None] * U
+
+    def _owned(self, i: int) -> tuple[int, int]:
+        return self.slices[i].start, self.slices[i].stop
+
+    def _master_shard(self, i: int) -> np.ndarray:
+        return self.master[i]
+
+    async def _sync_initial_params(self) -> None:
+        pass  # every rank cut its shard from the same config.seed initialisation
+
+    async def _after_update(self, applied: bool) -> None:
+        if applied and self.separate:
+            for m, c in zip(self.master, self.compute_shards):
+                cast_to(m, self.param_dtype, out=c)
+
+    # ---- gathering (compute thread) ---------------------------------------------
+
+    def _start_gather(self, i: int) -> None:
+        """Launches unit i's all_gather unless it is gathered or on its way."""
+        if self._gathered[i] is not None:
+            return
+        buf = np.empty(self.units[i].padded_numel, self.param_dtype)  # (L_i,) the gathered unit
+        self._track(buf.nbytes)
+        self._gathered[i] = (buf, self.comm.launch(self.comm.all_gather(buf, self.compute_shards[i])))
+
+    def _wait_gather(self, i: int) -> np.ndarray:
+        self._start_gather(i)
+        buf, fut = self._gathered[i]
+        if fut is not None:
+            self.comm.wait(fut)
+            self._gathered[i] = (buf, None)
+        return buf
+
+    def _free_gather(self, i: int, params: list) -> None:
+        entry, self._gathered[i] = self._gathered[i], None
+        params[i] = None
+        if entry is not None:
+            self._untrack(entry[0].nbytes)
+
+    def _reset_gathers(self) -> None:
+        """Drops what a failed step may have left (nothing after a completed one)."""
+        for i, entry in enumerate(self._gathered):
+            if entry is not None:
+                self._untrack(entry[0].nbytes)
+                self._gathered[i] = None
+        for i, g in enumerate(self._full_grads):
+            if g is not None:
+                self._untrack(g.nbytes)
+                self._full_grads[i] = None
+
+    # ---- hooks --------------------------------------------------------------------
+
+    def _forward_hooks(self, params: list, *, keep_last: bool, reshard: bool) -> dict:
+        last = len(self.units) - 1
+
+        def before_unit_forward(i: int) -> None:
+            self._start_gather(i)
+            if self.config.prefetch and i < last:
+                self._start_gather(i + 1)
+            params[i] = self._wait_gather(i)
+
+        def after_unit_forward(i: int) -> None:
+            if reshard and not (keep_last and i == last):
+                self._free_gather(i, params)
+
+        return {"before_unit_forward": before_unit_forward, "after_unit_forward": after_unit_forward}
+
+    def _hooks(self, sync: bool, params: list, grads: list) -> dict:
+        hooks = self._forward_hooks(params, keep_last=True, reshard=self.config.reshard_after_forward)
+
+        def before_unit_backward(i: int) -> None:
+            self._start_gather(i)
+            if self.config.prefetch and i > 0:
+                self._start_gather(i - 1)
+            params[i] = self._wait_gather(i)
+            if grads[i] is None:  # kept across micro-batches until the boundary
+                grads[i] = np.zeros(self.units[i].padded_numel, self.reduce_dtype)
+                self._track(grads[i].nbytes)
+
+        def after_unit_backward(i: int) -> None:
+            self._free_gather(i, params)
+            if sync:
+                full, grads[i] = grads[i], None
+                self.comm.launch(self._reduce_and_free(i, full))
+
+        hooks["before_unit_backward"] = before_unit_backward
+        hooks["after_unit_backward"] = after_unit_backward
+        return hooks
+
+    def _eval_hooks(self, params: list) -> dict:
+        self._reset_gathers()
+        return self._forward_hooks(params, keep_last=False, reshard=True)
+
+    async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
+        try:
+            await self.comm.reduce_scatter(self.grad_shards[i], full)
+        finally:
+            self._untrack(full.nbytes)
+
+    def _begin_step(self) -> None:
+        self._reset_gathers()
+
+    def _compute_params(self) -> list:
+        return [None] * len(self.units)  # filled by before_unit_forward / before_unit_backward
+
+    def _grad_list(self) -> list:
+        return self._full_grads
+
+    def _opt_shards(self) -> list:
+        return [(self.master[i], self.grad_shards[i], self.states[i]) for i in range(len(self.units))]
+
+    def _replicated_arrays(self) -> list:
+        return []  # nothing is replicated but the step and the loss scale (always in the digest)
+
+    def _nbytes(self) -> tuple[int, int]:
+        params = sum(m.nbytes for m in self.master)
+        params += sum(c.nbytes for c in self.compute_shards) if self.separate else 0
+        return params, sum(g.nbytes for g in self.grad_shards)
+
+    async def full_params(self) -> list[np.ndarray]:
+        """See base class."""
+        await self._ensure_fresh()
+        out = [np.empty(u.padded_numel, self.master_dtype) for u in self.units]
+        await asyncio.gather(*(self.comm.all_gather(o, m) for o, m in zip(out, self.master)))
+        return [o[: u.numel] for o, u in zip(out, self.units)]

@@ -1,0 +1,151 @@
+"""ZeRO stage 1 and 2: optimizer state (and, at stage 2, gradients) sharded; parameters replicated.
+
+How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r
+owns [r S_i, (r + 1) S_i) of every unit, trainer.nn.Unit.shard_slice):
+
+    zero1  backward accumulates into FULL gradient buffers (4P, kept between steps);
+           at the last micro-batch, after_unit_backward(i) launches
+           reduce_scatter(scratch S_i <- full grad i) and copies the reduced chunk
+           back into this rank's slice of the full buffer; the optimizer steps the
+           slice with its 1/N optimizer state.
+    zero2  no full gradient buffer survives a step: before_unit_backward(i) allocates
+           unit i's full gradient, after_unit_backward(i) launches
+           reduce_scatter(grad shard S_i <- full grad i) and frees the full buffer as
+           soon as the collective is done; only the shard (4P/N) is kept. Under
+           gradient accumulation the full buffers live until the last micro-batch
+           (communication only at the boundary, like FSDP's no_sync).
+    both   after the step each rank all-gathers the updated shards into the full
+           replicated parameters (in param_dtype: the compute copy is what travels).
+
+Master weights: when param_dtype == master_dtype the replicated parameters ARE the
+master and this rank's master shard is a view into them; otherwise the master
+shard (float32) is separate and the replicated copy is in param_dtype, as in the
+ZeRO paper's mixed-precision accounting (master + Adam = 12P/N).
+
+Memory (float32 Adam, P parameters, N ranks): zero1 4P + 4P + 8P/N, zero2
+4P + 4P/N + 8P/N, plus padding and the unit gradients in flight (zero2).
+
+Not here: the step skeleton (common.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from trainer.precision import cast_to
+from trainer.sharding.common import DataParallelBase
+
+
+class ZeroStrategy(DataParallelBase):
+    """See the module docstring; ``stage`` is 1 or 2."""
+
+    def __init__(self, model, config, group, *, stage: int, **kw) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage must be 1 or 2 here (3 is fsdp.py), got {stage}")
+        self.stage = stage
+        self.name = f"zero{stage}"
+        super().__init__(model, config, group, **kw)
+
+    def _allocate(self, full: list[np.ndarray]) -> None:
+        self.separate = self.param_dtype != self.master_dtype
+        self.slices = [u.shard_slice(self.rank, self.N) for u in self.units]
+        if self.separate:
+            self.full = [cast_to(f, self.param_dtype) for f in full]  # replicated compute copy
+            self.master = [f[s].copy() for f, s in zip(full, self.slices)]  # (S_i,) float32 master shards
+        else:
+            self.full = full
+            self.master = [f[s] for f, s in zip(full, self.slices)]  # views: the replicas ARE the master
+        if self.stage == 1:
+            self.grads = [np.zeros(u.padded_numel, self.reduce_dtype) for u in self.units]
+        else:
+            self.grad_shards = [np.zeros(s.stop - s.start, self.reduce_dtype) for s in self.slices]
+            self._full_grads: list[np.ndarray | None] = [None] * len(self.units)
+
+    def _owned(self, i: int) -> tuple[int, int]:
+        return self.slices[i].start, self.slices[i].stop
+
+    def _master_shard(self, i: int) -> np.ndarray:
+        return self.master[i]
+
+    async def _sync_initial_params(self) -> None:
+        pass  # every rank built the same replicas from config.seed (check_replicas verifies it)
+
+    async def _after_update(self, applied: bool) -> None:
+        """All-gather the updated shards into the replicated compute parameters."""
+        if not applied:
+            return
+        sources = [cast_to(m, self.param_dtype) if self.separate else m for m in self.master]
+        await self.comm.exposed(asyncio.gather(*(self.comm.all_gather(f, s) for f, s in zip(self.full, sources))))
+
+    def _begin_step(self) -> None:
+        if self.stage == 1:
+            for g in self.grads:
+                g.fill(0)
+
+    def _compute_params(self) -> list:
+        return list(self.full)
+
+    def _grad_list(self) -> list:
+        return self.grads if self.stage == 1 else self._full_grads
+
+    def _hooks(self, sync: bool, params: list, grads: list) -> dict:
+        hooks = {}
+        if self.stage == 2:
+            def before_unit_backward(i: int) -> None:
+                if self._full_grads[i] is None:  # kept across micro-batches until the boundary
+                    self._full_grads[i] = np.zeros(self.units[i].padded_numel, self.reduce_dtype)
+                    self._track(self._full_grads[i].nbytes)
+
+            hooks["before_unit_backward"] = before_unit_backward
+        if not sync:
+            return hooks
+
+        def after_unit_backward(i: int) -> None:
+            if self.stage == 1:
+                self.comm.launch(self._reduce_into_slice(i))
+            else:
+                full, self._full_grads[i] = self._full_grads[i], None
+                self.comm.launch(self._reduce_and_free(i, full))
+
+        hooks["after_unit_backward"] = after_unit_backward
+        return hooks
+
+    async def _reduce_into_slice(self, i: int) -> None:
+        """zero1: reduce-scatter unit i's full gradient; the chunk goes back into this rank's slice."""
+        chunk = np.empty(self.slices[i].stop - self.slices[i].start, self.reduce_dtype)  # scratch (S_i,)
+        self._track(chunk.nbytes)
+        try:
+            await self.comm.reduce_scatter(chunk, self.grads[i])
+            self.grads[i][self.slices[i]] = chunk
+        finally:
+            self._untrack(chunk.nbytes)
+
+    async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
+        """zero2: reduce-scatter unit i's full gradient into the kept shard, then drop the full buffer."""
+        try:
+            await self.comm.reduce_scatter(self.grad_shards[i], full)
+        finally:
+            self._untrack(full.nbytes)
+
+    def _opt_shards(self) -> list:
+        grads = [g[s] for g, s in zip(self.grads, self.slices)] if self.stage == 1 else self.grad_shards
+        return [(self.master[i], grads[i], self.states[i]) for i in range(len(self.units))]
+
+    def _replicated_arrays(self) -> list:
+        return list(self.full)
+
+    def _nbytes(self) -> tuple[int, int]:
+        params = sum(f.nbytes for f in self.full) + (sum(m.nbytes for m in self.master) if self.separate else 0)
+        grads = sum(g.nbytes for g in self.grads) if self.stage == 1 else sum(g.nbytes for g in self.grad_shards)
+        return params, grads
+
+    async def full_params(self) -> list[np.ndarray]:
+        """See base class."""
+        await self._ensure_fresh()
+        if not self.separate:
+            return [f[: u.numel].copy() for f, u in zip(self.full, self.units)]
+        out = [np.empty(u.padded_numel, self.master_dtype) for u in self.units]
+        await asyncio.gather(*(self.comm.all_gather(o, m) for o, m in zip(out, self.master)))
+        return [o[: u.numel] for o, u in zip(out, self.units)]
