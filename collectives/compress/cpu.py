@@ -22,11 +22,12 @@ import math
 import numpy as np
 from numba import njit
 
-from ..kernels.halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+from ..kernels.halfbits import f32_to_f16
 from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2
 
 _JIT = dict(nogil=True, cache=True)
 _U64 = np.uint64
+_U32 = np.uint32
 _GOLDEN, _MIX1, _MIX2 = _U64(GOLDEN), _U64(MIX1), _U64(MIX2)
 _S30, _S27, _S31, _S40 = _U64(30), _U64(27), _U64(31), _U64(40)
 
@@ -35,25 +36,54 @@ _S30, _S27, _S31, _S40 = _U64(30), _U64(27), _U64(31), _U64(40)
 
 
 @njit(**_JIT)
-def cast_encode(x, out, bf16):
-    """out (uint16 bits) = x rounded to bfloat16 if ``bf16`` else float16."""
-    if bf16:
-        for i in range(x.size):
-            out[i] = f32_to_bf16(x[i])
-    else:
-        for i in range(x.size):
-            out[i] = f32_to_f16(x[i])
+def _bf16_encode(bits, out):
+    """Branch-free (vectorisable) ``halfbits.f32_to_bf16`` over float32 bits."""
+    for i in range(bits.size):
+        b = bits[i]
+        rounded = (b + _U32(0x7FFF) + ((b >> _U32(16)) & _U32(1))) >> _U32(16)
+        nan = ((b >> _U32(16)) & _U32(0x8000)) | _U32(0x7FC0)
+        out[i] = np.uint16(nan if (b & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else rounded)
 
 
 @njit(**_JIT)
-def cast_decode(h, out, bf16):
-    """out (float32) = the 16-bit floats whose bits are ``h``."""
+def _f16_encode(x, out):
+    for i in range(x.size):
+        out[i] = f32_to_f16(x[i])
+
+
+@njit(**_JIT)
+def _bf16_decode(h, out_bits):
+    for i in range(h.size):
+        out_bits[i] = _U32(h[i]) << _U32(16)
+
+
+@njit(**_JIT)
+def _table_decode(h, table, out):
+    for i in range(h.size):
+        out[i] = table[h[i]]
+
+
+_F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)  # 256 KiB
+
+
+def cast_encode(x, out, bf16: bool) -> None:
+    """out (uint16 bits) = x (float32) rounded to bfloat16 if ``bf16`` else float16."""
     if bf16:
-        for i in range(h.size):
-            out[i] = bf16_to_f32(h[i])
+        _bf16_encode(x.view(np.uint32), out)
     else:
-        for i in range(h.size):
-            out[i] = f16_to_f32(h[i])
+        _f16_encode(x, out)
+
+
+def cast_decode(h, out, bf16: bool) -> None:
+    """out (float32) = the 16-bit floats whose bits are ``h``.
+
+    bfloat16 is a shift; float16 is a lookup in a 65536-entry table built by
+    NumPy's own cast (exact by construction).
+    """
+    if bf16:
+        _bf16_decode(h, out.view(np.uint32))
+    else:
+        _table_decode(h, _F16_TABLE, out)
 
 
 # ---- int8 -------------------------------------------------------------------------
@@ -104,15 +134,31 @@ def int8_encode(x, block, key, stochastic, q, scale):
 @njit(**_JIT)
 def int8_decode(q, scale, block, out):
     """out (float32, n) = q * scale of its block."""
-    for i in range(q.size):
-        out[i] = np.float32(q[i]) * scale[i // block]
+    n = q.size
+    for b in range(scale.size):
+        s = scale[b]
+        for i in range(b * block, min((b + 1) * block, n)):
+            out[i] = np.float32(q[i]) * s
+
+
+@njit(**_JIT)
+def int8_decode_add(q, scale, block, out):
+    """out (float32, n) += q * scale of its block (gather-decode-sum)."""
+    n = q.size
+    for b in range(scale.size):
+        s = scale[b]
+        for i in range(b * block, min((b + 1) * block, n)):
+            out[i] += np.float32(q[i]) * s
 
 
 @njit(**_JIT)
 def int8_residual(y, q, scale, block, error):
     """error = y - decode(q, scale), fused (no decoded array)."""
-    for i in range(y.size):
-        error[i] = y[i] - np.float32(q[i]) * scale[i // block]
+    n = q.size
+    for b in range(scale.size):
+        s = scale[b]
+        for i in range(b * block, min((b + 1) * block, n)):
+            error[i] = y[i] - np.float32(q[i]) * s
 
 
 # ---- top-k ---------------------------------------------------------------------------

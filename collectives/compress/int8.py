@@ -87,6 +87,13 @@ class Int8Codec(Codec):
         cpu.int8_decode(q, scale, self.block, out)
         return out.reshape(shape)
 
+    def decode_add(self, payload, out) -> None:
+        """See base class. Fused on Numba (no decoded temporary)."""
+        if self._backend_for(out) == "numba":
+            cpu.int8_decode_add(payload[0], payload[1], self.block, out.reshape(-1))
+        else:
+            super().decode_add(payload, out)
+
     def residual_into(self, compensated, payload, error) -> None:
         """See base class. Fused on Numba and CUDA."""
         backend = self._backend_for(compensated)

@@ -11,9 +11,11 @@ reduction overlaps network transfer::
         reduce_into(dst, src, op)
 
 :data:`OFFLOAD_MIN_NBYTES` comes from ``python bench/kernels.py --offload``:
-on the 2-core development box a thread hand-off costs ~60-100 us round trip,
-which is the time to reduce ~256 KiB of float32; above 1 MiB the hand-off is
-under a tenth of the kernel time.
+on the 2-core development box an ``asyncio.to_thread`` round trip costs
+35-85 us (median, varies with load), about the time to reduce 256 KiB to 1 MiB
+of float32 (21 us at 256 KiB, 80-105 us at 1 MiB, 300-430 us at 4 MiB). At
+1 MiB the hand-off costs at most about as much as the kernel and frees the
+loop for all of it; above 4 MiB it is noise.
 
 Compilation is lazy per (op, dtype) on first use, and cached on disk
 (``cache=True``, in ``__pycache__``). Measured on the development box: compiling
