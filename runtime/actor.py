@@ -306,10 +306,7 @@ class Actor:
         """Posts a receive for ``key`` (``(src, tag)`` or ``("c", src, tag)``); returns
         a future of (header, payload). A frame already kept for it completes it now."""
         fut = asyncio.get_running_loop().create_future()
-        self._poll_failed(src, fut)
-        if fut.done():
-            return fut
-        waiting = self._unexpected.get(key)
+        waiting = self._unexpected.get(key)  # frames that arrived before a peer left still count
         if waiting:
             header, data = waiting.popleft()
             if not waiting:
@@ -317,6 +314,9 @@ class Actor:
             self._unexpected_nbytes -= len(data)
             self._unexpected_frames -= 1
             self._complete(_Recv(src, key, buf, fut, check), header, data, copy=True)
+            return fut
+        self._poll_failed(src, fut)
+        if fut.done():
             return fut
         self._posted.setdefault(key, collections.deque()).append(_Recv(src, key, buf, fut, check))
         return fut

@@ -33,7 +33,6 @@ import contextvars
 import logging
 import os
 import socket
-import time
 
 import msgpack
 
@@ -222,12 +221,12 @@ async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0) -> None:
         return
     server = getattr(rt, "store_server", None)
     try:
-        if rt.world_size > 1 and rt.store is not None:
-            await rt.store.add("shutdown", 1)
-            if server is not None:
-                deadline = time.monotonic() + timeout_s
-                while int(await rt.store.get("shutdown")) < rt.world_size and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
+        if rt.world_size > 1 and rt.store is not None and not rt.actor.lost_peers():
+            # Everyone arrives before anyone leaves: a rank that closed early would look
+            # like a lost peer to a rank still finishing its last collective.
+            if await rt.store.add("shutdown", 1) == rt.world_size:
+                await rt.store.set("shutdown/all", b"1")
+            await rt.store.get("shutdown/all", timeout_s)
     except (RingweaveError, OSError) as exc:
         log.warning("rank %d: shutdown rendezvous failed: %s", rt.rank, exc)
     finally:
