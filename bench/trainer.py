@@ -253,14 +253,17 @@ def format_row(r: dict) -> str:
         return f"{r['strategy']:>10} {r['ranks']:>5}  FAILED ({r['error']})"
     pr = r["per_rank"]
     comm, exposed = _mean(pr, "comm_s"), _mean(pr, "exposed_comm_s")
-    overlap = (1 - exposed / comm) if comm == comm and comm > 0 else float("nan")
+    overlap = (1 - exposed / comm) if comm == comm and comm > 1e-6 else float("nan")
     mem = max(p["maxrss_bytes"] for p in pr) / 2**20
     held = (_mean(pr, "params_bytes") + _mean(pr, "grads_bytes") + _mean(pr, "optim_bytes")) / 2**20 \
         if "params_bytes" in pr[0] else float("nan")
     sent = _mean(pr, "comm_bytes_per_step") / 2**20 if "comm_bytes_per_step" in pr[0] else float("nan")
+    def f(value, fmt):  # '-' where a figure does not exist (torch's split, overlap at 1 rank)
+        return format(value, fmt) if value == value else "-"
+
     return (f"{r['strategy']:>10} {r['ranks']:>5} {r['samples_per_s']:>9.1f} {1e3 * _mean(pr, 'step_s'):>8.1f} "
-            f"{1e3 * _mean(pr, 'compute_s'):>9.1f} {1e3 * comm:>8.1f} {1e3 * exposed:>8.1f} {overlap:>8.0%} "
-            f"{sent:>9.1f} {held:>9.1f} {mem:>9.0f}")
+            f"{f(1e3 * _mean(pr, 'compute_s'), '.1f'):>9} {f(1e3 * comm, '.1f'):>8} {f(1e3 * exposed, '.1f'):>8} "
+            f"{f(overlap, '.0%'):>8} {f(sent, '.1f'):>9} {f(held, '.1f'):>9} {mem:>9.0f}")
 
 
 HEADER = (f"{'strategy':>10} {'ranks':>5} {'samples/s':>9} {'step ms':>8} {'compute':>9} {'comm':>8} "

@@ -193,6 +193,7 @@ async def run(args: argparse.Namespace) -> int:
     from trainer.sharding import make_strategy
 
     rt = await runtime.init()
+    strategy = None
     try:
         from threadpoolctl import threadpool_limits  # ships with scikit-learn
 
@@ -230,6 +231,8 @@ async def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "history": history.as_dict()}, f, indent=1, default=str)
     finally:
+        if strategy is not None and hasattr(strategy, "close"):
+            strategy.close()
         if limiter is not None:
             limiter.restore_original_limits()
         await runtime.shutdown(rt)
