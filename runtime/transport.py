@@ -41,6 +41,7 @@ from runtime.errors import BadFrameError, ClosedError, PeerLostError
 log = logging.getLogger("ringweave.transport")
 
 STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
+READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
 
@@ -126,7 +127,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             n = self._end - self._start  # compact: move the unread tail to the front
             self._stage_mv[:n] = self._stage_mv[self._start:self._end]
             self._start, self._end = 0, n
-        return self._stage_mv[self._end:]
+        # At most READ_NBYTES per read in header mode: a large payload's first bytes
+        # land in the stage and are copied once; the rest goes straight to its buffer.
+        return self._stage_mv[self._end:self._end + READ_NBYTES]
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
