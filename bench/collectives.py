@@ -1,0 +1,735 @@
+"""Collective benchmark, nccl-tests style: time, algbw and busbw per size, op and algorithm,
+optionally beside torch.distributed's Gloo backend and OpenMPI (mpi4py) measured in the same run.
+
+    python bench/collectives.py -n 4                                 # every op, 4 B .. 64 MiB in x4 steps
+    python bench/collectives.py -n 4 --compare gloo                  # + Gloo column, ratio, goal summary
+    python bench/collectives.py -n 4 --compare mpi                   # + OpenMPI (shared memory), under mpirun
+    python bench/collectives.py -n 4 --compare gloo,mpi --mpi-btl tcp
+    python bench/collectives.py -n 2 --ops all_reduce --sizes 4,4096,1M --algorithm all --iters 50
+
+Launch. Without RANK in the environment the script re-launches itself through the project's
+launcher (``python -m runtime.launch -n N bench/collectives.py ...``). With ``--compare mpi`` it
+re-launches itself under ``mpirun --allow-run-as-root --oversubscribe --bind-to none -n N`` instead,
+with MASTER_ADDR / MASTER_PORT exported: MPI_Init needs mpirun's processes, and ringweave's
+``runtime.init`` reads OMPI_COMM_WORLD_RANK / SIZE (rank 0 then hosts the store, DESIGN.md
+"Starting a job"). Either way every library runs in the SAME processes, so rows can interleave.
+
+Peers. ``--compare gloo``: each rank also joins torch.distributed (Gloo) through its own torch
+TCPStore on a fresh port (rank 0 publishes the port in ringweave's store). Same processes rather
+than a second launch, because the machine is shared and noisy (2 cores, 4 ranks, other jobs):
+measuring both in alternation, iteration by iteration, makes the ratio compare like with like.
+Gloo and MPI calls block the event loop while they run; nothing of ringweave is in flight then.
+
+Method, per (op, size):
+1. validation, not timed: every variant (each ringweave algorithm, Gloo, MPI) runs once from a fresh
+   input and its output is compared, exactly, with a closed-form answer (rank r contributes small
+   integers r + i % 3, so sums are n(n-1)/2 + n (i % 3) -- no second implementation). A wrong answer
+   stops the run naming the op, size, variant, rank and first wrong index.
+2. ``--warmup`` rounds, not timed, then ``--iters`` timed rounds. Each round runs every variant once,
+   in turn; each timed call is ``barrier; t0; call; t1; barrier`` with that library's own barrier
+   (OSU style), and in-place inputs are reset before the first barrier (not timed).
+3. time of an iteration = the slowest rank's t1 - t0; the row shows the median (and min) over the
+   iterations. algbw = size / time, busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n;
+   all_gather, reduce_scatter, all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1).
+   "noise" is the widest interquartile range / median among the row's variants.
+
+Sizes are nccl-tests' "size": the whole array for all_reduce / broadcast / reduce, the gathered
+output for all_gather / gather, the input for reduce_scatter / scatter, one buffer for all_to_all.
+Those ops need n equal blocks, so a size below n elements rounds up to one element per rank
+(the row shows the bytes actually moved). barrier gets one row (size 0). Roots are rank 0.
+
+Ratios: "x gloo" = Gloo's median time / ringweave's, per row; > 1 means ringweave is faster (for
+one size that is also the busbw ratio). The goal summary (issues 3 and 6) uses the rows of
+the algorithm the default table picks.
+
+Output (rank 0): one line per row as it is measured, then the goals; JSON to ``--json``
+(default bench/out/collectives.json) and a PNG of busbw against size to ``--plot``
+(bench/out/collectives.png; skipped with a message when matplotlib is missing). The memory
+reference printed first is a one-core NumPy copy of 64 MiB (bytes copied per second), measured by
+rank 0 while the others wait, and all ranks copying at once (sum of their rates).
+
+Not here: point-to-point (bench/p2p.py), kernels alone (bench/kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# This file is named like the package it measures: run as a script, its own folder is sys.path[0]
+# and ``import collectives`` would import this file. Put the repository root there instead.
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+
+from bench.common import (MiB, Table, busbw_factor, copy_bandwidth, fmt_bytes, gbps, parse_sizes,  # noqa: E402
+                          plot_busbw, stats, write_json)
+
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+       "barrier"]
+REDUCING = {"all_reduce", "reduce_scatter", "reduce"}
+ROOTED = {"broadcast", "reduce", "gather", "scatter"}
+BLOCKED = {"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"}  # size = n blocks
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8"]
+ROOT_RANK = 0
+
+
+def np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# --- one (op, size): buffers and the closed-form answer ----------------------------------------
+
+def pattern(first, count: int) -> np.ndarray:
+    """int64 ``first + i % 3`` for i in 0..count-1 (``first`` a scalar or per-element array)."""
+    return first + np.arange(count, dtype=np.int64) % 3
+
+
+@dataclass
+class Case:
+    """The buffers of one rank for one (op, size) and what they must hold after the call.
+
+    ``x``: the input (also the output of in-place ops); ``out``: the output of out-of-place ops
+    (None where the op has none on this rank); ``x0``: the pristine input that in-place ops
+    restore before every call; ``expect_x`` / ``expect_out``: the closed-form answer.
+    """
+    op: str
+    nbytes: int          # nccl-tests size of the row, e.g. 67108864
+    block: int           # elements per rank block (BLOCKED ops) or of the whole array
+    x: np.ndarray | None
+    out: np.ndarray | None
+    x0: np.ndarray | None
+    expect_x: np.ndarray | None
+    expect_out: np.ndarray | None
+    registry_nbytes: int  # what collectives/api.py passes to the selection table
+    tx: object = None     # torch views of x / out (Gloo), built on demand
+    tout: object = None
+    extra: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        if self.x0 is not None:
+            np.copyto(self.x, self.x0)
+
+    def poison(self) -> None:
+        """Before validation: outputs hold a value no correct answer contains."""
+        if self.out is not None:
+            self.out.fill(np.array(117, self.out.dtype) if self.out.dtype.kind in "iu" else np.nan)
+        self.reset()
+
+
+def make_case(op: str, size: int, dtype: np.dtype, n: int, rank: int) -> Case:
+    """Buffers and answers of ``rank`` for ``op`` at nccl-tests ``size`` bytes on ``n`` ranks."""
+    item = dtype.itemsize
+    if op == "barrier":
+        return Case(op, 0, 0, None, None, None, None, None, 0)
+    if op in BLOCKED:
+        block = 0 if size == 0 else max(1, size // item // n)
+        total = n * block
+    else:
+        block = total = 0 if size == 0 else max(1, size // item)
+    cast = lambda a: np.asarray(a, np.int64).astype(dtype)  # noqa: E731 - ints wrap like the dtype
+    i_total = np.arange(total, dtype=np.int64)
+    root = rank == ROOT_RANK
+    summed = lambda idx: n * (n - 1) // 2 + n * (idx % 3)  # noqa: E731 - sum over r of (r + idx % 3)
+    concat = lambda f: np.concatenate([pattern(f(j), block) for j in range(n)]) if n * block else \
+        np.zeros(0, np.int64)  # noqa: E731
+    if op == "all_reduce":
+        x0 = cast(pattern(rank, total))
+        return Case(op, total * item, total, x0.copy(), None, x0, cast(summed(i_total)), None, total * item)
+    if op == "broadcast":
+        x0 = cast(pattern(1, total)) if root else np.zeros(total, dtype)
+        return Case(op, total * item, total, x0.copy(), None, x0, cast(pattern(1, total)), None, total * item)
+    if op == "reduce":
+        x0 = cast(pattern(rank, total))
+        want = cast(summed(i_total)) if root else x0
+        return Case(op, total * item, total, x0.copy(), None, x0, want, None, total * item)
+    if op == "all_gather":
+        x = cast(pattern(rank, block))
+        return Case(op, total * item, block, x, np.empty(total, dtype), None, None, cast(concat(lambda j: j)),
+                    block * item)
+    if op == "reduce_scatter":
+        x = cast(pattern(rank, total))
+        want = cast(summed(rank * block + np.arange(block, dtype=np.int64)))
+        return Case(op, total * item, block, x, np.empty(block, dtype), None, None, want, total * item)
+    if op == "all_to_all":
+        x = cast(concat(lambda j: (rank * n + j) % 97))    # block j goes to rank j
+        want = cast(concat(lambda j: (j * n + rank) % 97))  # block j came from rank j
+        return Case(op, total * item, block, x, np.empty(total, dtype), None, None, want, total * item)
+    if op == "gather":
+        x = cast(pattern(rank, block))
+        out = np.empty(total, dtype) if root else None
+        return Case(op, total * item, block, x, out, None, None, cast(concat(lambda j: j)) if root else None,
+                    block * item)
+    if op == "scatter":
+        x = cast(concat(lambda j: j)) if root else None
+        return Case(op, total * item, block, x, np.empty(block, dtype), None, None, cast(pattern(rank, block)),
+                    block * item)
+    raise ValueError(f"unknown op {op!r}; choose from {OPS}")
+
+
+def check(case: Case, who: str, rank: int) -> None:
+    """Raises AssertionError naming the first wrong element if the buffers miss the answer."""
+    for name, got, want in (("x", case.x, case.expect_x), ("out", case.out, case.expect_out)):
+        if want is None:
+            continue
+        same = np.array_equal(got.view(np.uint8), want.view(np.uint8)) if got.dtype == want.dtype else False
+        if not same:
+            bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))
+            i = int(bad[0]) if bad.size else -1
+            raise AssertionError(f"validation failed: {case.op} {fmt_bytes(case.nbytes)} via {who} on rank {rank}: "
+                                 f"{name}[{i}] = {got[i] if i >= 0 else '?'}, expected "
+                                 f"{want[i] if i >= 0 else '?'} ({bad.size} of {want.size} wrong)")
+
+
+# --- the libraries: each runs one call of a Case, and its own barrier ---------------------------
+
+class Ringweave:
+    label = "ringweave"
+    is_async = True
+
+    def __init__(self, rt):
+        from collectives import api, registry
+        self.C, self.registry, self.rt, self.n = api, registry, rt, rt.world.size
+
+    def algorithms(self, op: str) -> list[str]:
+        return sorted(self.registry.ALGORITHMS[op])
+
+    def default_algorithm(self, op: str, nbytes: int) -> str:
+        return self.registry.choose(op, nbytes, self.n)[0]
+
+    def unsupported(self, op: str, dtype: np.dtype) -> str | None:
+        return None
+
+    async def barrier(self) -> None:
+        await self.C.barrier()
+
+    def caller(self, case: Case, algorithm: str | None):
+        C, op, a = self.C, case.op, algorithm
+        x, out = case.x, case.out
+        calls = {
+            "all_reduce": lambda: C.all_reduce(x, op="sum", algorithm=a),
+            "all_gather": lambda: C.all_gather(out, x, algorithm=a),
+            "reduce_scatter": lambda: C.reduce_scatter(out, x, op="sum", algorithm=a),
+            "broadcast": lambda: C.broadcast(x, src=ROOT_RANK, algorithm=a),
+            "reduce": lambda: C.reduce(x, dst=ROOT_RANK, op="sum", algorithm=a),
+            "gather": lambda: C.gather(out, x, dst=ROOT_RANK, algorithm=a),
+            "scatter": lambda: C.scatter(out, x, src=ROOT_RANK, algorithm=a),
+            "all_to_all": lambda: C.all_to_all(out, x, algorithm=a),
+            "barrier": lambda: C.barrier(algorithm=a),
+        }
+        return calls[op]
+
+
+class Gloo:
+    """torch.distributed with the Gloo backend, in this process, through its own TCPStore."""
+    label = "gloo"
+    is_async = False
+
+    def __init__(self, torch, dist, rank: int, n: int):
+        self.torch, self.dist, self.rank, self.n = torch, dist, rank, n
+        self.all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    @classmethod
+    async def join(cls, rt) -> "Gloo":
+        import torch
+        import torch.distributed as dist
+        rank, n = rt.rank, rt.world_size
+        key = "bench/collectives/gloo_port"
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+            await rt.store.set(key, str(store.port).encode())
+        else:
+            port = int(await rt.store.get(key))
+            store = dist.TCPStore("127.0.0.1", port, n, is_master=False)
+        # every rank has read the port before anyone blocks in Gloo's rendezvous: under mpirun
+        # rank 0's event loop serves ringweave's store and must not be blocked while others read.
+        from collectives import api
+        await api.barrier()
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+        self = cls(torch, dist, rank, n)
+        self.store = store
+        return self
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+    def unsupported(self, op: str, dtype: np.dtype) -> str | None:
+        return None
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def tensor(self, a: np.ndarray | None):
+        """A torch tensor sharing ``a``'s memory (bfloat16 through a uint16 view)."""
+        if a is None:
+            return None
+        if a.dtype.name == "bfloat16":
+            return self.torch.from_numpy(a.view(np.uint16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(a)
+
+    def caller(self, case: Case, algorithm=None):
+        d, op = self.dist, case.op
+        tx, tout = self.tensor(case.x), self.tensor(case.out)
+        root = self.rank == ROOT_RANK
+        blocks = lambda t: list(t.chunk(self.n)) if t is not None and t.numel() else \
+            [t.new_empty(0) for _ in range(self.n)]  # noqa: E731
+        calls = {
+            "all_reduce": lambda: d.all_reduce(tx),
+            "all_gather": lambda: self.all_gather(tout, tx),
+            "reduce_scatter": lambda: self.reduce_scatter(tout, tx),
+            "broadcast": lambda: d.broadcast(tx, src=ROOT_RANK),
+            "reduce": lambda: d.reduce(tx, dst=ROOT_RANK),
+            "all_to_all": lambda: d.all_to_all_single(tout, tx),
+            "barrier": lambda: d.barrier(),
+        }
+        if op == "gather":
+            out_list = blocks(tout) if root else None
+            calls["gather"] = lambda: d.gather(tx, gather_list=out_list, dst=ROOT_RANK)
+        if op == "scatter":
+            in_list = blocks(tx) if root else None
+            calls["scatter"] = lambda: d.scatter(tout, scatter_list=in_list, src=ROOT_RANK)
+        return calls[op]
+
+
+class Mpi:
+    """mpi4py's buffer interface (upper-case methods) on COMM_WORLD; needs an mpirun launch."""
+    is_async = False
+    TYPES = {"float32": "FLOAT", "float64": "DOUBLE", "int8": "INT8_T", "int32": "INT32_T", "int64": "INT64_T",
+             "uint8": "UINT8_T"}
+
+    def __init__(self, btl: str):
+        from mpi4py import MPI
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.n = self.comm.Get_rank(), self.comm.Get_size()
+        self.label = f"mpi-{btl}"
+        self.version = MPI.Get_library_version().splitlines()[0].strip()
+
+    def unsupported(self, op: str, dtype: np.dtype) -> str | None:
+        if op in REDUCING and dtype.name not in self.TYPES:
+            return f"MPI has no {dtype.name} reduction"
+        return None
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def caller(self, case: Case, algorithm=None):
+        MPI, c, op = self.MPI, self.comm, case.op
+        if op == "barrier":
+            return c.Barrier
+        if op in REDUCING:  # typed buffers, MPI.SUM
+            t = getattr(MPI, self.TYPES[case.x.dtype.name])
+            buf = lambda a: [a, t] if a is not None else None  # noqa: E731
+        else:               # data movement only: bytes, which also covers float16 / bfloat16
+            buf = lambda a: [a.view(np.uint8), MPI.BYTE] if a is not None else None  # noqa: E731
+        x, out = buf(case.x), buf(case.out)
+        root = self.rank == ROOT_RANK
+        calls = {
+            "all_reduce": lambda: c.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
+            "all_gather": lambda: c.Allgather(x, out),
+            "reduce_scatter": lambda: c.Reduce_scatter_block(x, out, MPI.SUM),
+            "broadcast": lambda: c.Bcast(x, root=ROOT_RANK),
+            "reduce": (lambda: c.Reduce(MPI.IN_PLACE, x, MPI.SUM, root=ROOT_RANK)) if root else
+                      (lambda: c.Reduce(x, None, MPI.SUM, root=ROOT_RANK)),
+            "gather": lambda: c.Gather(x, out, root=ROOT_RANK),
+            "scatter": lambda: c.Scatter(x, out, root=ROOT_RANK),
+            "all_to_all": lambda: c.Alltoall(x, out),
+        }
+        return calls[op]
+
+
+@dataclass
+class Variant:
+    """One column of a row: a library (and for ringweave, an algorithm)."""
+    lib: object
+    algorithm: str | None   # the name passed (ringweave), None = the library's own choice
+    shown: str              # the algorithm as printed, e.g. "ring", "default=ring", "-"
+    fn: object = None
+    times: list = field(default_factory=list)
+
+
+async def timed_call(v: Variant, case: Case, record: bool) -> None:
+    """``reset; barrier; t0; call; t1; barrier`` with the library's own barrier."""
+    case.reset()
+    lib = v.lib
+    if lib.is_async:
+        await lib.barrier()
+        t0 = time.perf_counter()
+        await v.fn()
+        t1 = time.perf_counter()
+        await lib.barrier()
+    else:
+        lib.barrier()
+        t0 = time.perf_counter()
+        v.fn()
+        t1 = time.perf_counter()
+        lib.barrier()
+    if record:
+        v.times.append(t1 - t0)
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+def ringweave_variants(rw: Ringweave, op: str, case: Case, choice: str, notes: set) -> list[Variant]:
+    """The ringweave columns of a row: every algorithm (``all``), the table's choice, or a name."""
+    default = rw.default_algorithm(op, case.registry_nbytes)
+    if choice == "all":
+        return [Variant(rw, a, a + ("*" if a == default else "")) for a in rw.algorithms(op)]
+    if choice != "default":
+        if choice in rw.algorithms(op):
+            return [Variant(rw, choice, choice + ("*" if choice == default else ""))]
+        if op not in notes:
+            notes.add(op)
+            print(f"# {op} has no algorithm {choice!r} (has {rw.algorithms(op)}); its rows use the default")
+    return [Variant(rw, None, default + "*")]
+
+
+def row_record(args, n, dtype, case, v: Variant, times, peers: dict) -> dict:
+    s = stats(times)
+    factor = busbw_factor(case.op, n)
+    rec = {"op": case.op, "algorithm": v.shown.rstrip("*"), "default": v.shown.endswith("*"),
+           "bytes": case.nbytes, "count": case.block, "dtype": dtype.name, "world": n,
+           "time_us": s["median_s"] * 1e6, "min_us": s["min_s"] * 1e6, "p25_us": s["p25_s"] * 1e6,
+           "p75_us": s["p75_s"] * 1e6, "iters": s["n"],
+           "algbw_gbps": gbps(case.nbytes, s["median_s"]),
+           "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor}
+    spread = [(s["p75_s"] - s["p25_s"]) / s["median_s"] if s["median_s"] > 0 else 0.0]
+    for label, (ptimes, why) in peers.items():
+        if why:
+            rec[label] = {"unsupported": why}
+            continue
+        p = stats(ptimes)
+        spread.append((p["p75_s"] - p["p25_s"]) / p["median_s"] if p["median_s"] > 0 else 0.0)
+        rec[label] = {"time_us": p["median_s"] * 1e6, "min_us": p["min_s"] * 1e6, "p25_us": p["p25_s"] * 1e6,
+                      "p75_us": p["p75_s"] * 1e6, "busbw_gbps": gbps(case.nbytes, p["median_s"]) * factor,
+                      "ratio": p["median_s"] / s["median_s"] if s["median_s"] > 0 else float("nan")}
+    rec["noise"] = max(spread)
+    return rec
+
+
+def make_table(peer_labels: list[str]) -> Table:
+    us = lambda v: f"{v:.1f}" if v < 1e4 else f"{v:.0f}"  # noqa: E731
+    cols = [("bytes", "size(B)", 10, "d"), ("count", "count", 9, "d"), ("dtype", "type", 8, "s"),
+            ("op", "op", 14, "s"), ("algorithm_shown", "algorithm", 20, "s"), ("time_us", "time(us)", 9, us),
+            ("min_us", "min(us)", 9, us), ("algbw_gbps", "algbw", 7, ".3f"), ("busbw_gbps", "busbw", 7, ".3f")]
+    for label in peer_labels:
+        cols += [(f"{label}.time_us", f"{label}(us)", max(9, len(label) + 4), us),
+                 (f"{label}.busbw_gbps", "busbw", 7, ".3f"), (f"{label}.ratio", f"x{label}", 7, ".2f")]
+    cols += [("noise_pct", "noise%", 6, ".0f"), ("ok", "check", 5, "s")]
+    return Table(cols)
+
+
+def flat_row(rec: dict, shown: str) -> dict:
+    flat = dict(rec, algorithm_shown=shown, noise_pct=100 * rec["noise"], ok="ok")
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            if "unsupported" in v:
+                flat[f"{k}.time_us"] = None
+            for kk, vv in v.items():
+                flat[f"{k}.{kk}"] = vv
+    return flat
+
+
+async def max_over_ranks(times: np.ndarray) -> np.ndarray:
+    """Per-iteration times -> the slowest rank's, on every rank (through ringweave, untimed)."""
+    from collectives import api
+    await api.all_reduce(times, op="max")
+    return times
+
+
+async def memory_reference(rt) -> dict:
+    """One-core copy bandwidth (rank 0 alone) and all ranks copying at once (sum of rates)."""
+    from collectives import api
+    await api.barrier()
+    one = copy_bandwidth() if rt.rank == 0 else {"nbytes": 0, "median_gbps": 0.0, "best_gbps": 0.0}
+    await api.barrier()
+    mine = copy_bandwidth()
+    figures = np.array([one["nbytes"], one["median_gbps"], one["best_gbps"], mine["median_gbps"]], np.float64)
+    await api.all_reduce(figures, op="sum")  # rank 0's one-core figures reach every rank; rates add up
+    return {"one_core": {"nbytes": int(figures[0]), "median_gbps": float(figures[1]), "best_gbps": float(figures[2])},
+            "all_ranks_gbps": float(figures[3])}
+
+
+async def rank_main(args) -> None:
+    import runtime
+    mpi = None
+    if "mpi" in args.compare:
+        mpi = Mpi(args.mpi_btl)  # MPI_Init before ringweave: mpirun's ranks are ours too
+    rt = await runtime.init()
+    n, rank = rt.world_size, rt.rank
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dtype = np_dtype(args.dtype)
+    rw = Ringweave(rt)
+    gloo = await Gloo.join(rt) if "gloo" in args.compare else None
+    peers = [p for p in (gloo, mpi) if p is not None]
+    from collectives import api
+
+    membw = await memory_reference(rt)
+    meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup,
+            "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
+            "RINGWEAVE_SHM": os.environ.get("RINGWEAVE_SHM", "(unset)"), "launch": args.launched_by,
+            "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), "memory": membw,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if gloo:
+        meta["torch"] = gloo.torch.__version__
+    if mpi:
+        meta["mpi"] = mpi.version
+        meta["mpi_btl"] = args.mpi_btl
+    say(f"# ringweave bench/collectives: {n} ranks ({meta['launch']}), {dtype.name}, {args.iters} iters "
+        f"(+{args.warmup} warm-up), loop {meta['loop']}, RINGWEAVE_SHM={meta['RINGWEAVE_SHM']}, "
+        f"{meta['cores']} cores")
+    if peers:
+        say("# peers in the same processes: " + ", ".join(
+            f"{p.label} ({meta['torch'] if p is gloo else meta['mpi']})" for p in peers))
+    one = membw["one_core"]
+    say(f"# memory reference: NumPy copy of {fmt_bytes(one['nbytes'])}, one core: {one['median_gbps']:.2f} GB/s "
+        f"median (best {one['best_gbps']:.2f}); {n} ranks at once: {membw['all_ranks_gbps']:.2f} GB/s together")
+    say("# time = median over iterations of the slowest rank; ratio x<peer> = peer time / ringweave time "
+        "(>1: ringweave faster); * = the default table's choice")
+    table = make_table([p.label for p in peers])
+    if rank == 0:
+        table.header()
+
+    rows, notes = [], set()
+    for op in args.ops:
+        for size in ([0] if op == "barrier" else args.sizes):
+            case = make_case(op, size, dtype, n, rank)
+            variants = ringweave_variants(rw, op, case, args.algorithm, notes)
+            skipped = {}
+            for p in peers:
+                why = p.unsupported(op, dtype)
+                if why:
+                    skipped[p.label] = why
+                else:
+                    variants.append(Variant(p, None, "-"))
+            for v in variants:  # 1. validate every variant from a poisoned output
+                v.fn = v.lib.caller(case, v.algorithm)
+                case.poison()
+                await timed_call(v, case, record=False)
+                check(case, f"{v.lib.label} {v.shown}", rank)
+            for it in range(args.warmup + args.iters):  # 2. rounds of every variant in turn
+                for v in variants:
+                    await timed_call(v, case, record=it >= args.warmup)
+            every = np.array([v.times for v in variants], np.float64)  # (variants, iters)
+            every = (await max_over_ranks(every)) if n > 1 else every
+            if rank != 0:
+                continue
+            ours = [(v, every[i]) for i, v in enumerate(variants) if v.lib is rw]
+            theirs = {v.lib.label: (every[i], None) for i, v in enumerate(variants) if v.lib is not rw}
+            theirs.update({label: (None, why) for label, why in skipped.items()})
+            for v, times in ours:
+                rec = row_record(args, n, dtype, case, v, times, theirs)
+                rows.append(rec)
+                table.row(flat_row(rec, v.shown))
+    if gloo:
+        await api.barrier()
+        gloo.close()
+
+    if rank == 0:
+        summary = goals(rows, [p.label for p in peers], membw, n)
+        for line in summary["lines"]:
+            print(line)
+        write_json(args.json, {"meta": meta, "rows": rows, "summary": summary})
+        print(f"# json: {args.json}")
+        if args.plot:
+            print("# " + plot(args.plot, rows, [p.label for p in peers], meta))
+    await runtime.shutdown()
+    if mpi is not None:
+        mpi.comm.Barrier()
+
+
+# --- goals and the plot ------------------------------------------------------------------------
+
+def goals(rows: list[dict], peers: list[str], membw: dict, n: int) -> dict:
+    """The issue goals as ratios over the default-algorithm rows: lines to print and the figures."""
+    d = [r for r in rows if r["default"]]
+    lines = ["#", f"# goals (rows of the default algorithm; ratio = peer time / ringweave time, >1: ringweave "
+                  f"faster; for one size it is also the busbw ratio)"]
+    out = {"lines": lines, "checks": []}
+
+    def ratio_check(label: str, peer: str, op: str, lo: int, hi: int, need: float):
+        sel = [r for r in d if r["op"] == op and lo <= r["bytes"] <= hi and peer in r and "ratio" in r[peer]]
+        if not sel:
+            lines.append(f"#   {label:<50s} no rows in range (add sizes {fmt_bytes(lo)}..{fmt_bytes(hi)})")
+            return
+        worst = min(sel, key=lambda r: r[peer]["ratio"])
+        below = [r for r in sel if r[peer]["ratio"] < need]
+        verdict = "PASS" if not below else f"FAIL ({len(below)} of {len(sel)} sizes below)"
+        each = " ".join(f"{fmt_bytes(r['bytes']).replace(' ', '')}:{r[peer]['ratio']:.2f}" for r in sel)
+        lines.append(f"#   {label:<50s} min {worst[peer]['ratio']:5.2f}x at {fmt_bytes(worst['bytes']):>7s}  "
+                     f"{verdict}   [{each}]")
+        out["checks"].append({"goal": label, "peer": peer, "op": op, "min_ratio": worst[peer]["ratio"],
+                              "need": need, "pass": not below,
+                              "ratios": {r["bytes"]: r[peer]["ratio"] for r in sel}})
+
+    for peer in peers:
+        if peer == "gloo":
+            lines.append("# vs gloo (issue 3, TCP path):")
+            ratio_check("all_reduce 16-64 MiB busbw >= 1.2x gloo", peer, "all_reduce", 16 * MiB, 64 * MiB, 1.2)
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+                ratio_check(f"{op} 4 B-1 MiB >= 2x faster than gloo", peer, op, 1, MiB, 2.0)
+        else:
+            lines.append(f"# vs {peer} (issue 6, same-host path):")
+            ratio_check(f"all_reduce 16-64 MiB busbw >= 1.2x {peer}", peer, "all_reduce", 16 * MiB, 64 * MiB, 1.2)
+            ratio_check(f"all_reduce 1 MiB no slower than {peer}", peer, "all_reduce", MiB, MiB, 1.0)
+    tiny = [r for r in d if r["op"] == "all_reduce" and 0 < r["bytes"] <= 8]
+    if tiny:
+        t = tiny[0]
+        lines.append(f"#   all_reduce {fmt_bytes(t['bytes'])} under 100 us: {t['time_us']:.1f} us   "
+                     f"{'PASS' if t['time_us'] < 100 else 'FAIL'}")
+        out["all_reduce_small_us"] = t["time_us"]
+    big = [r for r in d if r["op"] == "all_reduce"]
+    if big and membw.get("one_core"):
+        b = max(big, key=lambda r: r["bytes"])
+        ref = membw["one_core"]["median_gbps"]
+        lines.append(f"#   all_reduce {fmt_bytes(b['bytes'])} busbw {b['busbw_gbps']:.3f} GB/s = "
+                     f"{100 * b['busbw_gbps'] / ref:.1f}% of a one-core copy ({ref:.2f} GB/s), "
+                     f"{100 * b['busbw_gbps'] / membw['all_ranks_gbps']:.1f}% of {n} ranks copying at once "
+                     f"({membw['all_ranks_gbps']:.2f} GB/s)")
+        out["membw_fraction"] = b["busbw_gbps"] / ref
+    barrier = [r for r in d if r["op"] == "barrier"]
+    if barrier:
+        b = barrier[0]
+        extra = "".join(f", {p} {b[p]['time_us']:.1f} us" for p in peers if "time_us" in b.get(p, {}))
+        lines.append(f"#   barrier: ringweave {b['time_us']:.1f} us{extra}")
+    return out
+
+
+def plot(path: str, rows: list[dict], peers: list[str], meta: dict) -> str:
+    series: dict = {}
+    peer_seen: set = set()
+    for r in rows:
+        if r["op"] == "barrier":
+            continue
+        lines = series.setdefault(r["op"], {})
+        lines.setdefault(f"ringweave {r['algorithm']}", []).append((r["bytes"], r["busbw_gbps"]))
+        for p in peers:
+            key = (r["op"], r["bytes"], p)
+            if "busbw_gbps" in r.get(p, {}) and key not in peer_seen:
+                peer_seen.add(key)
+                lines.setdefault(p, []).append((r["bytes"], r[p]["busbw_gbps"]))
+    title = (f"ringweave collectives, {meta['world']} ranks, {meta['dtype']}, {meta['host']} "
+             f"({meta['started']}); median of {meta['iters']}")
+    return plot_busbw(path, series, title, meta["memory"]["one_core"]["median_gbps"])
+
+
+# --- command line and re-launch ----------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--nproc", type=int, default=4, help="ranks to launch (default 4)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {OPS} (default all)")
+    p.add_argument("--sizes", default="4:64M:4",
+                   help="a,b,c (e.g. 4,4096,1M) or lo:hi[:factor] (default 4:64M:4; 4:64M for every power of 2)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--algorithm", default="default", help="an algorithm name, 'default' (the table) or 'all'")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per row (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per row (default 3)")
+    p.add_argument("--compare", default="", help="gloo, mpi or gloo,mpi: peers measured in the same processes")
+    p.add_argument("--mpi-btl", default="sm", choices=["sm", "tcp"],
+                   help="OpenMPI transport for --compare mpi: sm (btl self,vader) or tcp (btl self,tcp)")
+    p.add_argument("--json", default=os.path.join("bench", "out", "collectives.json"))
+    p.add_argument("--plot", default=os.path.join("bench", "out", "collectives.png"), help="PNG path; '' for none")
+    p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop")
+    p.add_argument("--launched-by", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in args.ops if o not in OPS]
+    if bad:
+        p.error(f"--ops: unknown {bad}; choose from {OPS}")
+    try:
+        args.sizes = parse_sizes(args.sizes)
+    except ValueError as e:
+        p.error(f"--sizes: {e}")
+    args.compare = [c.strip() for c in args.compare.split(",") if c.strip()]
+    bad = [c for c in args.compare if c not in ("gloo", "mpi")]
+    if bad:
+        p.error(f"--compare: unknown {bad}; choose gloo and/or mpi")
+    if args.iters < 1 or args.warmup < 0 or args.nproc < 1:
+        p.error("need --iters >= 1, --warmup >= 0, -n >= 1")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def relaunch(args, argv: list[str]) -> int:
+    """Starts the ranks: the project's launcher, or mpirun when MPI is compared."""
+    me = os.path.abspath(__file__)
+    if "gloo" in args.compare:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError as e:
+            print(f"--compare gloo needs torch ({e}); pip install torch", file=sys.stderr)
+            return 2
+    if "mpi" not in args.compare:
+        cmd = [sys.executable, "-m", "runtime.launch", "-n", str(args.nproc), me, *argv,
+               "--launched-by", "runtime.launch"]
+        return subprocess.call(cmd, cwd=os.getcwd(), env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    mpirun = shutil.which("mpirun")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as e:
+        mpirun, why = None, f"mpi4py is not importable ({e}); pip install mpi4py"
+    else:
+        why = "mpirun is not on PATH (apt-get install openmpi-bin libopenmpi-dev)"
+    if mpirun is None:
+        print(f"--compare mpi: {why}", file=sys.stderr)
+        return 2
+    btl = {"sm": "self,vader", "tcp": "self,tcp"}[args.mpi_btl]
+    threads = str(max(1, (os.cpu_count() or 1) // args.nproc))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads,
+           "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(args.nproc),
+           "--mca", "btl", btl]
+    for k, v in env.items():
+        cmd += ["-x", f"{k}={os.environ.get(k, v) if k.endswith('THREADS') else v}"]
+    for k in os.environ:
+        if k.startswith("RINGWEAVE_"):
+            cmd += ["-x", k]
+    cmd += [sys.executable, me, *argv, "--launched-by", f"mpirun (btl {btl})"]
+    return subprocess.call(cmd, cwd=os.getcwd())
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        raise SystemExit(relaunch(args, argv))
+    if args.no_uvloop:
+        asyncio.run(rank_main(args))
+        return
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(rank_main(args))
+    else:
+        uvloop.run(rank_main(args))
+
+
+if __name__ == "__main__":
+    main()
