@@ -189,8 +189,10 @@ class ProcessGroup:
                 f"timed out after {call.timeout_s:.1f} s waiting on rank(s) {names}", missing=names)
             self.abort(exc, tell_peers=False)
             raise exc from None
-        except BaseException:
+        except BaseException as exc:
             call.cancel_outstanding()
+            if isinstance(exc, PeerLostError):  # e.g. a peer said goodbye mid-call: members waiting
+                self.abort(exc)                 # on us rather than on it would otherwise time out
             raise
         finally:
             self.calls.pop(call.seq, None)
@@ -209,7 +211,7 @@ class ProcessGroup:
             if not fut.done():
                 fut.set_exception(exc)
         self._outstanding.clear()
-        if tell_peers and isinstance(exc, CollectiveMismatchError):
+        if tell_peers and isinstance(exc, (CollectiveMismatchError, PeerLostError)):
             self.runtime.tell_abort(self, exc)
 
     def statistics(self) -> dict:
@@ -270,11 +272,12 @@ class Runtime:
     def _on_abort(self, header: dict) -> None:
         group = self.groups.get(header["g"])
         if group is not None:
-            cls = CollectiveMismatchError if header["x"] == "mismatch" else CollectiveError
+            cls = {"mismatch": CollectiveMismatchError, "lost": PeerLostError}.get(header["x"], CollectiveError)
             group.abort(cls(header["m"]), tell_peers=False)
 
     def tell_abort(self, group: ProcessGroup, exc: BaseException) -> None:
-        kind = "mismatch" if isinstance(exc, CollectiveMismatchError) else "error"
+        kind = ("mismatch" if isinstance(exc, CollectiveMismatchError) else
+                "lost" if isinstance(exc, PeerLostError) else "error")
         for r in group.ranks:
             if r != self.rank and r not in self.actor.lost_peers():
                 self.actor._spawn(self._send_abort(r, group.gid, str(exc), kind), f"abort g{group.gid}")
