@@ -70,10 +70,39 @@ def _group(group):
     return runtime.current().world
 
 
+class _Comm:
+    """What an algorithm talks through: the call's ``rank``, ``size``, ``send``,
+    ``irecv`` and ``recv_into``. Once a call fails, its later receives are never
+    awaited; their futures get the group's error, and this marks it retrieved so
+    asyncio does not log "exception was never retrieved" (the call raises it)."""
+    __slots__ = ("rank", "size", "send", "_irecv")
+
+    def __init__(self, call):
+        self.rank, self.size, self.send, self._irecv = call.rank, call.size, call.send, call.irecv
+
+    def irecv(self, src: int, buf) -> asyncio.Future:
+        fut = self._irecv(src, buf)
+        fut.add_done_callback(_retrieved)
+        return fut
+
+    async def recv_into(self, src: int, buf) -> None:
+        await self.irecv(src, buf)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _start(group, collective: str, nbytes: int, algorithm, timeout, **fp):
-    """Chooses the algorithm and opens the call (takes the sequence number). No waiting."""
-    name, fn = registry.choose(collective, nbytes, group.size, algorithm)
+    """Chooses the algorithm and opens the call (takes the sequence number). No waiting.
+    Returns (call, fn) where ``fn(call, *args)`` runs the algorithm."""
+    name, run = registry.choose(collective, nbytes, group.size, algorithm)
     call = group.open_call(ops.fingerprint(collective, algo=name, **fp), timeout)
+    call.algorithm = name  # shown by runtime tracing
+
+    def fn(call, *args):
+        return run(_Comm(call), *args)
     return call, fn
 
 
