@@ -153,9 +153,9 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def memory_bytes(self) -> dict:
         """Bytes this rank holds now: ``{"params", "grads", "optim", "total",
-        "gathered_peak"}``; gathered_peak is the peak of transient buffers
-        (gathered units, unsharded unit gradients, collective scratch) since
-        setup or :meth:`reset_peak`."""
+        "gathered_peak", ...}``; params/grads/optim are the persistent buffers
+        (ZeRO accounting), gathered_peak the most bytes of gathered (unsharded)
+        parameter units alive at once since setup or :meth:`reset_peak`."""
 
     def reset_peak(self) -> None:
         """Restarts the ``gathered_peak`` measurement."""

@@ -122,8 +122,8 @@ class DataParallelBase(Strategy):
         self.states: list = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-compute-r{self.rank}")
         self._mem_lock = threading.Lock()
-        self._transient = 0
-        self._transient_peak = 0
+        self._transient = {"gathered": 0, "grads": 0}  # bytes of transient buffers alive now
+        self._peak = {"gathered": 0, "grads": 0}
         self._stale = False  # load_state_dict ran; compute params are re-derived on the next async call
         self._overflow_at: dict[int, set[int] | None] = {}
         self._is_setup = False
@@ -152,26 +152,30 @@ class DataParallelBase(Strategy):
 
     # ---- memory ---------------------------------------------------------------
 
-    def _track(self, nbytes: int) -> None:
+    def _track(self, nbytes: int, kind: str = "grads") -> None:
+        """A transient buffer appears: kind "gathered" (a gathered unit) or "grads"
+        (an unsharded unit gradient or a collective's scratch)."""
         with self._mem_lock:
-            self._transient += nbytes
-            self._transient_peak = max(self._transient_peak, self._transient)
+            self._transient[kind] += nbytes
+            self._peak[kind] = max(self._peak[kind], self._transient[kind])
 
-    def _untrack(self, nbytes: int) -> None:
+    def _untrack(self, nbytes: int, kind: str = "grads") -> None:
         with self._mem_lock:
-            self._transient -= nbytes
+            self._transient[kind] -= nbytes
 
     def memory_bytes(self) -> dict:
-        """See base class."""
+        """See base class. Also ``grads_transient_peak`` (unsharded unit gradients
+        and scratch alive at once) and ``transient_now`` (0 between steps)."""
         params, grads = self._nbytes()
         optim = sum(s.nbytes for s in self.states)
         return {"params": params, "grads": grads, "optim": optim, "total": params + grads + optim,
-                "gathered_peak": self._transient_peak, "transient_now": self._transient}
+                "gathered_peak": self._peak["gathered"], "grads_transient_peak": self._peak["grads"],
+                "transient_now": sum(self._transient.values())}
 
     def reset_peak(self) -> None:
         """See base class."""
         with self._mem_lock:
-            self._transient_peak = self._transient
+            self._peak = dict(self._transient)
 
     # ---- testing hook -----------------------------------------------------------
 

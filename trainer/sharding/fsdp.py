@@ -82,7 +82,7 @@ class FSDPStrategy(DataParallelBase):
         if self._gathered[i] is not None:
             return
         buf = np.empty(self.units[i].padded_numel, self.param_dtype)  # (L_i,) the gathered unit
-        self._track(buf.nbytes)
+        self._track(buf.nbytes, "gathered")
         self._gathered[i] = (buf, self.comm.launch(self.comm.all_gather(buf, self.compute_shards[i])))
 
     def _wait_gather(self, i: int) -> np.ndarray:
@@ -97,13 +97,13 @@ class FSDPStrategy(DataParallelBase):
         entry, self._gathered[i] = self._gathered[i], None
         params[i] = None
         if entry is not None:
-            self._untrack(entry[0].nbytes)
+            self._untrack(entry[0].nbytes, "gathered")
 
     def _reset_gathers(self) -> None:
         """Drops what a failed step may have left (nothing after a completed one)."""
         for i, entry in enumerate(self._gathered):
             if entry is not None:
-                self._untrack(entry[0].nbytes)
+                self._untrack(entry[0].nbytes, "gathered")
                 self._gathered[i] = None
         for i, g in enumerate(self._full_grads):
             if g is not None:
