@@ -104,7 +104,8 @@ def test_topk_bound_and_equality(x, ratio):
         assert dropped.max() <= np.abs(values).min()
     assert bits_equal(indices, get_codec("topk", ratio=ratio, backend="numpy").encode(x)[1])
     residual = x - codec.decode((values, indices), x.shape)
-    assert np.sum(residual.astype(np.float64) ** 2) <= (1 - k / x.size) * np.sum(x.astype(np.float64) ** 2) + 1e-30
+    # equality when all magnitudes tie (e.g. all ones): allow rounding of the bound itself
+    assert np.sum(residual.astype(np.float64) ** 2) <= (1 - k / x.size) * np.sum(x.astype(np.float64) ** 2) * (1 + 1e-12) + 1e-30
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
