@@ -161,8 +161,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every)
-    known = TrainConfig.__dataclass_fields__  # fields a newer TrainConfig has are passed when present
-    return TrainConfig(**{k: v for k, v in fields.items() if k in known})
+    return TrainConfig(**fields)
 
 
 def load_data(args: argparse.Namespace):

@@ -384,11 +384,13 @@ async def fit(
     step_callbacks = [c for c in callbacks if hasattr(c, "on_step_end")]
     epoch_callbacks = [c for c in callbacks if hasattr(c, "on_epoch_end")]
 
+    # what must match for a resume to continue the same data order
+    run_key = {"n_train": n_train, "global_batch_size": global_batch_size, "grad_accum": accum, "seed": config.seed}
     # where to start: (epoch, steps done in it, running sums of that epoch)
     start_epoch, start_k, global_step = 0, 0, 0
     carried = {"loss_x_rows": 0.0, "rows": 0, "skipped": 0, "train_time_s": 0.0}
     if resume:
-        meta = await _load_checkpoint(checkpoint_dir, strategy, group)
+        meta = await _load_checkpoint(checkpoint_dir, strategy, group, run_key)
         if meta is not None:
             start_epoch, start_k, global_step = meta["epoch"], meta["step_in_epoch"], meta["step"]
             carried = meta["carried"]
@@ -404,7 +406,7 @@ async def fit(
                       strategy=strategy)
 
     async def save(epoch: int, k: int, sums: dict) -> None:
-        meta = {"epoch": epoch, "step_in_epoch": k, "step": state.step, "carried": sums,
+        meta = {"epoch": epoch, "step_in_epoch": k, "step": state.step, "carried": sums, "run": run_key,
                 "history": [e.as_dict() for e in history.epochs]}
         await _save_checkpoint(checkpoint_dir, strategy, group, meta, keep_last)
 
@@ -523,20 +525,32 @@ async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings
 async def _save_checkpoint(directory: str, strategy: Strategy, group, meta: dict, keep_last: int) -> None:
     from trainer import checkpoint
 
-    await checkpoint.save(directory, strategy, group=group, extra={"loop": meta}, keep_last=keep_last)
+    await checkpoint.save(strategy, directory, extra={"loop": meta}, keep_last=keep_last)
 
 
-async def _load_checkpoint(directory: str, strategy: Strategy, group) -> dict | None:
-    """Loads the newest checkpoint into `strategy`; returns the loop's position, or None if there is none."""
+async def _load_checkpoint(directory: str, strategy: Strategy, group, run: dict) -> dict | None:
+    """Loads the newest checkpoint into `strategy`; returns the loop's position, or None if there is none.
+
+    Raises:
+        ValueError: the checkpoint was not written by `fit`, or by a run whose batching
+            (data size, global batch, accumulation, seed) differs, so skipping the
+            consumed batches would not continue the same run.
+    """
     from trainer import checkpoint
 
-    extra = await checkpoint.load_latest(directory, strategy, group=group)
-    if extra is None:
+    if checkpoint.latest(directory) is None:
         return None
-    if "loop" not in extra:
-        raise ValueError(f"the newest checkpoint in {directory} was not written by trainer.loop.fit "
-                         f"(no loop position in its metadata); cannot resume from it")
-    return extra["loop"]
+    meta = checkpoint.load(strategy, directory)
+    loop = (meta.get("extra") or {}).get("loop")
+    if loop is None:
+        raise ValueError(f"{meta['path']} was not written by trainer.loop.fit (no loop position in its "
+                         f"metadata); cannot resume from it")
+    if loop.get("run") != run:
+        raise ValueError(f"{meta['path']} was saved by a run with batching {loop.get('run')}, this run has {run}; "
+                         f"resuming would not continue the same data order")
+    if int(meta["step"]) != int(loop["step"]):
+        raise ValueError(f"{meta['path']}: strategy step {meta['step']} != loop step {loop['step']}")
+    return loop
 
 
 # ---- summary -----------------------------------------------------------------
