@@ -1,0 +1,94 @@
+"""Shared-memory all_reduce: one copy in, a parallel reduce-scatter by reading the peers' slots,
+one copy out. For groups whose ranks are all on one node (else the hierarchical algorithm or TCP).
+
+How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped by everyone):
+
+* **small** (``x.nbytes <= runtime.shm.SMALL_NBYTES``, 64 KiB): one phase.
+  1. copy x into my small slot; post phase 1;
+  2. wait for every peer's phase 1; x = S_0 <op> S_1 <op> ... <op> S_{n-1}, in rank order,
+     so every rank computes the same bits.
+* **large**: the array is cut into n **chunks** (``chunk_bounds``: the first ``count % n`` one
+  element longer; no padding); rank c owns chunk c.
+  1. copy-in: S_r[c] = x[c] for every chunk c != r (my own chunk is read from x directly);
+     post phase 1;
+  2. wait for every peer's phase 1; reduce my chunk: x[r] = x[r] <op> S_p[r] for p != r in rank
+     order (Numba, nogil, on a worker thread when large); publish it: S_r[r] = x[r]; post phase 2;
+  3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
+  Then EXIT (posted by the session): the next call that writes the slots waits for it.
+
+Each element is reduced once, by its chunk's owner, and copied to the others: every rank gets
+the same bits. Per rank it moves (n-1)/n of the array in, 1/n through the reduction from each
+peer, 1/n out to the slot and (n-1)/n back out: ~(4.5 + n-2 passes of 1/n) x nbytes.
+
+Worked example, n = 2, x = [1, 2, 3] on rank 0 and [10, 20, 30] on rank 1 (sum, large path;
+chunks [0:2] and [2:3]):
+
+    copy-in   r0: S_0[2:3] = [3]          r1: S_1[0:2] = [10, 20]
+    reduce    r0: x[0:2] = [1,2]+S_1[0:2] = [11, 22]; S_0[0:2] = [11, 22]
+              r1: x[2:3] = [30]+S_0[2:3] = [33];      S_1[2:3] = [33]
+    copy-out  r0: x[2:3] = S_1[2:3] = [33]  r1: x[0:2] = S_0[0:2] = [11, 22]
+
+Signature: ``await run(comm, x, op)`` like collectives/all_reduce_ring.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collectives.ops import chunk_bounds
+from collectives.shm import common
+from runtime import shm
+
+
+async def run(comm, x: np.ndarray, op: str) -> None:
+    comm = common.Link(comm)
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    if not common.shm_available(comm.group):  # every rank decides the same
+        from collectives.shm import all_reduce_hierarchical
+        return await all_reduce_hierarchical.run(comm, x, op)
+    async with common.session(comm, list(range(n))) as dom:
+        if x.nbytes <= shm.SMALL_NBYTES:
+            await _small(comm, dom, x, op)
+        else:
+            await _large(comm, dom, x, op)
+
+
+async def _small(comm, dom, x: np.ndarray, op: str) -> None:
+    n, r = comm.size, comm.rank
+    slots = [common.small_view(dom, p, x.dtype, x.size) for p in range(n)]
+    slots[r][...] = x  # 1. publish my input
+    dom.post(comm, 1)
+    await dom.wait_all(comm, 1)  # 2. everyone's input is there
+    if x.size:
+        x[...] = slots[0]  # rank order, the same on every rank
+        common.reduce_many(x, slots[1:], op)
+
+
+async def _large(comm, dom, x: np.ndarray, op: str) -> None:
+    n, r = comm.size, comm.rank
+    await dom.claim_data(comm, x.nbytes)
+    bounds = chunk_bounds(x.size, n)  # chunk c is [bounds[c], bounds[c+1])
+    slots = [common.data_view(dom, p, x.dtype, x.size) for p in range(n)]
+
+    def chunk(a: np.ndarray, c: int) -> np.ndarray:
+        return a[bounds[c]:bounds[c + 1]]
+
+    # 1. copy-in: every chunk but mine into my slot
+    others = [c for c in range(n) if c != r]
+    await common.off_loop(x.nbytes, common.copy_pairs, [(chunk(slots[r], c), chunk(x, c)) for c in others])
+    dom.post(comm, 1)
+    await dom.wait_all(comm, 1)
+    # 2. reduce my chunk from every peer's slot, in rank order, then publish it in my slot
+    mine = chunk(x, r)
+
+    def reduce_and_publish():
+        common.reduce_many(mine, [chunk(slots[p], r) for p in others], op)
+        np.copyto(chunk(slots[r], r), mine)
+
+    await common.off_loop(mine.nbytes * n, reduce_and_publish)
+    dom.post(comm, 2)
+    await dom.wait_all(comm, 2)
+    # 3. copy-out: every other chunk from its owner's slot
+    await common.off_loop(x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])

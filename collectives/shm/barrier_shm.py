@@ -1,0 +1,26 @@
+"""Shared-memory barrier: every rank posts phase 1 and waits for every peer's phase 1.
+
+No data. A rank leaves once every rank has entered; the sequence words make it reusable at
+once (the next barrier waits for phase 1 of the next call number).
+
+Worked example, n = 2: rank 0 posts and sleeps on rank 1's word; rank 1 arrives a second
+later, posts (waking rank 0), sees rank 0's post, and both return.
+
+Signature: ``await run(comm)`` like collectives/barrier_dissemination.py.
+"""
+
+from __future__ import annotations
+
+from collectives.shm import common
+
+
+async def run(comm) -> None:
+    comm = common.Link(comm)
+    n = comm.size
+    if n == 1:
+        return
+    if not common.shm_available(comm.group):
+        return await common.tcp_algorithm("barrier", 0, n)(comm)
+    async with common.session(comm, list(range(n))) as dom:
+        dom.post(comm, 1)
+        await dom.wait_all(comm, 1)

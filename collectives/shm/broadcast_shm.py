@@ -1,0 +1,44 @@
+"""Shared-memory broadcast: the root copies x into its slot once; every other rank copies it out.
+
+How it works (n ranks, root t, S_t = the root's slot, the small one when x fits in
+``runtime.shm.SMALL_NBYTES``):
+
+1. root: S_t = x; post phase 1;
+2. others: wait for the root's phase 1; x = S_t.
+
+The root does not wait for the others: its next call that writes its slot waits for their EXIT.
+
+Worked example, n = 3, root 1, x = [7, 8] on rank 1::
+
+    1.  r1: S_1 = [7, 8]
+    2.  r0, r2: x = S_1 = [7, 8]
+
+Signature: ``await run(comm, x, root)`` like collectives/broadcast_tree.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collectives.shm import common
+from runtime import shm
+
+
+async def run(comm, x: np.ndarray, root: int) -> None:
+    comm = common.Link(comm)
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    if not common.shm_available(comm.group):
+        return await common.tcp_algorithm("broadcast", x.nbytes, n)(comm, x, root)
+    async with common.session(comm, list(range(n))) as dom:
+        small = x.nbytes <= shm.SMALL_NBYTES
+        if not small:
+            await dom.claim_data(comm, x.nbytes)
+        source = common.slot(dom, root, x.dtype, x.size, small)
+        if r == root:
+            await common.off_loop(x.nbytes, common.copy_pairs, [(source, x)])  # 1. publish
+            dom.post(comm, 1)
+        else:
+            await dom.wait_all(comm, 1, peers=[root])  # 2. the root's data is there
+            await common.off_loop(x.nbytes, common.copy_pairs, [(x, source)])

@@ -1,0 +1,169 @@
+"""What the shared-memory algorithms share: who is on which node, the per-call session on a
+domain, array views of the slots, running big copies and reductions off the event loop, a
+sub-communicator over a subset of a call's ranks, and the TCP fallback.
+
+Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+
+from collectives.kernels import reduce_into
+from runtime import shm
+
+log = logging.getLogger("ringweave.collectives.shm")
+
+# Copies and reductions of at least this many bytes run on a worker thread (the kernels and
+# NumPy copies release the GIL), so the event loop keeps serving other tasks; smaller ones run
+# inline, where a thread hand-off (~50-100 us here) would cost more than the work.
+OFFLOAD_MIN_NBYTES = 1 << 20
+
+
+def node_ids(group) -> list[str]:
+    """The node id of every group rank. Runtimes made by ``runtime.testing`` have no
+    ``nodes``: their ranks are tasks of this one process, hence on one node."""
+    nodes = getattr(group.runtime, "nodes", None)
+    if nodes is None:
+        return ["local"] * group.size
+    return [nodes[g] for g in group.ranks]
+
+
+def nodes_of(group) -> list[list[int]]:
+    """The group ranks of each node, nodes in order of their lowest group rank.
+
+    >>> # nodes a, b, a, b  ->  [[0, 2], [1, 3]]
+    """
+    order: dict[str, list[int]] = {}
+    for r, node in enumerate(node_ids(group)):
+        order.setdefault(node, []).append(r)
+    return list(order.values())
+
+
+def shm_available(group) -> bool:
+    """True when every member of ``group`` is on one node, ``RINGWEAVE_SHM`` is not ``"0"``,
+    the group's ``shm_enabled`` attribute (a communicator option) is not False, and /dev/shm
+    is writable. The same on every rank of the group (given the same environment)."""
+    if not getattr(group, "shm_enabled", True) or not shm.shm_usable():
+        return False
+    return len(set(node_ids(group))) == 1
+
+
+class Link:
+    """The call behind an algorithm's ``comm``: its group, sequence number and fingerprint (from
+    the :class:`runtime.group.Call`), and its messages (through ``comm``, so whatever the caller
+    wrapped around the call's receives still applies). collectives/api.py hands algorithms a
+    thin wrapper of the call exposing only rank/size/send/irecv; the call is reached through
+    ``comm.call`` when the wrapper offers it, else through its bound ``send``."""
+
+    def __init__(self, comm):
+        call = comm if hasattr(comm, "group") else getattr(comm, "call", None) or comm.send.__self__
+        self.comm = comm
+        self.group = call.group
+        self.seq = call.seq
+        self.fingerprint = call.fingerprint
+        self.rank = comm.rank
+        self.size = comm.size
+        self.send = comm.send
+        self.irecv = comm.irecv
+
+    async def recv_into(self, src: int, buf) -> None:
+        await self.irecv(src, buf)
+
+
+@contextlib.asynccontextmanager
+async def session(comm, members: list[int], index: int = 0):
+    """One call on the domain of ``members`` (group ranks, this rank among them): takes the
+    domain's lock (calls run in sequence order), sets the domain up on first use, enters the
+    call; on success posts EXIT. On failure the domain is closed (the group is failed anyway)."""
+    dom = shm.domain(comm.group, members, index)
+    async with dom.lock:
+        try:
+            if not dom.ready:
+                await dom.setup(comm)
+            await dom.enter(comm)
+            yield dom
+            dom.post(comm, shm.EXIT)
+        except BaseException:
+            dom.close()
+            raise
+
+
+def small_view(dom, p: int, dtype, count: int, offset: int = 0) -> np.ndarray:
+    """``count`` elements of member ``p``'s small slot, from element ``offset``."""
+    return np.frombuffer(dom.small_buffer(p), dtype, count, offset * np.dtype(dtype).itemsize)
+
+
+def data_view(dom, p: int, dtype, count: int) -> np.ndarray:
+    """The first ``count`` elements of member ``p``'s data slot."""
+    return np.frombuffer(dom.data_buffer(p), dtype, count)
+
+
+def slot(dom, p: int, dtype, count: int, small: bool) -> np.ndarray:
+    return small_view(dom, p, dtype, count) if small else data_view(dom, p, dtype, count)
+
+
+async def off_loop(nbytes: int, fn, *args) -> None:
+    """Runs ``fn(*args)`` on a worker thread when it moves at least :data:`OFFLOAD_MIN_NBYTES`."""
+    if nbytes >= OFFLOAD_MIN_NBYTES:
+        await asyncio.to_thread(fn, *args)
+    else:
+        fn(*args)
+
+
+def reduce_many(dst: np.ndarray, srcs: list[np.ndarray], op: str) -> None:
+    """``dst = dst <op> srcs[0] <op> srcs[1] ...`` in that order (one pass per source)."""
+    if dst.size:
+        for src in srcs:
+            reduce_into(dst, src, op)
+
+
+def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``dst[...] = src`` for each ``(dst, src)``."""
+    for dst, src in pairs:
+        if dst.size:
+            np.copyto(dst, src)
+
+
+class SubComm:
+    """The ranks ``members`` (group ranks) of a call, renumbered 0..len-1, so an existing TCP
+    algorithm can run among them (e.g. one leader per node). Messages are the call's own (same
+    tag and fingerprint), so they are matched in order and checked like any other."""
+
+    def __init__(self, call, members: list[int]):
+        self.call = call
+        self.members = list(members)
+        self.rank = self.members.index(call.rank)
+        self.size = len(self.members)
+        self.group = call.group
+        self.seq = call.seq
+        self.fingerprint = call.fingerprint
+
+    async def send(self, dst: int, buf) -> None:
+        await self.call.send(self.members[dst], buf)
+
+    def irecv(self, src: int, buf):
+        return self.call.irecv(self.members[src], buf)
+
+    async def recv_into(self, src: int, buf) -> None:
+        await self.call.recv_into(self.members[src], buf)
+
+
+def tcp_algorithm(collective: str, nbytes: int, world: int):
+    """The run function the TCP table would choose (the first rule that is not ours)."""
+    from collectives import registry
+    ours = SHM_NAMES
+    for rule in registry.TABLES[collective]:
+        if rule.algorithm not in ours and rule.applies(nbytes, world):
+            return registry.ALGORITHMS[collective][rule.algorithm]
+    for name, fn in registry.ALGORITHMS[collective].items():  # pragma: no cover - table is all ours
+        if name not in ours:
+            return fn
+    raise ValueError(f"no TCP {collective} algorithm")  # pragma: no cover
+
+
+SHM_NAMES = ("shm", "hierarchical")

@@ -1,0 +1,596 @@
+"""Shared memory between the ranks of one machine: segments, their names and clean-up, and the
+wait/wake primitive (a sequence word per rank plus futex). Bytes only: the arrays and the
+algorithms that use this are in collectives/shm.
+
+Segments
+    A **domain** is the set of members of one group that share a machine (the whole group when
+    every rank is on one node, or one node's part of it for the hierarchical all_reduce). Each
+    member of a domain owns two files under /dev/shm, named after the job, a token the domain
+    agrees on, the group id, the domain and the member's global rank::
+
+        ringweave-<job>-<token>-g<gid>d<domain>-r<rank>-ctl        control: 4 KiB header + 2 small slots
+        ringweave-<job>-<token>-g<gid>d<domain>-r<rank>-v<k>       data: one slot, capacity 2**k bytes
+
+    Every member maps every other member's files (MAP_SHARED). A name is **unlinked as soon as
+    every member has mapped it** (a TCP all-to-all of the call that made it says so): from then on
+    the memory lives exactly as long as the mappings, so a job whose ranks are all SIGKILLed leaves
+    nothing in /dev/shm. What can outlive a crash is the short window between creating a file and
+    that all-to-all; for it, (1) a rank unlinks its own names when the call fails, (2) survivors
+    unlink a lost peer's names (:meth:`Domain.forget_peer`, from the actor's lost-peer listener),
+    (3) the launcher removes ``ringweave-<job>-*`` at the end of each attempt
+    (:func:`remove_job_segments`), and (4) an ``atexit`` hook unlinks what this process still owns.
+
+    The data slot grows by re-creating: when a call needs more than the capacity, every member
+    (they all see the same sizes, so they all decide the same) waits until the peers are done
+    reading its old slot, creates ``v<k+1>``, and the all-to-all above runs again. Capacities are
+    powers of two (at most 2x the largest message; at most ~40 growths ever).
+
+Synchronisation
+    Word 0 of each control header is the member's **sequence word**, written by that member only
+    (a plain aligned 32-bit store), holding ``(call seq << 3 | phase) mod 2**32``. "Peer p has
+    reached phase f of call s" is ``seq_word[p] - (s << 3 | f)`` read as a signed 32-bit
+    difference being >= 0, which survives wrap-around while the ranks are less than 2**28 calls
+    apart. Posting is a store followed by ``FUTEX_WAKE`` on the word (the syscall orders the
+    store before the wake). Waiting on peer p:
+
+    1. read the word; done if reached;
+    2. spin briefly: ``os.sched_yield()`` and re-read, :data:`SPIN_YIELDS` times (on an
+       oversubscribed machine the yield hands the core to the rank we wait for);
+    3. ``FUTEX_WAIT(word, seen, SLICE_S)``, in the calling thread, with the GIL released:
+       the kernel compares the word with ``seen`` atomically, so a post between our read and our
+       sleep just makes the wait return at once. After each slice that ends without a post, the
+       wait yields to the event loop once (so a lost peer's EOF or the call's asyncio deadline
+       are seen), checks the group's error, the peer's process and the peer's fingerprint.
+
+    So a dead peer is seen within one slice (the survivors' TCP connections to it close, and
+    the peer's pid stops existing), and a wait ends at most one slice after its deadline.
+
+    When a peer of the domain lives in this very process (``runtime.testing`` runs ranks as
+    tasks of one event loop), blocking the thread would block that peer: those waits are
+    cooperative, ``await asyncio.sleep(0)`` between reads, then short sleeps.
+
+    Figures that chose this (4 processes on this 2-core machine): see collectives/shm/__init__.py.
+
+Fingerprints
+    Shared-memory collectives send no TCP message, so a mismatch would not be seen by the
+    transport. Each member writes its call's sequence number and fingerprint into one of two
+    slots of its header (``seq % 2``) before its first post of the call; a waiter compares the
+    slot of every peer it waits on and raises :class:`CollectiveMismatchError` naming both
+    calls. A slot is only rewritten two calls later, after every member has read it.
+
+Memory order
+    x86-64 (TSO) is assumed: data stores before the sequence store are seen before it, and a
+    reader that sees the sequence value sees the data. Other architectures would need fences.
+
+Not here: NumPy, reductions and the algorithms (collectives/shm), process groups (group.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import struct
+import weakref
+
+from runtime.errors import CollectiveMismatchError, PeerLostError, RingweaveError
+
+log = logging.getLogger("ringweave.shm")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "ringweave-"
+ENV_SWITCH = "RINGWEAVE_SHM"  # "0" turns the shared-memory path off
+
+HEADER_NBYTES = 4096
+SMALL_NBYTES = 64 * 1024  # one small slot; the control file holds two after the header
+CONTROL_NBYTES = HEADER_NBYTES + 2 * SMALL_NBYTES
+MIN_DATA_LOG2 = 16  # smallest data slot: 64 KiB
+
+_OFF_SEQ = 0  # u32 sequence word (the futex word)
+_OFF_PID = 4  # u32 owner pid
+_OFF_FP = 64  # two fingerprint slots of _FP_NBYTES: u32 seq, u32 length, bytes
+_FP_NBYTES = 512
+_FP_MAX = _FP_NBYTES - 8
+
+PHASE_BITS = 3
+EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
+SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "20"))  # sched_yield spins before sleeping
+SLICE_S = 0.02  # one futex sleep; the bound on noticing a lost peer or a passed deadline
+
+
+# -- names --------------------------------------------------------------------------------------
+
+
+def job_prefix(job: str) -> str:
+    """The file-name prefix of every segment of ``job`` (``/`` and other odd characters -> ``_``).
+
+    >>> job_prefix("10.0.0.1:29500")
+    'ringweave-10.0.0.1_29500-'
+    """
+    return PREFIX + re.sub(r"[^A-Za-z0-9._]", "_", job)[:80] + "-"
+
+
+def job_segments(job: str, directory: str = SHM_DIR) -> list[str]:
+    """Paths of the segments of ``job`` that still have a name."""
+    prefix = job_prefix(job)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names if n.startswith(prefix))
+
+
+def remove_job_segments(job: str, directory: str = SHM_DIR) -> list[str]:
+    """Unlinks every segment of ``job`` (the launcher calls this after each attempt); returns them.
+
+    Processes that still map a segment keep their memory; only the name goes.
+    """
+    removed = []
+    for path in job_segments(job, directory):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
+    return removed
+
+
+def shm_usable(directory: str = SHM_DIR) -> bool:
+    """True when ``RINGWEAVE_SHM`` is not ``"0"`` and ``directory`` is a writable directory."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+
+
+# -- futex --------------------------------------------------------------------------------------
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the word is in a MAP_SHARED file
+_libc = ctypes.CDLL(None, use_errno=True)  # CDLL: calls release the GIL
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_uint32]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> bool:
+    """Sleeps while the u32 at ``address`` equals ``expected``, at most ``timeout_s``.
+
+    Returns False on timeout, True otherwise (woken, value differed, or a signal). Blocks the
+    calling thread with the GIL released.
+    """
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    rc = _syscall(_SYS_FUTEX, address, _FUTEX_WAIT, expected, ctypes.byref(ts), None, 0)
+    return not (rc == -1 and ctypes.get_errno() == errno.ETIMEDOUT)
+
+
+def futex_wake(address: int, count: int = 0x7FFFFFFF) -> int:
+    """Wakes up to ``count`` waiters on the u32 at ``address``; returns how many woke."""
+    return _syscall(_SYS_FUTEX, address, _FUTEX_WAKE, count, None, None, 0)
+
+
+def reached(word: int, target: int) -> bool:
+    """``word`` is at or past ``target`` in wrapping 32-bit sequence order."""
+    return ((word - target) & 0xFFFFFFFF) < 0x80000000
+
+
+def encode(seq: int, phase: int) -> int:
+    """The sequence-word value of ``phase`` (1..7) of call ``seq``."""
+    return ((seq << PHASE_BITS) | phase) & 0xFFFFFFFF
+
+
+# -- segments -----------------------------------------------------------------------------------
+
+
+class Segment:
+    """One /dev/shm file mapped MAP_SHARED read-write (``create`` or ``attach``)."""
+
+    def __init__(self, path: str, nbytes: int, mm: mmap.mmap, owner: bool):
+        self.path = path
+        self.nbytes = nbytes
+        self.mm = mm
+        self.owner = owner
+        self.linked = owner  # the owner's name is still in /dev/shm
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(mm)) if nbytes else 0
+        if owner:
+            _owned_paths.add(path)
+
+    @classmethod
+    def create(cls, path: str, nbytes: int) -> "Segment":
+        """Creates ``path`` (it must not exist) of ``nbytes`` zero bytes and maps it.
+
+        Raises:
+            FileExistsError: a segment of that name exists (another job with the same names).
+            OSError: /dev/shm is full or not writable.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        return cls(path, nbytes, mm, owner=True)
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> "Segment":
+        """Maps an existing segment (pages pre-faulted, so the first collective is not slow).
+
+        Raises:
+            FileNotFoundError: no such segment. RingweaveError: it is smaller than ``nbytes``.
+        """
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise RingweaveError(f"shared-memory segment {path} has {size} bytes; expected {nbytes}")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, nbytes, mm, owner=False)
+
+    def unlink(self) -> None:
+        """Removes the name (the memory stays while mapped). Idempotent."""
+        if self.owner and self.linked:
+            self.linked = False
+            _owned_paths.discard(self.path)
+            _unlink(self.path)
+
+    def close(self) -> None:
+        """Unmaps, unless arrays still view the memory (then the GC unmaps it later)."""
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+_owned_paths: set[str] = set()
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    for path in list(_owned_paths):
+        _unlink(path)
+    _owned_paths.clear()
+
+
+# -- a domain: the members of one group on one machine ----------------------------------------
+
+
+class Domain:
+    """This rank's view of the shared memory of one domain: its own segments and its peers'.
+
+    Members are indexed by **domain rank** ``0..size-1``; ``members[i]`` is their group rank.
+    Calls run one at a time (:attr:`lock`); every call goes:
+
+        ``enter(call)`` -> [``ensure_capacity(call, nbytes)``] -> (``post`` / ``wait_all``)* ->
+        ``post(EXIT)``
+
+    Used by collectives/shm only; the contract of each method is written with it.
+    """
+
+    def __init__(self, group, members: list[int], name: str):
+        self.group = group
+        self.members = list(members)  # domain rank -> group rank
+        self.size = len(self.members)
+        self.rank = self.members.index(group.rank)
+        self.name = name  # g<gid>d<index>, part of the file names
+        self.lock = asyncio.Lock()
+        self.ready = False
+        self.ctl: list[Segment | None] = [None] * self.size  # control segments by domain rank
+        self.data: list[Segment | None] = [None] * self.size  # data segments by domain rank
+        self.data_log2 = 0  # capacity of the data slots is 1 << data_log2 (0: none yet)
+        self.last_data_seq: int | None = None  # the last call that wrote the data slots
+        self.ncalls = 0  # shared-memory calls started on this domain (the same on every member)
+        self.parity = 0  # which fingerprint / small slot the current call uses
+        self._recent: list[int] = []  # sequence numbers of the last two calls
+        self._words: list[ctypes.c_uint32] = []
+        self._pids: list[int] = []
+        self._prefix = ""
+        self._closed = False
+        self.statistics_ = {"posts": 0, "waits": 0, "sleeps": 0, "spins": 0, "grows": 0}
+
+    # -- names
+    def _path(self, domain_rank: int, what: str) -> str:
+        grank = self.group.ranks[self.members[domain_rank]]
+        return os.path.join(SHM_DIR, f"{self._prefix}g{self.name}-r{grank}-{what}")
+
+    # -- set-up (first call) and growth, both over the call's TCP messages
+    async def setup(self, call) -> None:
+        """Creates this member's control segment and maps everyone's. Runs inside the first call
+        on the domain; all members run it at the same call (they see the same sequence of calls).
+
+        Raises:
+            PeerLostError, CollectiveMismatchError, CollectiveTimeoutError: from the messages.
+            OSError: /dev/shm could not be written.
+        """
+        job = os.environ.get("RINGWEAVE_JOB") or getattr(self.group.runtime.actor, "_job", None) or "ringweave"
+        if self.rank == 0:  # the lowest member chooses a token, so two jobs with one name never collide
+            token = secrets.token_hex(4).encode()
+            for p in range(1, self.size):
+                await call.send(self.members[p], token)
+        else:
+            token = bytearray(8)
+            await call.recv_into(self.members[0], token)
+        self._prefix = job_prefix(job) + bytes(token).decode() + "-"
+        own = Segment.create(self._path(self.rank, "ctl"), CONTROL_NBYTES)
+        self.ctl[self.rank] = own
+        struct.pack_into("<I", own.mm, _OFF_PID, os.getpid())
+        await self._all_to_all(call)  # every control segment exists
+        for p in range(self.size):
+            if p != self.rank:
+                self.ctl[p] = Segment.attach(self._path(p, "ctl"), CONTROL_NBYTES)
+        self._words = [ctypes.c_uint32.from_buffer(s.mm, _OFF_SEQ) for s in self.ctl]
+        self._pids = [struct.unpack_from("<I", s.mm, _OFF_PID)[0] for s in self.ctl]
+        await self._all_to_all(call)  # everyone has mapped everyone's: the names can go
+        own.unlink()
+        self.ready = True
+        _track(self)
+
+    async def ensure_capacity(self, call, nbytes: int) -> None:
+        """Makes every member's data slot hold at least ``nbytes``; every member calls this with the
+        same ``nbytes`` in the same call. Growing waits (bounded) for the peers to finish reading
+        the old slot, then re-creates it and exchanges TCP messages; otherwise returns at once."""
+        if nbytes <= (1 << self.data_log2 if self.data_log2 else 0):
+            return
+        log2 = max(MIN_DATA_LOG2, (nbytes - 1).bit_length())
+        if self.last_data_seq is not None:  # the peers are done reading the old slot
+            await self.wait_all(call, EXIT, seq=self.last_data_seq, check_fp=False)
+        old = self.data[self.rank]
+        if old is not None:
+            old.close()
+        own = Segment.create(self._path(self.rank, f"v{log2}"), 1 << log2)
+        self.data[self.rank] = own
+        await self._all_to_all(call)  # every new slot exists
+        for p in range(self.size):
+            if p != self.rank:
+                if self.data[p] is not None:
+                    self.data[p].close()
+                self.data[p] = Segment.attach(self._path(p, f"v{log2}"), 1 << log2)
+        await self._all_to_all(call)  # every new slot is mapped by everyone
+        own.unlink()
+        self.data_log2 = log2
+        self.statistics_["grows"] += 1
+
+    async def _all_to_all(self, call) -> None:
+        """An empty message from every member to every other (over TCP): a barrier."""
+        arrived = [call.irecv(self.members[p], bytearray()) for p in range(self.size) if p != self.rank]
+        for p in range(self.size):
+            if p != self.rank:
+                await call.send(self.members[p], b"")
+        for fut in arrived:
+            await fut
+
+    # -- buffers
+    def data_buffer(self, domain_rank: int) -> mmap.mmap:
+        """The data slot (capacity ``1 << data_log2`` bytes) of member ``domain_rank``."""
+        return self.data[domain_rank].mm
+
+    # -- calls
+    async def enter(self, call) -> None:
+        """Starts a call: waits until every peer has finished the shared-memory call two back on
+        this domain (it used the same fingerprint and small slots), then publishes this call's
+        fingerprint (before any post of the call)."""
+        if len(self._recent) == 2:
+            await self.wait_all(call, EXIT, seq=self._recent[0], check_fp=False)
+            self._recent.pop(0)
+        self._recent.append(call.seq)
+        self.parity = self.ncalls % 2
+        self.ncalls += 1
+        fp = call.fingerprint.encode()[:_FP_MAX]
+        off = _OFF_FP + self.parity * _FP_NBYTES
+        mm = self.ctl[self.rank].mm
+        mm[off + 8:off + 8 + len(fp)] = fp
+        struct.pack_into("<II", mm, off, call.seq & 0xFFFFFFFF, len(fp))
+
+    def small_buffer(self, domain_rank: int) -> memoryview:
+        """The small slot (:data:`SMALL_NBYTES`) of ``domain_rank`` for the current call (two
+        alternate, so a call may write its slot while a slow peer still reads the last one)."""
+        start = HEADER_NBYTES + self.parity * SMALL_NBYTES
+        return memoryview(self.ctl[domain_rank].mm)[start:start + SMALL_NBYTES]
+
+    async def claim_data(self, call, nbytes: int) -> None:
+        """Before this call writes its data slot: makes it hold ``nbytes`` (growing if needed, see
+        :meth:`ensure_capacity`) and waits until every peer has finished reading what the last
+        call that wrote it left there (that call's EXIT)."""
+        await self.ensure_capacity(call, nbytes)
+        if self.last_data_seq is not None:
+            await self.wait_all(call, EXIT, seq=self.last_data_seq, check_fp=False)
+        self.last_data_seq = call.seq
+
+    def post(self, call, phase: int) -> None:
+        """Announces that this member has reached ``phase`` of ``call`` and wakes its waiters."""
+        self._words[self.rank].value = encode(call.seq, phase)
+        futex_wake(self.ctl[self.rank].address + _OFF_SEQ)
+        self.statistics_["posts"] += 1
+
+    async def wait_all(self, call, phase: int, *, peers=None, seq: int | None = None,
+                       check_fp: bool = True) -> None:
+        """Waits until every member in ``peers`` (domain ranks; default all others) has posted
+        ``phase`` of call ``seq`` (default this call).
+
+        Raises:
+            the group's error (PeerLostError, a mismatch from elsewhere) as soon as it is set;
+            PeerLostError: a peer's process is gone;
+            CollectiveMismatchError: a peer is in a different call;
+            asyncio.CancelledError: the call's deadline (group.run turns it into a timeout).
+        """
+        seq = call.seq if seq is None else seq
+        target = encode(seq, phase)
+        for p in (range(self.size) if peers is None else peers):
+            if p == self.rank:
+                continue
+            if not reached(self._words[p].value, target):
+                await self._wait_one(call, p, target, check_fp)
+            elif check_fp:
+                self._check_fingerprint(call, p)
+
+    async def _wait_one(self, call, p: int, target: int, check_fp: bool) -> None:
+        word = self._words[p]
+        address = self.ctl[p].address + _OFF_SEQ
+        cooperative = self._pids[p] == os.getpid()
+        self.statistics_["waits"] += 1
+        for _ in range(0 if cooperative else SPIN_YIELDS):  # 2. a short spin that gives the core away
+            os.sched_yield()
+            if reached(word.value, target):
+                self.statistics_["spins"] += 1
+                if check_fp:
+                    self._check_fingerprint(call, p)
+                return
+        idle = 0
+        while True:
+            seen = word.value
+            if reached(seen, target):
+                break
+            self._check_alive(call, p)
+            if check_fp:
+                self._check_fingerprint(call, p, early=True)
+            if cooperative:  # the peer is a task of this event loop: never block the thread
+                idle += 1
+                await asyncio.sleep(0 if idle < 200 else 0.0005)
+                continue
+            self.statistics_["sleeps"] += 1
+            if not futex_wait(address, seen, SLICE_S):  # 3. sleep; a slice passed without a post
+                await asyncio.sleep(0)  # let the loop see a lost peer, a cancellation, a deadline
+        if check_fp:
+            self._check_fingerprint(call, p)
+
+    def _check_alive(self, call, p: int) -> None:
+        group = self.group
+        if group.error is not None:
+            raise group.error
+        pid = self._pids[p]
+        if pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                grank = group.ranks[self.members[p]]
+                exc = PeerLostError(f"rank {grank} (pid {pid}) is gone: its process no longer exists "
+                                    f"(group {group.gid}, shared memory)", grank)
+                group.abort(exc, tell_peers=False)
+                raise exc from None
+            except PermissionError:
+                pass
+
+    def _check_fingerprint(self, call, p: int, early: bool = False) -> None:
+        """Raises CollectiveMismatchError if peer ``p`` published a different call ``seq``."""
+        off = _OFF_FP + self.parity * _FP_NBYTES
+        mm = self.ctl[p].mm
+        seq, length = struct.unpack_from("<II", mm, off)
+        if seq != call.seq & 0xFFFFFFFF:
+            if early:
+                return  # not there yet (or two calls ahead: caught when it posts)
+            theirs = "a call with another sequence number"
+        else:
+            theirs = bytes(mm[off + 8:off + 8 + min(length, _FP_MAX)]).decode(errors="replace")
+            if theirs == call.fingerprint[:len(theirs)] and len(theirs) == len(call.fingerprint.encode()[:_FP_MAX]):
+                return
+        group = self.group
+        exc = CollectiveMismatchError(
+            f"collective mismatch in group {group.gid} at call #{call.seq}: rank {group.ranks[group.rank]} "
+            f"called {call.fingerprint!r} but rank {group.ranks[self.members[p]]} called {theirs!r}")
+        group.abort(exc)
+        raise exc
+
+    # -- clean-up
+    def forget_peer(self, group_rank: int) -> None:
+        """A peer was lost: unlink whatever of its names may remain (it cannot any more)."""
+        if not self._prefix:
+            return
+        grank = self.group.ranks[group_rank]
+        try:
+            names = os.listdir(SHM_DIR)
+        except OSError:
+            return
+        stem = f"{self._prefix}g{self.name}-r{grank}-"
+        for n in names:
+            if n.startswith(stem):
+                _unlink(os.path.join(SHM_DIR, n))
+
+    def close(self) -> None:
+        """Unlinks this member's names and unmaps everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._words = []
+        for seg in self.ctl + self.data:
+            if seg is not None:
+                seg.unlink()
+                seg.close()
+        self.ctl = [None] * self.size
+        self.data = [None] * self.size
+        self.ready = False
+
+    def statistics(self) -> dict:
+        return dict(self.statistics_, capacity=(1 << self.data_log2) if self.data_log2 else 0,
+                    members=self.members)
+
+
+# -- the domains of each group ------------------------------------------------------------------
+
+_domains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {name: Domain}
+_listening: "weakref.WeakSet" = weakref.WeakSet()  # runtimes whose lost-peer listener is installed
+
+
+def domain(group, members: list[int], index: int = 0) -> Domain:
+    """The domain of ``group`` made of group ranks ``members`` (this rank among them), made on
+    first use; ``index`` tells apart the domains of one group (one per node)."""
+    per_group = _domains.setdefault(group, {})
+    name = f"{group.gid}d{index}"
+    d = per_group.get(name)
+    if d is None or d._closed:
+        d = per_group[name] = Domain(group, members, name)
+    return d
+
+
+def _track(d: Domain) -> None:
+    rt = d.group.runtime
+    if rt in _listening:
+        return
+    _listening.add(rt)
+    rt_ref = weakref.ref(rt)
+
+    def on_lost(peer: int, exc: BaseException) -> None:
+        rt_now = rt_ref()
+        if rt_now is None:
+            return
+        for group in list(rt_now.groups.values()):
+            for dom in _domains.get(group, {}).values():
+                if peer in group.ranks and group.ranks.index(peer) in dom.members:
+                    dom.forget_peer(group.ranks.index(peer))
+
+    rt.actor.add_lost_listener(on_lost)
+
+
+def close_runtime(rt) -> None:
+    """Unlinks and unmaps every segment of ``rt``'s groups (call when the runtime closes)."""
+    for group in list(getattr(rt, "groups", {}).values()):
+        for dom in _domains.pop(group, {}).values():
+            dom.close()
+
+
+def statistics(group) -> dict:
+    """Per-domain counters of ``group``: posts, waits, spins that sufficed, futex sleeps, grows."""
+    return {name: d.statistics() for name, d in _domains.get(group, {}).items()}
