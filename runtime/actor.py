@@ -154,6 +154,7 @@ class Actor:
         self._tasks: set[asyncio.Task] = set()
         self._lost_listeners: list[Callable[[int, BaseException], None]] = []
         self._abort_listeners: list[Callable[[dict], None]] = []
+        self.stray_listener: Callable[[int, dict], None] | None = None  # kept collective frames (group.py)
         self.tools: dict[int, Connection] = {}  # negative ids: authenticated tool connections
         self._next_tool = 0
         self._listener = None
@@ -362,6 +363,10 @@ class Actor:
         self._posted.setdefault(key, collections.deque()).append(_Recv(src, key, buf, fut, check))
         return fut
 
+    def unexpected_headers(self, key: tuple) -> list[dict]:
+        """Headers of the frames kept for ``key`` that no receive has taken yet."""
+        return [header for header, _ in self._unexpected.get(key, ())]
+
     def unpost(self, key: tuple, fut: asyncio.Future) -> None:
         """Withdraws a posted receive whose waiter gave up (timeout, cancel)."""
         q = self._posted.get(key)
@@ -412,7 +417,8 @@ class Actor:
         if r.check is not None:
             exc = r.check(header, len(data) if data is not None else 0)
             if exc is not None:
-                r.fut.set_exception(exc)
+                if not r.fut.done():  # the check may already have failed it (group abort)
+                    r.fut.set_exception(exc)
                 return
         if r.buf is None:
             if data is None:
@@ -451,7 +457,8 @@ class Actor:
                 if r.check is not None:
                     exc = r.check(header, nbytes)
                     if exc is not None:
-                        r.fut.set_exception(exc)
+                        if not r.fut.done():  # the check may already have failed it (group abort)
+                            r.fut.set_exception(exc)
                         self._incoming[peer] = ("drop", None, None)
                         return None
                 if r.buf is not None and kind != "o" and r.buf.nbytes == nbytes:
@@ -503,6 +510,8 @@ class Actor:
                 self._complete(r, header, data, copy=True)
             else:
                 self._unexpected.setdefault(target, collections.deque()).append((header, data))
+                if header["k"] == "c" and self.stray_listener is not None:
+                    self.stray_listener(peer, header)  # a frame of a call already finished here?
         elif mode == "ctl":
             self._control(conn, header, data)
 

@@ -144,6 +144,7 @@ class ProcessGroup:
         self._seq = 0
         self._outstanding: set[asyncio.Future] = set()
         self.calls: dict[int, CallRecord] = {}  # seq -> record of calls in flight
+        self._finished: dict[int, str] = {}  # seq -> fingerprint of recently finished calls
 
     @property
     def is_member(self) -> bool:
@@ -180,6 +181,7 @@ class ProcessGroup:
         try:
             async with asyncio.timeout(call.timeout_s):
                 await coro_fn(call, *args)
+            self._check_leftovers(call)
             outcome = "ok"
         except TimeoutError:
             missing = call.cancel_outstanding()
@@ -196,11 +198,37 @@ class ProcessGroup:
             raise
         finally:
             self.calls.pop(call.seq, None)
+            self._finished[call.seq] = call.fingerprint
+            if len(self._finished) > 256:
+                del self._finished[min(self._finished)]
             if tracer.enabled:
                 tracer.complete(call.fingerprint.split(" ", 1)[0], start_us, tracer.now_us(), self.gid,
                                 {"op": call.fingerprint, "seq": call.seq, "group": self.gid,
                                  "bytes_sent": call.bytes_sent, "algorithm": getattr(call, "algorithm", None),
                                  "outcome": outcome})
+
+    def _check_leftovers(self, call: Call) -> None:
+        """A call that finished with frames of its own still unclaimed disagreed with
+        their sender (e.g. both ranks thought they were the root of a broadcast and
+        neither received): a mismatch, not something to ignore."""
+        actor = self.runtime.actor
+        for src, peer in enumerate(self.ranks):
+            for header in actor.unexpected_headers(("c", peer, call._tag)):
+                exc = self._stray_error(call.seq, call.fingerprint, peer, header["f"])
+                self.abort(exc)
+                raise exc
+
+    def on_stray(self, peer: int, header: dict) -> None:
+        """A frame of call #seq arrived after that call finished here (see _check_leftovers)."""
+        seq = header["t"][1]
+        if self.error is None and self.is_member and seq <= self._seq and seq not in self.calls:
+            self.abort(self._stray_error(seq, self._finished.get(seq, "?"), peer, header["f"]))
+
+    def _stray_error(self, seq: int, mine: str, peer: int, theirs: str) -> CollectiveMismatchError:
+        how = "called" if mine != theirs else "(same call, but a message nobody received)"
+        return CollectiveMismatchError(
+            f"collective mismatch in group {self.gid} at call #{seq}: rank {self.runtime.actor.rank} called "
+            f"{mine!r} but rank {peer} {how} {theirs!r}; its message was never received")
 
     def abort(self, exc: BaseException, tell_peers: bool = True) -> None:
         """Fails the group: every pending and later call raises ``exc``."""
@@ -234,6 +262,7 @@ class Runtime:
         self.world = self._add_group(list(range(actor.world_size)))
         actor.add_lost_listener(self._on_peer_lost)
         actor.add_abort_listener(self._on_abort)
+        actor.stray_listener = self._on_stray
         actor.register("ringweave.status", self.status)
         self._closed = False
 
@@ -268,6 +297,11 @@ class Runtime:
             if peer in group.ranks and group.is_member:
                 group.abort(PeerLostError(f"rank {peer} was lost (group {group.gid}): {exc}", peer),
                             tell_peers=False)
+
+    def _on_stray(self, peer: int, header: dict) -> None:
+        group = self.groups.get(header["t"][0])
+        if group is not None:
+            group.on_stray(peer, header)
 
     def _on_abort(self, header: dict) -> None:
         group = self.groups.get(header["g"])
