@@ -72,16 +72,20 @@ def _group(group):
 
 class _Comm:
     """What an algorithm talks through: the call's ``rank``, ``size``, ``send``,
-    ``irecv`` and ``recv_into``. Once a call fails, its later receives are never
-    awaited; their futures get the group's error, and this marks it retrieved so
-    asyncio does not log "exception was never retrieved" (the call raises it)."""
+    ``irecv`` and ``recv_into``, with two fixes to the raw futures of ``Call.irecv``:
+    they are shielded, so that a timeout leaves them outstanding and the error
+    names the ranks not heard from; and once a call fails, the receives it will
+    never await are marked retrieved, so asyncio does not log "exception was
+    never retrieved" (the call raises the error itself)."""
     __slots__ = ("rank", "size", "send", "_irecv")
 
     def __init__(self, call):
         self.rank, self.size, self.send, self._irecv = call.rank, call.size, call.send, call.irecv
 
     def irecv(self, src: int, buf) -> asyncio.Future:
-        fut = self._irecv(src, buf)
+        # shielded: a timeout cancels the waiter, not the receive, so the call's
+        # record still knows whom it was waiting on and names them in the error
+        fut = asyncio.shield(self._irecv(src, buf))
         fut.add_done_callback(_retrieved)
         return fut
 

@@ -1,0 +1,224 @@
+"""Failures: argument errors before any message, mismatched calls, lost ranks and
+timeouts — each raising its typed error on every rank within seconds, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import collectives as C
+from runtime.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- argument errors: raised before the call takes a sequence number ------------------
+
+BAD_CALLS = [  # (description, call on rank's arrays, exception, words the message must hold)
+    ("not an array", lambda: C.all_reduce([1.0, 2.0]), TypeError, ["x", "list"]),
+    ("unsupported dtype", lambda: C.all_reduce(np.ones(3, np.complex64)), TypeError, ["x", "complex64"]),
+    ("non-contiguous", lambda: C.all_reduce(np.ones((4, 4), np.float32)[:, 1]), ValueError, ["x", "C-contiguous"]),
+    ("read-only", lambda: C.broadcast(np.frombuffer(b"abcd", np.uint8)), ValueError, ["x", "read-only"]),
+    ("unknown op", lambda: C.all_reduce(np.ones(3), op="mean"), ValueError, ["op", "'mean'"]),
+    ("out too small", lambda: C.all_gather(np.ones(3), np.ones(3)), ValueError, ["out", "3", "6"]),
+    ("dtype differs", lambda: C.all_gather(np.ones(6, np.float32), np.ones(3)), TypeError, ["float32", "float64"]),
+    ("x wrong length", lambda: C.reduce_scatter(np.ones(2), np.ones(5)), ValueError, ["x", "5", "4"]),
+    ("root out of range", lambda: C.broadcast(np.ones(2), src=2), ValueError, ["src=2", "0..1"]),
+    ("gather out missing", lambda: C.gather(None, np.ones(2), dst=0), None, ["out", "None"]),
+    ("all_to_all indivisible", lambda: C.all_to_all(np.ones(3), np.ones(3)), ValueError, ["3", "multiple"]),
+    ("unknown algorithm", lambda: C.all_reduce(np.ones(2), algorithm="butterfly"), ValueError, ["butterfly", "ring"]),
+    ("compression", lambda: C.all_reduce(np.ones(2), compression="fp16"), NotImplementedError, ["compression"]),
+    ("p2p tag", lambda: C.send(np.ones(2), dst=1, tag="x"), TypeError, ["tag"]),
+]
+
+
+@pytest.mark.parametrize("what,make,exc,words", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+async def test_bad_arguments_fail_locally_and_leave_the_group_usable(ranks, what, make, exc, words):
+    async def body(g):
+        if exc is None and g.rank != 0:  # only the root needs out: other ranks are fine
+            return
+        with pytest.raises(exc or ValueError) as info:
+            await make()
+        for word in words:
+            assert word in str(info.value), (word, str(info.value))
+        x = np.full(3, g.rank + 1.0)
+        await asyncio.wait_for(C.all_reduce(x), 5)  # nothing was sent, no sequence number taken
+        assert (x == 3).all()
+    if exc is None:
+        async def body2(g):  # the destination fails locally; then every rank runs a good call
+            if g.rank == 0:
+                with pytest.raises(ValueError, match="out is None"):
+                    await C.gather(None, np.ones(2), dst=0)
+            x = np.full(3, g.rank + 1.0)
+            await C.all_reduce(x)
+            assert (x == 3).all()
+        await ranks(2, body2)
+    else:
+        await ranks(2, body)
+
+
+def test_env_override_names_unknown_algorithm(monkeypatch):
+    from collectives import registry
+    monkeypatch.setenv("RINGWEAVE_ALGO_ALL_REDUCE", "bogus")
+    with pytest.raises(ValueError, match="RINGWEAVE_ALGO_ALL_REDUCE='bogus'"):
+        registry.choose("all_reduce", 4, 4)
+    monkeypatch.setenv("RINGWEAVE_ALGO_ALL_REDUCE", "ring")
+    assert registry.choose("all_reduce", 4, 4)[0] == "ring"
+    assert registry.choose("all_reduce", 4, 4, "halving_doubling")[0] == "halving_doubling"
+
+
+# -- mismatches: every rank raises CollectiveMismatchError naming both calls ---------
+
+def _mismatch(kind: str, rank: int):
+    """The call rank ``rank`` makes; rank 1 differs from the others in ``kind``."""
+    odd = rank == 1
+    x = np.ones(7, np.float32)
+    if kind == "op":
+        return C.all_reduce(x, op="max" if odd else "sum")
+    if kind == "dtype":
+        return C.all_reduce(np.ones(7, np.float64) if odd else x)
+    if kind == "length":
+        return C.all_reduce(np.ones(8, np.float32) if odd else x)
+    if kind == "zero_length":
+        return C.all_reduce(np.ones(0, np.float32) if odd else x)
+    if kind == "root":
+        return C.broadcast(x, src=1 if odd else 0)
+    if kind == "collective":
+        return C.broadcast(x, src=0) if odd else C.all_reduce(x)
+    if kind == "algorithm":
+        return C.all_reduce(x, algorithm="ring" if odd else "recursive_doubling")
+    if kind == "barrier_vs_all_gather":
+        return C.barrier() if odd else C.all_gather(np.ones(7 * 3, np.float32), x)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("transport", ["memory", "tcp"])
+@pytest.mark.parametrize("kind", ["op", "dtype", "length", "zero_length", "root", "collective", "algorithm",
+                                  "barrier_vs_all_gather"])
+async def test_mismatch_raises_on_every_rank(ranks, kind, transport):
+    if transport == "tcp" and kind not in ("op", "collective"):
+        pytest.skip("a smaller matrix over TCP")
+
+    async def body(g):
+        start = time.monotonic()
+        # A rank whose part of the call was only sending may finish it before the
+        # error reaches it; its next call on the group raises it then.
+        with pytest.raises(CollectiveMismatchError) as info:
+            await _mismatch(kind, g.rank)
+            await C.barrier()
+        assert time.monotonic() - start < 5
+        return str(info.value)
+
+    messages = await ranks(3, body, transport=transport, timeout_s=20)
+    for m in messages:  # names both calls and both ranks
+        assert "called" in m and m.count("rank ") >= 2, m
+        assert m.count("'") >= 4, m
+
+
+# -- lost ranks: every survivor raises PeerLostError within seconds --------------------
+
+@pytest.mark.parametrize("transport", ["memory", "tcp"])
+@pytest.mark.parametrize("how", ["close_runtime", "abort_connections", "close_actor"])
+@pytest.mark.parametrize("algo", ["ring", "halving_doubling"])
+async def test_lost_rank_fails_every_survivor(ranks, how, transport, algo):
+    n, leaver = 4, 2
+
+    async def body(g):
+        rt = g.runtime
+        x = np.ones(100_000, np.float32)
+        await C.all_reduce(x, algorithm=algo)
+        if g.rank == leaver:
+            await asyncio.sleep(0.05)  # the others are in their next call by now
+            if how == "close_runtime":
+                await rt.close()
+            elif how == "close_actor":
+                await rt.actor.close()
+            else:
+                for conn in list(rt.actor.conns.values()):
+                    conn.abort()
+            return None
+        start = time.monotonic()
+        with pytest.raises(PeerLostError) as info:
+            await C.all_reduce(x, algorithm=algo)  # pending when the rank leaves
+        assert time.monotonic() - start < 5
+        with pytest.raises(PeerLostError):  # and every later call on the group
+            await C.barrier()
+        return str(info.value)
+
+    results = await ranks(n, body, transport=transport, timeout_s=20)
+    for r, m in enumerate(results):
+        if r != leaver:
+            assert f"rank {leaver}" in m, m
+
+
+async def test_sub_group_without_the_lost_rank_keeps_working(ranks):
+    async def body(g):
+        sub = g.new_group([0, 1])
+        if g.rank == 2:
+            await asyncio.sleep(0.05)
+            await g.runtime.close()
+            return
+        if g.rank in (0, 1):
+            with pytest.raises(PeerLostError):
+                await C.all_reduce(np.ones(4))  # world: rank 2 is gone
+            x = np.ones(4)
+            await C.all_reduce(x, group=sub)  # the sub-group does not need it
+            assert (x == 2).all()
+    await ranks(3, body, timeout_s=20)
+
+
+# -- timeouts name the rank not heard from --------------------------------------------
+
+@pytest.mark.parametrize("collective,n", [("barrier", 3), ("all_reduce", 2), ("broadcast", 3)])
+async def test_timeout_names_the_missing_rank(ranks, collective, n):
+    missing = n - 1
+
+    async def body(g):
+        if g.rank == missing:
+            await asyncio.sleep(1.0)  # never calls
+            return None
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            if collective == "barrier":
+                await C.barrier(timeout=0.3)
+            elif collective == "broadcast":  # every rank waits on the root
+                await C.broadcast(np.ones(4), src=missing, timeout=0.3)
+            else:
+                await C.all_reduce(np.ones(4), timeout=0.3)
+        assert time.monotonic() - start < 2
+        with pytest.raises(CollectiveTimeoutError):  # the group stays failed
+            await C.barrier()
+        return info.value
+
+    results = await ranks(n, body, timeout_s=20)
+    for r in range(n - 1):
+        assert missing in results[r].missing, (r, results[r].missing, str(results[r]))
+        assert f"[{missing}]" in str(results[r])
+
+
+# -- point to point ---------------------------------------------------------------------
+
+async def test_send_recv_tags_order_and_errors(ranks):
+    async def body(g):
+        if g.rank == 0:
+            for i in range(3):
+                await C.send(np.full(4, i, np.int32), dst=1, tag=5)
+            await C.send(np.full(4, 9, np.int32), dst=1, tag=6)
+            await C.send(np.ones(3, np.int32), dst=1, tag=7)
+        else:
+            x = np.empty(4, np.int32)
+            await C.recv(x, src=0, tag=6)  # tags are separate queues
+            assert (x == 9).all()
+            for i in range(3):  # one tag keeps its order
+                await C.recv(x, src=0, tag=5)
+                assert (x == i).all()
+            with pytest.raises(ValueError, match="12 bytes"):
+                await C.recv(np.empty(4, np.int32), src=0, tag=7)
+            with pytest.raises(CollectiveTimeoutError, match="rank 0"):
+                await C.recv(x, src=0, tag=8, timeout=0.2)
+            with pytest.raises(ValueError, match="this rank"):
+                await C.recv(x, src=1)
+    await ranks(2, body)
