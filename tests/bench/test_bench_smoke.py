@@ -1,0 +1,82 @@
+"""Smoke tests of bench/collectives.py: the harness launches, validates, prints its table and
+writes its JSON (and plot). They assert that the harness works, never a speed: the machine is
+shared, and speed is claimed only from a full run's ratios (bench/README.md)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "collectives.py"
+ALL_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+           "all_to_all", "barrier"]
+
+
+def run_bench(tmp_path, *extra, timeout_s=300):
+    out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
+    cmd = [sys.executable, str(SCRIPT), "-n", "2", "--sizes", "4,4096", "--iters", "2",
+           "--json", str(out_json), "--plot", str(out_png), *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc.stdout, json.loads(out_json.read_text()), out_png
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    rows = []
+    for line in stdout.splitlines():
+        line = line.split("] ", 1)[1] if line.startswith("[rank") else line
+        cells = line.split()
+        if cells and cells[0].isdigit() and cells[-1] == "ok":
+            rows.append(cells)
+    return rows
+
+
+def check_plot(stdout: str, png: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.exists() and png.stat().st_size > 0
+    else:
+        assert "plot skipped" in stdout
+
+
+@pytest.mark.timeout(360)
+def test_table_json_and_plot(tmp_path):
+    stdout, data, png = run_bench(tmp_path)
+    assert "busbw" in stdout and "algbw" in stdout and "memory reference" in stdout
+    rows = table_rows(stdout)
+    assert sorted({r[3] for r in rows}) == sorted(ALL_OPS)
+    assert len(rows) == 2 * (len(ALL_OPS) - 1) + 1  # two sizes per op, one barrier row
+    assert data["meta"]["world"] == 2 and data["meta"]["dtype"] == "float32"
+    assert len(data["rows"]) == len(rows)
+    for r in data["rows"]:
+        assert r["iters"] == 2 and r["time_us"] > 0 and r["busbw_gbps"] >= 0
+    assert {r["bytes"] for r in data["rows"] if r["op"] == "all_reduce"} == {4, 4096}
+    check_plot(stdout, png)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (optional peer)")
+def test_compare_gloo(tmp_path):
+    stdout, data, png = run_bench(tmp_path, "--ops", "all_reduce,all_gather,reduce_scatter,broadcast,reduce",
+                                  "--compare", "gloo")
+    assert "xgloo" in stdout and "vs gloo" in stdout
+    assert len(table_rows(stdout)) == 10
+    for r in data["rows"]:
+        assert r["gloo"]["time_us"] > 0 and r["gloo"]["ratio"] > 0
+    assert any(c["peer"] == "gloo" for c in data["summary"]["checks"])
+    check_plot(stdout, png)
+
+
+def test_busbw_factors_and_sizes():
+    sys.path.insert(0, str(ROOT))
+    from bench.common import busbw_factor, parse_sizes
+    assert busbw_factor("all_reduce", 4) == 1.5
+    assert busbw_factor("all_gather", 4) == busbw_factor("reduce_scatter", 4) == busbw_factor("all_to_all", 4) == 0.75
+    assert busbw_factor("broadcast", 4) == busbw_factor("reduce", 4) == 1.0
+    assert parse_sizes("4:64M:4")[0] == 4 and parse_sizes("4:64M:4")[-1] == 64 << 20 and len(parse_sizes("4:64M:4")) == 13
+    assert parse_sizes("4,4K,1M") == [4, 4096, 1 << 20]
