@@ -5,10 +5,25 @@ process groups and the launcher. It knows bytes, never arrays.
     rt = await runtime.init()          # reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...
     world = rt.world                   # ProcessGroup: .rank, .size, .new_group(ranks)
     await runtime.shutdown()
+
+    runtime.run(main())                # asyncio.run with uvloop when it is installed
 """
 
 from runtime.errors import *  # noqa: F401,F403 - the typed errors are part of the API
 from runtime.group import Call, ProcessGroup, Runtime
 from runtime.init import current, init, read_env, shutdown, world
 
-__all__ = ["init", "shutdown", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]
+
+
+def run(main, *, debug: bool | None = None):
+    """Runs coroutine ``main`` to completion on a new event loop: uvloop's when
+    installed (faster sockets), asyncio's otherwise. Returns its result."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a Linux dependency
+        import asyncio
+        return asyncio.run(main, debug=debug)
+    return uvloop.run(main, debug=debug)
+
+
+__all__ = ["run", "init", "shutdown", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]

@@ -97,7 +97,7 @@ def parse_header(buf, schema: Schema, where: str = "") -> dict:
             a missing required field, an unknown field, or a field of the wrong type.
     """
     try:
-        header = msgpack.unpackb(bytes(buf), raw=False, use_list=False, strict_map_key=True)
+        header = msgpack.unpackb(buf, raw=False, use_list=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadFrameError(f"bad frame{where}: header is not msgpack ({type(exc).__name__}: {exc})") from None
     if type(header) is not dict:
