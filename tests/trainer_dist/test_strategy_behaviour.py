@@ -1,0 +1,212 @@
+"""How the strategies behave beyond their numbers: communication launched during the
+backward (overlap) and prefetched gathers, replica checksums that name the rank that
+drifted, evaluation, and failures that surface instead of hanging."""
+
+import numpy as np
+import pytest
+
+from dist_helpers import X, Y, make_config, reference_run, step_batches, tiny_model
+from runtime.errors import CollectiveError
+from runtime.testing import run_ranks
+from trainer.nn import EVAL
+from trainer.nn.loss import cross_entropy_forward
+from trainer.sharding import ReplicaMismatchError, make_strategy
+
+
+def record_events(strategy, log: list) -> None:
+    """Logs unit forward/backward calls and collective launches, in program order."""
+    launch = strategy.comm.launch
+
+    def logged_launch(coro):
+        log.append(("launch", coro.__qualname__.rsplit(".", 1)[-1]))
+        return launch(coro)
+
+    strategy.comm.launch = logged_launch
+    for unit in strategy.model.units:
+        for kind in ("forward", "backward"):
+            method = getattr(unit, kind)
+
+            def logged(*args, method=method, kind=kind, i=unit.index):
+                log.append((kind, i))
+                return method(*args)
+
+            setattr(unit, kind, logged)
+
+
+@pytest.mark.timeout(30)
+async def test_ddp_launches_each_bucket_during_backward():
+    log_by_rank = {}
+
+    async def body(group):
+        strategy = make_strategy("ddp", tiny_model(group.size), make_config(bucket_cap_mb=1e-4), group)
+        try:
+            await strategy.setup()
+            log_by_rank[group.rank] = log = []
+            record_events(strategy, log)
+            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
+        finally:
+            strategy.close()
+
+    await run_ranks(2, body)
+    log = log_by_rank[0]
+    backward = [e for e in log if e[0] in ("backward", "launch")]
+    # the bucket of unit 2 is reduced while units 1 and 0 compute their backward, and so on
+    assert backward == [("backward", 2), ("launch", "all_reduce"), ("backward", 1), ("launch", "all_reduce"),
+                        ("backward", 0), ("launch", "all_reduce")]
+
+
+@pytest.mark.timeout(30)
+async def test_ddp_accumulation_communicates_only_at_the_boundary():
+    log_by_rank = {}
+
+    async def body(group):
+        strategy = make_strategy("ddp", tiny_model(group.size), make_config(grad_accum=2), group)
+        try:
+            await strategy.setup()
+            log_by_rank[group.rank] = log = []
+            record_events(strategy, log)
+            await strategy.train_step(step_batches(group.size, group.rank, 2)[0])
+        finally:
+            strategy.close()
+
+    await run_ranks(2, body)
+    log = log_by_rank[1]
+    launches = [k for k, e in enumerate(log) if e[0] == "launch"]
+    second_forward = [k for k, e in enumerate(log) if e == ("forward", 0)][1]
+    assert len(launches) == 1 and launches[0] > second_forward  # one bucket, after the last micro-batch
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("reshard", [True, False])
+async def test_fsdp_prefetches_the_next_unit_and_regathers_for_backward(reshard):
+    log_by_rank = {}
+
+    async def body(group):
+        strategy = make_strategy("fsdp", tiny_model(group.size), make_config(reshard_after_forward=reshard), group)
+        try:
+            await strategy.setup()
+            log_by_rank[group.rank] = log = []
+            record_events(strategy, log)
+            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
+        finally:
+            strategy.close()
+
+    await run_ranks(2, body)
+    G, R = ("launch", "all_gather"), ("launch", "_reduce_and_free")
+    forward = [G, G, ("forward", 0), G, ("forward", 1), ("forward", 2)]  # unit i+1 travels while i computes
+    if reshard:  # units 0 and 1 were freed after their forward; the last unit was kept
+        backward = [G, ("backward", 2), R, G, ("backward", 1), R, ("backward", 0), R]
+    else:
+        backward = [("backward", 2), R, ("backward", 1), R, ("backward", 0), R]
+    assert log_by_rank[0] == forward + backward
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
+async def test_replica_check_names_the_rank_that_drifted(name):
+    async def body(group):
+        strategy = make_strategy(name, tiny_model(group.size), make_config(), group)
+        try:
+            await strategy.setup()
+            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
+            await strategy.check_replicas()  # identical so far
+            if group.rank == 2:  # a bit flip in a replicated parameter
+                strategy._compute_params()[1][3] += 1e-9
+            with pytest.raises(ReplicaMismatchError) as info:
+                await strategy.check_replicas()
+            return info.value.ranks, str(info.value)
+        finally:
+            strategy.close()
+
+    for ranks, message in await run_ranks(4, body):
+        assert ranks == [2]
+        assert "rank(s) [2] differ from rank(s) [0, 1, 3]" in message
+
+
+@pytest.mark.timeout(30)
+async def test_ddp_checks_replicas_every_n_steps():
+    """zero1/zero2 re-gather every parameter after each step, which heals a drifted replica;
+    ddp never does, so its check_every catches the drift at the next checked step."""
+
+    async def body(group):
+        strategy = make_strategy("ddp", tiny_model(group.size), make_config(check_every=2), group)
+        try:
+            await strategy.setup()  # checks once: identical at the start
+            batches = step_batches(group.size, group.rank, 1)
+            await strategy.train_step(batches[0])
+            if group.rank == 1:
+                strategy.states[0].buffers["exp_avg"][5] *= 2  # optimizer state is replicated too
+            with pytest.raises(ReplicaMismatchError) as info:
+                await strategy.train_step(batches[1])  # step 2: checked
+            return info.value.ranks
+        finally:
+            strategy.close()
+
+    assert await run_ranks(3, body) == [[1]] * 3
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3"])
+async def test_evaluate_equals_the_single_process_forward(name):
+    config = make_config()
+    want_params, _ = reference_run(config, steps=2)
+    model = tiny_model()
+    logits = model.forward([np.pad(p, (0, u.padded_numel - p.size)) for p, u in zip(want_params, model.units)], X,
+                           EVAL)
+    want_loss, _ = cross_entropy_forward(logits, Y, 1.0)
+    want_correct = int((logits.argmax(axis=1) == Y).sum())
+
+    async def body(group):
+        strategy = make_strategy(name, tiny_model(group.size), config, group)
+        try:
+            await strategy.setup()
+            for mbs in step_batches(group.size, group.rank, 1)[:2]:
+                await strategy.train_step(mbs)
+            rows = np.array_split(np.arange(len(X)), group.size + 1)[group.rank]  # the last part: nobody's
+            return await strategy.evaluate(X[rows], Y[rows]), await strategy.evaluate(X[:0], Y[:0])
+        finally:
+            strategy.close()
+
+    results = await run_ranks(3, body)
+    rows = np.array_split(np.arange(len(X)), 4)
+    left = rows[-1]  # evaluate the last part in the reference too, to compare sums
+    left_loss, _ = cross_entropy_forward(logits[left], Y[left], 1.0)
+    left_correct = int((logits[left].argmax(axis=1) == Y[left]).sum())
+    np.testing.assert_allclose(sum(r[0][0] for r in results), want_loss - left_loss, rtol=1e-12)
+    assert sum(r[0][1] for r in results) == want_correct - left_correct
+    assert all(r[1] == (0.0, 0.0) for r in results)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+async def test_a_rank_that_never_arrives_fails_the_step_instead_of_hanging(name):
+    async def body(group):
+        strategy = make_strategy(name, tiny_model(group.size), make_config(), group)
+        try:
+            await strategy.setup()
+            if group.rank == 1:
+                raise RuntimeError("rank 1 stops before the step")
+            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
+        finally:
+            strategy.close()
+
+    rank0, rank1 = await run_ranks(2, body, return_exceptions=True, timeout_s=1.0)
+    assert isinstance(rank1, RuntimeError)
+    assert isinstance(rank0, CollectiveError), repr(rank0)  # a timeout naming rank 1, within ~1 s
+
+
+def test_bad_arguments_are_refused():
+    class FakeGroup:
+        rank, size = 0, 3
+
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
+        make_strategy("zero4", tiny_model(3), make_config(), FakeGroup())
+    class FiveRanks:
+        rank, size = 0, 5
+
+    with pytest.raises(ValueError, match="not divisible by world_size=5; build the model with pad_to=5"):
+        make_strategy("zero3", tiny_model(1), make_config(), FiveRanks())
+    with pytest.raises(ValueError, match="grad_accum"):
+        make_strategy("ddp", tiny_model(3), make_config(grad_accum=0), FakeGroup())
+    with pytest.raises(ValueError, match="optimizer"):
+        make_strategy("ddp", tiny_model(3), make_config(optimizer="lamb"), FakeGroup())
