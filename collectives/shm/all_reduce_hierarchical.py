@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import chunk_bounds
-from collectives.shm import common
+from collectives.shm import common, kernels
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -66,8 +66,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         mine = chunk(x, p)
 
         def reduce_and_publish():
-            common.reduce_many(mine, [chunk(slots[q], p) for q in others], op)
-            np.copyto(chunk(slots[p], p), mine)
+            kernels.reduce_publish(mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
 
         await common.off_loop(mine.nbytes * k, reduce_and_publish)
         dom.post(comm, 2)

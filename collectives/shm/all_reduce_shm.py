@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import chunk_bounds
-from collectives.shm import common
+from collectives.shm import common, kernels
 from runtime import shm
 
 
@@ -84,8 +84,7 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     mine = chunk(x, r)
 
     def reduce_and_publish():
-        common.reduce_many(mine, [chunk(slots[p], r) for p in others], op)
-        np.copyto(chunk(slots[r], r), mine)
+        kernels.reduce_publish(mine, [chunk(slots[p], r) for p in others], chunk(slots[r], r), op)
 
     await common.off_loop(mine.nbytes * n, reduce_and_publish)
     dom.post(comm, 2)

@@ -20,8 +20,9 @@ log = logging.getLogger("ringweave.collectives.shm")
 
 # Copies and reductions of at least this many bytes run on a worker thread (the kernels and
 # NumPy copies release the GIL), so the event loop keeps serving other tasks; smaller ones run
-# inline, where a thread hand-off (~50-100 us here) would cost more than the work.
-OFFLOAD_MIN_NBYTES = 1 << 20
+# inline, where a thread hand-off (~50-100 us idle, milliseconds when the machine is loaded)
+# would cost more than the work.
+OFFLOAD_MIN_NBYTES = 4 << 20
 
 
 def node_ids(group) -> list[str]:

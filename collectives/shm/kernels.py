@@ -1,0 +1,103 @@
+"""The shared-memory all_reduce's reduction, fused: ``dst = dst <op> srcs[0] <op> srcs[1] ...``
+and ``pub = dst``, in one pass over memory.
+
+The pairwise way (``reduce_into(dst, s)`` once per source, then a copy) reads and writes ``dst``
+once per source; this reads every source once and writes ``dst`` and ``pub`` once: with 4 ranks,
+96 instead of 176 bytes of memory traffic per 16 bytes reduced (up to three sources per pass;
+more take several passes). Measured on this box (16 MiB chunks, 3 sources, medians of 9, machine
+shared with other jobs, so noisy): fused 3-8 ms, pairwise ``reduce_into`` + copy 20-23 ms; a
+variant over a tuple of sources in L1-sized blocks took 14-17 ms (the tuple loop did not
+vectorise), one iterating the tuple per element 62 ms.
+
+Same answers as ``collectives.kernels.reduce_into`` applied source by source, bit for bit:
+the sources are folded in the same order; float32/float64 stay in their dtype at every step;
+integers wrap (Numba computes in int64 and truncates on store, and truncation commutes with
++ and *); min/max follow the reference's NaN rule (a NaN on either side wins, the left one
+first). float16 and bfloat16 (rounded back to 16 bits after every step) go the pairwise way.
+
+Reference: :func:`reduce_publish_reference`; the tests compare the two for every op and dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from collectives.kernels import reduce_into
+
+FUSED_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
+
+_JIT = dict(nogil=True, cache=True)
+
+
+@njit(inline="always", cache=True)
+def _min(a, b):
+    return a if (a != a or a < b) else b  # as collectives/kernels/cpu.py: NaN in a wins, then b
+
+
+@njit(inline="always", cache=True)
+def _max(a, b):
+    return a if (a != a or a > b) else b
+
+
+@njit(inline="always", cache=True)
+def _add(a, b):
+    return a + b
+
+
+@njit(inline="always", cache=True)
+def _mul(a, b):
+    return a * b
+
+
+# One pass over up to three sources; longer folds take several passes (in order), the last
+# one writing ``pub`` (earlier ones pass ``pub = dst``). ``op`` is one of the scalar functions
+# above: Numba compiles one specialisation per op, with the op inlined, so the loops vectorise.
+@njit(**_JIT)
+def _fold1(op, dst, a, pub):
+    for i in range(dst.size):
+        v = op(dst[i], a[i])
+        dst[i] = v
+        pub[i] = v
+
+
+@njit(**_JIT)
+def _fold2(op, dst, a, b, pub):
+    for i in range(dst.size):
+        v = op(op(dst[i], a[i]), b[i])
+        dst[i] = v
+        pub[i] = v
+
+
+@njit(**_JIT)
+def _fold3(op, dst, a, b, c, pub):
+    for i in range(dst.size):
+        v = op(op(op(dst[i], a[i]), b[i]), c[i])
+        dst[i] = v
+        pub[i] = v
+
+
+_OPS = {"sum": _add, "prod": _mul, "min": _min, "max": _max}
+_FOLDS = (None, _fold1, _fold2, _fold3)
+
+
+def reduce_publish(dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray, op: str) -> None:
+    """``dst = dst <op> srcs[0] <op> ...`` in that order, then ``pub[...] = dst`` (1-D, same
+    dtype and length, C-contiguous; ``op`` a kernel op: sum, prod, min, max)."""
+    if not dst.size:
+        return
+    if dst.dtype in FUSED_DTYPES and srcs:
+        fn = _OPS[op]
+        for start in range(0, len(srcs), 3):
+            group = srcs[start:start + 3]
+            last = start + 3 >= len(srcs)
+            _FOLDS[len(group)](fn, dst, *group, pub if last else dst)
+    else:
+        reduce_publish_reference(dst, srcs, pub, op)
+
+
+def reduce_publish_reference(dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray, op: str) -> None:
+    """The definition: one ``reduce_into`` per source, then a copy."""
+    for s in srcs:
+        reduce_into(dst, s, op)
+    np.copyto(pub, dst)
