@@ -70,7 +70,8 @@ def step_batches(world: int, rank: int, accum: int) -> list[list[tuple]]:
     return [[(X[b.indices], Y[b.indices], b.offset, b.global_size) for b in mbs] for mbs in steps]
 
 
-async def train_under(name: str, world: int, config: TrainConfig, steps: int = STEPS, *, setup_hook=None):
+async def train_under(name: str, world: int, config: TrainConfig, steps: int = STEPS, *, setup_hook=None,
+                      transport: str = "memory"):
     """Runs ``steps`` steps of ``name`` on ``world`` ranks; per rank: (full params, results, strategy)."""
 
     async def body(group):
@@ -86,7 +87,7 @@ async def train_under(name: str, world: int, config: TrainConfig, steps: int = S
         finally:
             strategy.close()
 
-    return await run_ranks(world, body)
+    return await run_ranks(world, body, transport=transport)
 
 
 def assert_params_close(got: list[np.ndarray], want: list[np.ndarray], rtol: float = 1e-12) -> None:

@@ -73,3 +73,13 @@ async def test_ddp_small_buckets_equal_single_process():
     assert len(per_rank[0][2].buckets) == 3
     for params, _, _ in per_rank:
         assert_params_close(params, want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+async def test_equivalence_over_tcp(name):
+    """The same numbers over real loopback sockets (the transport real jobs use)."""
+    config = make_config(grad_accum=2, clip_norm=0.05)
+    want, _ = reference("accum2-clip")
+    for params, _, _ in await train_under(name, 3, config, transport="tcp"):
+        assert_params_close(params, want)

@@ -9,7 +9,6 @@ checked exactly from memory_bytes() on the default digits model, plus the
 gathered units in flight under zero3 (the unit computing and the one prefetched).
 """
 
-import numpy as np
 import pytest
 
 from runtime.testing import run_ranks
