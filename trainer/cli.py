@@ -25,7 +25,6 @@ What it is not: no config files (flags only), no model zoo (the MLP builder).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -240,8 +239,6 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        import uvloop  # the transport is faster on it; optional
-    except ImportError:  # pragma: no cover
-        return asyncio.run(run(args))
-    return uvloop.run(run(args)) if hasattr(uvloop, "run") else asyncio.run(run(args))
+    import runtime
+
+    return runtime.run(run(args))  # uvloop's event loop when installed

@@ -66,11 +66,11 @@ def make_body(name, split, dtype, *, stop_at=None, resume=False, ckpt=None, ever
 
 async def test_resume_mid_epoch_equals_uninterrupted(ranks, tmp_path):
     split = data(np.float32)
-    (full, full_losses, full_params), _ = await ranks(2, make_body("zero2", split, np.float32))
+    (full, full_losses, full_params), _ = await ranks(2, make_body("zero3", split, np.float32))
     assert len(full_losses) == EPOCHS * 7
 
     ckpt = str(tmp_path / "ckpt")
-    (cut, cut_losses, _), _ = await ranks(2, make_body("zero2", split, np.float32, stop_at=10, ckpt=ckpt, every=4))
+    (cut, cut_losses, _), _ = await ranks(2, make_body("zero3", split, np.float32, stop_at=10, ckpt=ckpt, every=4))
     assert cut.stopped_early and sorted(cut_losses) == list(range(1, 11))
     steps = [int(p.name.split("-")[1]) for p in checkpoint.list_checkpoints(ckpt)]
     assert steps == [4, 7, 8, 10]  # every 4 steps, the end of epoch 0, the stop
@@ -81,7 +81,7 @@ async def test_resume_mid_epoch_equals_uninterrupted(ranks, tmp_path):
     for source, first in [(ckpt, 11), (str(backup), 9)]:
         if first == 9:  # as if the run had died after step 10's work but before its checkpoint
             shutil.rmtree(checkpoint.latest(source))
-        (res, res_losses, res_params), _ = await ranks(2, make_body("zero2", split, np.float32, resume=True,
+        (res, res_losses, res_params), _ = await ranks(2, make_body("zero3", split, np.float32, resume=True,
                                                                    ckpt=source))
         assert res.resumed_from == ((1, 3) if first == 11 else (1, 1))
         assert sorted(res_losses) == list(range(first, EPOCHS * 7 + 1))

@@ -37,20 +37,21 @@ def run(cmd, tmp_path, timeout=80):
 def test_main_job_two_ranks(tmp_path, strategy):
     out = tmp_path / "history.json"
     proc = run([sys.executable, "-m", "runtime.launch", "-n", "2", "--max-time-s", "75", "-m", "trainer",
-                "--strategy", strategy, "--epochs", "2", "--json", str(out)], tmp_path)
+                "--strategy", strategy, "--epochs", "1", "--json", str(out)], tmp_path)
     history = json.loads(out.read_text())["history"]
-    assert history["world_size"] == 2 and history["strategy"] == strategy and len(history["epochs"]) == 2
-    assert history["epochs"][-1]["val_acc"] >= 0.9  # 2 epochs; the full 5 reach >= 0.95 (see report)
+    assert history["world_size"] == 2 and history["strategy"] == strategy and len(history["epochs"]) == 1
+    assert history["epochs"][-1]["val_acc"] >= 0.9  # one epoch (~0.96); the default 5 reach ~0.99
     assert history["comm_bytes"] > 0 and len(history["ranks"]) == 2
     assert all(r["params_bytes"] > 0 for r in history["ranks"])
     # summary and progress from rank 0 only
     assert "[rank 0] validation accuracy" in proc.stdout and "[rank 1]" not in proc.stdout
-    assert "[rank 0] epoch 2/2:" in proc.stderr and "[rank 1] epoch" not in proc.stderr
+    assert "[rank 0] epoch 1/1:" in proc.stderr and "[rank 1] epoch" not in proc.stderr
 
 
 @needs_strategies
 def test_single_process(tmp_path):
-    proc = run([sys.executable, "-m", "trainer", "--epochs", "1", "--quiet", "--no-eval-train"], tmp_path)
+    proc = run([sys.executable, "-m", "trainer", "--epochs", "1", "--quiet", "--no-eval-train",
+                "--blas-threads", "1"], tmp_path)
     assert "validation accuracy" in proc.stdout and "on 1 rank(s)" in proc.stdout
 
 
