@@ -46,6 +46,7 @@ OUT = sys.argv[1]
 with open(os.path.join(OUT, f"pid.{RANK}"), "w") as _f:
     _f.write(str(os.getpid()))
 SIGTERM_AT = []
+REPORTED = []
 signal.signal(signal.SIGTERM, lambda s, f: SIGTERM_AT.append(time.monotonic()))  # report first (harness.py)
 
 
@@ -69,6 +70,7 @@ def report(exc):
     dt = since_fault()
     msg = " | ".join(str(exc).splitlines())
     term = f" (SIGTERM from the launcher came first)" if SIGTERM_AT else ""
+    REPORTED.append(exc)
     print(f"rank {RANK}: {type(exc).__name__} after {dt} s: {msg}{term}", flush=True)
 
 
@@ -99,7 +101,12 @@ def run(body, reporters=None):
         except RingweaveError as exc:
             report(exc)
             linger(WORLD - 1 if reporters is None else reporters)
-            os._exit(1)  # no shutdown rendezvous: the job is broken, leave now
+            # Leave as a program whose exception escaped does (no shutdown rendezvous: the
+            # job is broken). Not os._exit: a survivor that skipped the interpreter's
+            # teardown (numba's alone takes ~0.4 s) would exit before the rank that raised
+            # in user code, and the launcher, which names the first rank to exit non-zero,
+            # would name the survivor.
+            raise SystemExit(1)
         await runtime.shutdown(rt)
     asyncio.run(main())
 '''
@@ -122,7 +129,8 @@ class JobResult:
     stderr: str
     wall_s: float
     pids: dict[int, int]
-    reports: dict[int, Report] = field(default_factory=dict)
+    reports: dict[int, Report] = field(default_factory=dict)  # rank -> its last report
+    all_reports: list[Report] = field(default_factory=list)  # in the order printed
 
     def show(self, title: str) -> None:
         """Prints the per-rank figures (pytest -s shows them)."""
@@ -167,6 +175,7 @@ def launch(tmp_path: Path, body: str, *, n: int = 4, launcher_args: tuple = ("--
         rank = int(m.group(2))
         after = float(m.group(4)) if m.group(4) != "?" else float("nan")
         result.reports[rank] = Report(rank, m.group(3), after, m.group(5))
+        result.all_reports.append(result.reports[rank])
     return result
 
 
