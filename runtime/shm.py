@@ -353,6 +353,7 @@ class Domain:
         """Makes every member's data slot hold at least ``nbytes``; every member calls this with the
         same ``nbytes`` in the same call. Growing waits (bounded) for the peers to finish reading
         the old slot, then re-creates it and exchanges TCP messages; otherwise returns at once."""
+        nbytes = max(1, nbytes)  # a zero-length call still gets (empty views of) a slot
         if nbytes <= (1 << self.data_log2 if self.data_log2 else 0):
             return
         log2 = max(MIN_DATA_LOG2, (nbytes - 1).bit_length())
