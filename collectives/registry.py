@@ -76,6 +76,21 @@ TABLES: dict[str, list[Rule]] = {
 }
 
 
+# -- shared memory (collectives/shm; added by the shared-memory engineer) ---------------------
+# "shm" heads the tables of the collectives it serves, whenever RINGWEAVE_SHM is not "0" and
+# /dev/shm is writable (the same on every rank of a node). The table cannot see the group, so
+# the shm algorithms check the rest themselves (every rank the same way): a group spanning
+# nodes runs all_reduce "hierarchical" (shm inside nodes, TCP among one leader per node) and the
+# others the first non-shm rule below. Figures: collectives/shm/__init__.py.
+from collectives import shm as _shm  # noqa: E402  (after the tables it extends)
+from runtime.shm import shm_usable as _shm_usable  # noqa: E402
+
+for _collective, _algorithms in _shm.ALGORITHMS.items():
+    ALGORITHMS[_collective].update(_algorithms)
+    TABLES[_collective].insert(0, Rule("shm", lambda nbytes, world: _shm_usable(),
+                                       "ranks on one machine: one copy in, one copy out through /dev/shm"))
+
+
 def env_var(collective: str) -> str:
     return f"RINGWEAVE_ALGO_{collective.upper()}"
 
