@@ -58,16 +58,14 @@ import numpy as np
 
 from collectives import ops, registry
 from runtime.errors import CollectiveTimeoutError
+from runtime.init import current as current_runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
            "all_to_all", "barrier", "send", "recv"]
 
 
 def _group(group):
-    if group is not None:
-        return group
-    import runtime
-    return runtime.current().world
+    return group if group is not None else current_runtime().world
 
 
 class _Comm:

@@ -89,8 +89,18 @@ def fingerprint(collective: str, *, op: str | None = None, dtype=None, count: in
     whose override (``algorithm=`` or environment) differs then gets a
     :class:`CollectiveMismatchError` naming both choices instead of a hang.
     """
-    return (f"{collective} op={op or '-'} dtype={dtype if dtype is not None else '-'} count={count} "
+    key = (collective, op, dtype, count, root, algo)
+    fp = _FINGERPRINTS.get(key)
+    if fp is None:  # formatting a dtype costs ~15 us; calls repeat, so remember them
+        if len(_FINGERPRINTS) > 4096:
+            _FINGERPRINTS.clear()
+        fp = _FINGERPRINTS[key] = (
+            f"{collective} op={op or '-'} dtype={dtype if dtype is not None else '-'} count={count} "
             f"root={'-' if root is None else root} algo={algo}")
+    return fp
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
 
 
 def flat(x: np.ndarray) -> np.ndarray:
@@ -117,9 +127,25 @@ def chunk_bounds(count: int, parts: int) -> list[int]:
     return bounds
 
 
+# Small sum/prod of native dtypes go straight to the NumPy ufunc: the kernels'
+# reference defines them as exactly that (one IEEE or wrapping operation per
+# element in the array's own dtype), and the dispatcher's checks cost ~10-20 us,
+# as much as the message itself for tiny all_reduces. Everything else (min/max
+# with their NaN rules, float16/bfloat16 through float32, large arrays) goes
+# through collectives.kernels.
+_UFUNC_MAX_NBYTES = 64 * 1024
+_UFUNCS = {"sum": np.add, "prod": np.multiply}
+_NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
+
+
 def reduce_now(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     """``dst = dst <op> src`` on the calling thread (op: a kernel op)."""
-    if dst.size:
+    if not dst.size:
+        return
+    if dst.nbytes <= _UFUNC_MAX_NBYTES and op in _UFUNCS and dst.dtype in _NATIVE:
+        with np.errstate(all="ignore"):  # overflow to inf and integer wrap are defined behaviour
+            _UFUNCS[op](dst, src, out=dst)
+    else:
         reduce_into(dst, src, op)
 
 
@@ -127,8 +153,8 @@ async def reduce_async(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     """``dst = dst <op> src``; on a worker thread when large (the kernel releases the GIL)."""
     if dst.nbytes >= OFFLOAD_MIN_NBYTES:
         await asyncio.to_thread(reduce_into, dst, src, op)
-    elif dst.size:
-        reduce_into(dst, src, op)
+    else:
+        reduce_now(dst, src, op)
 
 
 def finish_avg(x: np.ndarray, op: str, size: int) -> None:
