@@ -116,23 +116,37 @@ def job_prefix(job: str) -> str:
     return PREFIX + re.sub(r"[^A-Za-z0-9._]", "_", job)[:80] + "-"
 
 
-def job_segments(job: str, directory: str = SHM_DIR) -> list[str]:
-    """Paths of the segments of ``job`` that still have a name."""
+_OWNER = re.compile(r"-r(\d+)-[^-]+$")  # ...-r<global rank>-ctl | -v<k>
+
+
+def job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[str]:
+    """Paths of the segments of ``job`` that still have a name; only those owned by the global
+    ``ranks`` when given (a launcher cleans up after its own node's ranks only)."""
     prefix = job_prefix(job)
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    return sorted(os.path.join(directory, n) for n in names if n.startswith(prefix))
+    keep = None if ranks is None else {int(r) for r in ranks}
+    out = []
+    for n in names:
+        if not n.startswith(prefix):
+            continue
+        if keep is not None:
+            m = _OWNER.search(n)
+            if m is None or int(m.group(1)) not in keep:
+                continue
+        out.append(os.path.join(directory, n))
+    return sorted(out)
 
 
-def remove_job_segments(job: str, directory: str = SHM_DIR) -> list[str]:
-    """Unlinks every segment of ``job`` (the launcher calls this after each attempt); returns them.
-
-    Processes that still map a segment keep their memory; only the name goes.
+def remove_job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[str]:
+    """Unlinks the segments of ``job`` (of its global ``ranks`` only, when given); returns them.
+    The launcher calls this after each attempt. Processes that still map a segment keep their
+    memory; only the name goes.
     """
     removed = []
-    for path in job_segments(job, directory):
+    for path in job_segments(job, ranks, directory):
         try:
             os.unlink(path)
             removed.append(path)
