@@ -568,10 +568,20 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
         await procs.drain(ranks, timeout_s=1.0)
         for r in ranks:
             r.close()
+        remove_shm_segments(envs)  # shared-memory clean-up (runtime/shm.py)
     if outcome.ending is Ending.FAILED:
         failed = next(r for r in ranks if r.rank == outcome.failure.rank)
         outcome.tail = list(failed.protocol.tail)
     return outcome
+
+
+def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
+    """Shared-memory clean-up at the end of an attempt (runtime/shm.py): unlinks the /dev/shm
+    segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
+    as every peer has mapped them; this removes what a rank killed inside that window left."""
+    from runtime import shm
+    job = envs[0].get("RINGWEAVE_JOB") if envs else None
+    return shm.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
