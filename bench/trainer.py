@@ -34,6 +34,10 @@ Goals from the issue, printed as ratios, never asserted: at 2 ranks >= 1.7x
 the samples/s of 1 rank; exposed < 30% of comm for ddp and fsdp; at 4 ranks
 >= 0.9x torch DDP's samples/s.
 
+Noise: other processes on a 2-core machine only ever slow a run down, so
+`--repeat N` runs each configuration N times and reports the fastest (all
+N figures go to JSON); every row shows the 1-minute load average before it.
+
 Output: the table on stdout, JSON in bench/out/trainer.json (or --out).
 """
 
@@ -320,9 +324,17 @@ def driver_main(args) -> int:
     results = []
     for n in ranks:
         for s in strategies:
-            r = run_config(args, s, n)
+            runs = []
+            for _ in range(args.repeat):  # best of N: other processes on the machine only ever slow a run down
+                load = os.getloadavg()[0]
+                r = run_config(args, s, n)
+                r["loadavg_before"] = load
+                runs.append(r)
+            ok = [r for r in runs if "error" not in r]
+            r = max(ok, key=lambda r: r["samples_per_s"]) if ok else runs[0]
+            r["repeats"] = [x.get("samples_per_s") for x in runs]
             results.append(r)
-            print(format_row(r), flush=True)
+            print(format_row(r) + f"  (load {r['loadavg_before']:.1f})", flush=True)
             if "error" in r and args.verbose:
                 print(r["log"], file=sys.stderr)
     print()
@@ -351,6 +363,7 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=MODEL["depth"])
     p.add_argument("--classes", type=int, default=MODEL["classes"])
     p.add_argument("--quick", action="store_true", help="a 1M-parameter model and 5 steps (a smoke run)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
     p.add_argument("--out", default=None)
     p.add_argument("--verbose", action="store_true")
