@@ -102,9 +102,11 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
     had not delivered what this rank was waiting for.
 
     Attributes:
-        missing: group ranks this rank was still waiting on.
+        missing: ranks this rank was still waiting on (its algorithm's neighbours).
+        absent: ranks that had not reached the call when it timed out (asked then).
     """
 
-    def __init__(self, message: str, missing: list[int] | None = None):
+    def __init__(self, message: str, missing: list[int] | None = None, absent: list[int] | None = None):
         super().__init__(message)
         self.missing = list(missing or [])
+        self.absent = list(absent or [])

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from runtime.actor import Actor
 from runtime.trace import Tracer
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
-                            CollectiveTimeoutError, PeerLostError)
+                            CollectiveTimeoutError, PeerLostError, RingweaveError)
 
 log = logging.getLogger("ringweave.group")
 
@@ -186,9 +186,13 @@ class ProcessGroup:
         except TimeoutError:
             missing = call.cancel_outstanding()
             names = [self.ranks[m] for m in missing]
+            absent, why = await self._not_arrived(call)
+            not_arrived = (f"; rank(s) {absent} had not reached this call "
+                           f"({', '.join(f'{r}: {why[r]}' for r in absent)})" if absent else "")
             exc = CollectiveTimeoutError(
                 f"rank {self.runtime.actor.rank}: {call.fingerprint!r} (group {self.gid}, call #{call.seq}) "
-                f"timed out after {call.timeout_s:.1f} s waiting on rank(s) {names}", missing=names)
+                f"timed out after {call.timeout_s:.1f} s waiting on rank(s) {names}{not_arrived}",
+                missing=names, absent=absent)
             self.abort(exc, tell_peers=False)
             raise exc from None
         except BaseException as exc:
@@ -206,6 +210,40 @@ class ProcessGroup:
                                 {"op": call.fingerprint, "seq": call.seq, "group": self.gid,
                                  "bytes_sent": call.bytes_sent, "algorithm": getattr(call, "algorithm", None),
                                  "outcome": outcome})
+
+    async def _not_arrived(self, call: Call) -> tuple[list[int], dict[int, str]]:
+        """Asks every other member, when ``call`` timed out, whether it reached it.
+
+        The ranks a call waits on are its algorithm's neighbours (in a ring, the
+        one to the left), and a shared-memory call waits on nobody in particular,
+        so they need not be the rank that never came. A member that answers
+        ``ringweave.status`` with a lower sequence number for this group, or does
+        not answer within the budget (stopped, stuck without the GIL), had not
+        arrived; one that is gone is left to PeerLostError. Bounded by
+        ``min(1 s, timeout / 4)``.
+
+        Returns:
+            (global ranks that had not arrived, rank -> why), e.g. ``([2], {2: "not answering"})``.
+        """
+        actor = self.runtime.actor
+        budget_s = min(1.0, call.timeout_s / 4)
+
+        async def ask(peer: int) -> tuple[int, str | None]:
+            try:
+                st = await actor.call(peer, "ringweave.status", timeout_s=budget_s)
+            except TimeoutError:
+                return peer, f"not answering in {budget_s:.2g} s"
+            except (RingweaveError, OSError):
+                return peer, None  # gone or refused: not a matter of arriving
+            seq = dict(st.get("seqs", ())).get(self.gid) if isinstance(st, dict) else None
+            if isinstance(seq, int) and seq < call.seq:
+                return peer, f"at call #{seq}"
+            return peer, None
+
+        peers = [r for r in self.ranks if r != actor.rank]
+        answers = await asyncio.gather(*(ask(r) for r in peers))
+        why = {r: w for r, w in answers if w is not None}
+        return sorted(why), why
 
     def _check_leftovers(self, call: Call) -> None:
         """A call that finished with frames of its own still unclaimed disagreed with
@@ -332,6 +370,7 @@ class Runtime:
                               "waited_s": round(now - rec.started, 3),
                               "waiting_on": sorted(g.ranks[r] for r in rec.waiting_on)})
         return {"rank": self.rank, "calls": calls,
+                "seqs": [[g.gid, g._seq] for g in self.groups.values()],  # calls taken per group
                 "lost": sorted(self.actor.lost_peers()),
                 "failed_groups": {g.gid: repr(g.error) for g in self.groups.values() if g.error}}
 
