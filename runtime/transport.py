@@ -44,6 +44,7 @@ STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
 READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
+_CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in pieces of this size
 
 
 
@@ -225,6 +226,7 @@ class TCPConnection(Connection):
         self.sink = sink
         self._proto = _FrameProtocol(self, schema, max_payload_nbytes)
         self._closed = False
+        self._chunking: asyncio.Lock | None = None  # held while a large frame goes out in pieces
         self.frames_sent = self.bytes_sent = 0
         self.frames_received = self.bytes_received = 0
 
@@ -245,13 +247,28 @@ class TCPConnection(Connection):
         nbytes = 0 if payload is None else memoryview(payload).nbytes
         head = wire.encode_head(header, nbytes)
         transport = proto.transport
+        if self._chunking is not None:  # a large frame is going out in pieces: never interleave
+            async with self._chunking:
+                pass
         if nbytes <= _COALESCE_NBYTES:  # one system call: a small copy beats a second syscall
             transport.write(head + payload if nbytes else head)
         elif proto.uvloop:  # uvloop's writelines hands both buffers to one writev
             transport.writelines((head, payload))
-        else:  # asyncio < 3.12 joins writelines() into one new bytes: write twice instead
+        elif nbytes <= _CHUNK_NBYTES:  # asyncio < 3.12 joins writelines() into new bytes: write twice
             transport.write(head)
             transport.write(payload)
+        else:
+            # asyncio copies whatever the socket does not take at once into its own buffer;
+            # write at most a socket buffer's worth at a time and wait for it to drain, so a
+            # 64 MiB array is not copied in user space first.
+            self._chunking = lock = asyncio.Lock()
+            async with lock:
+                mv = memoryview(payload).cast("B")
+                transport.write(head)
+                for start in range(0, nbytes, _CHUNK_NBYTES):
+                    transport.write(mv[start:start + _CHUNK_NBYTES])
+                    await proto.wait_drained()
+            self._chunking = None
         self.frames_sent += 1
         self.bytes_sent += len(head) + nbytes
         await proto.wait_drained()
