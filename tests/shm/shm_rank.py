@@ -1,0 +1,93 @@
+"""One rank of the multi-process shared-memory tests (tests/shm/test_shm_processes.py).
+
+    python tests/shm/shm_rank.py MODE      (RANK, WORLD_SIZE, MASTER_* from the launcher or the test)
+
+Modes: ``matrix`` (collectives through the default table, closed forms), ``kill`` (rank 3 is
+killed by the test while the others wait in an shm all_reduce), ``timeout`` (rank 3 never
+calls), ``leftover`` (rank 1 creates a segment and SIGKILLs itself before it could unlink it).
+Lines the test reads: ``READY <rank>``, ``CAUGHT <rank> <exception> <time>``, ``OK <rank>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import collectives as C
+import runtime
+from runtime import shm
+
+
+def say(*words) -> None:
+    print(*words, flush=True)
+
+
+async def matrix(g) -> None:
+    n, r = g.size, g.rank
+    for count in (0, 1, 7, 16_385, 1_000_003):
+        for dtype, op in [(np.float32, "sum"), (np.int64, "max"), (np.float64, "avg"), (np.int8, "prod"),
+                          (np.float16, "min")]:
+            i = np.arange(count)
+            if op in ("sum", "avg"):
+                x, want = (r + 1 + i % 7).astype(dtype), n * (n + 1) / 2 + n * (i % 7)
+                want = want / n if op == "avg" else want
+            elif op == "prod":
+                x, want = np.full(count, 2 if r % 2 else 1, dtype), np.full(count, 2 ** (n // 2))
+            else:
+                x, want = ((r + i) % n + i % 7).astype(dtype), i % 7 + (0 if op == "min" else n - 1)
+            await C.all_reduce(x, op=op, group=g)
+            assert np.array_equal(x, np.asarray(want).astype(dtype)), (count, dtype, op, x[:5])
+        out = np.zeros(n * count, np.int32)
+        await C.all_gather(out, np.full(count, r, np.int32), group=g)
+        assert np.array_equal(out, np.repeat(np.arange(n), count))
+        y = np.full(count, r, np.float32)
+        await C.broadcast(y, src=n - 1, group=g)
+        assert np.all(y == n - 1)
+        o = np.zeros(count, np.int64)
+        await C.reduce_scatter(o, np.arange(n * count, dtype=np.int64), group=g)
+        assert np.array_equal(o, n * np.arange(r * count, (r + 1) * count))
+        await C.barrier(group=g)
+    stats = shm.statistics(g)
+    assert stats and stats["0d0"]["posts"] > 0, stats  # it went through shared memory
+    say("OK", r)
+
+
+async def main() -> None:
+    mode = sys.argv[1]
+    rt = await runtime.init(timeout_s=60)
+    g = rt.world
+    if mode == "matrix":
+        await matrix(g)
+        await runtime.shutdown(rt)
+        return
+    if mode == "leftover":
+        if g.rank == 1:
+            path = os.path.join(shm.SHM_DIR, shm.job_prefix(os.environ["RINGWEAVE_JOB"]) + "x-g0d0-r1-ctl")
+            shm.Segment.create(path, 4096)
+            say("CREATED", path)
+            os.kill(os.getpid(), signal.SIGKILL)
+        await asyncio.sleep(30)  # the launcher stops us when rank 1 dies
+        return
+    x = np.ones(100_000, np.float32)
+    await C.all_reduce(x, group=g)  # the domain is set up: segments mapped, names gone
+    if g.rank == 3:
+        say("READY", g.rank)
+        await asyncio.sleep(4 if mode == "timeout" else 60)
+        os._exit(0)
+    say("ENTER", g.rank)
+    t = time.time()
+    try:
+        await C.all_reduce(x, group=g, timeout=1.0 if mode == "timeout" else 60)
+        say("NOERROR", g.rank)
+    except Exception as exc:  # noqa: BLE001 - the test reads the name
+        say("CAUGHT", g.rank, type(exc).__name__, f"{time.time():.3f}", f"{time.time() - t:.3f}", str(exc)[:200])
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
