@@ -179,6 +179,7 @@ class ProcessGroup:
         start_us = tracer.now_us() if tracer.enabled else 0.0
         outcome = "error"
         try:
+            self._check_early(call)
             async with asyncio.timeout(call.timeout_s):
                 await coro_fn(call, *args)
             self._check_leftovers(call)
@@ -257,10 +258,34 @@ class ProcessGroup:
                 raise exc
 
     def on_stray(self, peer: int, header: dict) -> None:
-        """A frame of call #seq arrived after that call finished here (see _check_leftovers)."""
+        """A frame of call #seq was kept (no receive posted for it): a mismatch when that
+        call finished here (see _check_leftovers), or is in flight here as another call.
+        (E.g. ranks that disagree about a broadcast's root: a rank may wait on a parent
+        that never sends while its real parent's frame sits unclaimed; without this it
+        waited for the whole timeout.)"""
         seq = header["t"][1]
-        if self.error is None and self.is_member and seq <= self._seq and seq not in self.calls:
+        if self.error is not None or not self.is_member or seq > self._seq:
+            return  # failed already, not ours, or early: checked when the call starts (_check_early)
+        rec = self.calls.get(seq)
+        if rec is None:
             self.abort(self._stray_error(seq, self._finished.get(seq, "?"), peer, header["f"]))
+        elif rec.fingerprint != header["f"]:
+            self.abort(self._mismatch_error(seq, rec.fingerprint, peer, header["f"]))
+
+    def _check_early(self, call: Call) -> None:
+        """Frames of ``call`` that arrived before it started here must be of the same call."""
+        actor = self.runtime.actor
+        for peer in self.ranks:
+            for header in actor.unexpected_headers(("c", peer, call._tag)):
+                if header["f"] != call.fingerprint:
+                    exc = self._mismatch_error(call.seq, call.fingerprint, peer, header["f"])
+                    self.abort(exc)
+                    raise exc
+
+    def _mismatch_error(self, seq: int, mine: str, peer: int, theirs: str) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            f"collective mismatch in group {self.gid} at call #{seq}: rank {self.runtime.actor.rank} called "
+            f"{mine!r} but rank {peer} called {theirs!r}")
 
     def _stray_error(self, seq: int, mine: str, peer: int, theirs: str) -> CollectiveMismatchError:
         how = "called" if mine != theirs else "(same call, but a message nobody received)"
