@@ -92,9 +92,12 @@ SMALL_NBYTES = 64 * 1024  # one small slot; the control file holds two after the
 CONTROL_NBYTES = HEADER_NBYTES + 2 * SMALL_NBYTES
 MIN_DATA_LOG2 = 16  # smallest data slot: 64 KiB
 
-_OFF_SEQ = 0  # u32 sequence word (the futex word)
+_OFF_SEQ = 0  # u32 sequence word, written by the owner only
 _OFF_PID = 4  # u32 owner pid
 _OFF_FP = 64  # two fingerprint slots of _FP_NBYTES: u32 seq, u32 length, bytes
+_OFF_BELL = 2048  # u32 doorbell (the futex word the owner sleeps on), rung by the peers
+_OFF_WANT = 2056  # u64 what the owner waits for: kind << 62 | peer << 32 | target (0: nothing)
+_WANT_ALL, _WANT_ONE = 1, 2  # every other member has reached target / member `peer` has
 _FP_NBYTES = 512
 _FP_MAX = _FP_NBYTES - 8
 
@@ -177,6 +180,18 @@ _syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_fence_lock = ctypes.c_int(0)
+_libc.pthread_spin_init(ctypes.byref(_fence_lock), 0)
+_fence_fn = _libc.pthread_spin_trylock
+_fence_arg = ctypes.byref(_fence_lock)
+
+
+def fence() -> None:
+    """A full memory barrier: glibc's pthread_spin_trylock is one ``lock cmpxchg`` on x86-64,
+    executed whether or not the (never released) lock is free. ~0.3 us through ctypes."""
+    _fence_fn(_fence_arg)
 
 
 def futex_wait(address: int, expected: int, timeout_s: float) -> bool:
@@ -320,11 +335,14 @@ class Domain:
         self.ncalls = 0  # shared-memory calls started on this domain (the same on every member)
         self.parity = 0  # which fingerprint / small slot the current call uses
         self._recent: list[int] = []  # sequence numbers of the last two calls
-        self._words: list[ctypes.c_uint32] = []
+        self._words: list[ctypes.c_uint32] = []  # sequence words by domain rank
+        self._bells: list[ctypes.c_uint32] = []  # doorbells by domain rank
+        self._wants: list[ctypes.c_uint64] = []  # published wait targets by domain rank
         self._pids: list[int] = []
+        self._cooperative = False  # a peer is a task of this very process: never block the thread
         self._prefix = ""
         self._closed = False
-        self.statistics_ = {"posts": 0, "waits": 0, "sleeps": 0, "spins": 0, "grows": 0}
+        self.statistics_ = {"posts": 0, "waits": 0, "spins": 0, "sleeps": 0, "rings": 0, "grows": 0}
 
     # -- names
     def _path(self, domain_rank: int, what: str) -> str:
@@ -357,7 +375,10 @@ class Domain:
             if p != self.rank:
                 self.ctl[p] = Segment.attach(self._path(p, "ctl"), CONTROL_NBYTES)
         self._words = [ctypes.c_uint32.from_buffer(s.mm, _OFF_SEQ) for s in self.ctl]
+        self._bells = [ctypes.c_uint32.from_buffer(s.mm, _OFF_BELL) for s in self.ctl]
+        self._wants = [ctypes.c_uint64.from_buffer(s.mm, _OFF_WANT) for s in self.ctl]
         self._pids = [struct.unpack_from("<I", s.mm, _OFF_PID)[0] for s in self.ctl]
+        self._cooperative = any(pid == os.getpid() for p, pid in enumerate(self._pids) if p != self.rank)
         await self._all_to_all(call)  # everyone has mapped everyone's: the names can go
         own.unlink()
         self.ready = True
@@ -436,15 +457,33 @@ class Domain:
         self.last_data_seq = call.seq
 
     def post(self, call, phase: int) -> None:
-        """Announces that this member has reached ``phase`` of ``call`` and wakes its waiters."""
+        """Announces that this member has reached ``phase`` of ``call``, and rings the doorbell
+        of every peer asleep on a condition that is now true (and only those)."""
         self._words[self.rank].value = encode(call.seq, phase)
-        futex_wake(self.ctl[self.rank].address + _OFF_SEQ)
         self.statistics_["posts"] += 1
+        fence()  # our word is visible before we read the peers' targets (see "Waking")
+        for q in range(self.size):
+            if q != self.rank:
+                want = self._wants[q].value
+                if want and self._satisfied(q, want):
+                    self._ring(q)
+
+    def _satisfied(self, q: int, want: int) -> bool:
+        target = want & 0xFFFFFFFF
+        if want >> 62 == _WANT_ONE:
+            return reached(self._words[(want >> 32) & 0xFFFF].value, target)
+        return all(reached(self._words[p].value, target) for p in range(self.size) if p != q)
+
+    def _ring(self, q: int) -> None:
+        bell = self._bells[q]
+        bell.value = (bell.value + 1) & 0xFFFFFFFF
+        futex_wake(self.ctl[q].address + _OFF_BELL)
+        self.statistics_["rings"] += 1
 
     async def wait_all(self, call, phase: int, *, peers=None, seq: int | None = None,
                        check_fp: bool = True) -> None:
-        """Waits until every member in ``peers`` (domain ranks; default all others) has posted
-        ``phase`` of call ``seq`` (default this call).
+        """Waits until every other member (``peers=None``) or the one member ``peers=[p]`` has
+        posted ``phase`` of call ``seq`` (default this call).
 
         Raises:
             the group's error (PeerLostError, a mismatch from elsewhere) as soon as it is set;
@@ -454,43 +493,62 @@ class Domain:
         """
         seq = call.seq if seq is None else seq
         target = encode(seq, phase)
-        for p in (range(self.size) if peers is None else peers):
-            if p == self.rank:
-                continue
-            if not reached(self._words[p].value, target):
-                await self._wait_one(call, p, target, check_fp)
-            elif check_fp:
+        if peers is None:
+            watched = [p for p in range(self.size) if p != self.rank]
+            want = (_WANT_ALL << 62) | target
+        else:
+            (one,) = peers
+            watched = [one]
+            want = (_WANT_ONE << 62) | (one << 32) | target
+        words = self._words
+        if not all(reached(words[p].value, target) for p in watched):
+            await self._sleep_until(call, watched, target, want, check_fp)
+        if check_fp:
+            for p in watched:
                 self._check_fingerprint(call, p)
 
-    async def _wait_one(self, call, p: int, target: int, check_fp: bool) -> None:
-        word = self._words[p]
-        address = self.ctl[p].address + _OFF_SEQ
-        cooperative = self._pids[p] == os.getpid()
+    async def _sleep_until(self, call, watched: list[int], target: int, want: int, check_fp: bool) -> None:
+        words = self._words
+
+        def done() -> bool:
+            return all(reached(words[p].value, target) for p in watched)
+
         self.statistics_["waits"] += 1
-        for _ in range(0 if cooperative else SPIN_YIELDS):  # 2. a short spin that gives the core away
+        if self._cooperative:  # the peers are tasks of this event loop: yield, never block
+            idle = 0
+            while not done():
+                self._check(call, watched, check_fp)
+                idle += 1
+                await asyncio.sleep(0 if idle < 200 else 0.0005)
+            return
+        for _ in range(SPIN_YIELDS):  # a short spin that gives the core away
             os.sched_yield()
-            if reached(word.value, target):
+            if done():
                 self.statistics_["spins"] += 1
-                if check_fp:
-                    self._check_fingerprint(call, p)
                 return
-        idle = 0
-        while True:
-            seen = word.value
-            if reached(seen, target):
-                break
+        me = self._wants[self.rank]
+        bell = self._bells[self.rank]
+        address = self.ctl[self.rank].address + _OFF_BELL
+        me.value = want  # publish what we wait for, then look once more (see "Waking")
+        fence()
+        try:
+            while True:
+                rung = bell.value
+                if done():
+                    return
+                self._check(call, watched, check_fp)
+                self.statistics_["sleeps"] += 1
+                if not futex_wait(address, rung, SLICE_S):  # a slice passed without a ring
+                    await asyncio.sleep(0)  # let the loop see a lost peer, a cancellation, a deadline
+        finally:
+            me.value = 0
+
+    def _check(self, call, watched: list[int], check_fp: bool) -> None:
+        """Between sleeps: the group's error, the peers' processes, their fingerprints so far."""
+        for p in watched:
             self._check_alive(call, p)
             if check_fp:
                 self._check_fingerprint(call, p, early=True)
-            if cooperative:  # the peer is a task of this event loop: never block the thread
-                idle += 1
-                await asyncio.sleep(0 if idle < 200 else 0.0005)
-                continue
-            self.statistics_["sleeps"] += 1
-            if not futex_wait(address, seen, SLICE_S):  # 3. sleep; a slice passed without a post
-                await asyncio.sleep(0)  # let the loop see a lost peer, a cancellation, a deadline
-        if check_fp:
-            self._check_fingerprint(call, p)
 
     def _check_alive(self, call, p: int) -> None:
         group = self.group
@@ -549,7 +607,7 @@ class Domain:
         if self._closed:
             return
         self._closed = True
-        self._words = []
+        self._words, self._bells, self._wants = [], [], []
         for seg in self.ctl + self.data:
             if seg is not None:
                 seg.unlink()
