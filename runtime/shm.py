@@ -98,12 +98,13 @@ _OFF_FP = 64  # two fingerprint slots of _FP_NBYTES: u32 seq, u32 length, bytes
 _OFF_BELL = 2048  # u32 doorbell (the futex word the owner sleeps on), rung by the peers
 _OFF_WANT = 2056  # u64 what the owner waits for: kind << 62 | peer << 32 | target (0: nothing)
 _WANT_ALL, _WANT_ONE = 1, 2  # every other member has reached target / member `peer` has
+_SEEN_MASK = 0x3FFF  # want bits 48..61: the doorbell value the waiter saw before sleeping
 _FP_NBYTES = 512
 _FP_MAX = _FP_NBYTES - 8
 
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
-SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "20"))  # sched_yield spins before sleeping
+SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "5"))  # sched_yield spins before sleeping
 SLICE_S = 0.02  # one futex sleep; the bound on noticing a lost peer or a passed deadline
 
 
@@ -340,6 +341,8 @@ class Domain:
         self._wants: list[ctypes.c_uint64] = []  # published wait targets by domain rank
         self._pids: list[int] = []
         self._cooperative = False  # a peer is a task of this very process: never block the thread
+        self._others: list[int] = []  # domain ranks but ours
+        self._fp_checked: list[int] = []  # by domain rank: the last call whose fingerprint was compared
         self._prefix = ""
         self._closed = False
         self.statistics_ = {"posts": 0, "waits": 0, "spins": 0, "sleeps": 0, "rings": 0, "grows": 0}
@@ -379,6 +382,8 @@ class Domain:
         self._wants = [ctypes.c_uint64.from_buffer(s.mm, _OFF_WANT) for s in self.ctl]
         self._pids = [struct.unpack_from("<I", s.mm, _OFF_PID)[0] for s in self.ctl]
         self._cooperative = any(pid == os.getpid() for p, pid in enumerate(self._pids) if p != self.rank)
+        self._others = [p for p in range(self.size) if p != self.rank]
+        self._fp_checked = [-1] * self.size
         await self._all_to_all(call)  # everyone has mapped everyone's: the names can go
         own.unlink()
         self.ready = True
@@ -439,7 +444,9 @@ class Domain:
         off = _OFF_FP + self.parity * _FP_NBYTES
         mm = self.ctl[self.rank].mm
         mm[off + 8:off + 8 + len(fp)] = fp
-        struct.pack_into("<II", mm, off, call.seq & 0xFFFFFFFF, len(fp))
+        # the header in ONE aligned 8-byte store: struct.pack_into would first zero it, then write
+        # it byte by byte, and a peer could read this call's number with a length of 0
+        ctypes.c_uint64.from_buffer(mm, off).value = (call.seq & 0xFFFFFFFF) | (len(fp) << 32)
 
     def small_buffer(self, domain_rank: int) -> memoryview:
         """The small slot (:data:`SMALL_NBYTES`) of ``domain_rank`` for the current call (two
@@ -459,20 +466,25 @@ class Domain:
     def post(self, call, phase: int) -> None:
         """Announces that this member has reached ``phase`` of ``call``, and rings the doorbell
         of every peer asleep on a condition that is now true (and only those)."""
-        self._words[self.rank].value = encode(call.seq, phase)
+        self._words[self.rank].value = ((call.seq << PHASE_BITS) | phase) & 0xFFFFFFFF
         self.statistics_["posts"] += 1
         fence()  # our word is visible before we read the peers' targets (see "Waking")
-        for q in range(self.size):
-            if q != self.rank:
-                want = self._wants[q].value
-                if want and self._satisfied(q, want):
-                    self._ring(q)
+        wants, bells = self._wants, self._bells
+        for q in self._others:
+            want = wants[q].value
+            if want and (want >> 48) & _SEEN_MASK == bells[q].value & _SEEN_MASK and self._satisfied(q, want):
+                self._ring(q)
 
     def _satisfied(self, q: int, want: int) -> bool:
+        """Is the condition peer ``q`` published (``want``) true now?"""
         target = want & 0xFFFFFFFF
+        words = self._words
         if want >> 62 == _WANT_ONE:
-            return reached(self._words[(want >> 32) & 0xFFFF].value, target)
-        return all(reached(self._words[p].value, target) for p in range(self.size) if p != q)
+            return ((words[(want >> 32) & 0xFFFF].value - target) & 0xFFFFFFFF) < 0x80000000
+        for p in range(self.size):
+            if p != q and ((words[p].value - target) & 0xFFFFFFFF) >= 0x80000000:
+                return False
+        return True
 
     def _ring(self, q: int) -> None:
         bell = self._bells[q]
@@ -483,7 +495,8 @@ class Domain:
     async def wait_all(self, call, phase: int, *, peers=None, seq: int | None = None,
                        check_fp: bool = True) -> None:
         """Waits until every other member (``peers=None``) or the one member ``peers=[p]`` has
-        posted ``phase`` of call ``seq`` (default this call).
+        posted ``phase`` of call ``seq`` (default this call). With ``check_fp``, the fingerprints
+        of the peers waited on are compared with ours (once per call and peer).
 
         Raises:
             the group's error (PeerLostError, a mismatch from elsewhere) as soon as it is set;
@@ -492,26 +505,33 @@ class Domain:
             asyncio.CancelledError: the call's deadline (group.run turns it into a timeout).
         """
         seq = call.seq if seq is None else seq
-        target = encode(seq, phase)
+        target = ((seq << PHASE_BITS) | phase) & 0xFFFFFFFF
         if peers is None:
-            watched = [p for p in range(self.size) if p != self.rank]
+            watched = self._others
             want = (_WANT_ALL << 62) | target
         else:
             (one,) = peers
             watched = [one]
             want = (_WANT_ONE << 62) | (one << 32) | target
         words = self._words
-        if not all(reached(words[p].value, target) for p in watched):
-            await self._sleep_until(call, watched, target, want, check_fp)
+        for p in watched:
+            if ((words[p].value - target) & 0xFFFFFFFF) >= 0x80000000:  # not reached: sleep
+                await self._sleep_until(call, watched, target, want, check_fp)
+                break
         if check_fp:
             for p in watched:
-                self._check_fingerprint(call, p)
+                if self._fp_checked[p] != call.seq:
+                    self._check_fingerprint(call, p)
+                    self._fp_checked[p] = call.seq
 
     async def _sleep_until(self, call, watched: list[int], target: int, want: int, check_fp: bool) -> None:
         words = self._words
 
         def done() -> bool:
-            return all(reached(words[p].value, target) for p in watched)
+            for p in watched:
+                if ((words[p].value - target) & 0xFFFFFFFF) >= 0x80000000:
+                    return False
+            return True
 
         self.statistics_["waits"] += 1
         if self._cooperative:  # the peers are tasks of this event loop: yield, never block
@@ -529,11 +549,11 @@ class Domain:
         me = self._wants[self.rank]
         bell = self._bells[self.rank]
         address = self.ctl[self.rank].address + _OFF_BELL
-        me.value = want  # publish what we wait for, then look once more (see "Waking")
-        fence()
         try:
             while True:
                 rung = bell.value
+                me.value = want | ((rung & _SEEN_MASK) << 48)  # publish, then look once more
+                fence()
                 if done():
                     return
                 self._check(call, watched, check_fp)
@@ -571,7 +591,8 @@ class Domain:
         """Raises CollectiveMismatchError if peer ``p`` published a different call ``seq``."""
         off = _OFF_FP + self.parity * _FP_NBYTES
         mm = self.ctl[p].mm
-        seq, length = struct.unpack_from("<II", mm, off)
+        header = ctypes.c_uint64.from_buffer(mm, off).value  # one 8-byte load (see enter)
+        seq, length = header & 0xFFFFFFFF, header >> 32
         if seq != call.seq & 0xFFFFFFFF:
             if early:
                 return  # not there yet (or two calls ahead: caught when it posts)

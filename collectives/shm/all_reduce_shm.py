@@ -62,8 +62,8 @@ async def _small(comm, dom, x: np.ndarray, op: str) -> None:
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)  # 2. everyone's input is there
     if x.size:
-        x[...] = slots[0]  # rank order, the same on every rank
-        common.reduce_many(x, slots[1:], op)
+        x[...] = slots[0]  # rank order, the same on every rank: x = S_0 <op> S_1 <op> ...
+        kernels.reduce_publish(x, slots[1:], x, op)
 
 
 async def _large(comm, dom, x: np.ndarray, op: str) -> None:

@@ -1,10 +1,12 @@
 """all_reduce over shared memory vs the TCP path, 4 ranks, as a fraction of memory bandwidth.
 
     python -m runtime.launch -n 4 tests/shm/bench_allreduce.py [--sizes 4,1048576,...] [--reps 7]
+        [--algos shm,tcp] [--spins 0,5,20,100]
 
 Per size and path: warm-up (not timed), then ``reps`` repetitions of (shm barrier; ``iters``
-calls back to back); a repetition's time is the slowest rank's (an all_reduce max), the figure
-is the median repetition. busbw = algbw * 2(n-1)/n (the nccl-tests convention). The memory
+calls back to back), the paths interleaved within each repetition (the machine is shared and
+noisy); a repetition's time is the slowest rank's (an all_reduce max), the figure is the median
+repetition, wall clock and CPU time of the process per call. busbw = algbw * 2(n-1)/n (the nccl-tests convention). The memory
 reference is a one-core NumPy copy of 64 MiB (bytes copied / s), measured by rank 0 in the
 same run while the other ranks sleep in a barrier. Rank 0 prints one line per size and path.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 
@@ -20,10 +23,7 @@ import numpy as np
 
 import runtime
 from collectives import api, registry
-import collectives.shm as S
-
-for _c, _d in S.ALGORITHMS.items():  # until the registry lists them
-    registry.ALGORITHMS[_c].update(_d)
+from runtime import shm
 
 
 def copy_gbs() -> float:
@@ -37,28 +37,28 @@ def copy_gbs() -> float:
     return a.nbytes / statistics.median(times) / 1e9
 
 
-async def measure(g, nbytes: int, algorithm, reps: int) -> float:
-    x = np.ones(max(1, nbytes // 4), np.float32)
-    iters = max(1, min(200, int(2e7 // max(nbytes, 1))))
-    for _ in range(3):
+async def timed_block(g, x, algorithm, iters: int) -> tuple[float, float]:
+    """(wall, cpu) seconds per call of the slowest rank over ``iters`` calls back to back."""
+    await api.barrier(group=g, algorithm="shm")
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(iters):
         await api.all_reduce(x, group=g, algorithm=algorithm)
-    times = []
-    t_ = np.zeros(1)
-    for _ in range(reps):
-        await api.barrier(group=g, algorithm="shm")
-        t = time.perf_counter()
-        for _ in range(iters):
-            await api.all_reduce(x, group=g, algorithm=algorithm)
-        t_[0] = (time.perf_counter() - t) / iters
-        await api.all_reduce(t_, op="max", group=g, algorithm="shm")
-        times.append(t_[0])
-    return statistics.median(times)
+    both = np.array([(time.perf_counter() - t) / iters, (time.process_time() - c) / iters])
+    await api.all_reduce(both, op="max", group=g, algorithm="shm")
+    return float(both[0]), float(both[1])
+
+
+def tcp_choice(nbytes: int, n: int) -> str:
+    """The TCP table's algorithm (the first rule that is not a shared-memory one)."""
+    return next(r.algorithm for r in registry.TABLES["all_reduce"]
+                if r.algorithm not in ("shm", "hierarchical") and r.applies(nbytes, n))
 
 
 async def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="4,1048576,16777216,67108864")
-    p.add_argument("--algos", default="shm,tcp")
+    p.add_argument("--algos", default="shm,tcp", help="shm, tcp (the TCP table), or an algorithm name")
+    p.add_argument("--spins", default="", help="comma list of runtime.shm.SPIN_YIELDS values to compare")
     p.add_argument("--reps", type=int, default=7)
     a = p.parse_args()
     rt = await runtime.init()
@@ -68,15 +68,33 @@ async def main():
     bw = copy_gbs() if g.rank == 0 else 0.0
     await api.barrier(group=g, algorithm="shm")
     if g.rank == 0:
-        print(f"ranks {n}; one-core numpy copy of 64 MiB: {bw:.2f} GB/s")
+        print(f"ranks {n}; one-core numpy copy of 64 MiB: {bw:.2f} GB/s; os.cpu_count() {os.cpu_count()}")
+    variants = [(algo, spin) for algo in a.algos.split(",")
+                for spin in ([int(v) for v in a.spins.split(",")] if a.spins and algo == "shm" else [None])]
     for nbytes in [int(s) for s in a.sizes.split(",")]:
-        for algo in a.algos.split(","):
-            t = await measure(g, nbytes, None if algo == "tcp" else algo, a.reps)
-            algbw = nbytes / t / 1e9
-            busbw = algbw * 2 * (n - 1) / n
-            if g.rank == 0:
-                print(f"all_reduce {nbytes:>10d} B  {algo:>12s}  {t * 1e6:10.1f} us  algbw {algbw:6.3f} GB/s  "
-                      f"busbw {busbw:6.3f} GB/s  busbw/copy {busbw / bw:5.1%}", flush=True)
+        x = np.ones(max(1, nbytes // 4), np.float32)
+        iters = max(1, min(300, int(2e7 // max(nbytes, 1))))
+        times = {v: [] for v in variants}
+        for v in variants:  # warm-up: segments grown, kernels loaded
+            for _ in range(3):
+                await api.all_reduce(x, group=g, algorithm=tcp_choice(nbytes, n) if v[0] == "tcp" else v[0])
+        for _ in range(a.reps):  # variants interleaved, so a noisy moment hits all of them
+            for algo, spin in variants:
+                if spin is not None:
+                    shm.SPIN_YIELDS = spin
+                name = tcp_choice(nbytes, n) if algo == "tcp" else algo
+                times[(algo, spin)].append(await timed_block(g, x, name, iters))
+        if g.rank == 0:
+            for (algo, spin), ts in times.items():
+                wall = statistics.median(t for t, _ in ts)
+                cpu = statistics.median(c for _, c in ts)
+                algbw = nbytes / wall / 1e9
+                busbw = algbw * 2 * (n - 1) / n
+                name = f"tcp/{tcp_choice(nbytes, n)}" if algo == "tcp" else algo if spin is None else f"{algo}/spin{spin}"
+                print(f"all_reduce {nbytes:>10d} B  {name:>12s}  {wall * 1e6:10.1f} us (cpu {cpu * 1e6:8.1f} us)  "
+                      f"busbw {busbw:6.3f} GB/s  busbw/copy {busbw / bw:6.1%}", flush=True)
+    if g.rank == 0:
+        print("shm statistics of rank 0:", shm.statistics(g))
     await runtime.shutdown(rt)
 
 
