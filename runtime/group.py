@@ -32,6 +32,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from runtime import wire
 from runtime.actor import Actor
 from runtime.trace import Tracer
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
@@ -67,7 +68,7 @@ class Call:
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self._tag = (group.gid, seq)
-        self._header = {"k": "c", "t": self._tag, "f": fingerprint}
+        self._header = wire.pack_header({"k": "c", "t": self._tag, "f": fingerprint})  # packed once per call
         self.record = CallRecord(group.gid, seq, fingerprint, time.monotonic())
         self._outstanding: dict[asyncio.Future, tuple[tuple, int]] = {}
         self.bytes_sent = 0

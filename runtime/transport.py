@@ -69,8 +69,9 @@ class Connection:
     peer: int  # the peer's global rank (or -1 before it is known)
     where: str  # human-readable "rank 2 at 127.0.0.1:4242"
 
-    async def send(self, header: dict, payload: memoryview | bytes | None = None) -> None:
-        """Sends one frame. Returns when ``payload`` may be reused.
+    async def send(self, header: dict | bytes, payload: memoryview | bytes | None = None) -> None:
+        """Sends one frame (``header`` a map, or wire.pack_header's bytes of one).
+        Returns when ``payload`` may be reused.
 
         Raises:
             PeerLostError: the connection broke before or during the send.

@@ -34,6 +34,7 @@ MAGIC = b"RWV"
 VERSION = 1
 PREFIX = struct.Struct("<3sBIQ")
 PREFIX_NBYTES = PREFIX.size  # 16
+_PREFIX_PACK = PREFIX.pack
 
 MAX_HEADER_NBYTES = 64 * 1024  # headers are small maps; anything larger is hostile
 DEFAULT_MAX_PAYLOAD_NBYTES = 16 * 1024**3  # 16 GiB; each protocol passes its own limit
@@ -42,14 +43,29 @@ ANY = object()  # schema marker: any msgpack value
 Schema = Mapping[str, Mapping[str, tuple]]  # kind -> field -> (allowed types..., required)
 
 
-def encode_head(header: Mapping[str, Any], payload_nbytes: int = 0) -> bytes:
-    """Returns prefix + packed header for a frame whose payload has
-    ``payload_nbytes`` bytes. The payload itself is written by the caller."""
-    packed = msgpack.packb(header, use_bin_type=True)
+_packer = msgpack.Packer(use_bin_type=True)  # reused: packb() would build a Packer per frame
+
+
+def pack_header(header: Mapping[str, Any]) -> bytes:
+    """The msgpack bytes of a header; callers that send many frames with one
+    header (a collective call) pack it once and pass the bytes to encode_head.
+
+    Raises:
+        BadFrameError: the packed header is over MAX_HEADER_NBYTES.
+    """
+    packed = _packer.pack(header)
     if len(packed) > MAX_HEADER_NBYTES:
         raise BadFrameError(
             f"header of kind {header.get('k')!r} is {len(packed)} bytes; the limit is {MAX_HEADER_NBYTES}")
-    return PREFIX.pack(MAGIC, VERSION, len(packed), payload_nbytes) + packed
+    return packed
+
+
+def encode_head(header: Mapping[str, Any] | bytes, payload_nbytes: int = 0) -> bytes:
+    """Returns prefix + packed header for a frame whose payload has
+    ``payload_nbytes`` bytes; ``header`` is a map or what pack_header made of it.
+    The payload itself is written by the caller."""
+    packed = header if type(header) is bytes else pack_header(header)
+    return _PREFIX_PACK(MAGIC, VERSION, len(packed), payload_nbytes) + packed
 
 
 def encode(header: Mapping[str, Any], payload: bytes | bytearray | memoryview = b"") -> list:
@@ -86,6 +102,22 @@ def _type_ok(value: Any, allowed: tuple) -> bool:
     return t in allowed
 
 
+_fast_specs: dict[int, tuple[dict, frozenset]] = {}
+
+
+def _compile(fields: Mapping[str, tuple]) -> tuple[dict, frozenset]:
+    """field -> exact allowed types (None where any value goes), and the required names.
+    Fields that accept ANY are left out of ``types`` and checked by the slow path
+    only when something else is wrong."""
+    types = {}
+    for name, spec in fields.items():
+        allowed = spec[:-1]
+        if ANY in allowed:
+            continue
+        types[name] = frozenset(allowed)
+    return types, frozenset(n for n, spec in fields.items() if spec[-1])
+
+
 def parse_header(buf, schema: Schema, where: str = "") -> dict:
     """Unpacks and schema-checks a header. Returns the header map.
 
@@ -106,7 +138,20 @@ def parse_header(buf, schema: Schema, where: str = "") -> dict:
     fields = schema.get(kind) if type(kind) is str else None
     if fields is None:
         raise BadFrameError(f"bad frame{where}: unknown kind {kind!r}; known: {sorted(schema)}")
-    for name, value in header.items():
+    fast = _fast_specs.get(id(fields))
+    if fast is None:
+        fast = _fast_specs[id(fields)] = _compile(fields)
+    types, required = fast
+    if header.keys() - types.keys() == {"k"}:  # only known, typed fields: check their types
+        ok = True
+        for name, value in header.items():
+            allowed = types.get(name)
+            if allowed is not None and type(value) not in allowed:
+                ok = False
+                break
+        if ok and required <= header.keys():
+            return header
+    for name, value in header.items():  # the slow path says exactly what is wrong
         if name == "k":
             continue
         spec = fields.get(name)
