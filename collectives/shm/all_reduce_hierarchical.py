@@ -49,7 +49,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if k == 1:  # alone on my node: only the leaders' all_reduce
         await _across(comm, leaders, x, op)
         return
-    async with common.session(comm, local, index) as dom:
+    async with common.session(comm, local, 1 + index) as dom:  # index 0 is the flat domain's
         await dom.claim_data(comm, x.nbytes)
         bounds = chunk_bounds(x.size, k)
         slots = [common.data_view(dom, q, x.dtype, x.size) for q in range(k)]

@@ -54,6 +54,18 @@ async def matrix(g) -> None:
         await C.barrier(group=g)
     stats = shm.statistics(g)
     assert stats and stats["0d0"]["posts"] > 0, stats  # it went through shared memory
+    x = np.zeros(1, np.float32)
+    for i in range(2000):  # many small calls of two fingerprints (a torn header once showed here)
+        await C.barrier(group=g)
+        x[0] = r
+        await C.all_reduce(x, group=g)
+        assert x[0] == n * (n - 1) / 2
+    g.runtime.nodes = ["A", "B"] * (n // 2) + ["A"] * (n % 2)  # pretend: two nodes
+    for count in (0, 5, 300_001):
+        x = np.full(count, r + 1, np.float64)
+        await C.all_reduce(x, group=g)  # "shm" runs the hierarchical algorithm now
+        assert np.all(x == n * (n + 1) / 2), (count, x[:4])
+    assert set(shm.statistics(g)) == {"0d0", "0d1" if r % 2 == 0 else "0d2"}, shm.statistics(g)
     say("OK", r)
 
 

@@ -210,7 +210,7 @@ async def test_hierarchical_on_fake_nodes(ranks, n, transport):
     domains = await ranks(n, body, transport=transport)
     for r, names in enumerate(domains):
         alone = layout.count(layout[r]) == 1
-        assert names == ([] if alone else [f"0d{sorted(set(layout), key=layout.index).index(layout[r])}"])
+        assert names == ([] if alone else [f"0d{1 + sorted(set(layout), key=layout.index).index(layout[r])}"])
 
 
 async def test_hierarchical_on_one_node_is_plain_shm(ranks):
