@@ -1,6 +1,6 @@
 """Shared memory between the ranks of one machine: segments, their names and clean-up, and the
-wait/wake primitive (a sequence word per rank plus futex). Bytes only: the arrays and the
-algorithms that use this are in collectives/shm.
+wait/wake primitive (a sequence word per rank, a futex doorbell per rank). Bytes only: the
+arrays and the algorithms that use this are in collectives/shm.
 
 Segments
     A **domain** is the set of members of one group that share a machine (the whole group when
@@ -26,41 +26,66 @@ Segments
     powers of two (at most 2x the largest message; at most ~40 growths ever).
 
 Synchronisation
-    Word 0 of each control header is the member's **sequence word**, written by that member only
-    (a plain aligned 32-bit store), holding ``(call seq << 3 | phase) mod 2**32``. "Peer p has
-    reached phase f of call s" is ``seq_word[p] - (s << 3 | f)`` read as a signed 32-bit
-    difference being >= 0, which survives wrap-around while the ranks are less than 2**28 calls
-    apart. Posting is a store followed by ``FUTEX_WAKE`` on the word (the syscall orders the
-    store before the wake). Waiting on peer p:
+    Each control header holds, for its owner: a **sequence word** (written by the owner only, a
+    plain aligned 32-bit store) holding ``(call seq << 3 | phase) mod 2**32``; a **doorbell**
+    (a 32-bit futex word the owner sleeps on, rung by the peers); and a **want** word (64 bits,
+    one store) saying what the owner is asleep on: "every other member has reached value t" or
+    "member p has". "Peer p has reached phase f of call s" is ``seq_word[p] - (s << 3 | f)``
+    read as a signed 32-bit difference being >= 0, which survives wrap-around while the ranks
+    are less than 2**28 calls apart.
 
-    1. read the word; done if reached;
+    Posting: store the sequence word; a full fence (``lock cmpxchg``, see :func:`fence`); for
+    each peer, read its want word and, if that condition is now true (and its doorbell has not
+    been rung since the peer looked at it), ring: bump the doorbell and ``FUTEX_WAKE`` it.
+    Nobody asleep: no system call. Everyone asleep on "all arrived": the last poster rings each
+    of them once, so a waiter wakes once per wait, not once per peer.
+
+    Waiting (for all others, or for one member):
+
+    1. read the sequence words; done if reached;
     2. spin briefly: ``os.sched_yield()`` and re-read, :data:`SPIN_YIELDS` times (on an
-       oversubscribed machine the yield hands the core to the rank we wait for);
-    3. ``FUTEX_WAIT(word, seen, SLICE_S)``, in the calling thread, with the GIL released:
-       the kernel compares the word with ``seen`` atomically, so a post between our read and our
-       sleep just makes the wait return at once. After each slice that ends without a post, the
-       wait yields to the event loop once (so a lost peer's EOF or the call's asyncio deadline
-       are seen), checks the group's error, the peer's process and the peer's fingerprint.
+       oversubscribed machine the yield hands the core to a rank that has work);
+    3. read the doorbell (``rung``), publish the want word (with ``rung``), fence, re-read the
+       words; if still not reached, ``FUTEX_WAIT(doorbell, rung, SLICE_S)`` in the calling
+       thread with the GIL released. The two fences make the classic store/load race safe: a
+       poster and a waiter each store, fence, then load what the other stored, so at least one
+       of them sees the other (the waiter sees the post, or the poster sees the want and rings);
+       a ring between our doorbell read and the sleep makes ``FUTEX_WAIT`` return at once.
+       After a slice that ends without a ring the wait yields to the event loop once (a lost
+       peer's EOF, the call's asyncio deadline), and every round checks the group's error, the
+       peers' processes (``kill(pid, 0)``) and their fingerprints.
 
-    So a dead peer is seen within one slice (the survivors' TCP connections to it close, and
-    the peer's pid stops existing), and a wait ends at most one slice after its deadline.
+    So a dead peer is seen within about one slice (its TCP connections close and its pid stops
+    existing: ~0.1 s measured), and a wait ends at most one slice after its deadline.
 
-    When a peer of the domain lives in this very process (``runtime.testing`` runs ranks as
-    tasks of one event loop), blocking the thread would block that peer: those waits are
-    cooperative, ``await asyncio.sleep(0)`` between reads, then short sleeps.
+    The thread blocks (not the event loop's other tasks' business for up to one slice): a
+    thread hand-off per wait cost more than the whole small all_reduce here. When a peer lives
+    in this very process (``runtime.testing`` runs ranks as tasks of one event loop), blocking
+    would block that peer, so those waits are cooperative: ``await asyncio.sleep(0)`` between
+    reads, then 0.5 ms sleeps.
 
-    Figures that chose this (4 processes on this 2-core machine): see collectives/shm/__init__.py.
+    Why this and not others (4 ranks on this 2-core machine, shared with other jobs, so every
+    figure is noisy; tests/shm/bench_allreduce.py): a futex ping-pong between two processes
+    round-trips in 20-65 us; the first version (each waiter slept on each peer's word in turn,
+    every post a FUTEX_WAKE) cost ~340 us of CPU per 4 B all_reduce per rank; publishing wants
+    and ringing only satisfied ones brought it to ~190 us (wall 1.0-1.1 ms with the machine's
+    load at 9, against 1.5 ms for the TCP path in the same run). Spinning 0, 5, 20 or 100 yields
+    before sleeping changed the wall time by less than the noise (5 is the default; 20+ cost
+    more CPU). An eventfd doorbell would need fd passing between processes; a TCP doorbell costs
+    a frame and a loop iteration per post.
 
 Fingerprints
     Shared-memory collectives send no TCP message, so a mismatch would not be seen by the
     transport. Each member writes its call's sequence number and fingerprint into one of two
-    slots of its header (``seq % 2``) before its first post of the call; a waiter compares the
-    slot of every peer it waits on and raises :class:`CollectiveMismatchError` naming both
-    calls. A slot is only rewritten two calls later, after every member has read it.
+    slots of its header (alternating per shared-memory call of the domain) before its first post
+    of the call; a waiter compares the slot of every peer it waits on and raises
+    :class:`CollectiveMismatchError` naming both calls. A slot is rewritten two calls later,
+    only after every member has posted EXIT of the call that used it.
 
 Memory order
-    x86-64 (TSO) is assumed: data stores before the sequence store are seen before it, and a
-    reader that sees the sequence value sees the data. Other architectures would need fences.
+    x86-64 (TSO) and glibc are assumed: data stores before the sequence store are seen before
+    it, a reader that sees the sequence value sees the data, and :func:`fence` is a locked
+    instruction. Other architectures would need fences around the data too.
 
 Not here: NumPy, reductions and the algorithms (collectives/shm), process groups (group.py).
 """
@@ -315,8 +340,8 @@ class Domain:
     Members are indexed by **domain rank** ``0..size-1``; ``members[i]`` is their group rank.
     Calls run one at a time (:attr:`lock`); every call goes:
 
-        ``enter(call)`` -> [``ensure_capacity(call, nbytes)``] -> (``post`` / ``wait_all``)* ->
-        ``post(EXIT)``
+        [``setup(call)``] -> ``enter(call)`` -> [``claim_data(call, nbytes)``] ->
+        (``post`` | ``wait_all``)* -> ``post(EXIT)``
 
     Used by collectives/shm only; the contract of each method is written with it.
     """
