@@ -24,7 +24,10 @@ Per configuration (rank 0 prints one table row, all ranks' figures go to JSON):
   hidden behind compute). overlap = 1 - exposed / comm;
 - per-rank peak memory: getrusage maxrss and strategy.memory_bytes()
   (params, grads, optim, gathered_peak after the warm-up);
-- bytes sent per step per rank (StepResult.comm_bytes).
+- bytes sent per step per rank (StepResult.comm_bytes);
+- CPU time per step per rank (os.times, all threads): unlike wall time it
+  hardly changes when other processes compete for the cores, so it tells a
+  slow run on a busy machine from slow code.
 
 Napkin math for 1 rank: 6 x 8.7M x 256 = 13 GFLOP per step; at ~40 GFLOP/s
 on one AVX2 core, ~0.33 s per step, ~780 samples/s. DDP at N ranks sends
@@ -73,6 +76,12 @@ def _model_numel(in_dim: int, width: int, depth: int, classes: int) -> int:
 # ---- one rank of one configuration -------------------------------------------
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process has used, all threads (user + system)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def _batches(args, rank: int, size: int):
     """A pool of global batches (cycled); this rank's rows of each, as train_step micro-batches."""
     from trainer.data import make_synthetic, split_bounds
@@ -111,6 +120,7 @@ async def _worker_ringweave(args) -> dict:
         comm_bytes = 0
         losses = []
         await collectives.barrier(group=world)
+        cpu0 = _cpu_s()
         t0 = time.perf_counter()
         for i in range(args.steps):
             t = time.perf_counter()
@@ -123,12 +133,13 @@ async def _worker_ringweave(args) -> dict:
             losses.append(result.loss)
         await collectives.barrier(group=world)
         wall = time.perf_counter() - t0
+        cpu = _cpu_s() - cpu0
         mem = strategy.memory_bytes()
         import resource
 
         row = np.array([sums["compute_s"], sums["comm_s"], sums["exposed_comm_s"], sums["step_s"], comm_bytes,
                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, mem.get("params", 0),
-                        mem.get("grads", 0), mem.get("optim", 0), mem.get("gathered_peak", 0)], dtype=np.float64)
+                        mem.get("grads", 0), mem.get("optim", 0), mem.get("gathered_peak", 0), cpu], dtype=np.float64)
         table = np.zeros((world.size, len(row)), dtype=np.float64)
         table[world.rank] = row
         await collectives.all_reduce(table, op="sum", group=world)
@@ -138,7 +149,7 @@ async def _worker_ringweave(args) -> dict:
                          exposed_comm_s=t[2] / args.steps, step_s=t[3] / args.steps,
                          comm_bytes_per_step=int(t[4]) // args.steps, maxrss_bytes=int(t[5]),
                          params_bytes=int(t[6]), grads_bytes=int(t[7]), optim_bytes=int(t[8]),
-                         gathered_peak_bytes=int(t[9]))
+                         gathered_peak_bytes=int(t[9]), cpu_s=t[10] / args.steps)
                     for r, t in enumerate(table)]
         return dict(framework="ringweave", strategy=args.strategy, ranks=world.size, steps=args.steps,
                     batch=args.batch, wall_s=wall, samples_per_s=args.steps * args.batch / wall,
@@ -181,6 +192,7 @@ def _worker_torch(args) -> dict:
         for i in range(args.warmup):
             step(i)
         dist.barrier()
+        cpu0 = _cpu_s()
         t0 = time.perf_counter()
         step_s = 0.0
         for i in range(args.steps):
@@ -189,10 +201,12 @@ def _worker_torch(args) -> dict:
             step_s += time.perf_counter() - t
         dist.barrier()
         wall = time.perf_counter() - t0
-        row = torch.zeros(size, 2, dtype=torch.float64)
-        row[rank] = torch.tensor([step_s, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024])
+        cpu = _cpu_s() - cpu0
+        row = torch.zeros(size, 3, dtype=torch.float64)
+        row[rank] = torch.tensor([step_s, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cpu])
         dist.all_reduce(row)
-        per_rank = [dict(rank=r, step_s=float(t[0]) / args.steps, maxrss_bytes=int(t[1])) for r, t in enumerate(row)]
+        per_rank = [dict(rank=r, step_s=float(t[0]) / args.steps, maxrss_bytes=int(t[1]),
+                         cpu_s=float(t[2]) / args.steps) for r, t in enumerate(row)]
         numel = sum(p.numel() for p in model.parameters())
         return dict(framework="torch", strategy="torch-ddp", ranks=size, steps=args.steps, batch=args.batch,
                     wall_s=wall, samples_per_s=args.steps * args.batch / wall, numel=numel, per_rank=per_rank,
@@ -267,11 +281,12 @@ def format_row(r: dict) -> str:
 
     return (f"{r['strategy']:>10} {r['ranks']:>5} {r['samples_per_s']:>9.1f} {1e3 * _mean(pr, 'step_s'):>8.1f} "
             f"{f(1e3 * _mean(pr, 'compute_s'), '.1f'):>9} {f(1e3 * comm, '.1f'):>8} {f(1e3 * exposed, '.1f'):>8} "
-            f"{f(overlap, '.0%'):>8} {f(sent, '.1f'):>9} {f(held, '.1f'):>9} {mem:>9.0f}")
+            f"{f(overlap, '.0%'):>8} {f(sent, '.1f'):>9} {f(held, '.1f'):>9} {mem:>9.0f} "
+            f"{f(1e3 * _mean(pr, 'cpu_s'), '.0f'):>8}")
 
 
 HEADER = (f"{'strategy':>10} {'ranks':>5} {'samples/s':>9} {'step ms':>8} {'compute':>9} {'comm':>8} "
-          f"{'exposed':>8} {'overlap':>8} {'MiB sent':>9} {'MiB held':>9} {'maxrss':>9}")
+          f"{'exposed':>8} {'overlap':>8} {'MiB sent':>9} {'MiB held':>9} {'maxrss':>9} {'cpu ms':>8}")
 
 
 def goals(results: list[dict]) -> list[str]:
@@ -318,8 +333,8 @@ def driver_main(args) -> int:
     print(f"# MLP {args.in_dim}-{'-'.join([str(args.width)] * args.depth)}-{args.classes}: {numel / 1e6:.2f}M "
           f"parameters, AdamW float32, global batch {args.batch}, {args.warmup} warm-up + {args.steps} timed "
           f"steps, 1 BLAS thread per rank, {os.cpu_count()} cores")
-    print("# per-rank means per step: compute, comm (in flight), exposed (waited on); MiB held = "
-          "params + grads + optim; maxrss = max over ranks")
+    print("# per-rank means per step: compute, comm (in flight), exposed (waited on), cpu ms (CPU time of the "
+          "process, all threads);\n# MiB held = params + grads + optim; maxrss = max over ranks (MiB)")
     print(HEADER, flush=True)
     results = []
     for n in ranks:
