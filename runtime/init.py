@@ -232,6 +232,11 @@ async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0) -> None:
     finally:
         await rt.close()
         if server is not None:
+            # The other ranks' store clients leave after the rendezvous; close the server
+            # once they have (bounded), so none of them sees it closing under a request.
+            deadline = asyncio.get_running_loop().time() + 5.0
+            while server.statistics().clients > 0 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
             await server.close()
         if _process_default is rt:
             _process_default = None
