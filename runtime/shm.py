@@ -103,6 +103,7 @@ import re
 import secrets
 import struct
 import weakref
+import zlib
 
 from runtime.errors import CollectiveMismatchError, PeerLostError, RingweaveError
 
@@ -119,13 +120,13 @@ MIN_DATA_LOG2 = 16  # smallest data slot: 64 KiB
 
 _OFF_SEQ = 0  # u32 sequence word, written by the owner only
 _OFF_PID = 4  # u32 owner pid
-_OFF_FP = 64  # two fingerprint slots of _FP_NBYTES: u32 seq, u32 length, bytes
+_OFF_FP = 64  # two fingerprint slots of _FP_NBYTES: u32 seq, u32 crc32, u32 length, bytes
 _OFF_BELL = 2048  # u32 doorbell (the futex word the owner sleeps on), rung by the peers
 _OFF_WANT = 2056  # u64 what the owner waits for: kind << 62 | peer << 32 | target (0: nothing)
 _WANT_ALL, _WANT_ONE = 1, 2  # every other member has reached target / member `peer` has
 _SEEN_MASK = 0x3FFF  # want bits 48..61: the doorbell value the waiter saw before sleeping
 _FP_NBYTES = 512
-_FP_MAX = _FP_NBYTES - 8
+_FP_MAX = _FP_NBYTES - 12
 
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
@@ -190,7 +191,13 @@ def shm_usable(directory: str = SHM_DIR) -> bool:
     """True when ``RINGWEAVE_SHM`` is not ``"0"`` and ``directory`` is a writable directory."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    return os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+    ok = _usable_dirs.get(directory)
+    if ok is None:  # checked once per directory and process
+        ok = _usable_dirs[directory] = os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+    return ok
+
+
+_usable_dirs: dict[str, bool] = {}
 
 
 # -- futex --------------------------------------------------------------------------------------
@@ -368,6 +375,9 @@ class Domain:
         self._cooperative = False  # a peer is a task of this very process: never block the thread
         self._others: list[int] = []  # domain ranks but ours
         self._fp_checked: list[int] = []  # by domain rank: the last call whose fingerprint was compared
+        self._fp_headers: list = []  # by domain rank, slot: the u64 (seq | crc32 << 32) of a fingerprint
+        self._fp_header = 0  # ours, for the current call
+        self.views: dict = {}  # the layer above keeps its array views of the slots here
         self._prefix = ""
         self._closed = False
         self.statistics_ = {"posts": 0, "waits": 0, "spins": 0, "sleeps": 0, "rings": 0, "grows": 0}
@@ -409,6 +419,8 @@ class Domain:
         self._cooperative = any(pid == os.getpid() for p, pid in enumerate(self._pids) if p != self.rank)
         self._others = [p for p in range(self.size) if p != self.rank]
         self._fp_checked = [-1] * self.size
+        self._fp_headers = [[ctypes.c_uint64.from_buffer(s.mm, _OFF_FP + k * _FP_NBYTES) for k in (0, 1)]
+                            for s in self.ctl]
         await self._all_to_all(call)  # everyone has mapped everyone's: the names can go
         own.unlink()
         self.ready = True
@@ -468,10 +480,11 @@ class Domain:
         fp = call.fingerprint.encode()[:_FP_MAX]
         off = _OFF_FP + self.parity * _FP_NBYTES
         mm = self.ctl[self.rank].mm
-        mm[off + 8:off + 8 + len(fp)] = fp
-        # the header in ONE aligned 8-byte store: struct.pack_into would first zero it, then write
-        # it byte by byte, and a peer could read this call's number with a length of 0
-        ctypes.c_uint64.from_buffer(mm, off).value = (call.seq & 0xFFFFFFFF) | (len(fp) << 32)
+        struct.pack_into(f"<I{len(fp)}s", mm, off + 8, len(fp), fp)
+        # the header (seq, crc32) in ONE aligned 8-byte store, after the text: struct.pack_into
+        # zeroes then writes byte by byte, and a peer could read this call's number with stale text
+        self._fp_header = (call.seq & 0xFFFFFFFF) | (zlib.crc32(fp) << 32)
+        self._fp_headers[self.rank][self.parity].value = self._fp_header
 
     def small_buffer(self, domain_rank: int) -> memoryview:
         """The small slot (:data:`SMALL_NBYTES`) of ``domain_rank`` for the current call (two
@@ -613,19 +626,19 @@ class Domain:
                 pass
 
     def _check_fingerprint(self, call, p: int, early: bool = False) -> None:
-        """Raises CollectiveMismatchError if peer ``p`` published a different call ``seq``."""
-        off = _OFF_FP + self.parity * _FP_NBYTES
-        mm = self.ctl[p].mm
-        header = ctypes.c_uint64.from_buffer(mm, off).value  # one 8-byte load (see enter)
-        seq, length = header & 0xFFFFFFFF, header >> 32
-        if seq != call.seq & 0xFFFFFFFF:
+        """Raises CollectiveMismatchError if peer ``p`` published a different call (or, unless
+        ``early``, has not published this call)."""
+        header = self._fp_headers[p][self.parity].value  # one 8-byte load (see enter)
+        if header == self._fp_header:
+            return
+        if header & 0xFFFFFFFF != call.seq & 0xFFFFFFFF:
             if early:
                 return  # not there yet (or two calls ahead: caught when it posts)
             theirs = "a call with another sequence number"
         else:
-            theirs = bytes(mm[off + 8:off + 8 + min(length, _FP_MAX)]).decode(errors="replace")
-            if theirs == call.fingerprint[:len(theirs)] and len(theirs) == len(call.fingerprint.encode()[:_FP_MAX]):
-                return
+            off = _OFF_FP + self.parity * _FP_NBYTES + 8
+            length = struct.unpack_from("<I", self.ctl[p].mm, off)[0]
+            theirs = bytes(self.ctl[p].mm[off + 4:off + 4 + min(length, _FP_MAX)]).decode(errors="replace")
         group = self.group
         exc = CollectiveMismatchError(
             f"collective mismatch in group {group.gid} at call #{call.seq}: rank {group.ranks[group.rank]} "
@@ -653,7 +666,8 @@ class Domain:
         if self._closed:
             return
         self._closed = True
-        self._words, self._bells, self._wants = [], [], []
+        self._words, self._bells, self._wants, self._fp_headers = [], [], [], []
+        self.views.clear()
         for seg in self.ctl + self.data:
             if seg is not None:
                 seg.unlink()

@@ -8,7 +8,6 @@ Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import numpy as np
@@ -76,27 +75,49 @@ class Link:
         await self.irecv(src, buf)
 
 
-@contextlib.asynccontextmanager
-async def session(comm, members: list[int], index: int = 0):
-    """One call on the domain of ``members`` (group ranks, this rank among them): takes the
-    domain's lock (calls run in sequence order), sets the domain up on first use, enters the
-    call; on success posts EXIT. On failure the domain is closed (the group is failed anyway)."""
-    dom = shm.domain(comm.group, members, index)
-    async with dom.lock:
+class session:
+    """``async with session(comm, members, index) as dom``: one call on the domain of ``members``
+    (group ranks, this rank among them). Takes the domain's lock (calls run in sequence order),
+    sets the domain up on first use, enters the call; on success posts EXIT. On failure the
+    domain is closed (the group is failed anyway). A class, not a generator: it runs per call."""
+
+    __slots__ = ("comm", "dom")
+
+    def __init__(self, comm, members: list[int], index: int = 0):
+        self.comm = comm
+        self.dom = shm.domain(comm.group, members, index)
+
+    async def __aenter__(self):
+        dom = self.dom
+        await dom.lock.acquire()
         try:
             if not dom.ready:
-                await dom.setup(comm)
-            await dom.enter(comm)
-            yield dom
-            dom.post(comm, shm.EXIT)
+                await dom.setup(self.comm)
+            await dom.enter(self.comm)
         except BaseException:
             dom.close()
+            dom.lock.release()
             raise
+        return dom
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        dom = self.dom
+        try:
+            if exc_type is None:
+                dom.post(self.comm, shm.EXIT)
+            else:
+                dom.close()
+        finally:
+            dom.lock.release()
 
 
-def small_view(dom, p: int, dtype, count: int, offset: int = 0) -> np.ndarray:
-    """``count`` elements of member ``p``'s small slot, from element ``offset``."""
-    return np.frombuffer(dom.small_buffer(p), dtype, count, offset * np.dtype(dtype).itemsize)
+def small_view(dom, p: int, dtype, count: int) -> np.ndarray:
+    """The first ``count`` elements of member ``p``'s small slot of the current call."""
+    key = ("small", dom.parity)
+    slots = dom.views.get(key)
+    if slots is None:  # byte arrays over every member's slot, made once per parity
+        slots = dom.views[key] = [np.frombuffer(dom.small_buffer(q), np.uint8) for q in range(dom.size)]
+    return slots[p][:count * np.dtype(dtype).itemsize].view(dtype)
 
 
 def data_view(dom, p: int, dtype, count: int) -> np.ndarray:
