@@ -1,0 +1,375 @@
+"""Compressed all_reduce: one function per way of combining a codec's payloads.
+
+``all_reduce(x, compression=...)`` (collectives/api.py) lands in :func:`all_reduce`
+here, which picks the style from the codec's ``reduction`` (or from
+``algorithm=``) and runs it. ops: ``sum`` and ``avg`` only; float arrays only
+(any float dtype; the codecs work in float32 and the result is cast back).
+Every rank ends with the same bits (each decodes the same payloads in rank
+order), so DDP replicas stay identical.
+
+=============  =====================  ===========================  =================================
+style          default for            wire bytes per rank          error per element (vs exact sum)
+=============  =====================  ===========================  =================================
+``shard``      fp16, bf16, int8, topk  2 (W-1)/W x payload(n)      sum_r e(x_r|shard) + e(sum|shard)
+``gather``     (algorithm="gather")    (W-1) x payload(n)          sum_r e(x_r)
+``ring``       (algorithm="ring",      ring all_reduce on 16-bit   16-bit rounding of every partial
+               fp16/bf16 only)         values: 2 (W-1)/W x 2n      sum (W roundings)
+``phases``     powersgd                4 r (n + m) per matrix, x2  ||avg M - P P^T avg M||_F <= ||avg M||_F
+=============  =====================  ===========================  =================================
+
+``e(v)`` is the codec's own one-array bound (collectives/compress/<codec>.py):
+fp16 2**-11 |v|, bf16 2**-8 |v|, int8 absmax(block of v) / 254 (+1e-4 rel),
+topk |k-th largest of v| (max-norm; kept entries exact).
+
+* ``shard`` (:func:`shard_decode_sum`; compress, scatter-reduce, recompress,
+  gather, as in Dist-EF-SGD, Zheng et al. 2019): the array is cut into W
+  shards. Every rank encodes each shard separately and sends shard j's payload
+  to rank j (all_to_all); rank j decodes the W payloads of its shard into a
+  float32 sum (rank order), encodes that sum once more and all_gathers it.
+  Wire bytes: those of a ring all_reduce on the payload, i.e. the codec's
+  ratio against uncompressed: int8 25.4%, topk(1%) 2%, fp16/bf16 50%. The
+  error is the per-rank codec errors plus ONE re-encoding of the reduced
+  shard (top-k of the sum keeps k of up to W k entries: with error feedback
+  the owner carries what it dropped too, under ``key=("owner", key)``).
+  Measured in bench/compression.py against ``gather`` and ``ring``.
+* ``gather`` (:func:`gather_decode_sum`, the codec's textbook reduction):
+  all_gather every rank's whole payload, decode-add all W into float32. Error:
+  only the per-rank codec errors; bytes grow with W: (W-1) x payload per rank,
+  which at 4 ranks is 51% of an fp32 ring all_reduce for int8, 4% for topk 1%.
+* ``ring`` (:func:`cast_ring`, fp16/bf16): the plain ring (or table's)
+  all_reduce of the 16-bit array; the kernels add in float32 and round back
+  at each step, so every partial sum is rounded again: error up to about
+  2**-11 (fp16) x W x sum_r |x_r|. Kept for the measurement.
+* ``phases`` (:func:`powersgd_phases`): P = M Q, all_reduce(P, avg),
+  orthogonalize, Q = M^T P, all_reduce(Q, avg), M_hat = P Q^T. Arrays that
+  are not worth compressing (1-D, or r (n + m) >= n m) ride uncompressed in
+  the P all_reduce; several matrices (a bucket) share the two all_reduces.
+
+Error feedback: pass ``get_codec(name, error_feedback=True)`` (an
+``ErrorFeedback``); the residual is kept per ``key`` (one per tensor or
+bucket; the bucketer passes the bucket's index). What the residual holds:
+shard / gather: ``y - decode(encode(y))`` of this rank's compensated input
+(shard by shard); phases: ``M - P (M^T P)^T``, this rank's own projection error.
+
+Sequence numbers: a style makes two collective calls; it takes both sequence
+numbers before its first wait, so that compressed and plain calls may be in
+flight together on one group (the api's ordering contract). The second call
+therefore runs after calls with later numbers may have started, which the
+TCP algorithms allow (frames are matched by call) but the shared-memory ones
+do not (a rank's calls enter a domain in the order they run): the sub-calls
+use the TCP table's algorithm (:func:`_start`). Compression is for slow
+networks; on one machine the uncompressed shm all_reduce is the faster choice.
+
+Not here: the codecs' maths (collectives/compress), device arrays (device.py),
+buckets (bucket.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collectives.compress import ErrorFeedback, PowerSGDCodec, get_codec
+from collectives.compress.base import Codec, as_f32
+from collectives.compress.powersgd import matrix_shape
+
+STYLES = ("shard", "gather", "ring", "phases")
+DEFAULT_STYLE = {"cast-reduce": "shard", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
+_ALIGN = 8  # payload pieces start at multiples of 8 bytes, so unpacked views are aligned
+
+__all__ = ["STYLES", "all_reduce", "cast_ring", "gather_decode_sum", "powersgd_phases", "resolve",
+           "shard_decode_sum", "wire_nbytes"]
+
+
+def resolve(compression) -> Codec:
+    """A codec from a name or object (``collectives.compress.get_codec``)."""
+    return get_codec(compression)
+
+
+def _split(codec: Codec) -> tuple[ErrorFeedback | None, Codec]:
+    return (codec, codec.codec) if isinstance(codec, ErrorFeedback) else (None, codec)
+
+
+def _style(codec: Codec, algorithm: str | None) -> str:
+    _, inner = _split(codec)
+    style = algorithm or DEFAULT_STYLE.get(inner.reduction)
+    if style not in STYLES:
+        raise ValueError(f"all_reduce(compression={codec!r}): algorithm={algorithm!r} is not a compressed "
+                         f"all_reduce style; choose from {STYLES}")
+    if style == "ring" and inner.reduction != "cast-reduce":
+        raise ValueError(f"algorithm='ring' reduces 16-bit casts only (fp16, bf16), not {inner.name}")
+    if (style == "phases") != (inner.reduction == "powersgd-phases"):
+        raise ValueError(f"{inner.name} is reduced by {'phases' if style != 'phases' else 'shard/gather'}, "
+                         f"not algorithm={style!r}")
+    return style
+
+
+# ---- payload <-> bytes ----------------------------------------------------------------------
+
+def _layout(payload) -> list[tuple[int, np.dtype, tuple]]:
+    """(byte offset, dtype, shape) of each payload array in a packed message."""
+    out, off = [], 0
+    for a in payload:
+        out.append((off, a.dtype, a.shape))
+        off += -(-a.nbytes // _ALIGN) * _ALIGN
+    return out
+
+
+def _layout_nbytes(payload) -> int:
+    return sum(-(-a.nbytes // _ALIGN) * _ALIGN for a in payload)
+
+
+def _pack(payload, out: np.ndarray) -> None:
+    """Payload arrays into the uint8 message ``out`` at their aligned offsets."""
+    for a, (off, _, _) in zip(payload, _layout(payload)):
+        b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        out[off:off + b.size] = b
+
+
+def _unpack(msg: np.ndarray, layout) -> tuple:
+    """Views of one packed message as payload arrays (no copy)."""
+    return tuple(msg[off:off + int(np.prod(shape, dtype=np.int64)) * dt.itemsize].view(dt).reshape(shape)
+                 for off, dt, shape in layout)
+
+
+def wire_nbytes(codec, n: int, world: int, algorithm: str | None = None) -> int:
+    """Bytes one rank sends in a compressed all_reduce of ``n`` float elements (for checks and bench)."""
+    codec = resolve(codec)
+    _, inner = _split(codec)
+    style = _style(codec, algorithm)
+    if world == 1:
+        return 0
+    if style == "shard":
+        chunk = -(-n // world)
+        probe = inner.encode(np.zeros(chunk, np.float32))
+        return 2 * (world - 1) * _layout_nbytes(probe)
+    if style == "gather":
+        return (world - 1) * _layout_nbytes(inner.encode(np.zeros(n, np.float32)))
+    raise ValueError(f"wire_nbytes: style {style!r} depends on the all_reduce algorithm; measure it")
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeout: float | None = None,
+                     algorithm: str | None = None, key=None) -> np.ndarray:
+    """Compressed all_reduce of ``x`` in place; returns ``x``. See the module docstring.
+
+    Args:
+        codec: a name or Codec (ErrorFeedback-wrapped for error feedback).
+        op: ``"sum"`` or ``"avg"``.
+        algorithm: a style from :data:`STYLES`; default per codec.
+        key: the state stream (error feedback residual, PowerSGD's Q), e.g. a bucket index.
+
+    Raises:
+        ValueError: another op, an unknown style. TypeError: a non-float array.
+    """
+    from collectives import api, ops
+    codec = resolve(codec)
+    if op not in ("sum", "avg"):
+        raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
+    ops.check_array("x", x)
+    if x.dtype.kind != "f":
+        raise TypeError(f"compressed all_reduce takes float arrays, got {x.dtype}; pass compression=None")
+    if _split(codec)[1].reduction == "sum":  # the identity codec
+        return await api.all_reduce(x, op=op, group=group, timeout=timeout)
+    style = _style(codec, algorithm)
+    group = api._group(group)
+    if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
+        return await api.all_reduce(x, op=op, group=group, timeout=timeout)
+    if style == "phases":
+        await powersgd_phases([x], codec, op=op, group=group, timeout=timeout, key=key)
+    else:
+        fn = {"shard": shard_decode_sum, "gather": gather_decode_sum, "ring": cast_ring}[style]
+        await fn(ops.flat(x), codec, op=op, group=group, timeout=timeout, key=key)
+    return x
+
+
+def _start(group, collective: str, nbytes: int, timeout, **fp):
+    """Opens a sub-call (takes its sequence number now) on the TCP table's algorithm: the first
+    rule of ``registry.TABLES`` that is not a shared-memory one (see the module docstring)."""
+    from collectives import api, registry
+    for rule in registry.TABLES[collective]:
+        if rule.algorithm not in ("shm", "hierarchical") and rule.applies(nbytes, group.size):
+            return api._start(group, collective, nbytes, rule.algorithm, timeout, **fp)
+    raise ValueError(f"no TCP {collective} algorithm for {nbytes} bytes on {group.size} ranks")  # pragma: no cover
+
+
+def _compensated(ef, inner, x: np.ndarray, key) -> np.ndarray:
+    """y = x + carried error (with error feedback), else x as float32; flat."""
+    return (ef.compensate(x, key=key) if ef is not None else as_f32(x)).reshape(-1)
+
+
+def _finish(flat: np.ndarray, result: np.ndarray, op: str, size: int) -> None:
+    if op == "avg":
+        result /= np.float32(size)
+    np.copyto(flat, result, casting="unsafe")
+
+
+# ---- styles ---------------------------------------------------------------------------------
+
+async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
+    """Compress per shard -> all_to_all -> decode-sum own shard in float32 -> recompress -> all_gather.
+
+    ``flat`` (n,) float, in place. Shards: ``chunk = ceil(n / W)`` elements,
+    the last padded with zeros. Rank 0 / rank 1 of 2, n = 4, fp16::
+
+        x0 = [1 2 3 4]  x1 = [10 20 30 40]
+        all_to_all:  r0 gets fp16 [1 2], [10 20];  r1 gets [3 4], [30 40]
+        sum float32: r0 [11 22]                    r1 [33 44]
+        all_gather of fp16 sums: both [11 22 33 44]
+    """
+    from collectives import api
+    ef, inner = _split(codec)
+    group = api._group(group)
+    W, n = group.size, flat.size
+    chunk = -(-n // W)
+    y = np.zeros(W * chunk, np.float32)  # (W, chunk) padded
+    y[:n] = _compensated(ef, inner, flat, key)
+    payloads = [inner.encode(y[j * chunk:(j + 1) * chunk]) for j in range(W)]  # shard j -> rank j
+    layout, nb = _layout(payloads[0]), _layout_nbytes(payloads[0])
+    if ef is not None:  # what this rank did not send, shard by shard
+        err = np.empty(W * chunk, np.float32)
+        for j, p in enumerate(payloads):
+            inner.residual_into(y[j * chunk:(j + 1) * chunk], p, err[j * chunk:(j + 1) * chunk])
+        ef.errors[key].reshape(-1)[...] = err[:n]
+    send = np.empty(W * nb, np.uint8)
+    for j, p in enumerate(payloads):
+        _pack(p, send[j * nb:(j + 1) * nb])
+    # both calls take their sequence numbers now, before the first wait
+    a2a_call, a2a = _start(group, "all_to_all", send.nbytes, timeout, dtype=send.dtype, count=send.size)
+    ag_call, ag = _start(group, "all_gather", nb, timeout, dtype=send.dtype, count=nb)
+    recv = np.empty(W * nb, np.uint8)
+    await group.run(a2a_call, a2a, recv, send)  # block j of recv: rank j's payload of my shard
+    acc = np.zeros(chunk, np.float32)
+    for j in range(W):  # decode-add in rank order: the same bits on every rank
+        inner.decode_add(_unpack(recv[j * nb:(j + 1) * nb], layout), acc)
+    if op == "avg":
+        acc /= np.float32(W)
+    if ef is not None:  # the owner's own error feedback on the re-encoding
+        owner = ef.compensate(acc, key=("owner", key))
+        mine_payload = inner.encode(owner)
+        inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
+    else:
+        mine_payload = inner.encode(acc)
+    mine = np.empty(nb, np.uint8)
+    _pack(mine_payload, mine)
+    gathered = np.empty(W * nb, np.uint8)
+    await group.run(ag_call, ag, gathered, mine)  # every rank's reduced shard
+    result = np.empty(W * chunk, np.float32)
+    for j in range(W):
+        result[j * chunk:(j + 1) * chunk] = inner.decode(_unpack(gathered[j * nb:(j + 1) * nb], layout), chunk)
+    np.copyto(flat, result[:n], casting="unsafe")
+
+
+async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
+    """all_gather every rank's whole payload, then decode-add all W into float32 (rank order).
+
+    Rank 0 / rank 1 of 2, int8::
+
+        payloads: r0 enc(x0), r1 enc(x1)  -> both hold [enc(x0), enc(x1)]
+        both: out = dec(enc(x0)) + dec(enc(x1))
+    """
+    from collectives import api
+    ef, inner = _split(codec)
+    group = api._group(group)
+    W, n = group.size, flat.size
+    y = _compensated(ef, inner, flat, key)
+    payload = inner.encode(y)
+    if ef is not None:
+        inner.residual_into(y, payload, ef.errors[key].reshape(-1))
+    layout, nb = _layout(payload), _layout_nbytes(payload)
+    mine = np.empty(nb, np.uint8)
+    _pack(payload, mine)
+    call, ag = _start(group, "all_gather", nb, timeout, dtype=mine.dtype, count=nb)
+    gathered = np.empty(W * nb, np.uint8)
+    await group.run(call, ag, gathered, mine)
+    acc = np.zeros(n, np.float32)
+    for j in range(W):
+        inner.decode_add(_unpack(gathered[j * nb:(j + 1) * nb], layout), acc)
+    _finish(flat, acc, op, W)
+
+
+async def cast_ring(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
+    """fp16 / bf16: the table's all_reduce on the 16-bit array (float32 adds, rounded every step)."""
+    from collectives import api, ops
+    ef, inner = _split(codec)
+    group = api._group(group)
+    y = _compensated(ef, inner, flat, key)
+    (h,) = payload = inner.encode(y)
+    if ef is not None:
+        inner.residual_into(y, payload, ef.errors[key].reshape(-1))
+    h = np.ascontiguousarray(h)
+    call, fn = _start(group, "all_reduce", h.nbytes, timeout, op="sum", dtype=h.dtype, count=h.size)
+    await group.run(call, fn, h, ops.kernel_op("sum"))
+    _finish(flat, inner.decode((h,), h.size), op, group.size)
+
+
+def _worth_compressing(shape, r: int) -> bool:
+    n, m = matrix_shape(tuple(shape))
+    return len(shape) >= 2 and r * (n + m) < n * m
+
+
+async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, key=None) -> None:
+    """PowerSGD over a list of arrays (a bucket's members, or one array), in place.
+
+    Phase 1: P_i = M_i Q_i for each matrix, one all_reduce(avg) of [P_1 .. P_k,
+    uncompressed arrays]; orthogonalize each P_i. Phase 2: Q_i = M_i^T P_i, one
+    all_reduce(avg) of [Q_1 .. Q_k] (the warm start for the next step);
+    M_i = P_i Q_i^T. State per ``(key, i)``.
+    """
+    from collectives import api
+    ef, inner = _split(codec)
+    if not isinstance(inner, PowerSGDCodec):
+        raise TypeError(f"powersgd_phases needs a PowerSGDCodec, got {inner!r}")
+    group = api._group(group)
+    W, r = group.size, inner.rank
+    mats = [i for i, a in enumerate(arrays) if a.dtype.kind == "f" and _worth_compressing(a.shape, r)]
+    plain = [i for i in range(len(arrays)) if i not in set(mats)]
+    M, P = {}, {}
+    for i in mats:
+        y = ef.compensate(arrays[i], key=(key, i)) if ef is not None else as_f32(arrays[i])
+        M[i] = y.reshape(matrix_shape(arrays[i].shape))  # (n, m)
+        P[i] = inner.compute_p(M[i], key=(key, i))      # (n, r)
+    n1 = sum(P[i].size for i in mats) + sum(arrays[i].size for i in plain)
+    n2 = sum(M[i].shape[1] * r for i in mats)
+    buf1 = np.empty(n1, np.float32)
+    off = 0
+    for i in mats:
+        buf1[off:off + P[i].size] = P[i].reshape(-1)
+        P[i] = buf1[off:off + P[i].size].reshape(P[i].shape)
+        off += P[i].size
+    for i in plain:
+        buf1[off:off + arrays[i].size] = arrays[i].reshape(-1)
+        off += arrays[i].size
+    call1, fn1 = _start(group, "all_reduce", buf1.nbytes, timeout, op="sum", dtype=buf1.dtype,
+                            count=n1)
+    call2, fn2 = (_start(group, "all_reduce", 4 * n2, timeout, op="sum", dtype=buf1.dtype, count=n2)
+                  if mats else (None, None))
+    await group.run(call1, fn1, buf1, "sum")
+    off = sum(P[i].size for i in mats)
+    for i in plain:  # uncompressed riders: the exact sum
+        view = buf1[off:off + arrays[i].size]
+        if op == "avg":
+            view /= np.float32(W)
+        np.copyto(arrays[i].reshape(-1), view, casting="unsafe")
+        off += arrays[i].size
+    if not mats:
+        return
+    buf2 = np.empty(n2, np.float32)
+    off = 0
+    Q = {}
+    for i in mats:
+        inner.after_p_allreduce(P[i])            # orthonormal columns; the scale of the sum does not matter
+        q = inner.compute_q(M[i], P[i], key=(key, i))  # (m, r), this rank's M^T P
+        if ef is not None:  # this rank's own projection error
+            np.subtract(M[i], P[i] @ q.T, out=ef.errors[(key, i)].reshape(M[i].shape))
+        buf2[off:off + q.size] = q.reshape(-1)
+        Q[i] = (q, buf2[off:off + q.size].reshape(q.shape))
+        off += q.size
+    await group.run(call2, fn2, buf2, "sum")
+    for i in mats:
+        state, q_sum = Q[i]
+        np.divide(q_sum, np.float32(W), out=state)  # average: the warm start for the next step
+        out = inner.decompress(P[i], state)        # (n, m): approximation of the average
+        if op == "sum":
+            out *= np.float32(W)
+        np.copyto(arrays[i], out.reshape(arrays[i].shape), casting="unsafe")
