@@ -109,14 +109,21 @@ def _start(group, collective: str, nbytes: int, algorithm, timeout, **fp):
 
 
 async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float | None = None,
-                     algorithm: str | None = None, compression=None) -> np.ndarray:
+                     algorithm: str | None = None, compression=None, key=None) -> np.ndarray:
     """Reduces ``x`` over all ranks of the group, in place on every rank; returns ``x``.
 
     Args:
         x: any shape; C-contiguous, writeable.
         op: ``"sum" | "avg" | "prod" | "min" | "max"``.
-        compression: must be None for now (codecs in collectives/compress
-            come later); anything else raises NotImplementedError.
+        compression: None (exact), or a codec name (``"fp16" | "bf16" | "int8" |
+            "topk" | "powersgd"``) or object (``collectives.compress.get_codec(name,
+            error_feedback=True, ...)``): float arrays, op sum or avg; how each codec
+            is reduced and the error it brings: collectives/compressed.py. With a
+            codec, ``algorithm`` names a compressed style (``"shard" | "gather" |
+            "ring" | "phases"``). A name makes a fresh codec per call: pass an
+            object to keep error-feedback / PowerSGD state between calls.
+        key: with a stateful codec, the state stream of this tensor (e.g. a
+            bucket index); one codec object serves many tensors by key.
 
     Example (2 ranks)::
 
@@ -125,9 +132,10 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
         await all_reduce(x, op="sum")
         # Rank 0: [4. 6.]   Rank 1: [4. 6.]
     """
-    if compression is not None:
-        raise NotImplementedError(f"all_reduce(compression={compression!r}): compression is not implemented yet; "
-                                  "pass compression=None")
+    if compression is not None:  # collectives/compressed.py (compression issue)
+        from collectives import compressed
+        return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
+                                           algorithm=algorithm, key=key)
     group = _group(group)
     ops.check_array("x", x)
     ops.check_op(op)

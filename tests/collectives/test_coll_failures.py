@@ -30,7 +30,9 @@ BAD_CALLS = [  # (description, call on rank's arrays, exception, words the messa
     ("gather out missing", lambda: C.gather(None, np.ones(2), dst=0), None, ["out", "None"]),
     ("all_to_all indivisible", lambda: C.all_to_all(np.ones(3), np.ones(3)), ValueError, ["3", "multiple"]),
     ("unknown algorithm", lambda: C.all_reduce(np.ones(2), algorithm="butterfly"), ValueError, ["butterfly", "ring"]),
-    ("compression", lambda: C.all_reduce(np.ones(2), compression="fp16"), NotImplementedError, ["compression"]),
+    ("unknown codec", lambda: C.all_reduce(np.ones(2), compression="zip"), ValueError, ["zip", "int8"]),
+    ("compressed max", lambda: C.all_reduce(np.ones(2), op="max", compression="int8"), ValueError, ["'max'"]),
+    ("compressed ints", lambda: C.all_reduce(np.ones(2, np.int32), compression="int8"), TypeError, ["int32"]),
     ("p2p tag", lambda: C.send(np.ones(2), dst=1, tag="x"), TypeError, ["tag"]),
 ]
 
