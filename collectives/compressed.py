@@ -131,19 +131,34 @@ def _unpack(msg: np.ndarray, layout) -> tuple:
                  for off, dt, shape in layout)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _message_nbytes(inner: Codec, n: int) -> int:
+    """Bytes of one packed message of ``inner``'s payload for ``n`` elements (no encoding: an
+    encode could advance a codec's state, e.g. int8's stochastic-rounding counter)."""
+    from collectives.compress import Int8Codec, TopKCodec
+    from collectives.compress.topk import topk_count
+    if isinstance(inner, Int8Codec):
+        return _aligned(n) + _aligned(4 * -(-n // inner.block))
+    if isinstance(inner, TopKCodec):
+        return 2 * _aligned(4 * topk_count(n, inner.ratio))
+    return _aligned(inner.wire_nbytes(n))  # one-piece payloads (fp16, bf16)
+
+
 def wire_nbytes(codec, n: int, world: int, algorithm: str | None = None) -> int:
-    """Bytes one rank sends in a compressed all_reduce of ``n`` float elements (for checks and bench)."""
+    """Payload bytes one rank sends in a compressed all_reduce of ``n`` float elements
+    (``shard`` / ``gather`` styles; frame headers not included)."""
     codec = resolve(codec)
     _, inner = _split(codec)
     style = _style(codec, algorithm)
     if world == 1:
         return 0
     if style == "shard":
-        chunk = -(-n // world)
-        probe = inner.encode(np.zeros(chunk, np.float32))
-        return 2 * (world - 1) * _layout_nbytes(probe)
+        return 2 * (world - 1) * _message_nbytes(inner, -(-n // world))
     if style == "gather":
-        return (world - 1) * _layout_nbytes(inner.encode(np.zeros(n, np.float32)))
+        return (world - 1) * _message_nbytes(inner, n)
     raise ValueError(f"wire_nbytes: style {style!r} depends on the all_reduce algorithm; measure it")
 
 
