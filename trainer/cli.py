@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
                    help="global-norm gradient clipping (default off)")
     g.add_argument("--compression", default=None, metavar="CODEC",
-                   help="gradient codec, e.g. fp16, bf16, int8, topk, powersgd (default none)")
+                   help="gradient codec (ddp), e.g. fp16, bf16, int8, topk, powersgd; "
+                        "append +ef for error feedback, e.g. int8+ef (default none)")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="zero3/fsdp: keep gathered parameters from forward to backward")

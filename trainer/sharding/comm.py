@@ -91,13 +91,21 @@ class Comm:
 
     # ---- collectives (event-loop thread) ----------------------------------------
 
-    async def all_reduce(self, x: np.ndarray, op: str = "sum", *, grad: bool = False) -> None:
-        """In place; ``grad=True`` passes the gradient codec."""
+    async def all_reduce(self, x: np.ndarray, op: str = "sum", *, grad: bool = False, key=None) -> None:
+        """In place; ``grad=True`` passes the gradient codec, ``key`` names its state stream
+        (error feedback, PowerSGD), e.g. the DDP bucket's index."""
         if self.size == 1:
             return
-        kw = {"compression": self.codec} if grad and self.codec is not None else {}
-        await self._timed(self._ring(x.nbytes, 2.0),
-                          _collectives().all_reduce(x, op=op, group=self.group, **kw))
+        if grad and self.codec is not None:
+            from collectives import compressed
+            try:
+                nbytes = compressed.wire_nbytes(self.codec, x.size, self.size)
+            except ValueError:  # styles whose bytes depend on the algorithm: count the fp32 ring
+                nbytes = self._ring(x.nbytes, 2.0)
+            await self._timed(nbytes, _collectives().all_reduce(x, op=op, group=self.group,
+                                                                compression=self.codec, key=key))
+            return
+        await self._timed(self._ring(x.nbytes, 2.0), _collectives().all_reduce(x, op=op, group=self.group))
 
     async def all_gather(self, out: np.ndarray, x: np.ndarray) -> None:
         """``out`` (size * len(x),) gets every rank's ``x``, rank-major."""

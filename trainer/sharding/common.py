@@ -117,7 +117,10 @@ class DataParallelBase(Strategy):
         codec = None
         if config.compression not in (None, "none"):
             from collectives.compress import get_codec  # the compression issue's codecs
-            codec = get_codec(config.compression)
+            name, ef = config.compression, False
+            if isinstance(name, str) and name.endswith("+ef"):  # e.g. "int8+ef": with error feedback
+                name, ef = name[:-3], True
+            codec = get_codec(name, error_feedback=ef)
         self.comm = Comm(group, codec=codec)
         self.step = 0
         self.states: list = []

@@ -129,7 +129,8 @@ class DDPStrategy(DataParallelBase):
         def after_unit_backward(i: int) -> None:
             bucket = self._bucket_of.get(i)
             if bucket is not None:  # its last unit is done: reduce the whole bucket now
-                self.comm.launch(self.comm.all_reduce(bucket.buffer, grad=True))
+                # key: the bucket's codec state (error feedback) follows the bucket from step to step
+                self.comm.launch(self.comm.all_reduce(bucket.buffer, grad=True, key=bucket.ready_after))
 
         return {"after_unit_backward": after_unit_backward}
 
