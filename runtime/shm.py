@@ -58,8 +58,10 @@ Synchronisation
     So a dead peer is seen within about one slice (its TCP connections close and its pid stops
     existing: ~0.1 s measured), and a wait ends at most one slice after its deadline.
 
-    The thread blocks (not the event loop's other tasks' business for up to one slice): a
-    thread hand-off per wait cost more than the whole small all_reduce here. When a peer lives
+    The thread blocks, so the event loop's other tasks wait for up to one slice (5 ms) at a time
+    while a shared-memory collective waits for a slow peer (like a blocking MPI call): a thread
+    hand-off per wait cost more than the whole small all_reduce here. Work that must overlap a
+    collective should run in another thread (or use ``RINGWEAVE_SHM=0``). When a peer lives
     in this very process (``runtime.testing`` runs ranks as tasks of one event loop), blocking
     would block that peer, so those waits are cooperative: ``await asyncio.sleep(0)`` between
     reads, then 0.5 ms sleeps.
@@ -131,7 +133,8 @@ _FP_MAX = _FP_NBYTES - 12
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
 SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "5"))  # sched_yield spins before sleeping
-SLICE_S = 0.02  # one futex sleep; the bound on noticing a lost peer or a passed deadline
+SLICE_S = 0.005  # one futex sleep: the event loop's other tasks get a turn at least this often
+                 # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
 
 
 # -- names --------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import logging
 
 import numpy as np
 
-from collectives.kernels import reduce_into
 from runtime import shm
 
 log = logging.getLogger("ringweave.collectives.shm")
@@ -135,13 +134,6 @@ async def off_loop(nbytes: int, fn, *args) -> None:
         await asyncio.to_thread(fn, *args)
     else:
         fn(*args)
-
-
-def reduce_many(dst: np.ndarray, srcs: list[np.ndarray], op: str) -> None:
-    """``dst = dst <op> srcs[0] <op> srcs[1] ...`` in that order (one pass per source)."""
-    if dst.size:
-        for src in srcs:
-            reduce_into(dst, src, op)
 
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.shm import common
+from collectives.shm import common, kernels
 from runtime import shm
 
 
@@ -46,7 +46,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
 
         def reduce_mine():
             np.copyto(out, blocks[r])
-            common.reduce_many(out, [slots[p][r] for p in others], op)
+            kernels.reduce_publish(out, [slots[p][r] for p in others], out, op)  # one pass
 
         if m:
             await common.off_loop(out.nbytes * n, reduce_mine)

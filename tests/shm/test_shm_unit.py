@@ -40,6 +40,7 @@ def test_remove_job_segments_of_a_job_and_its_ranks(tmp_path):
 
 
 def test_shm_usable_follows_the_switch(monkeypatch, tmp_path):
+    monkeypatch.delenv("RINGWEAVE_SHM", raising=False)
     assert shm.shm_usable(str(tmp_path))
     monkeypatch.setenv("RINGWEAVE_SHM", "0")
     assert not shm.shm_usable(str(tmp_path))
