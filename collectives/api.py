@@ -64,6 +64,13 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
            "all_to_all", "barrier", "send", "recv"]
 
 
+def _on_device(a) -> bool:
+    """A device array (``__cuda_array_interface__`` or numba's simulator array): see device.py.
+    all_reduce, all_gather and broadcast take them; the other calls want NumPy arrays."""
+    return not isinstance(a, np.ndarray) and (hasattr(a, "__cuda_array_interface__")
+                                              or type(a).__name__ == "FakeCUDAArray")
+
+
 def _group(group):
     return group if group is not None else current_runtime().world
 
@@ -132,6 +139,9 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
         await all_reduce(x, op="sum")
         # Rank 0: [4. 6.]   Rank 1: [4. 6.]
     """
+    if _on_device(x):  # collectives/device.py (compression issue): staged through the host
+        from collectives import device
+        return await device.all_reduce(x, op, group, timeout, algorithm, compression, key)
     if compression is not None:  # collectives/compressed.py (compression issue)
         from collectives import compressed
         return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
@@ -161,6 +171,9 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         await all_gather(out, x)
         # Rank 0: out = [1 2 3 4] Rank 1: out = [1 2 3 4]
     """
+    if _on_device(out) or _on_device(x):  # collectives/device.py
+        from collectives import device
+        return await device.all_gather(out, x, group, timeout, algorithm)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
@@ -211,6 +224,9 @@ async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | No
         await broadcast(x, src=0)
         # Rank 0: [7 8]   Rank 1: [7 8]
     """
+    if _on_device(x):  # collectives/device.py
+        from collectives import device
+        return await device.broadcast(x, src, group, timeout, algorithm)
     group = _group(group)
     ops.check_array("x", x)
     src = ops.check_root("src", src, group.size)
