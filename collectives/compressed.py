@@ -10,10 +10,11 @@ order), so DDP replicas stay identical.
 =============  =====================  ===========================  =================================
 style          default for            wire bytes per rank          error per element (vs exact sum)
 =============  =====================  ===========================  =================================
-``shard``      fp16, bf16, int8, topk  2 (W-1)/W x payload(n)      sum_r e(x_r|shard) + e(sum|shard)
+``shard``      int8, topk              2 (W-1)/W x payload(n)      sum_r e(x_r|shard) + e(sum|shard)
 ``gather``     (algorithm="gather")    (W-1) x payload(n)          sum_r e(x_r)
-``ring``       (algorithm="ring",      ring all_reduce on 16-bit   16-bit rounding of every partial
-               fp16/bf16 only)         values: 2 (W-1)/W x 2n      sum (W roundings)
+``ring``       fp16, bf16              the table's all_reduce on   16-bit rounding of every partial
+                                       16-bit values (ring: 2n     sum (W roundings)
+                                       x 2 (W-1)/W)
 ``phases``     powersgd                4 r (n + m) per matrix, x2  ||avg M - P P^T avg M||_F <= ||avg M||_F
 =============  =====================  ===========================  =================================
 
@@ -27,7 +28,8 @@ topk |k-th largest of v| (max-norm; kept entries exact).
   to rank j (all_to_all); rank j decodes the W payloads of its shard into a
   float32 sum (rank order), encodes that sum once more and all_gathers it.
   Wire bytes: those of a ring all_reduce on the payload, i.e. the codec's
-  ratio against uncompressed: int8 25.4%, topk(1%) 2%, fp16/bf16 50%. The
+  ratio against uncompressed: int8 25.4%, topk(1%) 2% (measured at 4 ranks:
+  25.4% and 2.0% of the fp32 all_reduce's bytes, bench/compression.py). The
   error is the per-rank codec errors plus ONE re-encoding of the reduced
   shard (top-k of the sum keeps k of up to W k entries: with error feedback
   the owner carries what it dropped too, under ``key=("owner", key)``).
@@ -36,10 +38,11 @@ topk |k-th largest of v| (max-norm; kept entries exact).
   all_gather every rank's whole payload, decode-add all W into float32. Error:
   only the per-rank codec errors; bytes grow with W: (W-1) x payload per rank,
   which at 4 ranks is 51% of an fp32 ring all_reduce for int8, 4% for topk 1%.
-* ``ring`` (:func:`cast_ring`, fp16/bf16): the plain ring (or table's)
+* ``ring`` (:func:`cast_ring`, fp16/bf16, the default): the TCP table's
   all_reduce of the 16-bit array; the kernels add in float32 and round back
   at each step, so every partial sum is rounded again: error up to about
-  2**-11 (fp16) x W x sum_r |x_r|. Kept for the measurement.
+  2**-11 (fp16) x W x sum_r |x_r|. Chosen over ``shard`` (same bytes, one
+  rounding less) by measurement: see DEFAULT_STYLE.
 * ``phases`` (:func:`powersgd_phases`): P = M Q, all_reduce(P, avg),
   orthogonalize, Q = M^T P, all_reduce(Q, avg), M_hat = P Q^T. Arrays that
   are not worth compressing (1-D, or r (n + m) >= n m) ride uncompressed in
@@ -73,7 +76,10 @@ from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
 
 STYLES = ("shard", "gather", "ring", "phases")
-DEFAULT_STYLE = {"cast-reduce": "shard", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
+# fp16/bf16 ring: measured (bench/compression.py, 4 ranks, 64 MiB): same bytes as shard, fp16 490 ms
+# vs 984 ms (shard encodes all n and re-encodes a shard; the fp16 encode kernel is ~10x bf16's), error
+# 8.1e-4 vs 5.7e-4 of max |sum|. Pass algorithm="shard" for the smaller error at large W.
+DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
 _ALIGN = 8  # payload pieces start at multiples of 8 bytes, so unpacked views are aligned
 
 __all__ = ["STYLES", "all_reduce", "cast_ring", "gather_decode_sum", "powersgd_phases", "resolve",

@@ -21,8 +21,9 @@ What runs where:
       device fold:        r0 [11 22]                r1 [33 44]
       all_gather (host):  both [11 22 33 44] -> copied to the device
 
-* ``all_reduce(compression=codec)``, shard style (the default of fp16, bf16,
-  int8, topk; collectives/compressed.py says what it computes): encode,
+* ``all_reduce(compression=codec)``, shard style (the default of int8 and
+  topk, and fp16/bf16 with algorithm="shard"; collectives/compressed.py says
+  what it computes): encode,
   residuals, decode and decode-sum run on the device with the codecs' CUDA
   kernels; only payloads are staged. Other styles (gather, ring, powersgd,
   which has no CUDA path) stage the whole array and run the host version.
