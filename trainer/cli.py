@@ -14,10 +14,13 @@ half an epoch of warm-up and cosine decay, global batch 64, 5 epochs) reach
 >= 95% validation accuracy under every strategy; the figures are in the
 commit that set them.
 
-BLAS threads: with several ranks on few cores, OpenBLAS threads fighting over
-them make small matmuls ~10x slower. The launcher sets OPENBLAS_NUM_THREADS and
-friends to cores // ranks; `--blas-threads` (default: that variable, else
-cores // local ranks) also limits them inside the process with threadpoolctl.
+BLAS threads: each rank limits BLAS to `--blas-threads` threads (default 1)
+with threadpoolctl, whatever OPENBLAS_NUM_THREADS says. The default model's
+matmuls (batch 64 x 256) gain nothing from a second thread, the strategies
+already run the model on a thread beside the event loop, and on a busy 2-core
+machine two BLAS threads made the single-process main job 2.4x slower
+(18.4 s against 7.6 s from start to exit, load average ~11). Give more
+threads to wide synthetic models on an idle machine.
 
 What it is not: no config files (flags only), no model zoo (the MLP builder).
 """
@@ -129,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-eval-train", dest="eval_train", action="store_false",
                    help="skip evaluating the whole training set after each epoch")
     g.add_argument("--log-every", type=_non_negative_int, default=10, metavar="N")
-    g.add_argument("--blas-threads", type=_positive_int, default=None, metavar="T")
+    g.add_argument("--blas-threads", type=_positive_int, default=None, metavar="T",
+                   help="BLAS threads per rank (default 1)")
     g.add_argument("--json", default=None, metavar="PATH", help="write the history as JSON (rank 0)")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -176,13 +180,9 @@ def load_data(args: argparse.Namespace):
     return Split(x[n_val:], y[n_val:], x[:n_val], y[:n_val], args.classes)
 
 
-def _blas_threads(args, local_world_size: int) -> int:
-    if args.blas_threads:
-        return args.blas_threads
-    env = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+def _blas_threads(args) -> int:
+    """BLAS threads inside each rank: --blas-threads, else 1 (see the module docstring)."""
+    return args.blas_threads or 1
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -196,8 +196,7 @@ async def run(args: argparse.Namespace) -> int:
     try:
         from threadpoolctl import threadpool_limits  # ships with scikit-learn
 
-        limiter = threadpool_limits(limits=_blas_threads(args, getattr(rt, "local_world_size", 1) or 1),
-                                    user_api="blas")
+        limiter = threadpool_limits(limits=_blas_threads(args), user_api="blas")
     except ImportError:  # pragma: no cover - scikit-learn is a dependency
         limiter = None
     try:

@@ -77,3 +77,11 @@ def test_data_choices():
     assert syn.x_train.dtype == np.float32
     assert load_data(parse_args(["--data", "synthetic", "--size", "100", "--master-dtype", "float64"])).x_val.dtype \
         == np.float64
+
+
+def test_blas_threads_default_to_one_per_rank(monkeypatch):
+    from trainer.cli import _blas_threads
+
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert _blas_threads(parse_args([])) == 1
+    assert _blas_threads(parse_args(["--blas-threads", "2"])) == 2
