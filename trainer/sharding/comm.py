@@ -120,8 +120,12 @@ class Comm:
             np.copyto(out, x)
             return
         if grad and self.codec is not None:
-            raise NotImplementedError("gradient compression on reduce_scatter waits for the compression issue; "
-                                      "use strategy='ddp' (all_reduce) with compression, or compression=None")
+            # ZeRO-1/2/3 reduce_scatter their gradients, and there is no compressed reduce_scatter yet:
+            # collectives/compressed.py's "shard" style begins with one (all_to_all of per-shard payloads,
+            # float32 decode-sum on the owner) and could serve it, with the owner keeping the residual.
+            raise NotImplementedError("gradient compression is wired for ddp (all_reduce) only; the ZeRO "
+                                      "strategies reduce_scatter gradients and have no codec path yet: use "
+                                      "strategy='ddp' with compression, or compression=None")
         await self._timed(self._ring(x.nbytes, 1.0), _collectives().reduce_scatter(out, x, "sum", group=self.group))
 
     async def broadcast(self, x: np.ndarray, src: int = 0) -> None:
