@@ -464,6 +464,11 @@ class Domain:
         for fut in arrived:
             await fut
 
+    @property
+    def cooperative(self) -> bool:
+        """True when a peer is a task of this very process (its waits never block the thread)."""
+        return self._cooperative
+
     # -- buffers
     def data_buffer(self, domain_rank: int) -> mmap.mmap:
         """The data slot (capacity ``1 << data_log2`` bytes) of member ``domain_rank``."""

@@ -59,7 +59,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
 
         others = [c for c in range(k) if c != p]
         # 1. copy-in every chunk but mine
-        await common.off_loop(x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others])
+        await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others])
         dom.post(comm, 1)
         await dom.wait_all(comm, 1)
         # 2. reduce my chunk over the node, publish it
@@ -68,17 +68,17 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         def reduce_and_publish():
             kernels.reduce_publish(mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
 
-        await common.off_loop(mine.nbytes * k, reduce_and_publish)
+        await common.off_loop(dom, mine.nbytes * k, reduce_and_publish)
         dom.post(comm, 2)
         if p == 0:
             await dom.wait_all(comm, 2)  # 3. the node's sum, gathered by the leader
-            await common.off_loop(x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
+            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
             await _across(comm, leaders, x, op)  # 4. leaders over TCP
-            await common.off_loop(x.nbytes, common.copy_pairs, [(slots[0], x)])  # 5. publish the result
+            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(slots[0], x)])  # 5. publish the result
             dom.post(comm, 3)
         else:
             await dom.wait_all(comm, 3, peers=[0])  # 5. the leader's result
-            await common.off_loop(x.nbytes, common.copy_pairs, [(x, slots[0])])
+            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(x, slots[0])])
 
 
 async def _across(comm, leaders: list[int], x: np.ndarray, op: str) -> None:

@@ -77,7 +77,7 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
 
     # 1. copy-in: every chunk but mine into my slot
     others = [c for c in range(n) if c != r]
-    await common.off_loop(x.nbytes, common.copy_pairs, [(chunk(slots[r], c), chunk(x, c)) for c in others])
+    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[r], c), chunk(x, c)) for c in others])
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
     # 2. reduce my chunk from every peer's slot, in rank order, then publish it in my slot
@@ -86,8 +86,8 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     def reduce_and_publish():
         kernels.reduce_publish(mine, [chunk(slots[p], r) for p in others], chunk(slots[r], r), op)
 
-    await common.off_loop(mine.nbytes * n, reduce_and_publish)
+    await common.off_loop(dom, mine.nbytes * n, reduce_and_publish)
     dom.post(comm, 2)
     await dom.wait_all(comm, 2)
     # 3. copy-out: every other chunk from its owner's slot
-    await common.off_loop(x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
+    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])

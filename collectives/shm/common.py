@@ -16,11 +16,16 @@ from runtime import shm
 
 log = logging.getLogger("ringweave.collectives.shm")
 
-# Copies and reductions of at least this many bytes run on a worker thread (the kernels and
-# NumPy copies release the GIL), so the event loop keeps serving other tasks; smaller ones run
-# inline, where a thread hand-off (~50-100 us idle, milliseconds when the machine is loaded)
-# would cost more than the work.
+# Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
+# and NumPy copies release the GIL) when the peers are tasks of this same process
+# (runtime.testing): then the other ranks keep running on the other core meanwhile.
 OFFLOAD_MIN_NBYTES = 4 << 20
+# When every peer is a process of its own, they run inline: measured at 4 ranks here
+# (tests/shm/bench_allreduce.py --offloads, interleaved, medians of 7, machine shared with other
+# jobs), inline vs a thread from 4 MiB vs from 1 MiB: 1 MiB 3.1 / 3.2 / 5.8 ms, 16 MiB
+# 26 / 31 / 33 ms, 64 MiB 90 / 135 / 113 ms: on an oversubscribed machine each hand-off waits
+# to be scheduled twice. The waits block the thread anyway (runtime/shm.py).
+OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
 
 
 def node_ids(group) -> list[str]:
@@ -128,9 +133,10 @@ def slot(dom, p: int, dtype, count: int, small: bool) -> np.ndarray:
     return small_view(dom, p, dtype, count) if small else data_view(dom, p, dtype, count)
 
 
-async def off_loop(nbytes: int, fn, *args) -> None:
-    """Runs ``fn(*args)`` on a worker thread when it moves at least :data:`OFFLOAD_MIN_NBYTES`."""
-    if nbytes >= OFFLOAD_MIN_NBYTES:
+async def off_loop(dom, nbytes: int, fn, *args) -> None:
+    """Runs ``fn(*args)``, on a worker thread when it moves at least :data:`OFFLOAD_MIN_NBYTES`
+    and ``dom``'s peers are tasks of this process (:data:`OFFLOAD_ALONE_MIN_NBYTES` otherwise)."""
+    if nbytes >= (OFFLOAD_MIN_NBYTES if dom.cooperative else OFFLOAD_ALONE_MIN_NBYTES):
         await asyncio.to_thread(fn, *args)
     else:
         fn(*args)

@@ -40,7 +40,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         slots = [common.slot(dom, p, x.dtype, x.size, small).reshape(n, m) for p in range(n)]
         blocks = x.reshape(n, m)
         others = [p for p in range(n) if p != r]
-        await common.off_loop(x.nbytes, common.copy_pairs, [(slots[r][p], blocks[p]) for p in others])  # 1.
+        await common.off_loop(dom, x.nbytes, common.copy_pairs, [(slots[r][p], blocks[p]) for p in others])  # 1.
         dom.post(comm, 1)
         await dom.wait_all(comm, 1)  # 2. every block is there
 
@@ -49,4 +49,4 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
             kernels.reduce_publish(out, [slots[p][r] for p in others], out, op)  # one pass
 
         if m:
-            await common.off_loop(out.nbytes * n, reduce_mine)
+            await common.off_loop(dom, out.nbytes * n, reduce_mine)

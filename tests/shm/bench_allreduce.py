@@ -23,6 +23,7 @@ import numpy as np
 
 import runtime
 from collectives import api, registry
+from collectives.shm import common
 from runtime import shm
 
 
@@ -59,6 +60,8 @@ async def main():
     p.add_argument("--sizes", default="4,1048576,16777216,67108864")
     p.add_argument("--algos", default="shm,tcp", help="shm, tcp (the TCP table), or an algorithm name")
     p.add_argument("--spins", default="", help="comma list of runtime.shm.SPIN_YIELDS values to compare")
+    p.add_argument("--offloads", default="", help="comma list of collectives.shm.common.OFFLOAD_ALONE_MIN_NBYTES "
+                   "values to compare (bytes of work from which copies/reductions go to a thread)")
     p.add_argument("--reps", type=int, default=7)
     a = p.parse_args()
     rt = await runtime.init()
@@ -69,8 +72,10 @@ async def main():
     await api.barrier(group=g, algorithm="shm")
     if g.rank == 0:
         print(f"ranks {n}; one-core numpy copy of 64 MiB: {bw:.2f} GB/s; os.cpu_count() {os.cpu_count()}")
-    variants = [(algo, spin) for algo in a.algos.split(",")
-                for spin in ([int(v) for v in a.spins.split(",")] if a.spins and algo == "shm" else [None])]
+    spins = [int(v) for v in a.spins.split(",")] if a.spins else [None]
+    offloads = [int(float(v)) for v in a.offloads.split(",")] if a.offloads else [None]
+    variants = [(algo, (spin, off)) for algo in a.algos.split(",")
+                for spin in (spins if algo == "shm" else [None]) for off in (offloads if algo == "shm" else [None])]
     for nbytes in [int(s) for s in a.sizes.split(",")]:
         x = np.ones(max(1, nbytes // 4), np.float32)
         iters = max(1, min(300, int(2e7 // max(nbytes, 1))))
@@ -79,18 +84,22 @@ async def main():
             for _ in range(3):
                 await api.all_reduce(x, group=g, algorithm=tcp_choice(nbytes, n) if v[0] == "tcp" else v[0])
         for _ in range(a.reps):  # variants interleaved, so a noisy moment hits all of them
-            for algo, spin in variants:
+            for algo, (spin, off) in variants:
                 if spin is not None:
                     shm.SPIN_YIELDS = spin
+                if off is not None:
+                    common.OFFLOAD_ALONE_MIN_NBYTES = off
                 name = tcp_choice(nbytes, n) if algo == "tcp" else algo
-                times[(algo, spin)].append(await timed_block(g, x, name, iters))
+                times[(algo, (spin, off))].append(await timed_block(g, x, name, iters))
         if g.rank == 0:
-            for (algo, spin), ts in times.items():
+            for (algo, (spin, off)), ts in times.items():
                 wall = statistics.median(t for t, _ in ts)
                 cpu = statistics.median(c for _, c in ts)
                 algbw = nbytes / wall / 1e9
                 busbw = algbw * 2 * (n - 1) / n
-                name = f"tcp/{tcp_choice(nbytes, n)}" if algo == "tcp" else algo if spin is None else f"{algo}/spin{spin}"
+                name = f"tcp/{tcp_choice(nbytes, n)}" if algo == "tcp" else algo
+                name += "" if spin is None else f"/spin{spin}"
+                name += "" if off is None else f"/off{off:.0e}"
                 print(f"all_reduce {nbytes:>10d} B  {name:>12s}  {wall * 1e6:10.1f} us (cpu {cpu * 1e6:8.1f} us)  "
                       f"busbw {busbw:6.3f} GB/s  busbw/copy {busbw / bw:6.1%}", flush=True)
     if g.rank == 0:
