@@ -23,7 +23,7 @@ import numpy as np
 
 import runtime
 from collectives import api, registry
-from collectives.shm import common
+from collectives.shm import all_reduce_shm, common
 from runtime import shm
 
 
@@ -62,6 +62,7 @@ async def main():
     p.add_argument("--spins", default="", help="comma list of runtime.shm.SPIN_YIELDS values to compare")
     p.add_argument("--offloads", default="", help="comma list of collectives.shm.common.OFFLOAD_ALONE_MIN_NBYTES "
                    "values to compare (bytes of work from which copies/reductions go to a thread)")
+    p.add_argument("--one-phase", default="", help="comma list of all_reduce_shm.ONE_PHASE_MAX_NBYTES values")
     p.add_argument("--reps", type=int, default=7)
     a = p.parse_args()
     rt = await runtime.init()
@@ -74,6 +75,8 @@ async def main():
         print(f"ranks {n}; one-core numpy copy of 64 MiB: {bw:.2f} GB/s; os.cpu_count() {os.cpu_count()}")
     spins = [int(v) for v in a.spins.split(",")] if a.spins else [None]
     offloads = [int(float(v)) for v in a.offloads.split(",")] if a.offloads else [None]
+    if a.one_phase:  # compared in place of --offloads
+        offloads = [-int(float(v)) for v in a.one_phase.split(",")]
     variants = [(algo, (spin, off)) for algo in a.algos.split(",")
                 for spin in (spins if algo == "shm" else [None]) for off in (offloads if algo == "shm" else [None])]
     for nbytes in [int(s) for s in a.sizes.split(",")]:
@@ -87,7 +90,9 @@ async def main():
             for algo, (spin, off) in variants:
                 if spin is not None:
                     shm.SPIN_YIELDS = spin
-                if off is not None:
+                if off is not None and off < 0:
+                    all_reduce_shm.ONE_PHASE_MAX_NBYTES = -off
+                elif off is not None:
                     common.OFFLOAD_ALONE_MIN_NBYTES = off
                 name = tcp_choice(nbytes, n) if algo == "tcp" else algo
                 times[(algo, (spin, off))].append(await timed_block(g, x, name, iters))
@@ -99,7 +104,7 @@ async def main():
                 busbw = algbw * 2 * (n - 1) / n
                 name = f"tcp/{tcp_choice(nbytes, n)}" if algo == "tcp" else algo
                 name += "" if spin is None else f"/spin{spin}"
-                name += "" if off is None else f"/off{off:.0e}"
+                name += "" if off is None else f"/off{off:.0e}" if off >= 0 else f"/1phase<={-off:.0e}"
                 print(f"all_reduce {nbytes:>10d} B  {name:>12s}  {wall * 1e6:10.1f} us (cpu {cpu * 1e6:8.1f} us)  "
                       f"busbw {busbw:6.3f} GB/s  busbw/copy {busbw / bw:6.1%}", flush=True)
     if g.rank == 0:

@@ -142,6 +142,18 @@ async def test_barrier_waits_for_the_last(ranks):
     assert waited[0] > 0.25 and waited[1] > 0.25 and waited[2] < 0.1
 
 
+async def test_one_phase_way_in_the_data_slot(ranks, monkeypatch):
+    from collectives.shm import all_reduce_shm
+    monkeypatch.setattr(all_reduce_shm, "ONE_PHASE_MAX_NBYTES", 1 << 30)
+
+    async def body(g):
+        for dtype, op in [(np.dtype(np.float32), "sum"), (DTYPES[1], "max"), (np.dtype(np.int8), "prod")]:
+            x = contribution(g.rank, 3, 100_003, dtype, op)
+            await C.all_reduce(x, op=op, group=g, algorithm="shm")
+            same(x, expected(3, 100_003, dtype, op), f"{dtype} {op}")
+    await ranks(3, body)
+
+
 async def test_bit_identical_on_every_rank(ranks):
     async def body(g):
         x = np.random.default_rng(g.rank).standard_normal(300_001).astype(np.float32)
