@@ -30,14 +30,22 @@ Worked example, n = 4, op = sum, 4 elements, block j = element j::
     AG mask 1   0<->1 swap b0, b1;  2<->3 swap b2, b3
     AG mask 2   0<->2 swap [b0 b1], [b2 b3];  1<->3 likewise -> all hold everything
 
+Messages are cut into SEGMENT_NBYTES segments so a half is reduced while the
+rest of it is still arriving, and every receive is posted before the first send.
+
 Signature: ``await run(comm, x, op)``; ``x`` 1-D reduced in place; ``op`` a kernel op.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async
+from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
+
+SEGMENT_NBYTES = 1 << 20  # one message (the ring's size; registry.py notes)
+SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call posts ahead into
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -48,14 +56,14 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     rem = n - p
     bounds = chunk_bounds(x.size, p)  # block j is x[bounds[j]:bounds[j+1]]
     folds = r < 2 * rem and r % 2 == 1
-    scratch = np.empty(x.size if folds else bounds[p // 2], x.dtype)
+    fold_scratch = np.empty(x.size, x.dtype) if folds else None
     if r < 2 * rem:  # fold
         if r % 2 == 0:  # an extra rank: hand our data over and wait for the result
             await comm.send(r + 1, as_bytes(x))
             await comm.recv_into(r + 1, as_bytes(x))
             return
-        await comm.recv_into(r - 1, as_bytes(scratch[:x.size]))
-        await reduce_async(x, scratch[:x.size], op)
+        await comm.recv_into(r - 1, as_bytes(fold_scratch))
+        await reduce_async(x, fold_scratch, op)
         q = r // 2
     else:
         q = r - rem
@@ -66,28 +74,79 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     def span(lo: int, hi: int) -> np.ndarray:
         return x[bounds[lo]:bounds[hi]]
 
+    # The plan: every step's partner and windows, known before any message moves.
+    rs, ag = [], []  # reduce-scatter steps (partner, keep, give); all-gather steps (partner, theirs, ours)
     lo, hi = 0, p  # our window of blocks
     mask = p // 2
     while mask:  # reduce-scatter: halve the window
-        partner = real(q ^ mask)
         mid = (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if not q & mask else ((mid, hi), (lo, mid))
-        kept = span(*keep)
-        arrived = comm.irecv(partner, as_bytes(scratch[:kept.size]))  # post first
-        await comm.send(partner, as_bytes(span(*give)))
-        await arrived
-        await reduce_async(kept, scratch[:kept.size], op)  # our half <op> the partner's copy
+        rs.append((real(q ^ mask), keep, give))
         lo, hi = keep
         mask >>= 1
     mask = 1
     while mask < p:  # all-gather: double the window
-        partner = real(q ^ mask)
         width = hi - lo
         theirs = (hi, hi + width) if not q & mask else (lo - width, lo)
-        arrived = comm.irecv(partner, as_bytes(span(*theirs)))  # straight into place
-        await comm.send(partner, as_bytes(span(lo, hi)))
-        await arrived
+        ag.append((real(q ^ mask), theirs, (lo, hi)))
         lo, hi = min(lo, theirs[0]), max(hi, theirs[1])
         mask <<= 1
+
+    # Post every receive before the first send (per partner in send order: its
+    # reduce-scatter half, then its all-gather window), so a partner that runs
+    # ahead writes straight into our buffers instead of into kept frames. All-gather
+    # windows land in place in x (safe: that region left us in the reduce-scatter
+    # message the partner needed before it could send it back). Reduce-scatter halves
+    # each need their own scratch, as long as it fits SCRATCH_NBYTES; past that,
+    # steps reuse one buffer and are posted one at a time.
+    sizes = [bounds[k[1]] - bounds[k[0]] for _, k, _ in rs]
+    ahead = sum(sizes) * x.itemsize <= SCRATCH_NBYTES
+    nscratch = sum(sizes) if ahead else max(sizes)
+    raw = scratch_pool.take(nscratch * x.itemsize)
+    scratch = raw[:nscratch * x.itemsize].view(x.dtype)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))] if ahead else [0] * len(sizes)
+
+    def post_rs(i):
+        partner, keep, _ = rs[i]
+        return [comm.irecv(partner, as_bytes(seg)) for seg in segments(scratch[offsets[i]:offsets[i] + sizes[i]])]
+
+    def post_ag(i):
+        partner, theirs, _ = ag[i]
+        return [comm.irecv(partner, as_bytes(seg)) for seg in segments(span(*theirs))]
+
+    by_partner = {}
+    if ahead:
+        for i in range(len(rs)):
+            by_partner[("rs", i)] = post_rs(i)
+        for i in range(len(ag)):
+            by_partner[("ag", i)] = post_ag(i)
+    for i, (partner, keep, give) in enumerate(rs):
+        arrived = by_partner.pop(("rs", i)) if ahead else post_rs(i)
+        kept = span(*keep)
+        mine = scratch[offsets[i]:offsets[i] + sizes[i]]
+
+        async def reduce_each(arrived=arrived, kept=kept, mine=mine):
+            for fut, dst, src in zip(arrived, segments(kept), segments(mine)):
+                await fut  # this segment of the partner's copy is here
+                await reduce_async(dst, src, op)  # our half <op> the partner's copy
+
+        await asyncio.gather(send_all(comm, partner, span(*give)), reduce_each())
+    for i, (partner, theirs, ours) in enumerate(ag):
+        arrived = by_partner.pop(("ag", i)) if ahead else post_ag(i)
+        await send_all(comm, partner, span(*ours))
+        for fut in arrived:
+            await fut
+    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
     if r < 2 * rem:  # unfold: give the extra rank the result
         await comm.send(r - 1, as_bytes(x))
+
+
+def segments(a: np.ndarray) -> list[np.ndarray]:
+    """``a`` cut into SEGMENT_NBYTES pieces (both ends cut the same way)."""
+    step = max(1, SEGMENT_NBYTES // a.itemsize)
+    return [a[i:i + step] for i in range(0, a.size, step)] or [a]
+
+
+async def send_all(comm, dst: int, a: np.ndarray) -> None:
+    for seg in segments(a):
+        await comm.send(dst, as_bytes(seg))

@@ -16,10 +16,12 @@ How it works (n ranks, rank r, right = r+1 mod n, left = r-1 mod n):
 * The pipeline is per segment: the chunk sent at step s+1 is the one received
   (and reduced) at step s, so segment k of step s+1 goes out as soon as segment k
   of step s is reduced, while the later segments of step s are still in flight.
-  Receives are posted one step ahead (scratch has two slots per segment, one
-  for the even steps and one for the odd), so data lands in its buffer without
-  a copy. Every message of a call from the left is matched in order, and both
-  ends go through (step, segment) in the same lexicographic order.
+  Receives are posted up to LOOKAHEAD_STEPS steps ahead (scratch has
+  lookahead + 1 slots per segment, reused round-robin), so data from a left
+  neighbour that runs ahead still lands in its buffer without a copy. Every
+  message of a call from the left is matched in order, and both ends go
+  through (step, segment) in the same lexicographic order. Scratch comes from
+  a pool kept across calls (fresh pages cost faults on every call).
 
 Each rank sends ``2(n-1)/n`` of the array in total, the bandwidth optimum.
 
@@ -46,9 +48,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async
+from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
 
 SEGMENT_NBYTES = 1 << 20  # one message; set from measurements (registry.py notes)
+LOOKAHEAD_STEPS = 3  # steps of receives posted ahead (bounded by SCRATCH_NBYTES)
+SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call allocates
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -62,8 +66,21 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     nseg = max(1, -(-max_chunk // seg_elems))
     seg_bounds = {length: chunk_bounds(length, nseg) for length in {max_chunk, max(0, max_chunk - 1)}}
     max_seg = -(-max_chunk // nseg)
-    scratch = np.empty((2, nseg, max_seg), x.dtype)  # [step parity, segment] receive slots
     steps = 2 * (n - 1)
+    # Receives are posted LOOKAHEAD steps ahead (in send order, so in-order matching
+    # holds): a left neighbour that runs ahead then writes straight into our buffers
+    # instead of into kept frames that cost a copy. Reduce-scatter receives need a
+    # scratch slot each; all-gather receives land in x (safe: a chunk's final value
+    # cannot arrive before our partial of it has left).
+    lookahead = max(1, min(n - 1, LOOKAHEAD_STEPS, SCRATCH_NBYTES // max(1, max_chunk * x.itemsize)))
+    slots = lookahead + 1
+    raw = scratch_pool.take(slots * nseg * max_seg * x.itemsize)
+    scratch = raw[:slots * nseg * max_seg * x.itemsize].view(x.dtype).reshape(slots, nseg, max_seg)
+    await _run(comm, x, op, n, r, right, left, bounds, nseg, seg_bounds, steps, lookahead, slots, scratch)
+    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
+
+
+async def _run(comm, x, op, n, r, right, left, bounds, nseg, seg_bounds, steps, lookahead, slots, scratch):
 
     def segment(c: int, k: int) -> np.ndarray:
         """Segment k of chunk c, a view into x."""
@@ -75,22 +92,23 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         """Posts the receive of step s, segment k from the left."""
         dst = segment((r - s - 1) % n, k)
         if s < n - 1:  # reduce-scatter: into a scratch slot
-            dst = scratch[s % 2, k, :dst.size]
+            dst = scratch[s % slots, k, :dst.size]
         return comm.irecv(left, as_bytes(dst))
 
-    pending = [post(0, k) for k in range(nseg)]  # step 0's receives, before any send
+    pending = [[post(s, k) for k in range(nseg)] for s in range(min(lookahead, steps))]
+    posted = len(pending)  # steps whose receives are posted
     for k in range(nseg):  # step 0: send our own chunk r, segment by segment
         await comm.send(right, as_bytes(segment(r, k)))
     for s in range(steps):
-        upcoming = []
+        if posted < steps:  # keep LOOKAHEAD steps posted; step s's slot is free again after it
+            pending.append([post(posted, k) for k in range(nseg)])
+            posted += 1
+        current = pending.pop(0)
         for k in range(nseg):
-            if s + 1 < steps:
-                upcoming.append(post(s + 1, k))  # post step s+1 before step s's data is used
-            await pending[k]  # segment k of step s has arrived from the left
+            await current[k]  # segment k of step s has arrived from the left
             chunk = (r - s - 1) % n
             if s < n - 1:  # reduce it into x (reduce-scatter phase)
                 seg = segment(chunk, k)
-                await reduce_async(seg, scratch[s % 2, k, :seg.size], op)
+                await reduce_async(seg, scratch[s % slots, k, :seg.size], op)
             if s + 1 < steps:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(segment(chunk, k)))
-        pending = upcoming

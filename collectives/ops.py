@@ -161,3 +161,36 @@ def finish_avg(x: np.ndarray, op: str, size: int) -> None:
     """Second half of ``avg``: divides the sum by the group size (floor for integers)."""
     if op == "avg" and size > 1 and x.size:
         divide_into(x, size)
+
+
+class ScratchPool:
+    """Receive scratch reused across calls: a fresh np.empty of tens of MiB costs a
+    page fault per 4 KiB on first touch, on every call. ``take`` hands out a
+    uint8 array of at least ``nbytes`` that no other call holds; ``give`` returns
+    it. At most ``cap_nbytes`` are kept idle (the largest buffers win)."""
+
+    def __init__(self, cap_nbytes: int = 256 << 20):
+        self._free: list[np.ndarray] = []
+        self._cap = cap_nbytes
+
+    def take(self, nbytes: int) -> np.ndarray:
+        best = None
+        for i, buf in enumerate(self._free):
+            if buf.nbytes >= nbytes and (best is None or buf.nbytes < self._free[best].nbytes):
+                best = i
+        if best is not None:
+            return self._free.pop(best)
+        return np.empty(max(nbytes, 1), np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        self._free.append(buf)
+        self._free.sort(key=lambda b: -b.nbytes)
+        total = 0
+        for i, b in enumerate(self._free):
+            total += b.nbytes
+            if total > self._cap:
+                del self._free[i:]
+                break
+
+
+scratch_pool = ScratchPool()

@@ -120,6 +120,8 @@ class ActorStatistics:
     unexpected_frames: int
     unexpected_nbytes: int
     pending_calls: int
+    kept_frames_total: int = 0  # frames that arrived before their receive (each cost a copy), since start
+    kept_nbytes_total: int = 0
 
 
 class Actor:
@@ -145,6 +147,7 @@ class Actor:
         self._unexpected_nbytes = 0
         self._unexpected_frames = 0
         self._pool = _BufferPool()
+        self._kept_total = self._kept_total_nbytes = 0
         self._incoming: dict[int, tuple] = {}  # peer -> (kind, target, buf) of the frame being received
         self._lost: dict[int, BaseException] = {}  # peer -> why it is gone
         self._poisoned: dict[int, BaseException] = {}  # peer -> mailbox overflow error
@@ -483,6 +486,8 @@ class Actor:
             buf = self._pool.take(nbytes)
             self._unexpected_nbytes += nbytes
             self._unexpected_frames += 1
+            self._kept_total += 1
+            self._kept_total_nbytes += nbytes
             self._incoming[peer] = ("keep", key, buf)
             return buf
         if nbytes > MAX_OBJECT_NBYTES:
@@ -630,4 +635,5 @@ class Actor:
             bytes_received=sum(s.bytes_received for s in stats),
             posted_receives=sum(len(q) for q in self._posted.values()),
             unexpected_frames=self._unexpected_frames, unexpected_nbytes=self._unexpected_nbytes,
-            pending_calls=len(self._calls))
+            pending_calls=len(self._calls), kept_frames_total=self._kept_total,
+            kept_nbytes_total=self._kept_total_nbytes)
