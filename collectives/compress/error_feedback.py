@@ -85,6 +85,13 @@ class ErrorFeedback(Codec):
         """See base class (the codec's)."""
         return self.codec.wire_nbytes(shape)
 
+    def sharing(self, codec: Codec) -> ErrorFeedback:
+        """Error feedback over ``codec`` that carries THIS object's residuals (the same dict):
+        how a warm-up step (e.g. top-k at a larger ratio) keeps the stream's error."""
+        other = ErrorFeedback(codec)
+        other.errors = self.errors
+        return other
+
     def reset(self) -> None:
         """Drop every carried error (e.g. after a checkpoint restore)."""
         self.errors.clear()

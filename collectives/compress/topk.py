@@ -19,6 +19,20 @@ ratio 0.01.
 Reduction across ranks (``"gather-decode-sum"``): ranks pick different
 indices, so all_gather every rank's (values, indices) and ``decode_add`` each
 into a zeroed float32 accumulator (scatter-add).
+
+Warm-up (``warmup_steps=S``, default 0: off), after Deep Gradient Compression
+(Lin et al. 2018, "warm-up training"): the first S calls of a state stream
+(``key``) keep more entries, in four equal stages of kept fraction 25%,
+6.25%, 1.5625%, 0.39% (DGC's sparsity 75%, 93.75%, 98.4%, 99.6%), never
+below ``ratio``; so at ratio 0.01 the ramp is 25%, 6.25%, 1.56%, 1%, 1%.
+``ratio_at(step)`` gives the fraction, ``at_step(step)`` a plain codec with
+it. The codec only holds the schedule and the per-stream call counts
+(``steps``); collectives/compressed.py reads and advances them, one call per
+all_reduce of a stream (a DDP bucket: one per optimizer step). A warm-up step
+sends 8 bytes per kept entry, so a 25% step sends half the float32 bytes: the
+run's average wire ratio is what to quote, not the 2% of the final ratio.
+The counts are not checkpointed (neither is the error-feedback residual): a
+resumed run warms up again.
 """
 
 from __future__ import annotations
@@ -30,7 +44,9 @@ import numpy as np
 from . import cpu, reference
 from .base import Codec, flat_f32, numel
 
-__all__ = ["TopKCodec", "topk_count"]
+__all__ = ["DGC_WARMUP", "TopKCodec", "topk_count"]
+
+DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.00390625)  # kept fraction per warm-up stage (DGC's 4x ramp)
 
 
 def topk_count(n: int, ratio: float) -> int:
@@ -45,11 +61,32 @@ class TopKCodec(Codec):
     lossy: ClassVar[bool] = True
     reduction: ClassVar[str] = "gather-decode-sum"
 
-    def __init__(self, ratio: float = 0.01, *, backend=None):
+    def __init__(self, ratio: float = 0.01, *, warmup_steps: int = 0, backend=None):
         super().__init__(backend=backend)
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.ratio = float(ratio)  # fraction of entries kept, e.g. 0.01
+        self.warmup_steps = int(warmup_steps)  # calls per stream on the DGC ramp, e.g. 46; 0: none
+        self.steps: dict = {}  # key -> calls made so far (advanced by collectives/compressed.py)
+        self._at: dict[float, TopKCodec] = {}  # ratio -> plain codec for warm-up steps
+
+    def ratio_at(self, step: int) -> float:
+        """Kept fraction at call ``step`` (0-based) of a stream: the DGC ramp, then ``ratio``."""
+        if step >= self.warmup_steps:
+            return self.ratio
+        return max(self.ratio, DGC_WARMUP[step * len(DGC_WARMUP) // self.warmup_steps])
+
+    def at_step(self, step: int) -> TopKCodec:
+        """The codec to use at call ``step``: ``self`` after the warm-up, else a plain codec
+        (no warm-up, same backend) with the ramp's ratio."""
+        ratio = self.ratio_at(step)
+        if ratio == self.ratio:
+            return self
+        if ratio not in self._at:
+            self._at[ratio] = TopKCodec(ratio, backend=self.backend)
+        return self._at[ratio]
 
     def encode(self, x):
         """See base class."""
@@ -97,4 +134,5 @@ class TopKCodec(Codec):
         return 8 * topk_count(numel(shape), self.ratio)
 
     def __repr__(self) -> str:
-        return f"TopKCodec(ratio={self.ratio})"
+        warm = f", warmup_steps={self.warmup_steps}" if self.warmup_steps else ""
+        return f"TopKCodec(ratio={self.ratio}{warm})"

@@ -251,3 +251,45 @@ def test_blocking_form():
             assert (h.wait(30) == 2.0).all()
     finally:
         _run_threads([c.close for c in comms])
+
+
+def test_topk_warmup_schedule():
+    codec = get_codec("topk", ratio=0.01, warmup_steps=8)  # 4 stages of 2 calls
+    assert [codec.ratio_at(s) for s in range(10)] == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625,
+                                                      0.01, 0.01, 0.01, 0.01]
+    assert codec.at_step(8) is codec and codec.at_step(0).ratio == 0.25 and codec.at_step(0).warmup_steps == 0
+    assert [get_codec("topk", ratio=0.1, warmup_steps=4).ratio_at(s) for s in range(3)] == [0.25, 0.1, 0.1]
+    with pytest.raises(ValueError, match="warmup_steps"):
+        get_codec("topk", warmup_steps=-1)
+
+
+async def test_topk_warmup_counts_calls_per_key_and_keeps_the_residual(ranks):
+    n, steps = 1000, 6
+
+    async def body(g):
+        codec = get_codec("topk", ratio=0.01, warmup_steps=4, error_feedback=True)
+        plain = get_codec("topk", ratio=0.01, error_feedback=True)
+        kept, sums = [], {"true": np.zeros(n), "out": np.zeros(n)}
+        for t in range(steps):
+            grad = np.random.default_rng(10 * t + g.rank).standard_normal(n).astype(np.float32)
+            predicted = compressed.wire_nbytes(compressed.codec_at(codec, "w"), n, 2)
+            x = grad.copy()
+            await C.all_reduce(x, compression=codec, key="w")
+            kept.append((np.count_nonzero(x), predicted))
+            sums["true"] += grad
+            sums["out"] += x
+        assert codec.codec.steps == {"w": steps}
+        y = np.ones(n, np.float32)
+        await C.all_reduce(y, compression=plain, key="w")  # another codec object: its own stream
+        return kept, sums, {k: v.astype(np.float64) for k, v in codec.errors.items()}
+
+    results = await ranks(2, body)
+    kept = results[0][0]
+    # 2 ranks, shard style: each rank's shard of 500 keeps k = 125, 31, 8, 5, 5, 5 per rank; the owner
+    # re-encodes the sum with the same k, so the result has that many non-zeros per shard
+    assert [c for c, _ in kept] == [2 * k for k in (125, 31, 8, 5, 5, 5)], kept
+    assert [b for _, b in kept] == [compressed.wire_nbytes(get_codec("topk", ratio=r), n, 2)
+                                    for r in (0.25, 0.0625, 0.015625, 0.01, 0.01, 0.01)]
+    true = sum(r[1]["true"] for r in results)
+    carried = sum(r[2]["w"] for r in results) + np.concatenate([r[2][("owner", "w")] for r in results])
+    np.testing.assert_allclose(results[0][1]["out"] + carried, true, atol=1e-4 * steps)  # one residual throughout

@@ -98,8 +98,8 @@ class Comm:
             return
         if grad and self.codec is not None:
             from collectives import compressed
-            try:
-                nbytes = compressed.wire_nbytes(self.codec, x.size, self.size)
+            try:  # the codec of this call: a warm-up step may send more (compressed.codec_at)
+                nbytes = compressed.wire_nbytes(compressed.codec_at(self.codec, key), x.size, self.size)
             except ValueError:  # styles whose bytes depend on the algorithm: count the fp32 ring
                 nbytes = self._ring(x.nbytes, 2.0)
             await self._timed(nbytes, _collectives().all_reduce(x, op=op, group=self.group,

@@ -83,6 +83,30 @@ def make_schedule(config: TrainConfig):
     return WarmupCosine(config.lr, min(config.warmup_steps, config.total_steps), config.total_steps, config.min_lr)
 
 
+def make_codec(spec):
+    """The gradient codec of ``TrainConfig.compression``: None for None / "none", a Codec
+    object as is, else ``NAME[+ef][:OPTION=VALUE,...]``, e.g. "int8+ef" (error feedback),
+    "topk+ef:ratio=0.01,warmup_steps=46" (options go to ``collectives.compress.get_codec``)."""
+    if spec in (None, "none"):
+        return None
+    from collectives.compress import get_codec  # the compression issue's codecs
+    if not isinstance(spec, str):
+        return get_codec(spec)
+    name, _, opts = spec.partition(":")
+    ef = name.endswith("+ef")
+    name = name[:-3] if ef else name
+    kwargs = {}
+    for item in filter(None, opts.split(",")):
+        opt, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"compression {spec!r}: option {item!r} is not OPTION=VALUE")
+        kwargs[opt.strip()] = float(value) if any(c in value for c in ".eE") else int(value)
+    try:
+        return get_codec(name, error_feedback=ef, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"compression {spec!r}: {exc}") from None
+
+
 def clip_coefficient(total_norm: float, clip_norm: float) -> float:
     """torch.nn.utils.clip_grad_norm_'s factor, capped at 1: clip / (norm + 1e-6)."""
     return min(1.0, clip_norm / (total_norm + 1e-6))
@@ -114,14 +138,7 @@ class DataParallelBase(Strategy):
         self.schedule = schedule or make_schedule(config)
         scaling = self.policy.needs_loss_scaling if config.loss_scale is None else bool(config.loss_scale)
         self.scaler = DynamicLossScaler(config.init_scale, growth_interval=config.growth_interval, enabled=scaling)
-        codec = None
-        if config.compression not in (None, "none"):
-            from collectives.compress import get_codec  # the compression issue's codecs
-            name, ef = config.compression, False
-            if isinstance(name, str) and name.endswith("+ef"):  # e.g. "int8+ef": with error feedback
-                name, ef = name[:-3], True
-            codec = get_codec(name, error_feedback=ef)
-        self.comm = Comm(group, codec=codec)
+        self.comm = Comm(group, codec=make_codec(config.compression))
         self.step = 0
         self.states: list = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-compute-r{self.rank}")
