@@ -8,13 +8,10 @@ Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import numpy as np
 
 from runtime import shm
-
-log = logging.getLogger("ringweave.collectives.shm")
 
 # Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
 # and NumPy copies release the GIL) when the peers are tasks of this same process
