@@ -1,9 +1,8 @@
 """Numba kernels for the codecs' array maths; each equals ``reference.py``.
 
 Bit-exact with the reference for casts, int8 (nearest and stochastic: the same
-splitmix64 counter hash), top-k (same key and tie rule) and error feedback.
-PowerSGD's Gram-Schmidt matches to float32 rounding only (dot products sum in a
-different order from BLAS), see ``tests/compress``.
+splitmix64 counter hash), top-k (same key and tie rule), error feedback and
+PowerSGD's Gram-Schmidt (float64 dot products left to right in both).
 
 Top-k here is a radix select, O(n) in three passes, where the reference calls
 ``np.partition``: pass 1 histograms the high 15 bits of the magnitude key,
@@ -23,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels.halfbits import f32_to_f16
-from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2
+from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2, ORTHO_RTOL
 
 _JIT = dict(nogil=True, cache=True)
 _U64 = np.uint64
@@ -214,24 +213,34 @@ def topk_decode(values, indices, out, accumulate):
 
 
 @njit(**_JIT)
-def orthogonalize(p):
-    """Modified Gram-Schmidt on the columns of p (n, r), in place, float64 dot products."""
+def _dot64(p, a, b):
+    """sum over rows of p[:, a] * p[:, b] in float64, left to right (reference.dot64)."""
+    acc = 0.0
+    for t in range(p.shape[0]):
+        acc += np.float64(p[t, a]) * np.float64(p[t, b])
+    return acc
+
+
+@njit(**_JIT)
+def orthogonalize(p, rtol=ORTHO_RTOL):
+    """reference.orthogonalize: Gram-Schmidt twice per column, dependent columns (what is left
+    is at most rtol of the norm before) zeroed, the rest unit; in place, same bits."""
     n, r = p.shape
     for j in range(r):
-        for i in range(j):
-            dot = 0.0
-            for t in range(n):
-                dot += np.float64(p[t, i]) * np.float64(p[t, j])
-            d32 = np.float32(dot)
-            for t in range(n):
-                p[t, j] -= d32 * p[t, i]
-        sq = 0.0
-        for t in range(n):
-            sq += np.float64(p[t, j]) * np.float64(p[t, j])
-        if sq > 0:
-            inv = np.float32(1.0 / math.sqrt(sq))
+        before = math.sqrt(_dot64(p, j, j))
+        for _ in range(2):
+            for i in range(j):
+                d32 = np.float32(_dot64(p, i, j))
+                for t in range(n):
+                    p[t, j] -= d32 * p[t, i]
+        norm = math.sqrt(_dot64(p, j, j))
+        if norm > rtol * before:
+            inv = np.float32(1.0 / norm)
             for t in range(n):
                 p[t, j] *= inv
+        else:
+            for t in range(n):
+                p[t, j] = 0.0
 
 
 # ---- error feedback -----------------------------------------------------------------------

@@ -16,16 +16,28 @@ all-reduced P and Q are the ones a single process would compute on the
 averaged gradient. Q is kept between steps: the warm start that makes one
 iteration per step enough. Use with ``ErrorFeedback`` (the paper does).
 
-Error bound: P has orthonormal columns, so M_hat = P P^T M is the orthogonal
-projection of M onto span(P): ||M - M_hat||_F <= ||M||_F always, and M_hat =
-M exactly once span(P) contains M's column space (e.g. rank(M) <= r after
-the power iteration has converged).
+Error bound: P's columns are orthonormal or zero, so M_hat = P P^T M is the
+orthogonal projection of M onto span(P): ||M - M_hat||_F <= ||M||_F always,
+and M_hat = M (to float32 rounding) once span(P) contains M's column space
+(e.g. rank(M) <= r after the power iteration has converged).
+
+Rank-deficient gradients (rank(avg M) < r, including all-zero): some columns
+of P = M Q depend on the others up to rounding. Gram-Schmidt runs twice per
+column and zeroes a column that keeps at most ``reference.ORTHO_RTOL`` (1e-4)
+of its norm, instead of normalising rounding noise into a unit column (which
+made a rank-1 average come back ~1% off); float32 rounding leaves 4e-7
+(64 rows) to 3e-6 (4096 rows) of a dependent column, so 1e-4 is well above it,
+and a direction that weak is left to error feedback for the step. A zero
+column of P gives a zero column of Q, which would stay zero at every later
+step (P = M Q); ``compute_p`` draws such columns afresh (seeded by ``seed``
+and a per-key count, so every rank draws the same: Q is all-reduced, equal
+everywhere).
 
 Wire bytes: 4 r (n + m), against 4 n m for float32 (r = 4, 1024 x 1024: 0.8%).
 
-Backends: the Gram-Schmidt runs on NumPy or Numba (equal to float32 rounding,
-~1e-6 relative; dot products are summed in a different order); the three
-matrix products always use NumPy's BLAS. No CUDA path yet.
+Backends: the Gram-Schmidt runs on NumPy or Numba (the same bits: float64 dot
+products added left to right in both); the three matrix products always use
+NumPy's BLAS. No CUDA path yet.
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ class PowerSGDCodec(Codec):
         self.rank = rank  # r, e.g. 4
         self.seed = int(seed)
         self.q_state: dict = {}  # key -> Q (m, r) float32, the warm start
+        self._redraws: dict = {}  # key -> how many times zero columns of Q were drawn afresh
 
     # ---- phases a collective drives -------------------------------------------------
 
@@ -76,10 +89,16 @@ class PowerSGDCodec(Codec):
             rng = np.random.default_rng(self.seed)
             q = rng.standard_normal((m.shape[1], self.rank)).astype(np.float32)
             self.q_state[key] = q
+        dead = ~q.any(axis=0)  # zeroed by a rank-deficient step (see the module docstring)
+        if dead.any():
+            self._redraws[key] = count = self._redraws.get(key, 0) + 1
+            rng = np.random.default_rng([self.seed, count])
+            q[:, dead] = rng.standard_normal((q.shape[0], int(dead.sum()))).astype(np.float32)
         return m @ q
 
     def after_p_allreduce(self, p: np.ndarray) -> np.ndarray:
-        """Orthonormalize the columns of P in place (Gram-Schmidt); returns P."""
+        """Orthonormalize the columns of P in place (Gram-Schmidt; dependent columns become
+        zero); returns P."""
         if self._backend_for(p) == "numpy":
             return reference.orthogonalize(p)
         cpu.orthogonalize(p)

@@ -2,8 +2,8 @@
 
 The definitions the Numba (``cpu.py``) and CUDA (``cuda.py``) kernels must
 reproduce: bit for bit for casts, int8 (both roundings), top-k and error
-feedback; to a stated tolerance for PowerSGD's orthogonalisation (summation
-order differs). Codec classes (``int8.py`` ...) hold state and choose a backend;
+feedback and PowerSGD's orthogonalisation (float64 dot products summed left
+to right, as the Numba loop does). Codec classes (``int8.py`` ...) hold state and choose a backend;
 this module holds no state and does no I/O.
 
 Shared conventions: inputs are 1-D float32 arrays (codecs flatten and cast
@@ -144,20 +144,39 @@ def topk_decode(values: np.ndarray, indices: np.ndarray, n: int) -> np.ndarray:
 # ---- PowerSGD ---------------------------------------------------------------------
 
 
+ORTHO_RTOL = 1e-4  # a column keeping less than this fraction of its norm after projection is dependent
+
+
+def dot64(a: np.ndarray, b: np.ndarray) -> float:
+    """sum(a * b) of float32 vectors in float64, added strictly left to right (the Numba loop's
+    order; the float64 products of float32 values are exact)."""
+    prod = a.astype(np.float64) * b.astype(np.float64)
+    return float(np.cumsum(prod)[-1]) if prod.size else 0.0
+
+
 def orthogonalize(p: np.ndarray) -> np.ndarray:
     """Gram-Schmidt on the columns of ``p`` (n, r), in place; returns ``p``.
 
-    Column j loses its projections on columns 0..j-1 (modified Gram-Schmidt,
-    one column at a time) and is scaled to unit norm; a column whose norm is
-    zero stays zero. Dot products accumulate in float64.
+    Column j loses its projections on columns 0..j-1 twice over ("twice is
+    enough": Kahan, Parlett; one pass leaves a dependent column's rounding
+    noise un-orthogonal), then is scaled to unit norm, unless what is left is
+    at most ``ORTHO_RTOL`` of its norm before the projections: then it is
+    dependent on the columns before it (P of a gradient of rank < r) and
+    becomes zero, rather than rounding noise blown up into a unit column.
+    Zero columns stay zero. Dot products: float64, left to right (dot64), so
+    the Numba kernel gives the same bits.
     """
     for j in range(p.shape[1]):
         col = p[:, j]
-        for i in range(j):
-            col -= F32(np.dot(p[:, i].astype(np.float64), col.astype(np.float64))) * p[:, i]
-        norm = np.sqrt(np.dot(col.astype(np.float64), col.astype(np.float64)))
-        if norm > 0:
+        before = np.sqrt(dot64(col, col))
+        for _ in range(2):
+            for i in range(j):
+                col -= F32(dot64(p[:, i], col)) * p[:, i]
+        norm = np.sqrt(dot64(col, col))
+        if norm > ORTHO_RTOL * before:
             col *= F32(1.0 / norm)
+        else:
+            col[:] = 0
     return p
 
 

@@ -293,3 +293,24 @@ async def test_topk_warmup_counts_calls_per_key_and_keeps_the_residual(ranks):
     true = sum(r[1]["true"] for r in results)
     carried = sum(r[2]["w"] for r in results) + np.concatenate([r[2][("owner", "w")] for r in results])
     np.testing.assert_allclose(results[0][1]["out"] + carried, true, atol=1e-4 * steps)  # one residual throughout
+
+
+async def test_powersgd_rank_deficient_average_is_exact(ranks):
+    """r = 4, 2 ranks: a rank-1 average and an all-zero one come back exact (dependent columns
+    of P are zeroed, not normalised rounding noise), and a rank-4 one after them too."""
+    u, v = (np.random.default_rng(s).standard_normal(k).astype(np.float32) for s, k in ((1, 48), (2, 40)))
+    full = (np.random.default_rng(3).standard_normal((48, 4)) @ np.random.default_rng(4).standard_normal((4, 40)))
+
+    async def body(g):
+        codec = get_codec("powersgd", rank=4, error_feedback=True)
+        outs = []
+        for m in (np.outer(u, v) * (g.rank + 1), np.zeros((48, 40)), full * (g.rank + 1)):
+            x = m.astype(np.float32)
+            await C.all_reduce(x, op="avg", compression=codec, key="w")
+            outs.append(x)
+        return outs
+
+    for rank1, zero, rank4 in await ranks(2, body):
+        np.testing.assert_allclose(rank1, 1.5 * np.outer(u, v), rtol=0, atol=1e-5 * np.abs(np.outer(u, v)).max())
+        assert np.abs(zero).max() <= 1e-5 * np.abs(np.outer(u, v)).max()  # only the carried rounding of step 1
+        np.testing.assert_allclose(rank4, 1.5 * full, rtol=0, atol=1e-4 * np.abs(full).max())
