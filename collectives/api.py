@@ -82,10 +82,11 @@ class _Comm:
     names the ranks not heard from; and once a call fails, the receives it will
     never await are marked retrieved, so asyncio does not log "exception was
     never retrieved" (the call raises the error itself)."""
-    __slots__ = ("rank", "size", "send", "_irecv")
+    __slots__ = ("rank", "size", "send", "call", "_irecv")
 
     def __init__(self, call):
         self.rank, self.size, self.send, self._irecv = call.rank, call.size, call.send, call.irecv
+        self.call = call  # the runtime Call (shared-memory algorithms reach the group through it)
 
     def irecv(self, src: int, buf) -> asyncio.Future:
         # shielded: a timeout cancels the waiter, not the receive, so the call's
@@ -106,7 +107,7 @@ def _retrieved(fut: asyncio.Future) -> None:
 def _start(group, collective: str, nbytes: int, algorithm, timeout, **fp):
     """Chooses the algorithm and opens the call (takes the sequence number). No waiting.
     Returns (call, fn) where ``fn(call, *args)`` runs the algorithm."""
-    name, run = registry.choose(collective, nbytes, group.size, algorithm)
+    name, run = registry.choose(collective, nbytes, group.size, algorithm, group=group)
     call = group.open_call(ops.fingerprint(collective, algo=name, **fp), timeout)
     call.algorithm = name  # shown by runtime tracing
 

@@ -91,6 +91,8 @@ class Communicator:
         rank, world_size: this rank and the job size (RANK, WORLD_SIZE).
         master_addr, master_port: where the rendezvous store is (MASTER_ADDR, MASTER_PORT).
         timeout: default seconds for joining and for every collective.
+        shm: False keeps this rank off the same-host shared-memory path (TCP only),
+            as RINGWEAVE_SHM=0 does; every rank of the job must pass the same value.
         **init_kw: passed to ``runtime.init`` (secret, job, local_rank, ...).
 
     Raises:
@@ -99,7 +101,7 @@ class Communicator:
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
-                 master_port: int | None = None, timeout: float | None = None, **init_kw):
+                 master_port: int | None = None, timeout: float | None = None, shm: bool = True, **init_kw):
         self._thread = LoopThread("ringweave-communicator")
         self._lock = threading.Lock()
         self._closed = False
@@ -109,6 +111,7 @@ class Communicator:
         except BaseException:
             self._thread.close()
             raise
+        self._rt.shm_enabled = bool(shm)  # False: TCP only, like RINGWEAVE_SHM=0 (all ranks must agree)
         self.rank = self._rt.rank
         self.world_size = self._rt.world_size
         self.world = self._rt.world

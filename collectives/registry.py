@@ -100,8 +100,11 @@ def env_var(collective: str) -> str:
     return f"RINGWEAVE_ALGO_{collective.upper()}"
 
 
-def choose(collective: str, nbytes: int, world: int, override: str | None = None) -> tuple[str, Callable]:
-    """The algorithm (name, run function) for one call.
+def choose(collective: str, nbytes: int, world: int, override: str | None = None,
+           group=None) -> tuple[str, Callable]:
+    """The algorithm (name, run function) for one call. ``group``, when given, may
+    rule the shared-memory path out (``group.shm_enabled`` False: a communicator
+    built with ``shm=False``).
 
     Raises:
         ValueError: an unknown collective, or an override (argument or
@@ -120,7 +123,10 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
         if fn is None:
             raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         return override, fn
+    shm_off = group is not None and not getattr(group, "shm_enabled", True)
     for rule in TABLES[collective]:
+        if shm_off and rule.algorithm == "shm":
+            continue
         if rule.applies(nbytes, world):
             return rule.algorithm, algorithms[rule.algorithm]
     raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover

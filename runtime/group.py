@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -146,6 +147,12 @@ class ProcessGroup:
         self._outstanding: set[asyncio.Future] = set()
         self.calls: dict[int, CallRecord] = {}  # seq -> record of calls in flight
         self._finished: dict[int, str] = {}  # seq -> fingerprint of recently finished calls
+
+    @property
+    def shm_enabled(self) -> bool:
+        """Whether this group may use the same-host shared-memory path (the runtime's
+        setting: ``Communicator(shm=False)`` or ``RINGWEAVE_SHM=0`` turn it off)."""
+        return self.runtime.shm_enabled
 
     @property
     def is_member(self) -> bool:
@@ -322,6 +329,7 @@ class Runtime:
         self.timeout_s = timeout_s
         self.local_rank = local_rank
         self.local_world_size = local_world_size
+        self.shm_enabled = True  # every rank must agree (the algorithm is in each call's fingerprint)
         self.groups: dict[int, ProcessGroup] = {}
         self.world = self._add_group(list(range(actor.world_size)))
         actor.add_lost_listener(self._on_peer_lost)
@@ -408,6 +416,8 @@ class Runtime:
             self.tracer.write()
         except OSError as exc:
             log.warning("rank %d: could not write its trace: %s", self.rank, exc)
+        if "runtime.shm" in sys.modules:  # release this runtime's shared-memory mappings
+            sys.modules["runtime.shm"].close_runtime(self)
         await self.actor.close()
         if self.store is not None:
             await self.store.close()
