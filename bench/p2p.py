@@ -10,7 +10,7 @@ time. "ringweave" goes through ``Actor.send`` / ``Actor.recv_into`` (frames,
 posted receive buffers, the event loop); "socket" is a plain blocking
 ``sendall`` / ``recv_into`` loop over one TCP connection with the same socket
 options (TCP_NODELAY, 4 MiB buffers) - the ceiling a Python program can reach
-on this machine. Warm-up rounds are not timed; the median of ``--iters`` is shown.
+on this machine. WARMUP rounds per size are not timed; the median of ``--iters`` is shown.
 
 Goals (issue 2): at 64 MiB ringweave >= 70% of the plain socket; a small message's
 round trip below 100 us.
@@ -31,6 +31,9 @@ import time
 import numpy as np
 
 
+WARMUP = 30  # untimed rounds per size: the first tens of rounds at a new size run ~2x slower (both paths)
+
+
 def sizes(max_mib: int) -> list[int]:
     out, s = [], 1024
     while s <= max_mib * 1024 * 1024:
@@ -49,7 +52,7 @@ async def ringweave_pingpong(rt, size: int, iters: int) -> list[float]:
     buf = np.ones(size, np.uint8)
     back = np.empty(size, np.uint8)
     times = []
-    for i in range(iters + 3):
+    for i in range(iters + WARMUP):
         t0 = time.perf_counter()
         if rt.rank == 0:
             fut = a.post((peer, "pp"), peer, memoryview(back))
@@ -58,7 +61,7 @@ async def ringweave_pingpong(rt, size: int, iters: int) -> list[float]:
         else:
             await a.recv_into(peer, "pp", back)
             await a.send(peer, "pp", back)
-        if i >= 3:
+        if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     return times
 
@@ -74,7 +77,7 @@ def socket_pingpong(sock: socket.socket, rank: int, size: int, iters: int) -> li
             got += sock.recv_into(mv[got:], size - got)
 
     times = []
-    for i in range(iters + 3):
+    for i in range(iters + WARMUP):
         t0 = time.perf_counter()
         if rank == 0:
             sock.sendall(buf)
@@ -82,7 +85,7 @@ def socket_pingpong(sock: socket.socket, rank: int, size: int, iters: int) -> li
         else:
             recv_all()
             sock.sendall(back)
-        if i >= 3:
+        if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     return times
 

@@ -10,6 +10,7 @@ Not here: framing (wire.py), authentication (auth.py), transports (transport.py)
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import time
@@ -23,9 +24,10 @@ def tune(sock: socket.socket) -> None:
     """TCP_NODELAY (small messages leave at once) and large kernel buffers."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    nbytes = int(os.environ.get("RINGWEAVE_SOCKET_BUFFER", SOCKET_BUFFER_NBYTES))
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if nbytes > 0 else ():
         try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_NBYTES)
+            sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
         except OSError:
             pass
     sock.setblocking(False)
