@@ -143,6 +143,7 @@ class ProcessGroup:
         self.rank = self.ranks.index(me) if me in self.ranks else -1
         self.size = len(self.ranks)
         self.error: BaseException | None = None
+        self._shm_enabled: bool | None = None  # None: follow the runtime
         self._seq = 0
         self._outstanding: set[asyncio.Future] = set()
         self.calls: dict[int, CallRecord] = {}  # seq -> record of calls in flight
@@ -150,9 +151,14 @@ class ProcessGroup:
 
     @property
     def shm_enabled(self) -> bool:
-        """Whether this group may use the same-host shared-memory path (the runtime's
-        setting: ``Communicator(shm=False)`` or ``RINGWEAVE_SHM=0`` turn it off)."""
-        return self.runtime.shm_enabled
+        """Whether this group may use the same-host shared-memory path: the group's own
+        setting if one was made, else its runtime's (``Communicator(shm=False)`` turns
+        it off for every group; ``RINGWEAVE_SHM=0`` turns the path off everywhere)."""
+        return self.runtime.shm_enabled if self._shm_enabled is None else self._shm_enabled
+
+    @shm_enabled.setter
+    def shm_enabled(self, value: bool) -> None:
+        self._shm_enabled = bool(value)
 
     @property
     def is_member(self) -> bool:
