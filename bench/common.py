@@ -166,7 +166,10 @@ class Table:
 
 
 def write_json(path: str, obj) -> None:
-    """Writes ``obj`` as indented JSON, creating the folder; NaN becomes null."""
+    """Writes ``obj`` as indented JSON, creating the folder; NaN becomes null.
+    An empty ``path`` writes nothing."""
+    if not path:
+        return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     def clean(x):
