@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
 import logging
 import os
+import signal
 import socket
+import sys
 
 import msgpack
 
@@ -106,6 +109,26 @@ def _advertised_host(master_addr: str) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def die_with_launcher(env=None) -> bool:
+    """When started by our launcher (RINGWEAVE_LAUNCHER_PID), asks the kernel to send this
+    process SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so that a launcher killed
+    with SIGKILL, which cannot stop its ranks itself, leaves none behind. Returns whether it
+    was armed. If the launcher is already gone, SIGTERM is raised at once."""
+    env = os.environ if env is None else env
+    pid = env.get("RINGWEAVE_LAUNCHER_PID")
+    if not pid or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
+            return False
+    except (OSError, AttributeError, ValueError):
+        return False
+    if os.getppid() != int(pid):  # the launcher died before we armed it
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 async def init(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                master_port: int | None = None, local_rank: int | None = None,
                local_world_size: int | None = None, secret: bytes | str | None = None,
@@ -121,6 +144,7 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
             the message names the address and the ranks missing.
     """
     global _process_default
+    die_with_launcher()
     env = read_env()
     rank = env["rank"] if rank is None else rank
     world_size = env["world_size"] if world_size is None else world_size

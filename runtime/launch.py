@@ -59,6 +59,9 @@ Environment of every rank (the names torchrun uses, plus ours)::
     RINGWEAVE_JOB      the run id, same on every node
     RINGWEAVE_STORE_HOSTED=1   the launcher hosts the store: rank 0 must not
     RINGWEAVE_RESTART  how many times the job was restarted: 0, 1, ...
+    RINGWEAVE_LAUNCHER_PID  the launcher's pid: a rank asks the kernel for SIGTERM when its
+                       parent dies (PR_SET_PDEATHSIG), so a launcher killed with SIGKILL
+                       leaves no rank behind
     RINGWEAVE_TIMEOUT_S        only with --timeout-s
     PYTHONUNBUFFERED=1
     NUMBA_NUM_THREADS, OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS
@@ -619,6 +622,8 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
                                  job=job, restart=restart, cores=cores)
                         for local_rank in range(cfg.nproc)]
+                for env in envs:  # ranks die with the launcher, even a SIGKILLed one (runtime/init.py)
+                    env["RINGWEAVE_LAUNCHER_PID"] = str(os.getpid())
                 try:
                     outcome = await run_attempt(cfg, envs, console, stopper, deadline)
                 except OSError as exc:

@@ -1,0 +1,51 @@
+"""A launcher killed with SIGKILL cannot stop its ranks; they stop themselves
+(PR_SET_PDEATHSIG armed by runtime.init), so nothing of the job is left."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, os, runtime
+        async def main():
+            rt = await runtime.init()
+            open(os.path.join({str(tmp_path)!r}, f"pid{{rt.rank}}"), "w").write(str(os.getpid()))
+            await asyncio.sleep(60)
+        runtime.run(main())
+    """))
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime.launch", "-n", "2", str(script)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+    time.sleep(0.1)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their SIGKILLed launcher"
