@@ -43,6 +43,7 @@ from runtime import auth
 from runtime.actor import Actor
 from runtime.errors import ClosedError, RingweaveError
 from runtime.group import DEFAULT_TIMEOUT_S, ProcessGroup, Runtime
+from runtime.shm import shm_usable
 from runtime.store import PrefixStore
 
 log = logging.getLogger("ringweave.init")
@@ -189,15 +190,19 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
         if world_size > 1:
             host = "127.0.0.1" if loopback else _advertised_host(master_addr)
             _, port = await actor.listen("127.0.0.1" if loopback else "0.0.0.0", 0)
-            me = {"host": host, "port": port, "node": node_id()}
+            me = {"host": host, "port": port, "node": node_id(), "shm": shm_usable()}
             await prefixed.set(f"addr/{rank}", msgpack.packb(me))
             keys = [f"addr/{r}" for r in range(world_size)]
             await prefixed.wait(keys, timeout_s)
             peers = {r: msgpack.unpackb(await prefixed.get(f"addr/{r}")) for r in range(world_size)}
             await actor.connect_mesh({r: (p["host"], p["port"]) for r, p in peers.items()}, timeout_s)
             nodes = [peers[r]["node"] for r in range(world_size)]
+            # Shared memory only where every rank allows it: one rank with RINGWEAVE_SHM=0
+            # would otherwise pick other algorithms than its peers (a mismatch, or a wait).
+            shm_everywhere = all(peers[r].get("shm", False) for r in range(world_size))
         else:
             nodes = [node_id()]
+            shm_everywhere = True
     except BaseException:
         await actor.close()
         await prefixed.close()
@@ -207,6 +212,11 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     rt = Runtime(actor, prefixed, timeout_s=timeout_s, local_rank=local_rank or 0,
                  local_world_size=local_world_size or 1)
     rt.nodes = nodes
+    if not shm_everywhere:
+        rt.shm_enabled = False
+        if shm_usable():
+            log.warning("rank %d: shared memory is off for this job: some ranks have RINGWEAVE_SHM=0 "
+                        "or no writable /dev/shm", rank)
     rt.store_server = server
     _current.set(rt)
     _process_default = rt
