@@ -159,3 +159,22 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
 # earlier runs. Non-power-of-two worlds were not measured; ring is chosen there above 1 MiB from
 # the volume argument (the fold sends the whole array twice more). Remeasure with
 # bench/collectives.py on an idle machine before quoting any speed.
+#
+# Re-measured on a quiet machine (load 0.4) after the transport's writev fix and the receives
+# posted ahead, with the benchmark of bench/:
+#
+#   python bench/collectives.py -n 4 --ops all_reduce --algorithm all \
+#       --sizes 4,1K,64K,256K,1M,4M,16M,64M --shm off --iters 15
+#
+#   bytes      ring (us)   halving_doubling (us)   recursive_doubling (us)
+#       4         1671           1461                     717
+#    1024         1912           1676                     804
+#   64 Ki         1912           1593                     794
+#  256 Ki         2606           2179                    1321
+#    1 Mi         3513           2832                    3017
+#    4 Mi        10270          10196                   13789
+#   16 Mi        40436          39409                   57593
+#   64 Mi       133953         142263                  224677    (busbw 0.75 vs 0.71 GB/s)
+#
+# The ordering behind the table holds: recursive doubling up to 256 KiB, halving-doubling from
+# 1 MiB; ring and halving-doubling are within noise of each other from 4 MiB (9-19% spread).
