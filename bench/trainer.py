@@ -242,7 +242,8 @@ def run_config(args, strategy: str, ranks: int) -> dict:
         result_path = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "runtime.launch", "-n", str(ranks), "--max-time-s", str(args.timeout_s),
                os.path.abspath(__file__), "--worker", "--strategy", strategy, "--result", result_path,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch", str(args.batch_per_rank * ranks if args.batch_per_rank else args.batch),
                "--in-dim", str(args.in_dim), "--width", str(args.width), "--depth", str(args.depth),
                "--classes", str(args.classes), "--torch-init-file", os.path.join(tmp, "torch-init")]
         env = dict(os.environ)
@@ -331,7 +332,9 @@ def driver_main(args) -> int:
             print("--compare torch: torch is not importable, skipping the comparison", file=sys.stderr)
     numel = _model_numel(args.in_dim, args.width, args.depth, args.classes)
     print(f"# MLP {args.in_dim}-{'-'.join([str(args.width)] * args.depth)}-{args.classes}: {numel / 1e6:.2f}M "
-          f"parameters, AdamW float32, global batch {args.batch}, {args.warmup} warm-up + {args.steps} timed "
+          f"parameters, AdamW float32, "
+          f"{f'batch {args.batch_per_rank} per rank' if args.batch_per_rank else f'global batch {args.batch}'}, "
+          f"{args.warmup} warm-up + {args.steps} timed "
           f"steps, 1 BLAS thread per rank, {os.cpu_count()} cores")
     print("# per-rank means per step: compute, comm (in flight), exposed (waited on), cpu ms (CPU time of the "
           "process, all threads);\n# MiB held = params + grads + optim; maxrss = max over ranks (MiB)")
@@ -372,7 +375,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare", choices=("torch",), default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
+    p.add_argument("--batch", type=int, default=256, help="global batch (default 256): strong scaling")
+    p.add_argument("--batch-per-rank", type=int, default=None,
+                   help="rows per rank instead (global = this x ranks): weak scaling, as torch DDP counts batches")
     p.add_argument("--in-dim", type=int, default=MODEL["in_dim"])
     p.add_argument("--width", type=int, default=MODEL["width"])
     p.add_argument("--depth", type=int, default=MODEL["depth"])
