@@ -12,7 +12,8 @@ ranks two: the 2-rank speed-up is then a fair measure of scaling.
 
 Model: a synthetic MLP 1024 -> 1536 x 4 (LayerNorm + GELU) -> 10, about 8.7M
 parameters in 5 units, trained with AdamW in float32 on Gaussian clusters;
-global batch 256 rows (each rank its 256/N). Warm-up steps (not timed), then a
+256 rows per rank by default (global batch 256 x N, as torch DDP counts batches; weak
+scaling), or one global batch at every world size with ``--batch B`` (strong scaling). Warm-up steps (not timed), then a
 barrier, `--steps` timed steps, a barrier.
 
 Per configuration (rank 0 prints one table row, all ranks' figures go to JSON):
@@ -375,9 +376,10 @@ def main(argv=None) -> int:
     p.add_argument("--compare", choices=("torch",), default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=256, help="global batch (default 256): strong scaling")
-    p.add_argument("--batch-per-rank", type=int, default=None,
-                   help="rows per rank instead (global = this x ranks): weak scaling, as torch DDP counts batches")
+    p.add_argument("--batch", type=int, default=None,
+                   help="a global batch, the same at every world size (strong scaling); default: --batch-per-rank")
+    p.add_argument("--batch-per-rank", type=int, default=256,
+                   help="rows per rank, global = this x ranks (weak scaling, as torch DDP counts batches; default 256)")
     p.add_argument("--in-dim", type=int, default=MODEL["in_dim"])
     p.add_argument("--width", type=int, default=MODEL["width"])
     p.add_argument("--depth", type=int, default=MODEL["depth"])
@@ -392,6 +394,10 @@ def main(argv=None) -> int:
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch-init-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.batch is not None and not args.worker:
+        args.batch_per_rank = None  # an explicit global batch: strong scaling
+    elif args.batch is None:
+        args.batch = args.batch_per_rank
     if args.quick:
         args.in_dim, args.width, args.depth, args.steps, args.warmup = 256, 512, 3, 5, 2
     if args.worker:
