@@ -302,8 +302,12 @@ def attempt_prefix(restart: int) -> str:
 
 
 def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, master_port: int,
-             secret: str | None, job: str, restart: int, cores: int) -> dict[str, str]:
-    """The whole environment of one rank (see the module docstring)."""
+             secret: str | None, job: str, restart: int, cores: int,
+             launcher_pid: int | None = None) -> dict[str, str]:
+    """The whole environment of one rank (see the module docstring).
+
+    ``launcher_pid`` sets RINGWEAVE_LAUNCHER_PID: ranks then die with the
+    launcher, even a SIGKILLed one (runtime/init.py)."""
     env = dict(base)
     env.update(
         RANK=str(cfg.node_rank * cfg.nproc + local_rank),
@@ -326,6 +330,8 @@ def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, mas
         env.pop(auth.SECRET_ENV, None)
     if cfg.timeout_s is not None:
         env["RINGWEAVE_TIMEOUT_S"] = f"{cfg.timeout_s:g}"
+    if launcher_pid is not None:
+        env["RINGWEAVE_LAUNCHER_PID"] = str(launcher_pid)
     threads = str(thread_count(cores, cfg.nproc))
     for name in THREAD_VARS:
         if not base.get(name):
@@ -620,10 +626,8 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                                         "secret": secret, "restart": restart, "world_size": cfg.world_size,
                                         "launcher_pid": os.getpid()})
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
-                                 job=job, restart=restart, cores=cores)
+                                 job=job, restart=restart, cores=cores, launcher_pid=os.getpid())
                         for local_rank in range(cfg.nproc)]
-                for env in envs:  # ranks die with the launcher, even a SIGKILLed one (runtime/init.py)
-                    env["RINGWEAVE_LAUNCHER_PID"] = str(os.getpid())
                 try:
                     outcome = await run_attempt(cfg, envs, console, stopper, deadline)
                 except OSError as exc:

@@ -125,6 +125,9 @@ def test_rank_env_names_and_values():
     assert env["OMP_NUM_THREADS"] == "7"
     assert env["NUMBA_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "4"
     assert base == {"PATH": "/bin", "OMP_NUM_THREADS": "7", "RINGWEAVE_SECRET": "old"}  # not modified
+    assert "RINGWEAVE_LAUNCHER_PID" not in env
+    assert launch.rank_env(base, c, 1, master_port=29500, secret="s", job="j", restart=2, cores=8,
+                           launcher_pid=4242)["RINGWEAVE_LAUNCHER_PID"] == "4242"
 
 
 def test_rank_env_without_secret_drops_the_inherited_one():
