@@ -111,8 +111,10 @@ Restarts (``--max-restarts R``) and what the runtime must do about them
     counts stay in step as long as every failure takes down every node's
     attempt once; this is not elastic rendezvous.
 
-What this is not: elastic membership, per-node process counts that differ,
-or a watchdog for a launcher killed with SIGKILL (its ranks then live on).
+What this is not: elastic membership, or per-node process counts that
+differ. A launcher killed with SIGKILL cannot stop anything itself: on
+Linux each rank that called ``runtime.init`` gets SIGTERM from the kernel
+(RINGWEAVE_LAUNCHER_PID above), but what a rank started may live on.
 """
 
 from __future__ import annotations
