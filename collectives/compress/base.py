@@ -32,12 +32,9 @@ from typing import ClassVar
 import numpy as np
 
 from .. import kernels
+from ..kernels import is_device_array
 
 Payload = tuple  # tuple of arrays, in wire order
-
-
-def is_device_array(a) -> bool:
-    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
 
 
 def as_f32(x) -> np.ndarray:

@@ -29,10 +29,11 @@ from .reference import DTYPES, OPS
 BACKENDS = ("numpy", "numba", "cuda")
 ENV_VAR = "RINGWEAVE_KERNELS"
 
-__all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "reduce_into", "scale_into"]
+__all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "is_device_array", "reduce_into", "scale_into"]
 
 
-def _is_device_array(a) -> bool:
+def is_device_array(a) -> bool:
+    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects."""
     return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
 
 
@@ -43,7 +44,7 @@ def choose_backend(*arrays, backend: str | None = None) -> str:
         ValueError: an unknown backend name, here or in ``RINGWEAVE_KERNELS``.
         TypeError: host arrays with ``backend="cuda"``, or device arrays with a host backend.
     """
-    on_device = [_is_device_array(a) for a in arrays]
+    on_device = [is_device_array(a) for a in arrays]
     if any(on_device) and not all(on_device):
         raise TypeError("mixing device and host arrays; copy explicitly first")
     if backend is None and not any(on_device):

@@ -33,11 +33,12 @@ from numba import config, cuda
 
 from . import halfmath, reference
 
+# Device functions, also used by collectives/compress/cuda.py.
 _dev = cuda.jit(device=True)
-_f16_to_f32 = _dev(halfmath.f16_bits_to_f32)
-_f32_to_f16 = _dev(halfmath.f32_to_f16_bits)
-_bf16_to_f32 = _dev(halfmath.bf16_bits_to_f32)
-_f32_to_bf16 = _dev(halfmath.f32_to_bf16_bits)
+f16_to_f32 = _dev(halfmath.f16_bits_to_f32)
+f32_to_f16 = _dev(halfmath.f32_to_f16_bits)
+bf16_to_f32 = _dev(halfmath.bf16_bits_to_f32)
+f32_to_bf16 = _dev(halfmath.f32_to_bf16_bits)
 
 THREADS = 32 if config.ENABLE_CUDASIM else 256  # simulator threads are Python threads
 MAX_BLOCKS = 4 if config.ENABLE_CUDASIM else 1024
@@ -85,14 +86,14 @@ def _make_kernels(combine):
     def k_f16(dst, src):  # uint16 bits
         i = cuda.grid(1)
         while i < dst.size:
-            dst[i] = _f32_to_f16(combine(_f16_to_f32(dst[i]), _f16_to_f32(src[i])))
+            dst[i] = f32_to_f16(combine(f16_to_f32(dst[i]), f16_to_f32(src[i])))
             i += cuda.gridsize(1)
 
     @cuda.jit
     def k_bf16(dst, src):  # uint16 bits
         i = cuda.grid(1)
         while i < dst.size:
-            dst[i] = _f32_to_bf16(combine(_bf16_to_f32(dst[i]), _bf16_to_f32(src[i])))
+            dst[i] = f32_to_bf16(combine(bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
             i += cuda.gridsize(1)
 
     return {"float": k_float, "int": k_int, "f16": k_f16, "bf16": k_bf16}
@@ -100,11 +101,6 @@ def _make_kernels(combine):
 
 _KERNELS = {op: _make_kernels(fn) for op, fn in
             (("sum", _sum), ("prod", _prod), ("min", _min), ("max", _max))}  # fmt: skip
-
-
-def is_device_array(a) -> bool:
-    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects."""
-    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
 
 
 def as_device(a):
