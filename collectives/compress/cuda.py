@@ -28,15 +28,9 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..kernels import halfmath
-from ..kernels.cuda import THREADS, grid
+from ..kernels.cuda import THREADS, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, grid
 from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2
 
-_dev = cuda.jit(device=True)
-_f16_to_f32 = _dev(halfmath.f16_bits_to_f32)
-_f32_to_f16 = _dev(halfmath.f32_to_f16_bits)
-_bf16_to_f32 = _dev(halfmath.bf16_bits_to_f32)
-_f32_to_bf16 = _dev(halfmath.f32_to_bf16_bits)
 _U64 = np.uint64
 _GOLDEN, _MIX1, _MIX2 = _U64(GOLDEN), _U64(MIX1), _U64(MIX2)
 _S30, _S27, _S31, _S40 = _U64(30), _U64(27), _U64(31), _U64(40)
@@ -49,7 +43,7 @@ _S30, _S27, _S31, _S40 = _U64(30), _U64(27), _U64(31), _U64(40)
 def _cast_encode(x, out, bf16):
     i = cuda.grid(1)
     while i < x.size:
-        out[i] = _f32_to_bf16(x[i]) if bf16 else _f32_to_f16(x[i])
+        out[i] = f32_to_bf16(x[i]) if bf16 else f32_to_f16(x[i])
         i += cuda.gridsize(1)
 
 
@@ -57,7 +51,7 @@ def _cast_encode(x, out, bf16):
 def _cast_decode(h, out, bf16):
     i = cuda.grid(1)
     while i < h.size:
-        out[i] = _bf16_to_f32(h[i]) if bf16 else _f16_to_f32(h[i])
+        out[i] = bf16_to_f32(h[i]) if bf16 else f16_to_f32(h[i])
         i += cuda.gridsize(1)
 
 
@@ -82,7 +76,7 @@ def cast_decode(h, bf16: bool):
 # ---- int8 ----------------------------------------------------------------------------
 
 
-@_dev
+@cuda.jit(device=True)
 def _uniform_at(key, i):
     z = key + _U64(i) * _GOLDEN
     z = (z ^ (z >> _S30)) * _MIX1
