@@ -105,3 +105,22 @@ async def test_trace_of_collective_calls_merges_into_one_valid_file(tmp_path):
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == 9 and {e["pid"] for e in spans} == {0, 1, 2}
     assert all(e["args"]["outcome"] == "ok" and e["args"]["bytes_sent"] == 16 for e in spans)
+
+
+async def test_a_tool_may_call_only_ringweave_handlers():
+    """SECURITY.md: an authenticated tool may call only ``ringweave.*`` handlers."""
+    from runtime.testing import make_runtimes
+    from tools.status import ask
+
+    secret = b"s3cret-for-tests"
+    rts = await make_runtimes(2, "tcp", secret=secret)
+    try:
+        a = rts[1].actor
+        a.register("user.secret_state", lambda: "must not leak")
+        host, port = a.address
+        assert await ask(host, port, secret, "test", name="ringweave.ping", timeout_s=5) == 1
+        with pytest.raises(RuntimeError, match="tools may not call 'user.secret_state'"):
+            await ask(host, port, secret, "test", name="user.secret_state", timeout_s=5)
+    finally:
+        for rt in rts:
+            await rt.close()
