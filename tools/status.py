@@ -30,6 +30,7 @@ import sys
 import msgpack
 
 from runtime import auth, jobfile, net, wire
+from runtime.errors import RingweaveError
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
 
@@ -82,7 +83,7 @@ async def collect(info: dict, timeout_s: float) -> list[dict]:
                 continue
             try:
                 out.append(await ask(addr["host"], addr["port"], secret, info["job"], timeout_s=timeout_s))
-            except (TimeoutError, OSError, ConnectionError, RuntimeError) as exc:
+            except (TimeoutError, OSError, RuntimeError, RingweaveError) as exc:  # e.g. ConnectError: dead
                 out.append({"rank": r, "error": f"not answering ({type(exc).__name__}: {exc or 'timed out'} "
                                                 f"after {timeout_s:.1f} s)"})
         return out

@@ -124,3 +124,28 @@ async def test_a_tool_may_call_only_ringweave_handlers():
     finally:
         for rt in rts:
             await rt.close()
+
+
+async def test_status_reports_a_dead_rank_instead_of_failing():
+    """A rank whose port no longer answers is reported as not answering."""
+    import socket
+
+    import msgpack
+
+    from runtime.store_tcp import StoreServer, TCPStore
+    from tools.status import collect, render
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    async with StoreServer("127.0.0.1", 0, secret=None, job="j") as srv:
+        store = await TCPStore.connect("127.0.0.1", srv.port, secret=None, job="j", timeout_s=5)
+        await store.set("restart/0/addr/0", msgpack.packb({"host": "127.0.0.1", "port": dead_port}))
+        await store.close()
+        info = {"master_addr": "127.0.0.1", "master_port": srv.port, "secret": None, "job": "j",
+                "restart": 0, "world_size": 2}
+        statuses = await collect(info, 0.5)
+    assert [st["rank"] for st in statuses] == [0, 1]
+    assert "not answering (ConnectError" in statuses[0]["error"]
+    assert "no address in the store" in statuses[1]["error"]
+    assert render(statuses)[0].startswith("rank 0: not answering")
