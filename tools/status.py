@@ -30,11 +30,13 @@ import sys
 import msgpack
 
 from runtime import auth, jobfile, net, wire
+from runtime.actor import SCHEMA as _ACTOR_SCHEMA
 from runtime.errors import RingweaveError
+from runtime.launch import attempt_prefix
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
 
-_REPLY_SCHEMA: wire.Schema = {"r": {"i": (int, True), "e": (str, False)}, "b": {}}
+_REPLY_SCHEMA: wire.Schema = {"r": _ACTOR_SCHEMA["r"], "b": _ACTOR_SCHEMA["b"]}  # what a rank answers a tool
 
 
 async def _recv_exact(loop, sock, n: int) -> bytes:
@@ -73,7 +75,7 @@ async def collect(info: dict, timeout_s: float) -> list[dict]:
     store = await TCPStore.connect(info["master_addr"], info["master_port"], secret=secret, job=info["job"],
                                    timeout_s=timeout_s, who={"tool": "status"})
     try:
-        prefixed = PrefixStore(f"restart/{info['restart']}", store)
+        prefixed = PrefixStore(attempt_prefix(info["restart"]), store)
         out = []
         for r in range(info["world_size"]):
             try:
