@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -39,7 +40,7 @@ import msgpack
 
 from runtime import auth, net, wire
 from runtime.errors import (AuthenticationError, BadFrameError, ClosedError, ConnectError,
-                            MailboxFullError, PeerLostError, RemoteCallError)
+                            MailboxFullError, PeerLostError, PeerTimeoutError, RemoteCallError)
 from runtime.transport import Connection, TCPConnection
 
 log = logging.getLogger("ringweave.actor")
@@ -57,6 +58,7 @@ SCHEMA: wire.Schema = {
 TOOL_SCHEMA: wire.Schema = {"q": SCHEMA["q"], "b": {}}  # what a tool may send: requests, goodbye
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
+_DEFAULT = object()  # "the actor's default_timeout_s" (None means no deadline, on purpose only)
 
 
 class _BufferPool:
@@ -141,6 +143,7 @@ class Actor:
         self._max_unexpected = max_unexpected_nbytes
         self._max_payload = max_payload_nbytes
         self._handshake_timeout_s = handshake_timeout_s
+        self.default_timeout_s = float(os.environ.get("RINGWEAVE_TIMEOUT_S", "300"))  # send/recv deadlines
         self.conns: dict[int, Connection] = {}
         self._posted: dict[tuple, collections.deque[_Recv]] = {}
         self._unexpected: dict[tuple, collections.deque] = {}
@@ -330,10 +333,19 @@ class Actor:
         """Low level: one frame to ``dst``. Returns when ``payload`` may be reused."""
         await self._conn(dst).send(header, payload)
 
-    async def send(self, dst: int, tag, payload, *, meta=None) -> None:
+    def _timeout(self, timeout_s) -> float | None:
+        return self.default_timeout_s if timeout_s is _DEFAULT else timeout_s
+
+    async def send(self, dst: int, tag, payload, *, meta=None, timeout_s=_DEFAULT) -> None:
         """Sends a buffer (bytes-like, or anything with the buffer protocol) or a
         msgpack-able object to rank ``dst`` under ``tag``. Returns when a buffer
-        may be reused."""
+        may be reused.
+
+        Raises:
+            PeerTimeoutError: ``dst`` did not take the bytes within ``timeout_s``
+                (default ``default_timeout_s``): it stopped reading.
+            PeerLostError: ``dst`` is gone.
+        """
         try:
             mv = payload if type(payload) is memoryview else memoryview(payload)
         except TypeError:
@@ -342,9 +354,19 @@ class Actor:
             header = {"k": "d", "t": tag}
             if meta is not None:
                 header["m"] = meta
-            await self.send_frame(dst, header, mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
+            frame = (header, mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
         else:
-            await self.send_frame(dst, {"k": "o", "t": tag}, msgpack.packb(payload, use_bin_type=True))
+            frame = ({"k": "o", "t": tag}, msgpack.packb(payload, use_bin_type=True))
+        limit = self._timeout(timeout_s)
+        cm = asyncio.timeout(limit)
+        try:
+            async with cm:
+                await self.send_frame(dst, *frame)
+        except TimeoutError:
+            if not cm.expired():
+                raise
+            raise PeerTimeoutError(f"rank {self.rank}: send to rank {dst} under tag {tag!r} timed out after "
+                                   f"{limit:.1f} s: rank {dst} is not reading", dst) from None
 
     # -- receiving --------------------------------------------------------------
     def post(self, key: tuple, src: int, buf: memoryview | None, check=None) -> asyncio.Future:
@@ -388,30 +410,44 @@ class Actor:
         elif self._closed:
             fut.set_exception(ClosedError(f"rank {self.rank}: the actor is closed"))
 
-    async def recv(self, src: int, tag) -> Any:
-        """Receives the next buffer (as ``bytearray``) or object sent by ``src`` under ``tag``."""
-        key = (src, tag)
-        fut = self.post(key, src, None)
+    async def _wait_posted(self, key: tuple, src: int, fut: asyncio.Future, timeout_s) -> tuple:
+        """Awaits a posted receive under a deadline; withdraws it if we give up."""
+        limit = self._timeout(timeout_s)
+        cm = asyncio.timeout(limit)
         try:
-            header, data = await fut
+            async with cm:
+                return await fut
         except asyncio.CancelledError:
             self.unpost(key, fut)
             raise
+        except TimeoutError:
+            if not cm.expired():
+                raise
+            self.unpost(key, fut)
+            raise PeerTimeoutError(f"rank {self.rank}: nothing arrived from rank {src} under tag {key[-1]!r} "
+                                   f"in {limit:.1f} s", src) from None
+
+    async def recv(self, src: int, tag, *, timeout_s=_DEFAULT) -> Any:
+        """Receives the next buffer (as ``bytearray``) or object sent by ``src`` under ``tag``.
+
+        Raises:
+            PeerTimeoutError: nothing arrived within ``timeout_s`` (default ``default_timeout_s``).
+            PeerLostError: ``src`` is gone.
+        """
+        key = (src, tag)
+        header, data = await self._wait_posted(key, src, self.post(key, src, None), timeout_s)
         if header["k"] == "o":
             return msgpack.unpackb(data, raw=False, strict_map_key=False)
         return data
 
-    async def recv_into(self, src: int, tag, buffer) -> int:
+    async def recv_into(self, src: int, tag, buffer, *, timeout_s=_DEFAULT) -> int:
         """Receives the next buffer sent by ``src`` under ``tag`` into ``buffer``
-        (which must have exactly the sent length). Returns the byte count."""
+        (which must have exactly the sent length). Returns the byte count.
+        Raises as :meth:`recv` does."""
         key = (src, tag)
-        fut = self.post(key, src, memoryview(buffer).cast("B"))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            self.unpost(key, fut)
-            raise
-        return memoryview(buffer).nbytes
+        mv = memoryview(buffer).cast("B")
+        await self._wait_posted(key, src, self.post(key, src, mv), timeout_s)
+        return mv.nbytes
 
     def _complete(self, r: _Recv, header: dict, data, copy: bool) -> None:
         """Finishes receive ``r`` with a frame; ``data`` is its payload (kept or direct)."""

@@ -46,6 +46,18 @@ class PeerLostError(RingweaveError):
         self.rank = rank
 
 
+class PeerTimeoutError(RingweaveError, TimeoutError):
+    """A point-to-point send or receive of an actor did not complete in time.
+
+    Attributes:
+        rank: the peer's global rank.
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
 class MailboxFullError(RingweaveError):
     """Messages that arrived before their receive was posted exceeded the
     mailbox bound (bytes kept for receives that nobody posted)."""

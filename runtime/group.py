@@ -330,6 +330,7 @@ class Runtime:
     def __init__(self, actor: Actor, store=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None):
         self.actor = actor
+        actor.default_timeout_s = timeout_s  # one deadline for collectives and point-to-point alike
         self.tracer = Tracer(actor.rank, trace_dir or os.environ.get("RINGWEAVE_TRACE") or None)
         self.store = store
         self.timeout_s = timeout_s

@@ -110,6 +110,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._paused = False
         self._drained: asyncio.Future | None = None
         self.lost: BaseException | None = None
+        self._where = f" from {conn.where}"  # for error messages; built once, not per frame
 
     # -- asyncio callbacks -------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -157,11 +158,11 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             avail = self._end - self._start
             if avail < wire.PREFIX_NBYTES:
                 return
-            hlen, plen = wire.parse_prefix(stage[self._start:], self._max_payload, where=f" from {conn.where}")
+            hlen, plen = wire.parse_prefix(stage[self._start:], self._max_payload, where=self._where)
             if avail < wire.PREFIX_NBYTES + hlen:
                 return
             hstart = self._start + wire.PREFIX_NBYTES
-            header = wire.parse_header(stage[hstart:hstart + hlen], self._schema, where=f" from {conn.where}")
+            header = wire.parse_header(stage[hstart:hstart + hlen], self._schema, where=self._where)
             self._start = hstart + hlen
             conn.frames_received += 1
             conn.bytes_received += wire.PREFIX_NBYTES + hlen + plen
@@ -249,16 +250,16 @@ class TCPConnection(Connection):
         proto = self._proto
         if proto.lost is not None or self._closed:
             raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
-        nbytes = 0 if payload is None else memoryview(payload).nbytes
+        mv = None if payload is None else memoryview(payload).cast("B")
+        nbytes = 0 if mv is None else mv.nbytes
         head = wire.encode_head(header, nbytes)
         transport = proto.transport
-        if self._chunking is not None:  # a large frame is going out in pieces: never interleave
+        while self._chunking is not None:  # a large frame is going out in pieces: never interleave
             async with self._chunking:
                 pass
         if nbytes <= _COALESCE_NBYTES:  # one system call: a small copy beats a second syscall
-            transport.write(head + payload if nbytes else head)
+            transport.write(head + mv if nbytes else head)
         else:
-            mv = memoryview(payload).cast("B")
             # Header and payload in ONE writev when the transport holds nothing of ours
             # (so order is kept): written separately with TCP_NODELAY, the header leaves
             # as its own packet and wakes the receiver once for 16+ bytes and again for
@@ -286,11 +287,16 @@ class TCPConnection(Connection):
                 # own buffer; hand it at most a socket buffer's worth at a time and wait for
                 # each to drain, so a 64 MiB array is not copied in user space first.
                 self._chunking = lock = asyncio.Lock()
-                async with lock:
-                    for start in range(0, rest.nbytes, _CHUNK_NBYTES):
-                        transport.write(rest[start:start + _CHUNK_NBYTES])
-                        await proto.wait_drained()
-                self._chunking = None
+                try:
+                    async with lock:
+                        for start in range(0, rest.nbytes, _CHUNK_NBYTES):
+                            transport.write(rest[start:start + _CHUNK_NBYTES])
+                            await proto.wait_drained()
+                except asyncio.CancelledError:
+                    self.abort()  # half a frame is in the stream: it cannot be recalled
+                    raise
+                finally:
+                    self._chunking = None
         self.frames_sent += 1
         self.bytes_sent += len(head) + nbytes
         await proto.wait_drained()

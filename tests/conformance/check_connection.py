@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from runtime.errors import MailboxFullError, PeerLostError, RemoteCallError
+from runtime.errors import MailboxFullError, PeerLostError, PeerTimeoutError, RemoteCallError
 from runtime.testing import make_runtimes, run_ranks
 
 
@@ -134,6 +134,23 @@ async def check_mailbox_is_bounded(transport):
             await rt.close()
 
 
+async def check_receive_timeout_names_peer_and_tag(transport):
+    """A receive that waits past its deadline fails naming the peer and the tag,
+    and is withdrawn: the message that comes later goes to the next receive."""
+    async def body(w):
+        a = w.runtime.actor
+        if w.rank == 1:
+            with pytest.raises(PeerTimeoutError, match="nothing arrived from rank 0 under tag 'late' in 0.2 s") as info:
+                await a.recv(0, "late", timeout_s=0.2)
+            assert info.value.rank == 0
+            await a.send(0, "go", b"")
+            assert bytes(await a.recv(0, "late", timeout_s=5)) == b"now"
+        else:
+            await a.recv(1, "go", timeout_s=5)
+            await a.send(1, "late", b"now")
+    await run_ranks(2, body, transport=transport)
+
+
 ALL = [check_buffers_and_objects, check_early_messages_delivered_in_order, check_large_array_intact,
        check_size_mismatch_is_an_error, check_remote_calls, check_lost_peer_fails_pending_receive,
-       check_mailbox_is_bounded]
+       check_mailbox_is_bounded, check_receive_timeout_names_peer_and_tag]
