@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import chunk_bounds
-from collectives.shm import common, kernels
+from collectives.shm import all_reduce_shm, common
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -50,26 +49,8 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         await _across(comm, leaders, x, op)
         return
     async with common.session(comm, local, 1 + index) as dom:  # index 0 is the flat domain's
-        await dom.claim_data(comm, x.nbytes)
-        bounds = chunk_bounds(x.size, k)
-        slots = [common.data_view(dom, q, x.dtype, x.size) for q in range(k)]
-
-        def chunk(a: np.ndarray, c: int) -> np.ndarray:
-            return a[bounds[c]:bounds[c + 1]]
-
+        slots, chunk = await all_reduce_shm.scatter_reduce(comm, dom, x, op, p, k)  # 1.-2. over the node
         others = [c for c in range(k) if c != p]
-        # 1. copy-in every chunk but mine
-        await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others])
-        dom.post(comm, 1)
-        await dom.wait_all(comm, 1)
-        # 2. reduce my chunk over the node, publish it
-        mine = chunk(x, p)
-
-        def reduce_and_publish():
-            kernels.reduce_publish(mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
-
-        await common.off_loop(dom, mine.nbytes * k, reduce_and_publish)
-        dom.post(comm, 2)
         if p == 0:
             await dom.wait_all(comm, 2)  # 3. the node's sum, gathered by the leader
             await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])

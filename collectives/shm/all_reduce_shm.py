@@ -78,26 +78,39 @@ async def _small(comm, dom, x: np.ndarray, op: str, slots: list) -> None:
 
 async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     n, r = comm.size, comm.rank
+    slots, chunk = await scatter_reduce(comm, dom, x, op, r, n)  # 1.-2.
+    await dom.wait_all(comm, 2)
+    # 3. copy-out: every other chunk from its owner's slot
+    others = [c for c in range(n) if c != r]
+    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
+
+
+async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
+    """Phases 1 and 2 of the large path among the ``k`` members of ``dom``, I being member ``p``
+    (also all_reduce_hierarchical's steps 1-2 inside a node). Afterwards chunk p of x and of my
+    slot S_p hold chunk p reduced over all members, and phase 2 is posted.
+
+    Returns:
+        (slots, chunk): every member's data slot, and ``chunk(a, c)``, chunk c of an array.
+    """
     await dom.claim_data(comm, x.nbytes)
-    bounds = chunk_bounds(x.size, n)  # chunk c is [bounds[c], bounds[c+1])
-    slots = [common.data_view(dom, p, x.dtype, x.size) for p in range(n)]
+    bounds = chunk_bounds(x.size, k)  # chunk c is [bounds[c], bounds[c+1])
+    slots = [common.data_view(dom, q, x.dtype, x.size) for q in range(k)]
 
     def chunk(a: np.ndarray, c: int) -> np.ndarray:
         return a[bounds[c]:bounds[c + 1]]
 
     # 1. copy-in: every chunk but mine into my slot
-    others = [c for c in range(n) if c != r]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[r], c), chunk(x, c)) for c in others])
+    others = [c for c in range(k) if c != p]
+    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others])
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
-    # 2. reduce my chunk from every peer's slot, in rank order, then publish it in my slot
-    mine = chunk(x, r)
+    # 2. reduce my chunk from every peer's slot, in member order, then publish it in my slot
+    mine = chunk(x, p)
 
     def reduce_and_publish():
-        kernels.reduce_publish(mine, [chunk(slots[p], r) for p in others], chunk(slots[r], r), op)
+        kernels.reduce_publish(mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
 
-    await common.off_loop(dom, mine.nbytes * n, reduce_and_publish)
+    await common.off_loop(dom, mine.nbytes * k, reduce_and_publish)
     dom.post(comm, 2)
-    await dom.wait_all(comm, 2)
-    # 3. copy-out: every other chunk from its owner's slot
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
+    return slots, chunk
