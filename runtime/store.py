@@ -523,10 +523,21 @@ class LoopThread:
             fut.cancel()
             raise
 
-    def close(self) -> None:
-        """Cancels leftover tasks, stops the loop and joins the thread. Idempotent."""
+    def close(self, last: Awaitable | None = None) -> None:
+        """Runs ``last`` (the owner's own async close, if any) on the loop, then
+        cancels leftover tasks, stops the loop and joins the thread, even if
+        ``last`` raised. Idempotent: once closed, ``last`` is discarded unrun."""
         if self._closed:
+            if last is not None:
+                last.close()  # type: ignore[union-attr]
             return
+        try:
+            if last is not None:
+                self.run(last)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
         self._closed = True
 
         async def _cancel_rest() -> None:
@@ -633,12 +644,7 @@ class BlockingStore:
 
     def close(self) -> None:
         """Closes the async store, then stops and joins the loop thread. Idempotent."""
-        if self._lt.closed:
-            return
-        try:
-            self._lt.run(self.store.close())
-        finally:
-            self._lt.close()
+        self._lt.close(self.store.close())
 
     def __enter__(self) -> "BlockingStore":
         return self

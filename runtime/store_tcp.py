@@ -472,12 +472,7 @@ class ServerThread:
 
     def close(self) -> None:
         """Closes the server and joins its thread. Idempotent."""
-        if self._lt.closed:
-            return
-        try:
-            self._lt.run(self.server.close())
-        finally:
-            self._lt.close()
+        self._lt.close(self.server.close())
 
     def __enter__(self) -> "ServerThread":
         return self
