@@ -390,7 +390,8 @@ class Actor:
 
     def unexpected_headers(self, key: tuple) -> list[dict]:
         """Headers of the frames kept for ``key`` that no receive has taken yet."""
-        return [header for header, _ in self._unexpected.get(key, ())]
+        kept = self._unexpected.get(key)
+        return [header for header, _ in kept] if kept else []
 
     def unpost(self, key: tuple, fut: asyncio.Future) -> None:
         """Withdraws a posted receive whose waiter gave up (timeout, cancel)."""

@@ -218,8 +218,8 @@ class ProcessGroup:
         finally:
             self.calls.pop(call.seq, None)
             self._finished[call.seq] = call.fingerprint
-            if len(self._finished) > 256:
-                del self._finished[min(self._finished)]
+            if len(self._finished) > 256:  # drop the first finished (O(1); min() scanned all 256 per call)
+                del self._finished[next(iter(self._finished))]
             if tracer.enabled:
                 tracer.complete(call.fingerprint.split(" ", 1)[0], start_us, tracer.now_us(), self.gid,
                                 {"op": call.fingerprint, "seq": call.seq, "group": self.gid,

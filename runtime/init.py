@@ -149,8 +149,11 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     env = read_env()
     rank = env["rank"] if rank is None else rank
     world_size = env["world_size"] if world_size is None else world_size
-    if rank is None or world_size is None:
-        rank, world_size = 0, 1 if world_size is None else world_size
+    if rank is None and world_size is None:  # nothing says otherwise: a single process
+        rank, world_size = 0, 1
+    elif rank is None or world_size is None:
+        raise RingweaveError(f"rank is {rank!r} and world size {world_size!r}: give both (arguments, or RANK "
+                             f"and WORLD_SIZE / their mpirun or srun equivalents), or neither for one process")
     if not 0 <= rank < world_size:
         raise RingweaveError(f"rank {rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
     local_rank = env["local_rank"] if local_rank is None else local_rank

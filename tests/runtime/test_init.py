@@ -117,3 +117,10 @@ def test_ranks_started_by_hand_with_torchrun_variables(tmp_path):
     outs = [p.communicate(timeout=50) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "ok 1 0" in outs[0][0] and "ok 0 1" in outs[1][0]
+
+
+async def test_a_world_size_without_a_rank_is_refused(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RingweaveError, match="rank is None and world size 4: give both"):
+        await runtime.init(world_size=4, master_port=1)
