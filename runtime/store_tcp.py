@@ -361,7 +361,7 @@ class StoreServer:
                 try:
                     await conn.send({"k": "ok", "i": i}, data.get_nowait(h["key"]))
                 except WouldBlock:
-                    self._start_wait(conn, i, waits, self._wait_get(conn, i, h["key"], t))
+                    self._start_wait(conn, i, waits, self._wait_then_reply(conn, i, [h["key"]], t, h["key"]))
             elif kind == "add":
                 await conn.send({"k": "ok", "i": i, "v": data.add_nowait(h["key"], h["n"])})
             elif kind == "cas":
@@ -378,7 +378,7 @@ class StoreServer:
                 if data.check_nowait(keys):
                     await conn.send({"k": "ok", "i": i})
                 else:
-                    self._start_wait(conn, i, waits, self._wait_keys(conn, i, keys, t))
+                    self._start_wait(conn, i, waits, self._wait_then_reply(conn, i, keys, t, None))
             elif kind == "check":
                 await conn.send({"k": "ok", "i": i, "v": data.check_nowait(self._keys(h["keys"]))})
             elif kind == "del":
@@ -410,15 +410,10 @@ class StoreServer:
                               f"the limit is max_waits_per_client={self.max_waits_per_client}")
         conn.waits[i] = waits.create_task(coro)
 
-    async def _wait_get(self, conn: _Conn, i: int, key: str, timeout_s: float) -> None:
-        await self._wait_then_reply(conn, i, [key], timeout_s, key)
-
-    async def _wait_keys(self, conn: _Conn, i: int, keys: list[str], timeout_s: float) -> None:
-        await self._wait_then_reply(conn, i, keys, timeout_s, None)
-
     async def _wait_then_reply(self, conn: _Conn, i: int, keys: list[str], timeout_s: float,
                                get_key: str | None) -> None:
-        """A waiting get/wait, as a task of its connection. Never raises (but cancellation)."""
+        """A waiting get (``get_key`` set: the reply carries its value) or wait
+        (``get_key`` None), as a task of its connection. Never raises (but cancellation)."""
         what = f"get({get_key!r})" if get_key is not None else f"wait({len(keys)} keys)"
         try:
             try:
