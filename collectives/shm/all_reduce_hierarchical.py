@@ -39,8 +39,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if n == 1:
         return
     nodes = common.nodes_of(comm.group)
-    if not (common.shm.shm_usable() and getattr(comm.group, "shm_enabled", True)) \
-            or all(len(members) == 1 for members in nodes):
+    if not common.shm_enabled(comm.group) or all(len(members) == 1 for members in nodes):
         return await common.tcp_algorithm("all_reduce", x.nbytes, n)(comm, x, op)
     index, local = next((i, m) for i, m in enumerate(nodes) if comm.rank in m)
     leaders = [members[0] for members in nodes]

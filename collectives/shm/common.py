@@ -49,9 +49,12 @@ def shm_available(group) -> bool:
     """True when every member of ``group`` is on one node, ``RINGWEAVE_SHM`` is not ``"0"``,
     the group's ``shm_enabled`` attribute (a communicator option) is not False, and /dev/shm
     is writable. The same on every rank of the group (given the same environment)."""
-    if not getattr(group, "shm_enabled", True) or not shm.shm_usable():
-        return False
-    return len(set(node_ids(group))) == 1
+    return shm_enabled(group) and len(set(node_ids(group))) == 1
+
+
+def shm_enabled(group) -> bool:
+    """:func:`shm_available` without the one-node condition (all_reduce_hierarchical's test)."""
+    return bool(getattr(group, "shm_enabled", True)) and shm.shm_usable()
 
 
 class Link:
