@@ -195,6 +195,36 @@ async def test_a_rank_that_never_arrives_fails_the_step_instead_of_hanging(name)
     assert isinstance(rank0, CollectiveError), repr(rank0)  # a timeout naming rank 1, within ~1 s
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3"])
+async def test_a_step_that_failed_mid_accumulation_leaves_no_gradient_behind(name):
+    """The first micro-batch's backward completes, the second's labels are refused: the
+    next step must not accumulate into what the failed one left."""
+
+    async def run(fail_first: bool):
+        async def body(group):
+            strategy = make_strategy(name, tiny_model(group.size), make_config(grad_accum=2), group)
+            try:
+                await strategy.setup()
+                good = step_batches(group.size, group.rank, 2)[0]
+                if fail_first:
+                    x, y, offset, size = good[1]
+                    with pytest.raises(ValueError, match="labels must be in"):
+                        await strategy.train_step([good[0], (x, y + 100, offset, size)])
+                result = await strategy.train_step(good)
+                return result.loss, await strategy.full_params(), strategy.memory_bytes()["transient_now"]
+            finally:
+                strategy.close()
+
+        return await run_ranks(2, body)
+
+    for (loss, params, transient), (want_loss, want_params, _) in zip(await run(True), await run(False)):
+        assert loss == want_loss
+        for got, want in zip(params, want_params):
+            np.testing.assert_array_equal(got, want)
+        assert transient == 0
+
+
 def test_bad_arguments_are_refused():
     class FakeGroup:
         rank, size = 0, 3

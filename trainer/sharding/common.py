@@ -421,6 +421,36 @@ class DataParallelBase(Strategy):
         """The master-dtype array covering this rank's padded range _owned(i)."""
         raise NotImplementedError
 
+    # ---- unsharded unit gradients (zero2, zero3/fsdp) ------------------------------
+    # Those strategies keep ``self.grad_shards`` (S_i each) and ``self._full_grads``
+    # (the model's gradient list: unit i's full gradient while its backward needs it).
+
+    def _alloc_full_grad(self, i: int) -> None:
+        """before_unit_backward(i): unit i's full gradient (zeros), kept across micro-batches
+        until the boundary."""
+        if self._full_grads[i] is None:
+            self._full_grads[i] = np.zeros(self.units[i].padded_numel, self.reduce_dtype)
+            self._track(self._full_grads[i].nbytes)
+
+    def _launch_reduce_scatter(self, i: int) -> None:
+        """after_unit_backward(i) at the boundary: reduce-scatter unit i's full gradient into
+        its kept shard; the full buffer is dropped when the collective is done."""
+        full, self._full_grads[i] = self._full_grads[i], None
+        self.comm.launch(self._reduce_and_free(i, full))
+
+    async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
+        try:
+            await self.comm.reduce_scatter(self.grad_shards[i], full)
+        finally:
+            self._untrack(full.nbytes)
+
+    def _drop_full_grads(self) -> None:
+        """Drops the full gradients a failed step may have left (none after a completed one)."""
+        for i, g in enumerate(self._full_grads):
+            if g is not None:
+                self._untrack(g.nbytes)
+                self._full_grads[i] = None
+
     # ---- subclass hooks (see the module docstring) ------------------------------
 
     def _begin_step(self) -> None:

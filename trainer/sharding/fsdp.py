@@ -105,10 +105,7 @@ class FSDPStrategy(DataParallelBase):
             if entry is not None:
                 self._untrack(entry[0].nbytes, "gathered")
                 self._gathered[i] = None
-        for i, g in enumerate(self._full_grads):
-            if g is not None:
-                self._untrack(g.nbytes)
-                self._full_grads[i] = None
+        self._drop_full_grads()
 
     # ---- hooks --------------------------------------------------------------------
 
@@ -135,15 +132,12 @@ class FSDPStrategy(DataParallelBase):
             if self.config.prefetch and i > 0:
                 self._start_gather(i - 1)
             params[i] = self._wait_gather(i)
-            if grads[i] is None:  # kept across micro-batches until the boundary
-                grads[i] = np.zeros(self.units[i].padded_numel, self.reduce_dtype)
-                self._track(grads[i].nbytes)
+            self._alloc_full_grad(i)  # grads is self._full_grads
 
         def after_unit_backward(i: int) -> None:
             self._free_gather(i, params)
             if sync:
-                full, grads[i] = grads[i], None
-                self.comm.launch(self._reduce_and_free(i, full))
+                self._launch_reduce_scatter(i)
 
         hooks["before_unit_backward"] = before_unit_backward
         hooks["after_unit_backward"] = after_unit_backward
@@ -152,12 +146,6 @@ class FSDPStrategy(DataParallelBase):
     def _eval_hooks(self, params: list) -> dict:
         self._reset_gathers()
         return self._forward_hooks(params, keep_last=False, reshard=True)
-
-    async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
-        try:
-            await self.comm.reduce_scatter(self.grad_shards[i], full)
-        finally:
-            self._untrack(full.nbytes)
 
     def _begin_step(self) -> None:
         self._reset_gathers()

@@ -83,6 +83,8 @@ class ZeroStrategy(DataParallelBase):
         if self.stage == 1:
             for g in self.grads:
                 g.fill(0)
+        else:
+            self._drop_full_grads()  # what a failed step may have left half-accumulated
 
     def _compute_params(self) -> list:
         return list(self.full)
@@ -93,12 +95,7 @@ class ZeroStrategy(DataParallelBase):
     def _hooks(self, sync: bool, params: list, grads: list) -> dict:
         hooks = {}
         if self.stage == 2:
-            def before_unit_backward(i: int) -> None:
-                if self._full_grads[i] is None:  # kept across micro-batches until the boundary
-                    self._full_grads[i] = np.zeros(self.units[i].padded_numel, self.reduce_dtype)
-                    self._track(self._full_grads[i].nbytes)
-
-            hooks["before_unit_backward"] = before_unit_backward
+            hooks["before_unit_backward"] = self._alloc_full_grad
         if not sync:
             return hooks
 
@@ -106,8 +103,7 @@ class ZeroStrategy(DataParallelBase):
             if self.stage == 1:
                 self.comm.launch(self._reduce_into_slice(i))
             else:
-                full, self._full_grads[i] = self._full_grads[i], None
-                self.comm.launch(self._reduce_and_free(i, full))
+                self._launch_reduce_scatter(i)
 
         hooks["after_unit_backward"] = after_unit_backward
         return hooks
@@ -121,13 +117,6 @@ class ZeroStrategy(DataParallelBase):
             self.grads[i][self.slices[i]] = chunk
         finally:
             self._untrack(chunk.nbytes)
-
-    async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
-        """zero2: reduce-scatter unit i's full gradient into the kept shard, then drop the full buffer."""
-        try:
-            await self.comm.reduce_scatter(self.grad_shards[i], full)
-        finally:
-            self._untrack(full.nbytes)
 
     def _opt_shards(self) -> list:
         grads = [g[s] for g, s in zip(self.grads, self.slices)] if self.stage == 1 else self.grad_shards
