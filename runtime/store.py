@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from runtime.errors import ClosedError, StoreError, StoreTimeoutError, WouldBlock
 
 DEFAULT_TIMEOUT_S = 300.0  # every wait that names no timeout waits this long at most
+CLOSE_TIMEOUT_S = 30.0  # LoopThread.close: how long cancelled tasks may take to finish
 
 
 def resolve_timeout(timeout_s: float | None, default_s: float) -> float:
@@ -548,7 +549,11 @@ class LoopThread:
             await self._loop.shutdown_asyncgens()
 
         if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(_cancel_rest(), self._loop).result()
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_rest(), self._loop).result(CLOSE_TIMEOUT_S)
+            except TimeoutError:  # a task that ignores cancellation: leave the daemon thread to it
+                raise RuntimeError(f"{self._thread.name}: tasks on the loop still ran {CLOSE_TIMEOUT_S:g} s "
+                                   f"after being cancelled; the loop thread is left running") from None
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
         self._loop.close()

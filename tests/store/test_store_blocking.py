@@ -101,3 +101,26 @@ def test_over_a_memory_store():
 def test_server_thread_bind_error_raises_here(server):
     with pytest.raises(OSError):
         ServerThread("127.0.0.1", server.port, secret=SECRET)
+
+
+def test_loop_thread_close_is_bounded_when_a_task_ignores_cancellation(monkeypatch):
+    import asyncio
+
+    from runtime import store as store_mod
+
+    monkeypatch.setattr(store_mod, "CLOSE_TIMEOUT_S", 0.5)
+    lt = store_mod.LoopThread("stubborn-loop")
+
+    async def stubborn():
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+
+    lt.run(asyncio.sleep(0))
+    lt.loop.call_soon_threadsafe(lambda: lt.loop.create_task(stubborn()))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="stubborn-loop: tasks on the loop still ran 0.5 s after being cancelled"):
+        lt.close()
+    assert time.monotonic() - start < 5
