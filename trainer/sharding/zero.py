@@ -73,11 +73,15 @@ class ZeroStrategy(DataParallelBase):
         pass  # every rank built the same replicas from config.seed (check_replicas verifies it)
 
     async def _after_update(self, applied: bool) -> None:
-        """All-gather the updated shards into the replicated compute parameters."""
+        """All-gather the updated shards into the replicated compute parameters, in place: this
+        rank's block of ``full`` is the all_gather's input (the master itself, or its cast)."""
         if not applied:
             return
-        sources = [cast_to(m, self.param_dtype) if self.separate else m for m in self.master]
-        await self.comm.exposed(asyncio.gather(*(self.comm.all_gather(f, s) for f, s in zip(self.full, sources))))
+        mine = [f[s] for f, s in zip(self.full, self.slices)]
+        if self.separate:
+            for m, block in zip(self.master, mine):
+                cast_to(m, self.param_dtype, out=block)
+        await self.comm.exposed(asyncio.gather(*(self.comm.all_gather(f, b) for f, b in zip(self.full, mine))))
 
     def _begin_step(self) -> None:
         if self.stage == 1:
