@@ -42,7 +42,7 @@ import asyncio
 
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
+from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_async, scratch_pool
 
 SEGMENT_NBYTES = 1 << 20  # one message (the ring's size; registry.py notes)
 SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call posts ahead into
@@ -52,24 +52,17 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    p = 1 << (n.bit_length() - 1)
-    rem = n - p
+    fold = Fold(n, r)
+    p, q, real = fold.p, fold.q, fold.real
     bounds = chunk_bounds(x.size, p)  # block j is x[bounds[j]:bounds[j+1]]
-    folds = r < 2 * rem and r % 2 == 1
-    fold_scratch = np.empty(x.size, x.dtype) if folds else None
-    if r < 2 * rem:  # fold
-        if r % 2 == 0:  # an extra rank: hand our data over and wait for the result
-            await comm.send(r + 1, as_bytes(x))
-            await comm.recv_into(r + 1, as_bytes(x))
-            return
+    if fold.extra:  # an extra rank: hand our data over and wait for the result
+        await comm.send(r + 1, as_bytes(x))
+        await comm.recv_into(r + 1, as_bytes(x))
+        return
+    if fold.folds:  # reduce in the extra rank r-1's array
+        fold_scratch = np.empty(x.size, x.dtype)
         await comm.recv_into(r - 1, as_bytes(fold_scratch))
         await reduce_async(x, fold_scratch, op)
-        q = r // 2
-    else:
-        q = r - rem
-
-    def real(new: int) -> int:
-        return 2 * new + 1 if new < rem else new + rem
 
     def span(lo: int, hi: int) -> np.ndarray:
         return x[bounds[lo]:bounds[hi]]
@@ -137,7 +130,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         for fut in arrived:
             await fut
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
-    if r < 2 * rem:  # unfold: give the extra rank the result
+    if fold.folds:  # unfold: give the extra rank the result
         await comm.send(r - 1, as_bytes(x))
 
 

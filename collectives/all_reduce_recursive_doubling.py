@@ -28,35 +28,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, reduce_now
+from collectives.ops import Fold, as_bytes, reduce_now
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    p = 1 << (n.bit_length() - 1)
-    rem = n - p
+    fold = Fold(n, r)
+    q = fold.q
     buf = as_bytes(x)
+    if fold.extra:  # an extra rank: hand our data over and wait for the result
+        await comm.send(r + 1, buf)
+        await comm.recv_into(r + 1, buf)
+        return
     scratch = np.empty_like(x)
-    if r < 2 * rem:  # fold
-        if r % 2 == 0:  # an extra rank: hand our data over and wait for the result
-            await comm.send(r + 1, buf)
-            await comm.recv_into(r + 1, buf)
-            return
+    if fold.folds:  # reduce in the extra rank r-1's array
         await comm.recv_into(r - 1, as_bytes(scratch))
         reduce_now(scratch, x, op)  # x[r-1] <op> x[r]
         x[...] = scratch
-        q = r // 2
-    else:
-        q = r - rem
-
-    def real(new: int) -> int:
-        return 2 * new + 1 if new < rem else new + rem
 
     mask = 1
-    while mask < p:  # exchange with new rank q ^ mask
-        partner = real(q ^ mask)
+    while mask < fold.p:  # exchange with new rank q ^ mask
+        partner = fold.real(q ^ mask)
         arrived = comm.irecv(partner, as_bytes(scratch))  # post first
         await comm.send(partner, buf)
         await arrived
@@ -66,5 +60,5 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         else:
             reduce_now(x, scratch, op)
         mask <<= 1
-    if r < 2 * rem:  # unfold: give the extra rank the result
+    if fold.folds:  # unfold: give the extra rank the result
         await comm.send(r - 1, buf)

@@ -127,6 +127,34 @@ def chunk_bounds(count: int, parts: int) -> list[int]:
     return bounds
 
 
+class Fold:
+    """The standard fix-up that runs a power-of-two algorithm on any ``n`` ranks
+    (halving-doubling, recursive doubling), as arithmetic only (the messages stay
+    in the algorithm files).
+
+    ``p`` is the largest power of two <= n and ``rem = n - p``. Among the first
+    ``2 * rem`` ranks, each even rank r is ``extra``: it hands its array to r+1
+    and waits for the result. Odd rank r+1 ``folds`` the extra rank's array into
+    its own and takes part as new rank ``q = (r+1) // 2``; ranks >= 2*rem take
+    part as new rank ``q = r - rem``. :meth:`real` maps a new rank back.
+
+    >>> f = Fold(6, 3); (f.p, f.rem, f.extra, f.folds, f.q, f.real(3))
+    (4, 2, False, True, 1, 5)
+    """
+    __slots__ = ("p", "rem", "extra", "folds", "q")
+
+    def __init__(self, n: int, r: int):
+        self.p = 1 << (n.bit_length() - 1)
+        self.rem = n - self.p
+        self.extra = r < 2 * self.rem and r % 2 == 0
+        self.folds = r < 2 * self.rem and r % 2 == 1
+        self.q = -1 if self.extra else r // 2 if self.folds else r - self.rem  # -1: sits out
+
+    def real(self, new: int) -> int:
+        """The rank that takes part as new rank ``new``."""
+        return 2 * new + 1 if new < self.rem else new + self.rem
+
+
 # Small sum/prod of native dtypes go straight to the NumPy ufunc: the kernels'
 # reference defines them as exactly that (one IEEE or wrapping operation per
 # element in the array's own dtype), and the dispatcher's checks cost ~10-20 us,
