@@ -371,6 +371,18 @@ def _peer(group, name: str, peer) -> int:
     return group.ranks[peer]
 
 
+async def _p2p(group, transfer, verb: str, peer: int, tag, timeout: float | None) -> None:
+    """Awaits one point-to-point ``transfer`` (a coroutine) within ``timeout`` (default the
+    runtime's); running out raises CollectiveTimeoutError naming the transfer and the peer."""
+    timeout = group.runtime.timeout_s if timeout is None else timeout
+    try:
+        async with asyncio.timeout(timeout):
+            await transfer
+    except TimeoutError:
+        raise CollectiveTimeoutError(f"rank {group.runtime.rank}: {verb} rank {peer} (tag {tag}) timed out after "
+                                     f"{timeout:.1f} s", missing=[peer]) from None
+
+
 async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float | None = None) -> None:
     """Sends ``x`` to group rank ``dst`` under ``tag``; returns when ``x`` may be reused.
 
@@ -386,13 +398,7 @@ async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float
     group = _group(group)
     ops.check_array("x", x, writeable=False)
     key, peer = _p2p_tag(group, tag), _peer(group, "dst", dst)
-    timeout = group.runtime.timeout_s if timeout is None else timeout
-    try:
-        async with asyncio.timeout(timeout):
-            await group.runtime.actor.send(peer, key, ops.as_bytes(x))
-    except TimeoutError:
-        raise CollectiveTimeoutError(f"rank {group.runtime.rank}: send to rank {peer} (tag {tag}) timed out after "
-                                     f"{timeout:.1f} s", missing=[peer]) from None
+    await _p2p(group, group.runtime.actor.send(peer, key, ops.as_bytes(x)), "send to", peer, tag, timeout)
 
 
 async def recv(x: np.ndarray, src: int, tag: int = 0, group=None, timeout: float | None = None) -> np.ndarray:
@@ -405,11 +411,5 @@ async def recv(x: np.ndarray, src: int, tag: int = 0, group=None, timeout: float
     group = _group(group)
     ops.check_array("x", x)
     key, peer = _p2p_tag(group, tag), _peer(group, "src", src)
-    timeout = group.runtime.timeout_s if timeout is None else timeout
-    try:
-        async with asyncio.timeout(timeout):
-            await group.runtime.actor.recv_into(peer, key, ops.as_bytes(x))
-    except TimeoutError:
-        raise CollectiveTimeoutError(f"rank {group.runtime.rank}: recv from rank {peer} (tag {tag}) timed out after "
-                                     f"{timeout:.1f} s", missing=[peer]) from None
+    await _p2p(group, group.runtime.actor.recv_into(peer, key, ops.as_bytes(x)), "recv from", peer, tag, timeout)
     return x
