@@ -139,12 +139,12 @@ def _layout(payload) -> list[tuple[int, np.dtype, tuple]]:
     out, off = [], 0
     for a in payload:
         out.append((off, a.dtype, a.shape))
-        off += -(-a.nbytes // _ALIGN) * _ALIGN
+        off += _aligned(a.nbytes)
     return out
 
 
 def _layout_nbytes(payload) -> int:
-    return sum(-(-a.nbytes // _ALIGN) * _ALIGN for a in payload)
+    return sum(_aligned(a.nbytes) for a in payload)
 
 
 def _pack(payload, out: np.ndarray) -> None:
@@ -162,6 +162,16 @@ def _unpack(msg: np.ndarray, layout) -> tuple:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _pack_all(payloads) -> tuple[list, int, np.ndarray]:
+    """Payloads of one codec (same layout) packed one after another into one uint8
+    message, block j = payload j. Returns (layout, bytes per block, message)."""
+    layout, nb = _layout(payloads[0]), _layout_nbytes(payloads[0])
+    msg = np.empty(len(payloads) * nb, np.uint8)
+    for j, p in enumerate(payloads):
+        _pack(p, msg[j * nb:(j + 1) * nb])
+    return layout, nb, msg
 
 
 def _message_nbytes(inner: Codec, n: int) -> int:
@@ -238,6 +248,15 @@ def _start(group, collective: str, nbytes: int, timeout, **fp):
     raise ValueError(f"no TCP {collective} algorithm for {nbytes} bytes on {group.size} ranks")  # pragma: no cover
 
 
+def _open_shard_calls(group, send: np.ndarray, nb: int, timeout):
+    """The shard style's two sub-calls, opened now (both sequence numbers before the first
+    wait): the all_to_all of the packed shards ``send`` and the all_gather of one
+    ``nb``-byte reduced shard. Returns (a2a_call, a2a, ag_call, ag)."""
+    a2a_call, a2a = _start(group, "all_to_all", send.nbytes, timeout, dtype=send.dtype, count=send.size)
+    ag_call, ag = _start(group, "all_gather", nb, timeout, dtype=send.dtype, count=nb)
+    return a2a_call, a2a, ag_call, ag
+
+
 def _compensated(ef, inner, x: np.ndarray, key) -> np.ndarray:
     """y = x + carried error (with error feedback), else x as float32; flat."""
     return (ef.compensate(x, key=key) if ef is not None else as_f32(x)).reshape(-1)
@@ -270,18 +289,13 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
     y = np.zeros(W * chunk, np.float32)  # (W, chunk) padded
     y[:n] = _compensated(ef, inner, flat, key)
     payloads = [inner.encode(y[j * chunk:(j + 1) * chunk]) for j in range(W)]  # shard j -> rank j
-    layout, nb = _layout(payloads[0]), _layout_nbytes(payloads[0])
     if ef is not None:  # what this rank did not send, shard by shard
         err = np.empty(W * chunk, np.float32)
         for j, p in enumerate(payloads):
             inner.residual_into(y[j * chunk:(j + 1) * chunk], p, err[j * chunk:(j + 1) * chunk])
         ef.errors[key].reshape(-1)[...] = err[:n]
-    send = np.empty(W * nb, np.uint8)
-    for j, p in enumerate(payloads):
-        _pack(p, send[j * nb:(j + 1) * nb])
-    # both calls take their sequence numbers now, before the first wait
-    a2a_call, a2a = _start(group, "all_to_all", send.nbytes, timeout, dtype=send.dtype, count=send.size)
-    ag_call, ag = _start(group, "all_gather", nb, timeout, dtype=send.dtype, count=nb)
+    layout, nb, send = _pack_all(payloads)
+    a2a_call, a2a, ag_call, ag = _open_shard_calls(group, send, nb, timeout)
     recv = np.empty(W * nb, np.uint8)
     await group.run(a2a_call, a2a, recv, send)  # block j of recv: rank j's payload of my shard
     acc = np.zeros(chunk, np.float32)
@@ -295,8 +309,7 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    mine = np.empty(nb, np.uint8)
-    _pack(mine_payload, mine)
+    _, _, mine = _pack_all([mine_payload])
     gathered = np.empty(W * nb, np.uint8)
     await group.run(ag_call, ag, gathered, mine)  # every rank's reduced shard
     result = np.empty(W * chunk, np.float32)
@@ -321,9 +334,7 @@ async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=
     payload = inner.encode(y)
     if ef is not None:
         inner.residual_into(y, payload, ef.errors[key].reshape(-1))
-    layout, nb = _layout(payload), _layout_nbytes(payload)
-    mine = np.empty(nb, np.uint8)
-    _pack(payload, mine)
+    layout, nb, mine = _pack_all([payload])
     call, ag = _start(group, "all_gather", nb, timeout, dtype=mine.dtype, count=nb)
     gathered = np.empty(W * nb, np.uint8)
     await group.run(call, ag, gathered, mine)

@@ -128,7 +128,7 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     group = api._group(group)
     if compression is not None:
         codec = compressed.resolve(compression)
-        inner = codec.codec if hasattr(codec, "codec") else codec
+        _, inner = compressed._split(codec)
         style = compressed._style(codec, algorithm) if inner.reduction != "sum" else None
         if style == "shard" and np.dtype(x.dtype) == np.float32 and x.size:
             if op not in ("sum", "avg"):
@@ -242,11 +242,10 @@ def _payload_to_device(payload) -> tuple:
 
 async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=None) -> None:
     """collectives.compressed.shard_decode_sum with the codec maths on the device (same steps)."""
-    from collectives.compress import ErrorFeedback
-    from collectives.compressed import _layout, _layout_nbytes, _pack, _start, _unpack
+    from collectives.compressed import _open_shard_calls, _pack_all, _split, _unpack
     from collectives.kernels import reduce_into
     cuda = _cuda()
-    ef, inner = (codec, codec.codec) if isinstance(codec, ErrorFeedback) else (None, codec)
+    ef, inner = _split(codec)
     W, n = group.size, flat.size
     chunk = -(-n // W)
     y = ef.compensate(flat, key=key) if ef is not None else flat  # (n,) device float32
@@ -259,13 +258,8 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         for j, p in enumerate(payloads):
             inner.residual_into(segs[j], p, err[j * chunk:(j + 1) * chunk])
         ef.errors[key].reshape(n).copy_to_device(err[:n])
-    host_payloads = [_payload_to_host(p) for p in payloads]  # synchronized copies
-    layout, nb = _layout(host_payloads[0]), _layout_nbytes(host_payloads[0])
-    send = np.empty(W * nb, np.uint8)
-    for j, p in enumerate(host_payloads):
-        _pack(p, send[j * nb:(j + 1) * nb])
-    a2a_call, a2a = _start(group, "all_to_all", send.nbytes, timeout, dtype=send.dtype, count=send.size)
-    ag_call, ag = _start(group, "all_gather", nb, timeout, dtype=send.dtype, count=nb)
+    layout, nb, send = _pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
+    a2a_call, a2a, ag_call, ag = _open_shard_calls(group, send, nb, timeout)
     recv = np.empty(W * nb, np.uint8)
     await group.run(a2a_call, a2a, recv, send)
     acc = None
@@ -283,8 +277,7 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    mine = np.empty(nb, np.uint8)
-    _pack(_payload_to_host(mine_payload), mine)
+    _, _, mine = _pack_all([_payload_to_host(mine_payload)])
     gathered = np.empty(W * nb, np.uint8)
     await group.run(ag_call, ag, gathered, mine)
     for j in range(W):
