@@ -17,9 +17,10 @@ of float32 (21 us at 256 KiB, 80-105 us at 1 MiB, 300-430 us at 4 MiB). At
 1 MiB the hand-off costs at most about as much as the kernel and frees the
 loop for all of it; above 4 MiB it is noise.
 
-Compilation is lazy per (op, dtype) on first use, and cached on disk
-(``cache=True``, in ``__pycache__``). Measured on the development box: compiling
-all 32 reduce signatures plus divide/scale from cold takes ~7 s; loading them
+Compilation is lazy per dtype on first use (one kernel serves the four ops), and
+cached on disk (``cache=True``, in ``__pycache__``). Measured on the development
+box: compiling all 8 reduce signatures plus divide/scale from cold took ~7 s when
+there were 32 (one per op and dtype; 16 s against 24 s under load); loading them
 from the on-disk cache takes ~0.3 s (plus ~0.4 s to import numba). :func:`warmup` compiles (or loads) them all
 up front, e.g. once per rank at start-up, so the first all_reduce is not slow.
 
@@ -50,98 +51,49 @@ def worth_offloading(nbytes: int) -> bool:
 
 
 # ---- scalar ops (inlined into the loops) -------------------------------------
+# ``op`` is an int code: the branch on it is loop-invariant and LLVM hoists it out of the loop,
+# so each op's loop vectorises as a hand-written one would, while Numba compiles one kernel per
+# (kind, dtype) instead of one per (op, kind, dtype); an int also keeps the on-disk cache valid
+# across processes. collectives/shm/kernels.py folds with the same ``apply``.
+
+SUM, PROD, MIN, MAX = 0, 1, 2, 3
+OP_CODES = {"sum": SUM, "prod": PROD, "min": MIN, "max": MAX}
 
 
 @njit(inline="always", cache=True)
-def _min(a, b):
-    return a if (a != a or a < b) else b  # NaN in a wins, then NaN in b; ties -> b
-
-
-@njit(inline="always", cache=True)
-def _max(a, b):
+def apply(op, a, b):
+    """``a <op> b`` for an op code; min/max: a NaN in a wins, then a NaN in b; ties -> b."""
+    if op == SUM:
+        return a + b
+    if op == PROD:
+        return a * b
+    if op == MIN:
+        return a if (a != a or a < b) else b
     return a if (a != a or a > b) else b
 
 
-# ---- native dtypes: float32, float64 and all integers -------------------------
-# Integer arithmetic widens to int64 in Numba and is truncated on store: wraps.
+# ---- reductions: native dtypes (float32, float64, all integers), and 16-bit floats as uint16 bits
+# Integer arithmetic widens to int64 in Numba and is truncated on store: wraps. 16-bit floats are
+# computed in float32 and rounded back after every step. The three loops differ only in the
+# conversions around ``apply``; Numba cannot take the conversion as an argument and still inline it.
 
 
 @njit(**_JIT)
-def _sum_native(dst, src):
+def _reduce_native(op, dst, src):
     for i in range(dst.size):
-        dst[i] = dst[i] + src[i]
+        dst[i] = apply(op, dst[i], src[i])
 
 
 @njit(**_JIT)
-def _prod_native(dst, src):
+def _reduce_f16(op, dst, src):
     for i in range(dst.size):
-        dst[i] = dst[i] * src[i]
+        dst[i] = f32_to_f16(apply(op, f16_to_f32(dst[i]), f16_to_f32(src[i])))
 
 
 @njit(**_JIT)
-def _min_native(dst, src):
+def _reduce_bf16(op, dst, src):
     for i in range(dst.size):
-        dst[i] = _min(dst[i], src[i])
-
-
-@njit(**_JIT)
-def _max_native(dst, src):
-    for i in range(dst.size):
-        dst[i] = _max(dst[i], src[i])
-
-
-# ---- float16 as uint16 bits ---------------------------------------------------
-
-
-@njit(**_JIT)
-def _sum_f16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_f16(f16_to_f32(dst[i]) + f16_to_f32(src[i]))
-
-
-@njit(**_JIT)
-def _prod_f16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_f16(f16_to_f32(dst[i]) * f16_to_f32(src[i]))
-
-
-@njit(**_JIT)
-def _min_f16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_f16(_min(f16_to_f32(dst[i]), f16_to_f32(src[i])))
-
-
-@njit(**_JIT)
-def _max_f16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_f16(_max(f16_to_f32(dst[i]), f16_to_f32(src[i])))
-
-
-# ---- bfloat16 as uint16 bits --------------------------------------------------
-
-
-@njit(**_JIT)
-def _sum_bf16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) + bf16_to_f32(src[i]))
-
-
-@njit(**_JIT)
-def _prod_bf16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) * bf16_to_f32(src[i]))
-
-
-@njit(**_JIT)
-def _min_bf16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_bf16(_min(bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
-
-
-@njit(**_JIT)
-def _max_bf16(dst, src):
-    for i in range(dst.size):
-        dst[i] = f32_to_bf16(_max(bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
+        dst[i] = f32_to_bf16(apply(op, bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
 
 
 # ---- divide / scale -----------------------------------------------------------
@@ -189,14 +141,7 @@ def _scale_bf16(dst, factor):
         dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) * factor)
 
 
-_REDUCE = {
-    ("native", "sum"): _sum_native, ("native", "prod"): _prod_native,
-    ("native", "min"): _min_native, ("native", "max"): _max_native,
-    ("f16", "sum"): _sum_f16, ("f16", "prod"): _prod_f16,
-    ("f16", "min"): _min_f16, ("f16", "max"): _max_f16,
-    ("bf16", "sum"): _sum_bf16, ("bf16", "prod"): _prod_bf16,
-    ("bf16", "min"): _min_bf16, ("bf16", "max"): _max_bf16,
-}  # fmt: skip
+_REDUCE = {"native": _reduce_native, "f16": _reduce_f16, "bf16": _reduce_bf16}
 _DIVIDE = {"f16": _divide_f16, "bf16": _divide_bf16}
 _SCALE = {"f16": _scale_f16, "bf16": _scale_bf16}
 
@@ -218,7 +163,7 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str) -> np.ndarray:
     reference.check_operands(dst, src, op)
     kind, d = _kind_and_flat(dst)
     _, s = _kind_and_flat(src)
-    _REDUCE[kind, op](d, s)
+    _REDUCE[kind](OP_CODES[op], d, s)
     return dst
 
 

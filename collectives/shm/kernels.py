@@ -24,36 +24,22 @@ import numpy as np
 from numba import njit
 
 from collectives.kernels import reduce_into
+from collectives.kernels.cpu import OP_CODES, apply
 
 FUSED_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
 
 _JIT = dict(nogil=True, cache=True)
 
 
-_SUM, _PROD, _MIN, _MAX = 0, 1, 2, 3
-_OPS = {"sum": _SUM, "prod": _PROD, "min": _MIN, "max": _MAX}
-
-
-@njit(inline="always", cache=True)
-def _apply(op, a, b):
-    """``a <op> b``; min/max as collectives/kernels/cpu.py: a NaN in a wins, then one in b."""
-    if op == _SUM:
-        return a + b
-    if op == _PROD:
-        return a * b
-    if op == _MIN:
-        return a if (a != a or a < b) else b
-    return a if (a != a or a > b) else b
-
-
 # One pass over up to three sources; longer folds take several passes (in order), the last one
-# writing ``pub`` (earlier ones pass ``pub = dst``). ``op`` is an int: the branch on it is
-# loop-invariant and LLVM hoists it, so each loop vectorises (as fast as a hand-written sum);
-# an int keeps the on-disk cache valid across processes (a function argument did not).
+# writing ``pub`` (earlier ones pass ``pub = dst``). ``op`` is an int code (collectives/kernels/
+# cpu.py's OP_CODES and apply): the branch on it is loop-invariant and LLVM hoists it, so each loop
+# vectorises (as fast as a hand-written sum); an int keeps the on-disk cache valid across
+# processes (a function argument did not).
 @njit(**_JIT)
 def _fold1(op, dst, a, pub):
     for i in range(dst.size):
-        v = _apply(op, dst[i], a[i])
+        v = apply(op, dst[i], a[i])
         dst[i] = v
         pub[i] = v
 
@@ -61,7 +47,7 @@ def _fold1(op, dst, a, pub):
 @njit(**_JIT)
 def _fold2(op, dst, a, b, pub):
     for i in range(dst.size):
-        v = _apply(op, _apply(op, dst[i], a[i]), b[i])
+        v = apply(op, apply(op, dst[i], a[i]), b[i])
         dst[i] = v
         pub[i] = v
 
@@ -69,7 +55,7 @@ def _fold2(op, dst, a, b, pub):
 @njit(**_JIT)
 def _fold3(op, dst, a, b, c, pub):
     for i in range(dst.size):
-        v = _apply(op, _apply(op, _apply(op, dst[i], a[i]), b[i]), c[i])
+        v = apply(op, apply(op, apply(op, dst[i], a[i]), b[i]), c[i])
         dst[i] = v
         pub[i] = v
 
@@ -83,7 +69,7 @@ def reduce_publish(dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray, op:
     if not dst.size:
         return
     if dst.dtype in FUSED_DTYPES and srcs:
-        code = _OPS[op]
+        code = OP_CODES[op]
         for start in range(0, len(srcs), 3):
             group = srcs[start:start + 3]
             last = start + 3 >= len(srcs)
