@@ -324,6 +324,22 @@ async def _agree_stop(group, stop: bool) -> bool:
     return bool(flag[0] > 0)
 
 
+async def _run_callbacks(callbacks: list, method: str, state: LoopState, group) -> bool:
+    """Calls ``method`` ("on_step_end" / "on_epoch_end") of every callback; True if any
+    callback on any rank asked to stop. No callbacks: False, without a collective."""
+    if not callbacks:
+        return False
+    state.stop_training = False
+    for cb in callbacks:
+        getattr(cb, method)(state)
+    return await _agree_stop(group, state.stop_training)
+
+
+def _fresh_sums() -> dict:
+    """An epoch's running sums before its first step."""
+    return {"loss_x_rows": 0.0, "rows": 0, "skipped": 0, "train_time_s": 0.0}
+
+
 async def fit(
     strategy: Strategy,
     data,
@@ -388,7 +404,7 @@ async def fit(
     run_key = {"n_train": n_train, "global_batch_size": global_batch_size, "grad_accum": accum, "seed": config.seed}
     # where to start: (epoch, steps done in it, running sums of that epoch)
     start_epoch, start_k, global_step = 0, 0, 0
-    carried = {"loss_x_rows": 0.0, "rows": 0, "skipped": 0, "train_time_s": 0.0}
+    carried = _fresh_sums()
     if resume:
         meta = await _load_checkpoint(checkpoint_dir, strategy, group, run_key)
         if meta is not None:
@@ -414,8 +430,7 @@ async def fit(
     for epoch in range(start_epoch, epochs):
         epoch_start = time.perf_counter()
         first_k = start_k if epoch == start_epoch else 0
-        sums = dict(carried) if epoch == start_epoch else {"loss_x_rows": 0.0, "rows": 0, "skipped": 0,
-                                                          "train_time_s": 0.0}
+        sums = dict(carried) if epoch == start_epoch else _fresh_sums()
         micro = list(iter_local_batches(n_train, global_batch_size, size, rank, seed=config.seed,
                                         epoch=epoch, shuffle=True))
         state.epoch, state.step_in_epoch, state.epoch_stats = epoch, first_k, None
@@ -444,12 +459,8 @@ async def fit(
             state.result = result
             rate = sums["rows"] / sums["train_time_s"] if sums["train_time_s"] > 0 else 0.0
             progress.step(epoch, epochs, k + 1, steps_total, result.loss, rate)
-            if step_callbacks:
-                state.stop_training = False
-                for cb in step_callbacks:
-                    cb.on_step_end(state)
-                if await _agree_stop(group, state.stop_training):
-                    stop = True
+            if await _run_callbacks(step_callbacks, "on_step_end", state, group):
+                stop = True
             if checkpoint_dir and checkpoint_every and state.step % checkpoint_every == 0 and k + 1 < steps_total:
                 await save(epoch, k + 1, dict(sums))
             if stop:
@@ -472,18 +483,14 @@ async def fit(
             epoch_time_s=0.0, skipped_steps=sums["skipped"], train_eval_loss=train_eval_loss)
         history.epochs.append(stats)
         state.epoch_stats = stats
-        if epoch_callbacks:
-            state.stop_training = False
-            for cb in epoch_callbacks:
-                cb.on_epoch_end(state)
-            if await _agree_stop(group, state.stop_training):
-                stop = True
+        if await _run_callbacks(epoch_callbacks, "on_epoch_end", state, group):
+            stop = True
         if checkpoint_dir:
             complete = state.step_in_epoch >= steps_total
             # a finished epoch resumes at the next one; a stopped one where it stopped
             next_pos = (epoch + 1, 0) if complete else (epoch, state.step_in_epoch)
             if complete:
-                await save(*next_pos, {"loss_x_rows": 0.0, "rows": 0, "skipped": 0, "train_time_s": 0.0})
+                await save(*next_pos, _fresh_sums())
             else:  # an early stop mid-epoch: this epoch's stats are provisional, do not keep them
                 history.epochs.pop()
                 await save(*next_pos, dict(sums))
