@@ -33,22 +33,27 @@ def record_events(strategy, log: list) -> None:
             setattr(unit, kind, logged)
 
 
-@pytest.mark.timeout(30)
-async def test_ddp_launches_each_bucket_during_backward():
+async def logged_step(name: str, config, accum: int = 1) -> dict[int, list]:
+    """One train_step of ``name`` on 2 ranks; each rank's record_events log."""
     log_by_rank = {}
 
     async def body(group):
-        strategy = make_strategy("ddp", tiny_model(group.size), make_config(bucket_cap_mb=1e-4), group)
+        strategy = make_strategy(name, tiny_model(group.size), config, group)
         try:
             await strategy.setup()
             log_by_rank[group.rank] = log = []
             record_events(strategy, log)
-            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
+            await strategy.train_step(step_batches(group.size, group.rank, accum)[0])
         finally:
             strategy.close()
 
     await run_ranks(2, body)
-    log = log_by_rank[0]
+    return log_by_rank
+
+
+@pytest.mark.timeout(30)
+async def test_ddp_launches_each_bucket_during_backward():
+    log = (await logged_step("ddp", make_config(bucket_cap_mb=1e-4)))[0]
     backward = [e for e in log if e[0] in ("backward", "launch")]
     # the bucket of unit 2 is reduced while units 1 and 0 compute their backward, and so on
     assert backward == [("backward", 2), ("launch", "all_reduce"), ("backward", 1), ("launch", "all_reduce"),
@@ -57,20 +62,7 @@ async def test_ddp_launches_each_bucket_during_backward():
 
 @pytest.mark.timeout(30)
 async def test_ddp_accumulation_communicates_only_at_the_boundary():
-    log_by_rank = {}
-
-    async def body(group):
-        strategy = make_strategy("ddp", tiny_model(group.size), make_config(grad_accum=2), group)
-        try:
-            await strategy.setup()
-            log_by_rank[group.rank] = log = []
-            record_events(strategy, log)
-            await strategy.train_step(step_batches(group.size, group.rank, 2)[0])
-        finally:
-            strategy.close()
-
-    await run_ranks(2, body)
-    log = log_by_rank[1]
+    log = (await logged_step("ddp", make_config(grad_accum=2), accum=2))[1]
     launches = [k for k, e in enumerate(log) if e[0] == "launch"]
     second_forward = [k for k, e in enumerate(log) if e == ("forward", 0)][1]
     assert len(launches) == 1 and launches[0] > second_forward  # one bucket, after the last micro-batch
@@ -79,19 +71,7 @@ async def test_ddp_accumulation_communicates_only_at_the_boundary():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("reshard", [True, False])
 async def test_fsdp_prefetches_the_next_unit_and_regathers_for_backward(reshard):
-    log_by_rank = {}
-
-    async def body(group):
-        strategy = make_strategy("fsdp", tiny_model(group.size), make_config(reshard_after_forward=reshard), group)
-        try:
-            await strategy.setup()
-            log_by_rank[group.rank] = log = []
-            record_events(strategy, log)
-            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
-        finally:
-            strategy.close()
-
-    await run_ranks(2, body)
+    log_by_rank = await logged_step("fsdp", make_config(reshard_after_forward=reshard))
     G, R = ("launch", "all_gather"), ("launch", "_reduce_and_free")
     forward = [G, G, ("forward", 0), G, ("forward", 1), ("forward", 2)]  # unit i+1 travels while i computes
     if reshard:  # units 0 and 1 were freed after their forward; the last unit was kept
