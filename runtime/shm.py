@@ -512,7 +512,7 @@ class Domain:
     def post(self, call, phase: int) -> None:
         """Announces that this member has reached ``phase`` of ``call``, and rings the doorbell
         of every peer asleep on a condition that is now true (and only those)."""
-        self._words[self.rank].value = ((call.seq << PHASE_BITS) | phase) & 0xFFFFFFFF
+        self._words[self.rank].value = encode(call.seq, phase)
         self.statistics_["posts"] += 1
         fence()  # our word is visible before we read the peers' targets (see "Waking")
         wants, bells = self._wants, self._bells
@@ -526,11 +526,8 @@ class Domain:
         target = want & 0xFFFFFFFF
         words = self._words
         if want >> 62 == _WANT_ONE:
-            return ((words[(want >> 32) & 0xFFFF].value - target) & 0xFFFFFFFF) < 0x80000000
-        for p in range(self.size):
-            if p != q and ((words[p].value - target) & 0xFFFFFFFF) >= 0x80000000:
-                return False
-        return True
+            return reached(words[(want >> 32) & 0xFFFF].value, target)
+        return all(reached(words[p].value, target) for p in range(self.size) if p != q)
 
     def _ring(self, q: int) -> None:
         bell = self._bells[q]
@@ -551,7 +548,7 @@ class Domain:
             asyncio.CancelledError: the call's deadline (group.run turns it into a timeout).
         """
         seq = call.seq if seq is None else seq
-        target = ((seq << PHASE_BITS) | phase) & 0xFFFFFFFF
+        target = encode(seq, phase)
         if peers is None:
             watched = self._others
             want = (_WANT_ALL << 62) | target
@@ -560,10 +557,8 @@ class Domain:
             watched = [one]
             want = (_WANT_ONE << 62) | (one << 32) | target
         words = self._words
-        for p in watched:
-            if ((words[p].value - target) & 0xFFFFFFFF) >= 0x80000000:  # not reached: sleep
-                await self._sleep_until(call, watched, target, want, check_fp)
-                break
+        if not all(reached(words[p].value, target) for p in watched):  # not there yet: sleep
+            await self._sleep_until(call, watched, target, want, check_fp)
         if check_fp:
             for p in watched:
                 if self._fp_checked[p] != call.seq:
@@ -574,10 +569,7 @@ class Domain:
         words = self._words
 
         def done() -> bool:
-            for p in watched:
-                if ((words[p].value - target) & 0xFFFFFFFF) >= 0x80000000:
-                    return False
-            return True
+            return all(reached(words[p].value, target) for p in watched)
 
         self.statistics_["waits"] += 1
         if self._cooperative:  # the peers are tasks of this event loop: yield, never block
