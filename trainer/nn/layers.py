@@ -178,9 +178,11 @@ class Dropout(Layer):
     forward (eval) or p == 0:  y = x
     backward:  dx = dy m
 
-    u comes from `ctx.rng(stream)` only, drawn in float64 for the rows
-    [0, batch_offset + N) of the global batch, of which the last N are used; the
-    mask is therefore the same for any dtype, process or world size.
+    u comes from `ctx.rng(stream)` only: rows [batch_offset, batch_offset + N)
+    of the float64 stream of the global batch. PCG64 spends one 64-bit draw per
+    float64, so the generator skips the rows before batch_offset with
+    `advance(batch_offset * row size)` instead of drawing them; the mask is the
+    same for any dtype, process or world size.
     """
 
     def __init__(self, p: float) -> None:
@@ -193,8 +195,9 @@ class Dropout(Layer):
         self.stream = tuple(stream)
 
     def mask(self, shape: tuple[int, ...], dtype, ctx: Context) -> np.ndarray:
-        rows = ctx.batch_offset + shape[0]
-        u = ctx.rng(self.stream).random((rows, *shape[1:]))[ctx.batch_offset :]  # (N, ...)
+        rng = ctx.rng(self.stream)
+        rng.bit_generator.advance(ctx.batch_offset * math.prod(shape[1:]))  # the rows of lower ranks
+        u = rng.random(shape)  # (N, ...)
         return ((u >= self.p) / (1.0 - self.p)).astype(dtype)
 
     def forward(self, params, x, ctx):
