@@ -13,8 +13,9 @@ reduced over all ranks, in ``out``; ``x`` is not modified):
   received is ``(r - n) mod n = r`` and lands straight in ``out``;
 * each block is cut into ``nseg`` **segments** (:data:`SEGMENT_NBYTES`);
   segment k of step s+1 goes out as soon as segment k of step s is reduced.
-  Partials live in scratch slots [step parity][segment], and each receive is
-  posted one step ahead into the slot whose contents were already sent.
+  Partials live in scratch slots [step parity][segment] (from the pool kept
+  across calls), and each receive is posted one step ahead into the slot whose
+  contents were already sent.
 
 No padding: every block has exactly ``count`` elements. Each rank sends
 ``(n-1)/n`` of ``x``, the bandwidth optimum.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async
+from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
 
 SEGMENT_NBYTES = 1 << 20
 
@@ -50,7 +51,8 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
     seg_elems = max(1, SEGMENT_NBYTES // x.itemsize)
     nseg = max(1, -(-count // seg_elems))
     sb = chunk_bounds(count, nseg)  # segment k of a block: [sb[k], sb[k+1])
-    scratch = np.empty((2, count), x.dtype)  # partials, [step parity]
+    raw = scratch_pool.take(2 * count * x.itemsize)  # kept across calls: fresh pages fault on every call
+    scratch = raw[:2 * count * x.itemsize].view(x.dtype).reshape(2, count)  # partials, [step parity]
     last = n - 2
 
     def own(b: int, k: int) -> np.ndarray:
@@ -77,3 +79,4 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
             if s < last:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(dst))
         pending = upcoming
+    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
