@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.shm import common
-from runtime import shm
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
@@ -34,9 +33,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
     if not common.shm_available(comm.group):
         return await common.tcp_algorithm("all_gather", x.nbytes, n)(comm, out, x)
     async with common.session(comm, list(range(n))) as dom:
-        small = x.nbytes <= shm.SMALL_NBYTES
-        if not small:
-            await dom.claim_data(comm, x.nbytes)
+        small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, m, small) for p in range(n)]
         await common.off_loop(dom, x.nbytes, common.copy_pairs, [(slots[r], x)])  # 1. publish my block
         dom.post(comm, 1)

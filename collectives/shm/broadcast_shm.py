@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.shm import common
-from runtime import shm
 
 
 async def run(comm, x: np.ndarray, root: int) -> None:
@@ -32,9 +31,7 @@ async def run(comm, x: np.ndarray, root: int) -> None:
     if not common.shm_available(comm.group):
         return await common.tcp_algorithm("broadcast", x.nbytes, n)(comm, x, root)
     async with common.session(comm, list(range(n))) as dom:
-        small = x.nbytes <= shm.SMALL_NBYTES
-        if not small:
-            await dom.claim_data(comm, x.nbytes)
+        small = await common.claim_slot(comm, dom, x.nbytes)
         source = common.slot(dom, root, x.dtype, x.size, small)
         if r == root:
             await common.off_loop(dom, x.nbytes, common.copy_pairs, [(source, x)])  # 1. publish

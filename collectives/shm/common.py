@@ -129,6 +129,15 @@ def data_view(dom, p: int, dtype, count: int) -> np.ndarray:
     return np.frombuffer(dom.data_buffer(p), dtype, count)
 
 
+async def claim_slot(comm, dom, nbytes: int) -> bool:
+    """Which slot a call moving ``nbytes`` per member uses: True for the small one (when they fit
+    in ``runtime.shm.SMALL_NBYTES``), else False after claiming the data slot (``claim_data``)."""
+    if nbytes <= shm.SMALL_NBYTES:
+        return True
+    await dom.claim_data(comm, nbytes)
+    return False
+
+
 def slot(dom, p: int, dtype, count: int, small: bool) -> np.ndarray:
     return small_view(dom, p, dtype, count) if small else data_view(dom, p, dtype, count)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.shm import common, kernels
-from runtime import shm
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
@@ -34,9 +33,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
     if not common.shm_available(comm.group):
         return await common.tcp_algorithm("reduce_scatter", x.nbytes, n)(comm, out, x, op)
     async with common.session(comm, list(range(n))) as dom:
-        small = x.nbytes <= shm.SMALL_NBYTES
-        if not small:
-            await dom.claim_data(comm, x.nbytes)
+        small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, x.size, small).reshape(n, m) for p in range(n)]
         blocks = x.reshape(n, m)
         others = [p for p in range(n) if p != r]
