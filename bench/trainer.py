@@ -64,14 +64,9 @@ sys.path.insert(0, _ROOT)
 
 import numpy as np  # noqa: E402
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+from trainer.sharding import STRATEGIES  # noqa: E402
+
 MODEL = dict(in_dim=1024, width=1536, depth=4, classes=10)  # ~8.7M parameters
-
-
-def _model_numel(in_dim: int, width: int, depth: int, classes: int) -> int:
-    dims = [in_dim] + [width] * depth
-    hidden = sum(a * b + b + 2 * b for a, b in zip(dims[:-1], dims[1:]))  # Linear + LayerNorm
-    return hidden + dims[-1] * classes + classes
 
 
 # ---- one rank of one configuration -------------------------------------------
@@ -331,7 +326,9 @@ def driver_main(args) -> int:
             strategies.append("torch-ddp")
         except ImportError:
             print("--compare torch: torch is not importable, skipping the comparison", file=sys.stderr)
-    numel = _model_numel(args.in_dim, args.width, args.depth, args.classes)
+    from trainer.nn import mlp
+
+    numel = mlp(args.in_dim, (args.width,) * args.depth, args.classes).numel  # the units' size tables only
     print(f"# MLP {args.in_dim}-{'-'.join([str(args.width)] * args.depth)}-{args.classes}: {numel / 1e6:.2f}M "
           f"parameters, AdamW float32, "
           f"{f'batch {args.batch_per_rank} per rank' if args.batch_per_rank else f'global batch {args.batch}'}, "
