@@ -82,21 +82,21 @@ def _make_kernels(combine):
             dst[i] = ((v + half) & mask) - half
             i += cuda.gridsize(1)
 
-    @cuda.jit
-    def k_f16(dst, src):  # uint16 bits
-        i = cuda.grid(1)
-        while i < dst.size:
-            dst[i] = f32_to_f16(combine(f16_to_f32(dst[i]), f16_to_f32(src[i])))
-            i += cuda.gridsize(1)
+    return {"float": k_float, "int": k_int, "f16": _half_kernel(combine, f16_to_f32, f32_to_f16),
+            "bf16": _half_kernel(combine, bf16_to_f32, f32_to_bf16)}
+
+
+def _half_kernel(combine, to_f32, from_f32):
+    """A grid-stride kernel over the uint16 bits of a 16-bit float type: computed in float32."""
 
     @cuda.jit
-    def k_bf16(dst, src):  # uint16 bits
+    def k_half(dst, src):
         i = cuda.grid(1)
         while i < dst.size:
-            dst[i] = f32_to_bf16(combine(bf16_to_f32(dst[i]), bf16_to_f32(src[i])))
+            dst[i] = from_f32(combine(to_f32(dst[i]), to_f32(src[i])))
             i += cuda.gridsize(1)
 
-    return {"float": k_float, "int": k_int, "f16": k_f16, "bf16": k_bf16}
+    return k_half
 
 
 _KERNELS = {op: _make_kernels(fn) for op, fn in
