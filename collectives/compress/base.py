@@ -66,8 +66,8 @@ class Codec(abc.ABC):
     reduction: ClassVar[str]
 
     def __init__(self, *, backend: str | None = None):
-        if backend not in (None, "numpy", "numba", "cuda"):
-            raise ValueError(f"backend must be None, 'numpy', 'numba' or 'cuda', got {backend!r}")
+        if backend is not None and backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be None or one of {kernels.BACKENDS}, got {backend!r}")
         self.backend = backend
 
     def _backend_for(self, x) -> str:
