@@ -227,10 +227,10 @@ class GradBucketer:
         self._names[name] = array
         nb = array.nbytes
         if nb > self.cap_nbytes:  # a bucket of its own
-            b = _Bucket(array.reshape(-1) if _in_place_ok(array) else self._buffer(-1 - len(self._tasks), array),
-                        nb)
-            b.in_place = _in_place_ok(array)
-            if not b.in_place:
+            in_place = _in_place_ok(array)
+            b = _Bucket(array.reshape(-1) if in_place else self._buffer(-1 - len(self._tasks), array), nb)
+            b.in_place = in_place
+            if not in_place:
                 b.used = bucket_copy_in([array], b.buffer)
                 self._copied += nb
             else:

@@ -378,8 +378,9 @@ async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, 
         raise TypeError(f"powersgd_phases needs a PowerSGDCodec, got {inner!r}")
     group = api._group(group)
     W, r = group.size, inner.rank
-    mats = [i for i, a in enumerate(arrays) if a.dtype.kind == "f" and _worth_compressing(a.shape, r)]
-    plain = [i for i in range(len(arrays)) if i not in set(mats)]
+    mats, plain = [], []  # indices of the arrays compressed / riding uncompressed
+    for i, a in enumerate(arrays):
+        (mats if a.dtype.kind == "f" and _worth_compressing(a.shape, r) else plain).append(i)
     M, P = {}, {}
     for i in mats:
         y = ef.compensate(arrays[i], key=(key, i)) if ef is not None else as_f32(arrays[i])
