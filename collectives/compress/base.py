@@ -54,8 +54,13 @@ def flat_f32(x):
     return as_f32(x).reshape(-1)
 
 
+def as_shape(shape) -> tuple:
+    """``shape`` as a tuple: the codecs take an int count or a tuple wherever they take a shape."""
+    return shape if isinstance(shape, tuple) else (int(shape),)
+
+
 def numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if isinstance(shape, tuple) else int(shape)
+    return int(np.prod(as_shape(shape), dtype=np.int64))
 
 
 class Codec(abc.ABC):

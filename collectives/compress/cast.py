@@ -24,7 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import cpu, reference
-from .base import Codec, flat_f32, numel
+from .base import Codec, as_shape, flat_f32, numel
 
 __all__ = ["Bf16Codec", "Fp16Codec"]
 
@@ -54,7 +54,7 @@ class _CastCodec(Codec):
         (h,) = payload
         backend = self._backend_for(h)
         bf16 = self.dtype16 == reference.BF16
-        shape = shape if isinstance(shape, tuple) else (int(shape),)
+        shape = as_shape(shape)
         if backend == "numpy":
             return reference.cast_decode(h).reshape(shape)
         if backend == "cuda":

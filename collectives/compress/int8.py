@@ -34,7 +34,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import cpu, reference
-from .base import Codec, flat_f32, numel
+from .base import Codec, as_shape, flat_f32, numel
 
 __all__ = ["Int8Codec"]
 
@@ -75,7 +75,7 @@ class Int8Codec(Codec):
     def decode(self, payload, shape):
         """See base class."""
         q, scale = payload
-        shape = shape if isinstance(shape, tuple) else (int(shape),)
+        shape = as_shape(shape)
         backend = self._backend_for(q)
         if backend == "numpy":
             return reference.int8_decode(q, scale, self.block).reshape(shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .base import Codec, as_f32, is_device_array, numel
+from .base import Codec, as_f32, as_shape, is_device_array, numel
 
 __all__ = ["NoneCodec"]
 
@@ -26,7 +26,7 @@ class NoneCodec(Codec):
 
     def decode(self, payload, shape):
         """See base class (a copy)."""
-        shape = shape if isinstance(shape, tuple) else (int(shape),)
+        shape = as_shape(shape)
         return payload[0].copy().reshape(shape)
 
     def wire_nbytes(self, shape) -> int:

@@ -47,14 +47,14 @@ from typing import ClassVar
 import numpy as np
 
 from . import cpu, reference
-from .base import Codec, as_f32
+from .base import Codec, as_f32, as_shape
 
 __all__ = ["PowerSGDCodec", "matrix_shape"]
 
 
 def matrix_shape(shape) -> tuple[int, int]:
     """The (n, m) matrix view of an array shape: (shape[0], rest); 1-D is (1, n)."""
-    shape = (int(shape),) if not isinstance(shape, tuple) else shape
+    shape = as_shape(shape)
     if len(shape) == 0:
         return 1, 1
     if len(shape) == 1:
@@ -130,7 +130,7 @@ class PowerSGDCodec(Codec):
     def decode(self, payload, shape):
         """See base class."""
         p, q = payload
-        shape = shape if isinstance(shape, tuple) else (int(shape),)
+        shape = as_shape(shape)
         return self.decompress(p, q).reshape(shape)
 
     def wire_nbytes(self, shape) -> int:

@@ -42,7 +42,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import cpu, reference
-from .base import Codec, flat_f32, numel
+from .base import Codec, as_shape, flat_f32, numel
 
 __all__ = ["DGC_WARMUP", "TopKCodec", "topk_count"]
 
@@ -108,7 +108,7 @@ class TopKCodec(Codec):
     def decode(self, payload, shape):
         """See base class."""
         values, indices = payload
-        shape = shape if isinstance(shape, tuple) else (int(shape),)
+        shape = as_shape(shape)
         backend = self._backend_for(values)
         n = numel(shape)
         if backend == "numpy":
