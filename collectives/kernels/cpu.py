@@ -170,8 +170,7 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str) -> np.ndarray:
 def divide_into(dst: np.ndarray, n: int) -> np.ndarray:
     """See ``reference.divide_into``."""
     reference.check_dtype(dst.dtype)
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
-        raise ValueError(f"divide_into needs a positive integer n, got {n!r}")
+    reference.check_divisor(n)
     kind, d = _kind_and_flat(dst)
     if kind != "native":
         _DIVIDE[kind](d, np.float32(n))
@@ -191,8 +190,7 @@ def scale_into(dst: np.ndarray, factor) -> np.ndarray:
     elif dst.dtype.kind == "f":
         _scale_native(d, dst.dtype.type(factor))
     else:
-        if not isinstance(factor, (int, np.integer)) or isinstance(factor, bool):
-            raise TypeError(f"integer dtype {dst.dtype} needs an integer factor, got {factor!r}")
+        reference.check_int_factor(dst.dtype, factor)
         _scale_native(d, np.int64(factor).astype(dst.dtype))
     return dst
 

@@ -75,6 +75,18 @@ def check_dtype(dtype) -> None:
         raise TypeError(f"unsupported dtype {dtype}; supported: {names}")
 
 
+def check_divisor(n) -> None:
+    """Raises ValueError unless ``n`` is a positive integer (the count ``divide_into`` takes)."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"divide_into needs a positive integer n, got {n!r}")
+
+
+def check_int_factor(dtype, factor) -> None:
+    """Raises TypeError unless ``factor`` is an integer (``scale_into`` on an integer ``dtype``)."""
+    if not isinstance(factor, (int, np.integer)) or isinstance(factor, bool):
+        raise TypeError(f"integer dtype {dtype} needs an integer factor, got {factor!r}")
+
+
 def compute_dtype(dtype) -> np.dtype:
     """The dtype arithmetic happens in: float32 for 16-bit floats, else itself."""
     dtype = np.dtype(dtype)
@@ -118,8 +130,7 @@ def divide_into(dst: np.ndarray, n: int) -> np.ndarray:
         n: a positive integer, typically the number of ranks summed.
     """
     check_dtype(dst.dtype)
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
-        raise ValueError(f"divide_into needs a positive integer n, got {n!r}")
+    check_divisor(n)
     work = compute_dtype(dst.dtype)
     with np.errstate(all="ignore"):
         if work.kind == "f":
@@ -142,7 +153,6 @@ def scale_into(dst: np.ndarray, factor) -> np.ndarray:
         if work.kind == "f":
             dst[...] = (dst.astype(work) * work.type(factor)).astype(dst.dtype)
         else:
-            if not isinstance(factor, (int, np.integer)) or isinstance(factor, bool):
-                raise TypeError(f"integer dtype {dst.dtype} needs an integer factor, got {factor!r}")
+            check_int_factor(dst.dtype, factor)
             dst[...] = dst * np.int64(factor).astype(work)
     return dst
