@@ -76,11 +76,6 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     slots = lookahead + 1
     raw = scratch_pool.take(slots * nseg * max_seg * x.itemsize)
     scratch = raw[:slots * nseg * max_seg * x.itemsize].view(x.dtype).reshape(slots, nseg, max_seg)
-    await _run(comm, x, op, n, r, right, left, bounds, nseg, seg_bounds, steps, lookahead, slots, scratch)
-    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
-
-
-async def _run(comm, x, op, n, r, right, left, bounds, nseg, seg_bounds, steps, lookahead, slots, scratch):
 
     def segment(c: int, k: int) -> np.ndarray:
         """Segment k of chunk c, a view into x."""
@@ -112,3 +107,4 @@ async def _run(comm, x, op, n, r, right, left, bounds, nseg, seg_bounds, steps, 
                 await reduce_async(seg, scratch[s % slots, k, :seg.size], op)
             if s + 1 < steps:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(segment(chunk, k)))
+    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
