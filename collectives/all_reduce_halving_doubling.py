@@ -100,21 +100,18 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     offsets = [sum(sizes[:i]) for i in range(len(sizes))] if ahead else [0] * len(sizes)
 
     def post_rs(i):
-        partner, keep, _ = rs[i]
+        partner = rs[i][0]
         return [comm.irecv(partner, as_bytes(seg)) for seg in segments(scratch[offsets[i]:offsets[i] + sizes[i]])]
 
     def post_ag(i):
         partner, theirs, _ = ag[i]
         return [comm.irecv(partner, as_bytes(seg)) for seg in segments(span(*theirs))]
 
-    by_partner = {}
-    if ahead:
-        for i in range(len(rs)):
-            by_partner[("rs", i)] = post_rs(i)
-        for i in range(len(ag)):
-            by_partner[("ag", i)] = post_ag(i)
+    if ahead:  # every reduce-scatter receive, then every all-gather one
+        rs_posted = [post_rs(i) for i in range(len(rs))]
+        ag_posted = [post_ag(i) for i in range(len(ag))]
     for i, (partner, keep, give) in enumerate(rs):
-        arrived = by_partner.pop(("rs", i)) if ahead else post_rs(i)
+        arrived = rs_posted[i] if ahead else post_rs(i)
         kept = span(*keep)
         mine = scratch[offsets[i]:offsets[i] + sizes[i]]
 
@@ -125,7 +122,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
 
         await asyncio.gather(send_all(comm, partner, span(*give)), reduce_each())
     for i, (partner, theirs, ours) in enumerate(ag):
-        arrived = by_partner.pop(("ag", i)) if ahead else post_ag(i)
+        arrived = ag_posted[i] if ahead else post_ag(i)
         await send_all(comm, partner, span(*ours))
         for fut in arrived:
             await fut
