@@ -24,9 +24,10 @@ import numpy as np
 from numba import njit
 
 from collectives.kernels import reduce_into
+from collectives.kernels.reference import DTYPES, HALF_DTYPES
 from collectives.kernels.cpu import OP_CODES, apply
 
-FUSED_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
+FUSED_DTYPES = tuple(d for d in DTYPES if d not in HALF_DTYPES)  # the native ones
 
 _JIT = dict(nogil=True, cache=True)
 
