@@ -57,18 +57,13 @@ import asyncio
 import numpy as np
 
 from collectives import ops, registry
+# a device array: all_reduce, all_gather and broadcast take them (device.py); the other calls want NumPy arrays
+from collectives.device import is_device_array as _on_device
 from runtime.errors import CollectiveTimeoutError
 from runtime.init import current as current_runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
            "all_to_all", "barrier", "send", "recv"]
-
-
-def _on_device(a) -> bool:
-    """A device array (``__cuda_array_interface__`` or numba's simulator array): see device.py.
-    all_reduce, all_gather and broadcast take them; the other calls want NumPy arrays."""
-    return not isinstance(a, np.ndarray) and (hasattr(a, "__cuda_array_interface__")
-                                              or type(a).__name__ == "FakeCUDAArray")
 
 
 def _group(group):

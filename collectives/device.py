@@ -43,8 +43,10 @@ __all__ = ["POOL", "StagingPool", "all_gather", "all_reduce", "broadcast", "is_d
 
 
 def is_device_array(a) -> bool:
-    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects."""
-    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
+    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects.
+    A NumPy array is answered first: every host call of collectives/api.py asks."""
+    return not isinstance(a, np.ndarray) and (hasattr(a, "__cuda_array_interface__")
+                                              or type(a).__name__ == "FakeCUDAArray")
 
 
 def _cuda():
