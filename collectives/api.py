@@ -58,7 +58,7 @@ import numpy as np
 
 from collectives import ops, registry
 # a device array: all_reduce, all_gather and broadcast take them (device.py); the other calls want NumPy arrays
-from collectives.device import is_device_array as _on_device
+from collectives.kernels import is_device_array as _on_device
 from runtime.errors import CollectiveTimeoutError
 from runtime.init import current as current_runtime
 

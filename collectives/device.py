@@ -38,15 +38,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.kernels import is_device_array  # re-exported: the one test of what a device array is
+
 __all__ = ["POOL", "StagingPool", "all_gather", "all_reduce", "broadcast", "is_device_array", "to_device",
            "to_host"]
-
-
-def is_device_array(a) -> bool:
-    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects.
-    A NumPy array is answered first: every host call of collectives/api.py asks."""
-    return not isinstance(a, np.ndarray) and (hasattr(a, "__cuda_array_interface__")
-                                              or type(a).__name__ == "FakeCUDAArray")
 
 
 def _cuda():
