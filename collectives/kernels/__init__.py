@@ -46,7 +46,8 @@ def choose_backend(*arrays, backend: str | None = None) -> str:
     """
     on_device = [is_device_array(a) for a in arrays]
     if any(on_device) and not all(on_device):
-        raise TypeError("mixing device and host arrays; copy explicitly first")
+        kinds = ", ".join(f"{type(a).__name__} ({'device' if d else 'host'})" for a, d in zip(arrays, on_device))
+        raise TypeError(f"mixing device and host arrays: {kinds}; copy explicitly first")
     if backend is None and not any(on_device):
         backend = os.environ.get(ENV_VAR) or None
         if backend is not None and backend not in ("numpy", "numba"):
