@@ -80,8 +80,7 @@ class Handle:
         return f"Handle({self._what}, done={self.done()})"
 
 
-_CALLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
-          "all_to_all", "barrier", "send", "recv")
+_CALLS = tuple(api.__all__)  # every public call of api.py
 
 
 class Communicator:
