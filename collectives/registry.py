@@ -114,13 +114,13 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
     algorithms = ALGORITHMS.get(collective)
     if algorithms is None:
         raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
-    where = "algorithm="
-    if override is None:
+    from_env = override is None
+    if from_env:
         override = os.environ.get(env_var(collective)) or None
-        where = f"environment variable {env_var(collective)}="
     if override is not None:
         fn = algorithms.get(override)
         if fn is None:
+            where = f"environment variable {env_var(collective)}=" if from_env else "algorithm="
             raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         return override, fn
     shm_off = group is not None and not getattr(group, "shm_enabled", True)
