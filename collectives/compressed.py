@@ -312,10 +312,11 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
     _, _, mine = _pack_all([mine_payload])
     gathered = np.empty(W * nb, np.uint8)
     await group.run(ag_call, ag, gathered, mine)  # every rank's reduced shard
-    result = np.empty(W * chunk, np.float32)
-    for j in range(W):
-        result[j * chunk:(j + 1) * chunk] = inner.decode(_unpack(gathered[j * nb:(j + 1) * nb], layout), chunk)
-    np.copyto(flat, result[:n], casting="unsafe")
+    for j in range(W):  # decode each shard straight into its place (the padding is dropped)
+        lo, hi = j * chunk, min(n, (j + 1) * chunk)
+        if hi > lo:
+            dec = inner.decode(_unpack(gathered[j * nb:(j + 1) * nb], layout), chunk)
+            np.copyto(flat[lo:hi], dec.reshape(-1)[:hi - lo], casting="unsafe")
 
 
 async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
