@@ -110,9 +110,9 @@ def _check(name: str, x) -> None:
     x = _dev(x)
     if not x.is_c_contiguous():
         raise ValueError(f"{name} must be a C-contiguous device array, got shape {x.shape}")
-    from collectives.kernels.reference import DTYPES
+    from collectives.ops import DTYPE_NAMES, DTYPES
     if np.dtype(x.dtype) not in DTYPES:
-        raise TypeError(f"{name} has dtype {x.dtype}; not a collective dtype")
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}")
 
 
 # ---- collectives ------------------------------------------------------------------------------
