@@ -16,9 +16,10 @@ __all__ = list(_API) + ["Communicator", "Handle"]
 
 def __getattr__(name):
     if name in _API:
-        from collectives import api
-        return getattr(api, name)
-    if name in ("Communicator", "Handle"):
-        from collectives import blocking
-        return getattr(blocking, name)
-    raise AttributeError(f"module 'collectives' has no attribute {name!r}")
+        from collectives import api as module
+    elif name in ("Communicator", "Handle"):
+        from collectives import blocking as module
+    else:
+        raise AttributeError(f"module 'collectives' has no attribute {name!r}")
+    value = globals()[name] = getattr(module, name)  # loaded once: later lookups skip this function
+    return value

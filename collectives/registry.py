@@ -21,9 +21,10 @@ argument checks (ops.py), the public calls (api.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
+
+from runtime import env
 
 from collectives import (all_gather_ring, all_reduce_halving_doubling, all_reduce_recursive_doubling,
                          all_reduce_ring, all_to_all_direct, barrier_dissemination, broadcast_tree,
@@ -100,6 +101,9 @@ def env_var(collective: str) -> str:
     return f"RINGWEAVE_ALGO_{collective.upper()}"
 
 
+_ENV_VARS = {c: env_var(c) for c in ALGORITHMS}  # formatted once, read at every call
+
+
 def choose(collective: str, nbytes: int, world: int, override: str | None = None,
            group=None) -> tuple[str, Callable]:
     """The algorithm (name, run function) for one call. ``group``, when given, may
@@ -116,7 +120,7 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
         raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
     from_env = override is None
     if from_env:
-        override = os.environ.get(env_var(collective)) or None
+        override = env.get(_ENV_VARS.get(collective) or env_var(collective)) or None
     if override is not None:
         fn = algorithms.get(override)
         if fn is None:

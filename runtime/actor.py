@@ -388,6 +388,10 @@ class Actor:
         self._posted.setdefault(key, collections.deque()).append(_Recv(src, key, buf, fut, check))
         return fut
 
+    def has_unexpected(self) -> bool:
+        """Whether any frame is kept that no receive has taken yet (a cheap test per call)."""
+        return bool(self._unexpected)
+
     def unexpected_headers(self, key: tuple) -> list[dict]:
         """Headers of the frames kept for ``key`` that no receive has taken yet."""
         kept = self._unexpected.get(key)

@@ -107,6 +107,7 @@ import struct
 import weakref
 import zlib
 
+from runtime import env
 from runtime.errors import CollectiveMismatchError, PeerLostError, RingweaveError
 
 log = logging.getLogger("ringweave.shm")
@@ -192,7 +193,7 @@ def remove_job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[
 
 def shm_usable(directory: str = SHM_DIR) -> bool:
     """True when ``RINGWEAVE_SHM`` is not ``"0"`` and ``directory`` is a writable directory."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if env.get(ENV_SWITCH) == "0":
         return False
     ok = _usable_dirs.get(directory)
     if ok is None:  # checked once per directory and process
@@ -380,6 +381,8 @@ class Domain:
         self._fp_checked: list[int] = []  # by domain rank: the last call whose fingerprint was compared
         self._fp_headers: list = []  # by domain rank, slot: the u64 (seq | crc32 << 32) of a fingerprint
         self._fp_header = 0  # ours, for the current call
+        self._fp_text: list[str | None] = [None, None]  # the fingerprint text in each of our slots
+        self._fp_crc: dict[str, int] = {}  # fingerprint -> crc32 of its (cut) text
         self.views: dict = {}  # the layer above keeps its array views of the slots here
         self._prefix = ""
         self._closed = False
@@ -483,16 +486,22 @@ class Domain:
             await self.wait_all(call, EXIT, seq=self._recent[0], check_fp=False)
             self._recent.pop(0)
         self._recent.append(call.seq)
-        self.parity = self.ncalls % 2
+        self.parity = parity = self.ncalls % 2
         self.ncalls += 1
-        fp = call.fingerprint.encode()[:_FP_MAX]
-        off = _OFF_FP + self.parity * _FP_NBYTES
-        mm = self.ctl[self.rank].mm
-        struct.pack_into(f"<I{len(fp)}s", mm, off + 8, len(fp), fp)
+        fingerprint = call.fingerprint
+        crc = self._fp_crc.get(fingerprint)
+        if crc is None:
+            if len(self._fp_crc) > 256:
+                self._fp_crc.clear()
+            crc = self._fp_crc[fingerprint] = zlib.crc32(fingerprint.encode()[:_FP_MAX])
+        if self._fp_text[parity] != fingerprint:  # a loop's calls repeat: the text is there already
+            fp = fingerprint.encode()[:_FP_MAX]
+            struct.pack_into(f"<I{len(fp)}s", self.ctl[self.rank].mm, _OFF_FP + parity * _FP_NBYTES + 8, len(fp), fp)
+            self._fp_text[parity] = fingerprint
         # the header (seq, crc32) in ONE aligned 8-byte store, after the text: struct.pack_into
         # zeroes then writes byte by byte, and a peer could read this call's number with stale text
-        self._fp_header = (call.seq & 0xFFFFFFFF) | (zlib.crc32(fp) << 32)
-        self._fp_headers[self.rank][self.parity].value = self._fp_header
+        self._fp_header = (call.seq & 0xFFFFFFFF) | (crc << 32)
+        self._fp_headers[self.rank][parity].value = self._fp_header
 
     def small_buffer(self, domain_rank: int) -> memoryview:
         """The small slot (:data:`SMALL_NBYTES`) of ``domain_rank`` for the current call (two
@@ -690,11 +699,18 @@ _listening: "weakref.WeakSet" = weakref.WeakSet()  # runtimes whose lost-peer li
 def domain(group, members: list[int], index: int = 0) -> Domain:
     """The domain of ``group`` made of group ranks ``members`` (this rank among them), made on
     first use; ``index`` tells apart the domains of one group (one per node)."""
+    fast = getattr(group, "_shm_domains", None)  # index -> Domain: one lookup per call
+    d = fast.get(index) if fast is not None else None
+    if d is not None and not d._closed:
+        return d
     per_group = _domains.setdefault(group, {})
     name = f"{group.gid}d{index}"
     d = per_group.get(name)
     if d is None or d._closed:
         d = per_group[name] = Domain(group, members, name)
+    if fast is None:
+        fast = group._shm_domains = {}
+    fast[index] = d
     return d
 
 

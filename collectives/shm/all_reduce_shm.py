@@ -50,7 +50,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         return await all_reduce_hierarchical.run(comm, x, op)
     async with common.session(comm, list(range(n))) as dom:
         if x.nbytes <= shm.SMALL_NBYTES:
-            await _small(comm, dom, x, op, [common.small_view(dom, p, x.dtype, x.size) for p in range(n)])
+            await _small(comm, dom, x, op, common.small_views(dom, x.dtype, x.size))
         elif x.nbytes <= ONE_PHASE_MAX_NBYTES:
             await dom.claim_data(comm, x.nbytes)
             await _small(comm, dom, x, op, [common.data_view(dom, p, x.dtype, x.size) for p in range(n)])

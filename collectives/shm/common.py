@@ -49,7 +49,22 @@ def shm_available(group) -> bool:
     """True when every member of ``group`` is on one node, ``RINGWEAVE_SHM`` is not ``"0"``,
     the group's ``shm_enabled`` attribute (a communicator option) is not False, and /dev/shm
     is writable. The same on every rank of the group (given the same environment)."""
-    return shm_enabled(group) and len(set(node_ids(group))) == 1
+    return shm_enabled(group) and one_node(group)
+
+
+def one_node(group) -> bool:
+    """Whether every member of ``group`` is on one node (found once per group and list of nodes
+    of its runtime: the runtime's ``nodes`` is set once at start, except in tests)."""
+    nodes = getattr(group.runtime, "nodes", None)
+    known = getattr(group, "_shm_one_node", None)
+    if known is not None and known[0] is nodes:
+        return known[1]
+    one = len(set(node_ids(group))) == 1
+    try:
+        group._shm_one_node = (nodes, one)
+    except AttributeError:  # pragma: no cover - a group type with slots: ask every time
+        pass
+    return one
 
 
 def shm_enabled(group) -> bool:
@@ -117,11 +132,28 @@ class session:
 
 def small_view(dom, p: int, dtype, count: int) -> np.ndarray:
     """The first ``count`` elements of member ``p``'s small slot of the current call."""
-    key = ("small", dom.parity)
-    slots = dom.views.get(key)
-    if slots is None:  # byte arrays over every member's slot, made once per parity
-        slots = dom.views[key] = [np.frombuffer(dom.small_buffer(q), np.uint8) for q in range(dom.size)]
-    return slots[p][:count * np.dtype(dtype).itemsize].view(dtype)
+    return small_views(dom, dtype, count)[p]
+
+
+def small_views(dom, dtype, count: int) -> list[np.ndarray]:
+    """:func:`small_view` of every member, by domain rank. Kept per (parity, dtype, count) for
+    the calls of a training loop, which repeat (at most :data:`_VIEW_KINDS` kinds kept)."""
+    key = (dom.parity, dtype, count)
+    views = dom.views.get(key)
+    if views is None:
+        base = ("small", dom.parity)
+        slots = dom.views.get(base)
+        if slots is None:  # byte arrays over every member's slot, made once per parity
+            slots = dom.views[base] = [np.frombuffer(dom.small_buffer(q), np.uint8) for q in range(dom.size)]
+        if len(dom.views) > _VIEW_KINDS:
+            dom.views.clear()
+            dom.views[base] = slots
+        nbytes = count * np.dtype(dtype).itemsize
+        views = dom.views[key] = [s[:nbytes].view(dtype) for s in slots]
+    return views
+
+
+_VIEW_KINDS = 64
 
 
 def data_view(dom, p: int, dtype, count: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from collectives.kernels.reference import DTYPES, HALF_DTYPES
 from collectives.kernels.cpu import OP_CODES, apply
 
 FUSED_DTYPES = tuple(d for d in DTYPES if d not in HALF_DTYPES)  # the native ones
+_FUSED = frozenset(FUSED_DTYPES)  # a hash lookup per call (``in`` the tuple compared up to 6 dtypes)
 
 _JIT = dict(nogil=True, cache=True)
 
@@ -69,8 +70,11 @@ def reduce_publish(dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray, op:
     dtype and length, C-contiguous; ``op`` a kernel op: sum, prod, min, max)."""
     if not dst.size:
         return
-    if dst.dtype in FUSED_DTYPES and srcs:
+    if dst.dtype in _FUSED and srcs:
         code = OP_CODES[op]
+        if len(srcs) <= 3:  # one pass (up to 4 ranks on a node)
+            _FOLDS[len(srcs)](code, dst, *srcs, pub)
+            return
         for start in range(0, len(srcs), 3):
             group = srcs[start:start + 3]
             last = start + 3 >= len(srcs)

@@ -224,3 +224,48 @@ async def test_send_recv_tags_order_and_errors(ranks):
             with pytest.raises(ValueError, match="this rank"):
                 await C.recv(x, src=1)
     await ranks(2, body)
+
+
+# -- deadlines: one watchdog per runtime (runtime/group.py Watchdog) ---------------------
+
+async def test_cancelling_a_call_is_not_a_timeout(ranks):
+    """A caller's own cancellation stays a CancelledError (not a CollectiveTimeoutError),
+    and the watchdog's timer is left for the calls still in flight."""
+    async def body(g):
+        if g.rank == 1:
+            await asyncio.sleep(0.6)  # never calls the first all_reduce
+            return None
+        task = asyncio.ensure_future(C.all_reduce(np.ones(4), timeout=5.0))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not g.runtime.watchdog._calls  # unwatched on the way out
+        return "cancelled"
+
+    assert (await ranks(2, body, timeout_s=20))[0] == "cancelled"
+
+
+async def test_calls_in_flight_each_keep_their_own_deadline(ranks):
+    """Two calls in flight on two groups, the later-started with the shorter timeout: it times
+    out at its own deadline (the watchdog re-arms for the earlier one), not at the other's."""
+    async def body(g):
+        a = g.new_group([0, 1])
+        b = g.new_group([0, 1])
+        if g.rank == 1:
+            await asyncio.sleep(1.5)  # calls neither
+            return None
+        slow = asyncio.ensure_future(C.all_reduce(np.ones(2), group=a, timeout=1.0))
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError):
+            await C.all_reduce(np.ones(2), group=b, timeout=0.2)
+        fast_s = time.monotonic() - start
+        with pytest.raises(CollectiveTimeoutError):
+            await slow
+        slow_s = time.monotonic() - start
+        return fast_s, slow_s
+
+    fast_s, slow_s = (await ranks(2, body, timeout_s=20))[0]
+    assert 0.15 < fast_s < 0.9, fast_s  # its own 0.2 s (plus the status question), not 1.0 s
+    assert slow_s > 0.8, slow_s  # the first call waited for its own 1.0 s

@@ -1,0 +1,29 @@
+"""Reading an environment variable on a hot path.
+
+Some settings are read at every call so that changing them between calls takes effect
+(``RINGWEAVE_SHM``, ``RINGWEAVE_ALGO_<COLLECTIVE>``). ``os.environ.get`` costs about 1 us when
+the name is absent, the usual case: it encodes the name and raises and catches a KeyError
+inside. :func:`get` looks in the dict behind ``os.environ`` (kept by CPython's ``os`` module on
+POSIX) with the name encoded once: ~0.1 us. Same answers as ``os.environ.get``: both see what
+``os.environ[...] = ...`` (and pytest's monkeypatch) set, neither sees a bare ``os.putenv``.
+"""
+
+from __future__ import annotations
+
+import os
+
+_data = getattr(os.environ, "_data", None)
+_encode = getattr(os.environ, "encodekey", None)
+_decode = getattr(os.environ, "decodevalue", None)
+_keys: dict[str, object] = {}
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, faster."""
+    if _data is None or _encode is None or _decode is None:  # pragma: no cover - not CPython/POSIX
+        return os.environ.get(name, default)
+    key = _keys.get(name)
+    if key is None:
+        key = _keys[name] = _encode(name)
+    value = _data.get(key)
+    return default if value is None else _decode(value)
