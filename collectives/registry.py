@@ -127,13 +127,31 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
             where = f"environment variable {env_var(collective)}=" if from_env else "algorithm="
             raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         return override, fn
-    shm_off = group is not None and not getattr(group, "shm_enabled", True)
+    shm_off = (group is not None and not getattr(group, "shm_enabled", True)) or not _shm_usable()
+    key = (collective, nbytes, world, shm_off)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        chosen = _from_table(collective, nbytes, world, shm_off)
+        if len(_CHOSEN) > 4096:
+            _CHOSEN.clear()
+        _CHOSEN[key] = chosen
+    return chosen
+
+
+def _from_table(collective: str, nbytes: int, world: int, shm_off: bool) -> tuple[str, Callable]:
     for rule in TABLES[collective]:
         if shm_off and rule.algorithm == "shm":
             continue
         if rule.applies(nbytes, world):
-            return rule.algorithm, algorithms[rule.algorithm]
+            return rule.algorithm, ALGORITHMS[collective][rule.algorithm]
     raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover
+
+
+# (collective, nbytes, world, shm ruled out) -> the table's choice. The rules are pure functions of
+# those, the shared-memory one of RINGWEAVE_SHM and /dev/shm (read per call into "shm ruled out"):
+# a training loop's calls repeat, and walking the table's lambdas cost ~1 us per call. The tables
+# are fixed at import; code that edits them afterwards must call _CHOSEN.clear().
+_CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 
 
 # ---------------------------------------------------------------------------------------------

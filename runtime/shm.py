@@ -378,7 +378,6 @@ class Domain:
         self._pids: list[int] = []
         self._cooperative = False  # a peer is a task of this very process: never block the thread
         self._others: list[int] = []  # domain ranks but ours
-        self._fp_checked: list[int] = []  # by domain rank: the last call whose fingerprint was compared
         self._fp_headers: list = []  # by domain rank, slot: the u64 (seq | crc32 << 32) of a fingerprint
         self._fp_header = 0  # ours, for the current call
         self._fp_text: list[str | None] = [None, None]  # the fingerprint text in each of our slots
@@ -424,7 +423,6 @@ class Domain:
         self._pids = [struct.unpack_from("<I", s.mm, _OFF_PID)[0] for s in self.ctl]
         self._cooperative = any(pid == os.getpid() for p, pid in enumerate(self._pids) if p != self.rank)
         self._others = [p for p in range(self.size) if p != self.rank]
-        self._fp_checked = [-1] * self.size
         self._fp_headers = [[ctypes.c_uint64.from_buffer(s.mm, _OFF_FP + k * _FP_NBYTES) for k in (0, 1)]
                             for s in self.ctl]
         await self._all_to_all(call)  # everyone has mapped everyone's: the names can go
@@ -483,7 +481,8 @@ class Domain:
         this domain (it used the same fingerprint and small slots), then publishes this call's
         fingerprint (before any post of the call)."""
         if len(self._recent) == 2:
-            await self.wait_all(call, EXIT, seq=self._recent[0], check_fp=False)
+            if not self.reached_all(self._recent[0], EXIT):
+                await self.wait_all(call, EXIT, seq=self._recent[0], check_fp=False)
             self._recent.pop(0)
         self._recent.append(call.seq)
         self.parity = parity = self.ncalls % 2
@@ -514,14 +513,14 @@ class Domain:
         :meth:`ensure_capacity`) and waits until every peer has finished reading what the last
         call that wrote it left there (that call's EXIT)."""
         await self.ensure_capacity(call, nbytes)
-        if self.last_data_seq is not None:
+        if self.last_data_seq is not None and not self.reached_all(self.last_data_seq, EXIT):
             await self.wait_all(call, EXIT, seq=self.last_data_seq, check_fp=False)
         self.last_data_seq = call.seq
 
     def post(self, call, phase: int) -> None:
         """Announces that this member has reached ``phase`` of ``call``, and rings the doorbell
         of every peer asleep on a condition that is now true (and only those)."""
-        self._words[self.rank].value = encode(call.seq, phase)
+        self._words[self.rank].value = ((call.seq << PHASE_BITS) | phase) & 0xFFFFFFFF  # encode()
         self.statistics_["posts"] += 1
         fence()  # our word is visible before we read the peers' targets (see "Waking")
         wants, bells = self._wants, self._bells
@@ -544,6 +543,15 @@ class Domain:
         futex_wake(self.ctl[q].address + _OFF_BELL)
         self.statistics_["rings"] += 1
 
+    def reached_all(self, seq: int, phase: int) -> bool:
+        """Whether every other member has posted ``phase`` of call ``seq`` (no waiting)."""
+        target = ((seq << PHASE_BITS) | phase) & 0xFFFFFFFF
+        words = self._words
+        for p in self._others:
+            if (words[p].value - target) & 0xFFFFFFFF >= 0x80000000:
+                return False
+        return True
+
     async def wait_all(self, call, phase: int, *, peers=None, seq: int | None = None,
                        check_fp: bool = True) -> None:
         """Waits until every other member (``peers=None``) or the one member ``peers=[p]`` has
@@ -556,23 +564,25 @@ class Domain:
             CollectiveMismatchError: a peer is in a different call;
             asyncio.CancelledError: the call's deadline (group.run turns it into a timeout).
         """
-        seq = call.seq if seq is None else seq
-        target = encode(seq, phase)
-        if peers is None:
-            watched = self._others
-            want = (_WANT_ALL << 62) | target
-        else:
-            (one,) = peers
-            watched = [one]
-            want = (_WANT_ONE << 62) | (one << 32) | target
+        target = (((call.seq if seq is None else seq) << PHASE_BITS) | phase) & 0xFFFFFFFF  # encode()
+        watched = self._others if peers is None else peers
         words = self._words
-        if not all(reached(words[p].value, target) for p in watched):  # not there yet: sleep
-            await self._sleep_until(call, watched, target, want, check_fp)
+        for p in watched:  # reached() inline: this runs several times per call
+            if (words[p].value - target) & 0xFFFFFFFF >= 0x80000000:  # not there yet: sleep
+                if peers is None:
+                    want = (_WANT_ALL << 62) | target
+                else:
+                    (one,) = peers
+                    want = (_WANT_ONE << 62) | (one << 32) | target
+                await self._sleep_until(call, watched, target, want, check_fp)
+                break
         if check_fp:
+            # A peer that posted this call keeps its fingerprint in this parity's slot until we
+            # post EXIT (the slot is rewritten two calls later), so one 8-byte load compares it.
+            headers, mine, parity = self._fp_headers, self._fp_header, self.parity
             for p in watched:
-                if self._fp_checked[p] != call.seq:
+                if headers[p][parity].value != mine:
                     self._check_fingerprint(call, p)
-                    self._fp_checked[p] = call.seq
 
     async def _sleep_until(self, call, watched: list[int], target: int, want: int, check_fp: bool) -> None:
         words = self._words

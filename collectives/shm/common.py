@@ -80,7 +80,9 @@ class Link:
     ``comm.call`` when the wrapper offers it, else through its bound ``send``."""
 
     def __init__(self, comm):
-        call = comm if hasattr(comm, "group") else getattr(comm, "call", None) or comm.send.__self__
+        call = getattr(comm, "call", None)  # api's wrapper first: the usual case
+        if call is None:
+            call = comm if hasattr(comm, "group") else comm.send.__self__
         self.comm = comm
         self.group = call.group
         self.seq = call.seq
