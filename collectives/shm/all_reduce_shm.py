@@ -82,7 +82,8 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     await dom.wait_all(comm, 2)
     # 3. copy-out: every other chunk from its owner's slot
     others = [c for c in range(n) if c != r]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
+    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others],
+                          x.nbytes >= common.STREAM_MIN_NBYTES)
 
 
 async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
@@ -102,7 +103,8 @@ async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
 
     # 1. copy-in: every chunk but mine into my slot
     others = [c for c in range(k) if c != p]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others])
+    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others],
+                          x.nbytes >= common.STREAM_MIN_NBYTES)
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
     # 2. reduce my chunk from every peer's slot, in member order, then publish it in my slot
