@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import ctypes
 import errno
 import logging
@@ -363,7 +364,8 @@ class Domain:
         self.size = len(self.members)
         self.rank = self.members.index(group.rank)
         self.name = name  # g<gid>d<index>, part of the file names
-        self.lock = asyncio.Lock()
+        self._busy = False  # a call holds the domain (calls run one at a time, in the order they began)
+        self._lock_waiters: collections.deque[asyncio.Future] = collections.deque()
         self.ready = False
         self.ctl: list[Segment | None] = [None] * self.size  # control segments by domain rank
         self.data: list[Segment | None] = [None] * self.size  # data segments by domain rank
@@ -475,14 +477,81 @@ class Domain:
         """The data slot (capacity ``1 << data_log2`` bytes) of member ``domain_rank``."""
         return self.data[domain_rank].mm
 
+    # -- a call's start and end (collectives/shm/common.session, or inline on a hot path)
+    def try_begin(self, call) -> bool:
+        """Starts ``call`` now if nothing has to wait: the domain is set up and free, and every
+        peer has finished the call two back. Then this call holds the domain; else nothing
+        changed and :meth:`begin` must be awaited. (The common case of a loop's small calls,
+        without a coroutine.)"""
+        if self._busy or self._lock_waiters or not self.ready:
+            return False
+        if len(self._recent) == 2 and not self.reached_all(self._recent[0], EXIT):
+            return False
+        self._busy = True
+        self._enter(call)
+        return True
+
+    async def begin(self, call) -> None:
+        """Takes the domain (after the calls that began before), sets it up on first use and
+        enters ``call``. On failure the domain is closed and released."""
+        await self._lock()
+        try:
+            if not self.ready:
+                await self.setup(call)
+            await self.enter(call)
+        except BaseException:
+            self.close()
+            self._unlock()
+            raise
+
+    def end(self, call, ok: bool) -> None:
+        """Ends ``call``: posts EXIT when it succeeded, else closes the domain (the group has
+        failed anyway); releases the domain to the next call."""
+        try:
+            if ok:
+                self.post(call, EXIT)
+            else:
+                self.close()
+        finally:
+            self._unlock()
+
+    async def _lock(self) -> None:
+        if not self._busy and not self._lock_waiters:
+            self._busy = True
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._lock_waiters.append(fut)
+        try:
+            await fut  # _unlock hands the domain over: _busy stays True
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # handed over as we were cancelled: pass it on
+                self._unlock()
+            else:
+                try:
+                    self._lock_waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def _unlock(self) -> None:
+        while self._lock_waiters:
+            fut = self._lock_waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._busy = False
+
     # -- calls
     async def enter(self, call) -> None:
         """Starts a call: waits until every peer has finished the shared-memory call two back on
         this domain (it used the same fingerprint and small slots), then publishes this call's
         fingerprint (before any post of the call)."""
+        if len(self._recent) == 2 and not self.reached_all(self._recent[0], EXIT):
+            await self.wait_all(call, EXIT, seq=self._recent[0], check_fp=False)
+        self._enter(call)
+
+    def _enter(self, call) -> None:
         if len(self._recent) == 2:
-            if not self.reached_all(self._recent[0], EXIT):
-                await self.wait_all(call, EXIT, seq=self._recent[0], check_fp=False)
             self._recent.pop(0)
         self._recent.append(call.seq)
         self.parity = parity = self.ncalls % 2
@@ -542,6 +611,25 @@ class Domain:
         bell.value = (bell.value + 1) & 0xFFFFFFFF
         futex_wake(self.ctl[q].address + _OFF_BELL)
         self.statistics_["rings"] += 1
+
+    def arrived(self, call, phase: int) -> bool:
+        """Whether every other member has posted ``phase`` of ``call`` (no waiting); if so,
+        their fingerprints are compared with ours as :meth:`wait_all` does.
+
+        Raises:
+            CollectiveMismatchError: a peer that arrived is in a different call.
+        """
+        target = ((call.seq << PHASE_BITS) | phase) & 0xFFFFFFFF
+        words = self._words
+        others = self._others
+        for p in others:
+            if (words[p].value - target) & 0xFFFFFFFF >= 0x80000000:
+                return False
+        headers, mine, parity = self._fp_headers, self._fp_header, self.parity
+        for p in others:
+            if headers[p][parity].value != mine:
+                self._check_fingerprint(call, p)
+        return True
 
     def reached_all(self, seq: int, phase: int) -> bool:
         """Whether every other member has posted ``phase`` of call ``seq`` (no waiting)."""
@@ -706,9 +794,9 @@ _domains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> 
 _listening: "weakref.WeakSet" = weakref.WeakSet()  # runtimes whose lost-peer listener is installed
 
 
-def domain(group, members: list[int], index: int = 0) -> Domain:
-    """The domain of ``group`` made of group ranks ``members`` (this rank among them), made on
-    first use; ``index`` tells apart the domains of one group (one per node)."""
+def domain(group, members: list[int] | None, index: int = 0) -> Domain:
+    """The domain of ``group`` made of group ranks ``members`` (this rank among them; None: the
+    whole group), made on first use; ``index`` tells apart the domains of one group (one per node)."""
     fast = getattr(group, "_shm_domains", None)  # index -> Domain: one lookup per call
     d = fast.get(index) if fast is not None else None
     if d is not None and not d._closed:
@@ -717,7 +805,7 @@ def domain(group, members: list[int], index: int = 0) -> Domain:
     name = f"{group.gid}d{index}"
     d = per_group.get(name)
     if d is None or d._closed:
-        d = per_group[name] = Domain(group, members, name)
+        d = per_group[name] = Domain(group, list(range(group.size)) if members is None else members, name)
     if fast is None:
         fast = group._shm_domains = {}
     fast[index] = d

@@ -12,6 +12,7 @@ Signature: ``await run(comm)`` like collectives/barrier_dissemination.py.
 from __future__ import annotations
 
 from collectives.shm import common
+from runtime import shm
 
 
 async def run(comm) -> None:
@@ -21,6 +22,14 @@ async def run(comm) -> None:
         return
     if not common.shm_available(comm.group):
         return await common.tcp_algorithm("barrier", 0, n)(comm)
-    async with common.session(comm, list(range(n))) as dom:
+    dom = shm.domain(comm.group, None)  # common.session written out (all_reduce_shm's small path)
+    if not dom.try_begin(comm):
+        await dom.begin(comm)
+    ok = False
+    try:
         dom.post(comm, 1)
-        await dom.wait_all(comm, 1)
+        if not dom.arrived(comm, 1):
+            await dom.wait_all(comm, 1)
+        ok = True
+    finally:
+        dom.end(comm, ok)

@@ -112,26 +112,12 @@ class session:
 
     async def __aenter__(self):
         dom = self.dom
-        await dom.lock.acquire()
-        try:
-            if not dom.ready:
-                await dom.setup(self.comm)
-            await dom.enter(self.comm)
-        except BaseException:
-            dom.close()
-            dom.lock.release()
-            raise
+        if not dom.try_begin(self.comm):
+            await dom.begin(self.comm)
         return dom
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        dom = self.dom
-        try:
-            if exc_type is None:
-                dom.post(self.comm, shm.EXIT)
-            else:
-                dom.close()
-        finally:
-            dom.lock.release()
+        self.dom.end(self.comm, exc_type is None)
 
 
 def small_view(dom, p: int, dtype, count: int) -> np.ndarray:

@@ -95,3 +95,44 @@ def test_futex_times_out_and_wakes(segment):
     th.join(5)
     del word
     assert woke and woke[0] < 2.0
+
+
+class _Group:  # what Domain reads of a group before set-up
+    rank = 0
+    gid = 0
+
+
+async def test_domain_lock_is_fifo_and_survives_a_cancelled_waiter():
+    """Calls hold a domain one at a time, in the order they asked; a waiter cancelled while
+    queued (or just as the domain was handed to it) does not strand the ones behind it."""
+    import asyncio
+    dom = shm.Domain(_Group(), [0, 1], "0d0")
+    order = []
+
+    async def call(name, hold_s=0.01):
+        await dom._lock()
+        order.append(name)
+        await asyncio.sleep(hold_s)
+        dom._unlock()
+
+    await dom._lock()  # held by "first"
+    b = asyncio.ensure_future(call("b"))
+    c = asyncio.ensure_future(call("c"))
+    d = asyncio.ensure_future(call("d"))
+    await asyncio.sleep(0.01)
+    c.cancel()  # queued: withdraws
+    dom._unlock()  # hands over to b
+    await asyncio.wait_for(asyncio.gather(b, d), 2)
+    assert order == ["b", "d"] and c.cancelled()
+    assert not dom._busy and not dom._lock_waiters
+
+    await dom._lock()
+    e = asyncio.ensure_future(call("e"))
+    f = asyncio.ensure_future(call("f"))
+    await asyncio.sleep(0.01)
+    dom._unlock()  # hands over to e, which is cancelled before it runs: it passes the domain on
+    e.cancel()
+    await asyncio.wait_for(f, 2)
+    assert order[-1] == "f" and e.cancelled()
+    assert not dom._busy
+    assert not dom.try_begin(None)  # not set up: the caller must await begin()
