@@ -16,6 +16,10 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
   3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
   Then EXIT (posted by the session): the next call that writes the slots waits for it.
 
+Copy-in and copy-out of arrays of ``common.STREAM_MIN_NBYTES`` (1 MiB) and up use non-temporal
+stores (``kernels.stream_copy``): such copies go to memory anyway, and skipping the read of each
+destination line first saved 15-25% of them (figures in common.py).
+
 Each element is reduced once, by its chunk's owner, and copied to the others: every rank gets
 the same bits. Per rank it moves (n-1)/n of the array in, 1/n through the reduction from each
 peer, 1/n out to the slot and (n-1)/n back out: ~(4.5 + n-2 passes of 1/n) x nbytes.
