@@ -366,9 +366,10 @@ class Watchdog:
         if call.timeout_s is None:
             call.deadline = float("inf")
             return
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # first call, or the runtime moved to another loop
+            self.close()
+            self._loop = loop
         call.task = asyncio.current_task()
         call.deadline = deadline = loop.time() + call.timeout_s
         self._calls[call] = None
