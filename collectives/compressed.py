@@ -239,13 +239,11 @@ async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeo
 
 
 def _start(group, collective: str, nbytes: int, timeout, **fp):
-    """Opens a sub-call (takes its sequence number now) on the TCP table's algorithm: the first
-    rule of ``registry.TABLES`` that is not a shared-memory one (see the module docstring)."""
+    """Opens a sub-call (takes its sequence number now) on the TCP table's algorithm
+    (``registry.first_tcp_rule``: the table without its shared-memory rule; see the module docstring)."""
     from collectives import api, registry
-    for rule in registry.TABLES[collective]:
-        if rule.algorithm not in ("shm", "hierarchical") and rule.applies(nbytes, group.size):
-            return api._start(group, collective, nbytes, rule.algorithm, timeout, **fp)
-    raise ValueError(f"no TCP {collective} algorithm for {nbytes} bytes on {group.size} ranks")  # pragma: no cover
+    name, _ = registry.first_tcp_rule(collective, nbytes, group.size)
+    return api._start(group, collective, nbytes, name, timeout, **fp)
 
 
 def _open_shard_calls(group, send: np.ndarray, nb: int, timeout):

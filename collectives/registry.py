@@ -147,6 +147,18 @@ def _from_table(collective: str, nbytes: int, world: int, shm_off: bool) -> tupl
     raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover
 
 
+def first_tcp_rule(collective: str, nbytes: int, world: int) -> tuple[str, Callable]:
+    """The algorithm (name, run function) of the first rule of ``collective``'s table that
+    applies and is not the shared-memory one: the table's choice with shm ruled out, ignoring
+    overrides. For calls that must run over TCP (compressed.py's sub-calls, whose order is not
+    the order they run in) and for the shm algorithms' fallback (collectives/shm/common.py).
+
+    Raises:
+        ValueError: no such rule (not with the default tables: each ends with one that always applies).
+    """
+    return _from_table(collective, nbytes, world, True)
+
+
 # (collective, nbytes, world, shm ruled out) -> the table's choice. The rules are pure functions of
 # those, the shared-memory one of RINGWEAVE_SHM and /dev/shm (read per call into "shm ruled out"):
 # a training loop's calls repeat, and walking the table's lambdas cost ~1 us per call. The tables

@@ -217,16 +217,6 @@ class SubComm:
 
 
 def tcp_algorithm(collective: str, nbytes: int, world: int):
-    """The run function the TCP table would choose (the first rule that is not ours)."""
-    from collectives import registry
-    ours = SHM_NAMES
-    for rule in registry.TABLES[collective]:
-        if rule.algorithm not in ours and rule.applies(nbytes, world):
-            return registry.ALGORITHMS[collective][rule.algorithm]
-    for name, fn in registry.ALGORITHMS[collective].items():  # pragma: no cover - table is all ours
-        if name not in ours:
-            return fn
-    raise ValueError(f"no TCP {collective} algorithm")  # pragma: no cover
-
-
-SHM_NAMES = ("shm", "hierarchical")
+    """The run function the TCP table would choose (:func:`collectives.registry.first_tcp_rule`)."""
+    from collectives import registry  # here: registry imports collectives.shm
+    return registry.first_tcp_rule(collective, nbytes, world)[1]

@@ -314,3 +314,20 @@ async def test_powersgd_rank_deficient_average_is_exact(ranks):
         np.testing.assert_allclose(rank1, 1.5 * np.outer(u, v), rtol=0, atol=1e-5 * np.abs(np.outer(u, v)).max())
         assert np.abs(zero).max() <= 1e-5 * np.abs(np.outer(u, v)).max()  # only the carried rounding of step 1
         np.testing.assert_allclose(rank4, 1.5 * full, rtol=0, atol=1e-4 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_sub_calls_use_the_tcp_table_whatever_the_shm_setting(monkeypatch, shm):
+    """compressed._start and the shm fallback both take registry.first_tcp_rule: the table's
+    first rule that applies once the shared-memory one is left out (figures: registry.py)."""
+    from collectives import registry
+    from collectives.shm import common
+    monkeypatch.setenv("RINGWEAVE_SHM", shm)
+    for (collective, nbytes, world), want in {("all_reduce", 4, 4): "recursive_doubling",
+                                              ("all_reduce", 2 << 20, 4): "halving_doubling",
+                                              ("all_reduce", 2 << 20, 3): "ring",
+                                              ("all_to_all", 1 << 20, 4): "direct",
+                                              ("all_gather", 64, 2): "ring"}.items():
+        name, fn = registry.first_tcp_rule(collective, nbytes, world)
+        assert (name, fn) == (want, registry.ALGORITHMS[collective][want])
+        assert common.tcp_algorithm(collective, nbytes, world) is fn
