@@ -15,14 +15,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":  # pragma: no cover - guard fo
 from numba import cuda  # noqa: E402
 
 from collectives.compress import get_codec  # noqa: E402
-
-
-def bits_equal(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    raw = a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}")
-    if a.dtype.kind in "fV":
-        raw |= np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
-    return a.shape == b.shape and bool(raw.all())
+from tests.compress.bits import bits_equal  # noqa: E402
 
 
 def sample(n, seed):

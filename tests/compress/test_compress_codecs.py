@@ -10,21 +10,12 @@ from hypothesis.extra import numpy as hnp
 
 from collectives.compress import CODECS, ErrorFeedback, get_codec, reference
 from collectives.compress.topk import topk_count
+from tests.compress.bits import bits_equal
 
 LENGTHS = [0, 1, 2, 255, 256, 257, 1001, 4099]
 BIT_EXACT = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"block": 7}),
              ("int8", {"stochastic": True, "seed": 5}), ("topk", {}), ("topk", {"ratio": 0.3}),
              ("none", {})]  # fmt: skip
-
-
-def bits_equal(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    raw = a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}")
-    if a.dtype.kind in "fV":
-        raw |= np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
-    return bool(raw.all())
 
 
 def sample(n, seed, specials=True):
