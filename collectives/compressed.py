@@ -164,11 +164,13 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _pack_all(payloads) -> tuple[list, int, np.ndarray]:
+def _pack_all(payloads, msg: np.ndarray | None = None) -> tuple[list, int, np.ndarray]:
     """Payloads of one codec (same layout) packed one after another into one uint8
-    message, block j = payload j. Returns (layout, bytes per block, message)."""
+    message, block j = payload j: into ``msg`` (exactly that many bytes) when given, else
+    a new array. Returns (layout, bytes per block, message)."""
     layout, nb = _layout(payloads[0]), _layout_nbytes(payloads[0])
-    msg = np.empty(len(payloads) * nb, np.uint8)
+    if msg is None:
+        msg = np.empty(len(payloads) * nb, np.uint8)
     for j, p in enumerate(payloads):
         _pack(p, msg[j * nb:(j + 1) * nb])
     return layout, nb, msg
@@ -278,25 +280,29 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
         all_to_all:  r0 gets fp16 [1 2], [10 20];  r1 gets [3 4], [30 40]
         sum float32: r0 [11 22]                    r1 [33 44]
         all_gather of fp16 sums: both [11 22 33 44]
+
+    Buffers: shards are encoded straight from the (compensated) array, only a
+    padded one is copied; the three packed messages (W x payload bytes each) and
+    the float32 sum of my shard come from ``ops.scratch_pool``, kept across calls
+    (fresh arrays of that size cost a page fault per 4 KiB on every call).
     """
-    from collectives import api
+    from collectives import api, ops
     ef, inner = _split(codec)
     group = api._group(group)
     W, n = group.size, flat.size
     chunk = -(-n // W)
-    y = np.zeros(W * chunk, np.float32)  # (W, chunk) padded
-    y[:n] = _compensated(ef, inner, flat, key)
-    payloads = [inner.encode(y[j * chunk:(j + 1) * chunk]) for j in range(W)]  # shard j -> rank j
-    if ef is not None:  # what this rank did not send, shard by shard
-        err = np.empty(W * chunk, np.float32)
-        for j, p in enumerate(payloads):
-            inner.residual_into(y[j * chunk:(j + 1) * chunk], p, err[j * chunk:(j + 1) * chunk])
-        ef.errors[key].reshape(-1)[...] = err[:n]
-    layout, nb, send = _pack_all(payloads)
+    y = _compensated(ef, inner, flat, key)  # (n,) float32; ``flat`` itself when already float32 without EF
+    err = ef.errors[key].reshape(-1) if ef is not None else None  # (n,) what this rank does not send
+    payloads = [_encode_shard(inner, y, j * chunk, chunk, err) for j in range(W)]  # shard j -> rank j
+    nb = _layout_nbytes(payloads[0])
+    raw = [ops.scratch_pool.take(W * nb) for _ in range(3)] + [ops.scratch_pool.take(4 * chunk + nb)]
+    send, recv, gathered = (r[:W * nb] for r in raw[:3])
+    acc, mine = raw[3][:4 * chunk].view(np.float32), raw[3][4 * chunk:4 * chunk + nb]  # (chunk,) sum, my message
+    layout, _, _ = _pack_all(payloads, send)
+    del payloads
     a2a_call, a2a, ag_call, ag = _open_shard_calls(group, send, nb, timeout)
-    recv = np.empty(W * nb, np.uint8)
     await group.run(a2a_call, a2a, recv, send)  # block j of recv: rank j's payload of my shard
-    acc = np.zeros(chunk, np.float32)
+    acc.fill(0)
     for j in range(W):  # decode-add in rank order: the same bits on every rank
         inner.decode_add(_unpack(recv[j * nb:(j + 1) * nb], layout), acc)
     if op == "avg":
@@ -307,14 +313,36 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    _, _, mine = _pack_all([mine_payload])
-    gathered = np.empty(W * nb, np.uint8)
+    _pack_all([mine_payload], mine)
     await group.run(ag_call, ag, gathered, mine)  # every rank's reduced shard
     for j in range(W):  # decode each shard straight into its place (the padding is dropped)
         lo, hi = j * chunk, min(n, (j + 1) * chunk)
         if hi > lo:
             dec = inner.decode(_unpack(gathered[j * nb:(j + 1) * nb], layout), chunk)
             np.copyto(flat[lo:hi], dec.reshape(-1)[:hi - lo], casting="unsafe")
+    for r in raw:  # only after success: a failed call may still have frames landing in them
+        ops.scratch_pool.give(r)
+
+
+def _encode_shard(inner: Codec, y: np.ndarray, lo: int, chunk: int, err: np.ndarray | None):
+    """The payload of shard ``y[lo:lo + chunk]``, zero-padded past the end of ``y``. With
+    ``err`` (error feedback), ``err[lo:lo + chunk]`` gets the shard's residual (the padding's
+    is dropped). Encoded, and the residual taken, shard by shard in rank order."""
+    hi = min(y.size, lo + chunk)
+    if hi - lo == chunk:  # a whole shard: a view, no copy
+        payload = inner.encode(y[lo:hi])
+        if err is not None:
+            inner.residual_into(y[lo:hi], payload, err[lo:hi])
+        return payload
+    kept = max(0, hi - lo)  # the last shard(s): padded with zeros, as every rank does
+    shard = np.zeros(chunk, np.float32)
+    shard[:kept] = y[lo:lo + kept]
+    payload = inner.encode(shard)
+    if err is not None:
+        residual = np.empty(chunk, np.float32)
+        inner.residual_into(shard, payload, residual)
+        err[lo:lo + kept] = residual[:kept]
+    return payload
 
 
 async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
