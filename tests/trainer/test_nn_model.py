@@ -78,6 +78,48 @@ def test_backward_accumulates():
     assert not any(g.any() for g in twice)
 
 
+def bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()  # -0.0 and +0.0 differ here, unlike in assert_array_equal
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7])
+def test_linear_grads_zero_writes_the_same_bits_as_accumulating(dtype, rows):
+    """grads_zero=True writes x^T dy straight into the buffer; the bits must be those of
+    0 + x^T dy, also where every product is -0.0 (a dead input times a negative dy), in a
+    (2, rows, in) input and in an empty batch."""
+    layer = Linear(6, 5)
+    rng = np.random.default_rng(rows)
+    params = {"weight": rng.standard_normal((6, 5)).astype(dtype), "bias": np.zeros(5, dtype)}
+    x = np.abs(rng.standard_normal((2, rows, 6))).astype(dtype)
+    x[..., ::2] = 0  # dead inputs: their weight-gradient rows are sums of -0.0 products below
+    dout = -np.abs(rng.standard_normal((2, rows, 5))).astype(dtype)
+    _, cache = layer.forward(params, x, Context())
+    added = {k: np.zeros_like(v) for k, v in params.items()}
+    written = {k: np.zeros_like(v) for k, v in params.items()}
+    dx_added = layer.backward(params, cache, dout, added)
+    dx_written = layer.backward(params, cache, dout, written, grads_zero=True)
+    assert bits(dx_written) == bits(dx_added)
+    for k in params:
+        assert bits(written[k]) == bits(added[k]), k
+    # a second micro-batch (grads_zero=False) still accumulates on top
+    layer.backward(params, cache, dout, written)
+    np.testing.assert_array_equal(written["weight"], added["weight"] + added["weight"])
+
+
+def test_model_grads_zero_gives_the_same_bits_and_falls_back_on_a_dtype_mismatch():
+    model = mlp(5, (4, 3), 3, dropout=0.3, dtype=np.float32)
+    params = model.init_params(0)
+    x, y = np.random.default_rng(1).standard_normal((6, 5)).astype(np.float32), np.arange(6) % 3
+    ctx = Context(training=True, seed=2, step=1)
+    for grad_dtype in (np.float32, np.float64):  # float64 buffers: the float32 product cannot be written as is
+        want, got = model.zeros(grad_dtype), model.zeros(grad_dtype)
+        assert model.forward_backward(params, want, x, y, ctx) == model.forward_backward(params, got, x, y, ctx,
+                                                                                        grads_zero=True)
+        assert [bits(g) for g in got] == [bits(g) for g in want]
+        assert all(g.any() for g in got)
+
+
 # ---- dropout ---------------------------------------------------------------
 
 

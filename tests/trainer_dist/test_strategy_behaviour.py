@@ -26,9 +26,9 @@ def record_events(strategy, log: list) -> None:
         for kind in ("forward", "backward"):
             method = getattr(unit, kind)
 
-            def logged(*args, method=method, kind=kind, i=unit.index):
+            def logged(*args, method=method, kind=kind, i=unit.index, **kwargs):
                 log.append((kind, i))
-                return method(*args)
+                return method(*args, **kwargs)
 
             setattr(unit, kind, logged)
 

@@ -9,10 +9,10 @@ The API the sharding strategies build on, in one place:
     unit.param_specs                 # [ParamSpec(name, shape, offset)], contiguous
     unit.views(flat)                 # {name: view}; unit.shard_slice(rank, world)
     unit.forward(flat_params, x, ctx) -> (out, cache)
-    unit.backward(flat_params, cache, dout, flat_grad) -> dx   # += into flat_grad
+    unit.backward(flat_params, cache, dout, flat_grad, *, grads_zero) -> dx   # += into flat_grad
     model.init_params(seed) -> list[flat]      # same on every process, any pad_to
     model.zeros() -> list[flat]                # gradient buffers
-    model.forward_backward(params, grads, x, y, ctx, *, loss_denominator, grad_scale,
+    model.forward_backward(params, grads, x, y, ctx, *, loss_denominator, grad_scale, grads_zero,
         before_unit_forward, after_unit_forward, before_unit_backward, after_unit_backward) -> loss
     Context(training, seed, step, batch_offset)
 

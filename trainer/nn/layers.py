@@ -10,14 +10,18 @@ The layer protocol (every class below follows it):
     param_shapes() -> list[(name, shape)]          # size table, in buffer order
     init(params, rng) -> None                      # fill float64 views in place
     forward(params, x, ctx) -> (out, cache)        # ctx: trainer.nn.Context
-    backward(params, cache, dout, grads) -> dx     # ACCUMULATES (+=) into grads
+    backward(params, cache, dout, grads, *, grads_zero=False) -> dx
+                                                   # ACCUMULATES (+=) into grads
     bind(stream) -> None                           # names the layer's RNG stream
 
 `ctx` is an argument of every forward (not only Dropout's) so that a container
 can call its children without knowing which of them are random. `backward`
 accumulates into `grads` instead of returning fresh arrays, so gradient
 accumulation over micro-batches and writing straight into a flat buffer that a
-collective then reduces cost nothing extra.
+collective then reduces cost nothing extra. `grads_zero=True` is the caller's
+promise that `grads` holds zeros (+0.0, e.g. the first micro-batch of a step):
+a layer may then write its gradient instead of adding it, when that gives the
+same bits (Linear's weight gradient does, without a (in, out) temporary).
 
 Inputs are (N, C) or (..., C): leading dimensions are flattened by the layers
 that need it. What it is not: no autograd, no parameter storage, no device
@@ -53,7 +57,8 @@ class Layer:
     def forward(self, params: Params, x: np.ndarray, ctx: Context) -> tuple[np.ndarray, Any]:
         raise NotImplementedError
 
-    def backward(self, params: Params, cache: Any, dout: np.ndarray, grads: Params) -> np.ndarray:
+    def backward(self, params: Params, cache: Any, dout: np.ndarray, grads: Params, *,
+                 grads_zero: bool = False) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -65,6 +70,13 @@ class Linear(Layer):
               dW += x^T dy                    # (in, out)
               db += sum_n dy[n]               # (out,)
     init: W, b ~ U(-1/sqrt(in), 1/sqrt(in)), as torch.nn.Linear.
+
+    With grads_zero, x^T dy is written straight into dW's buffer (np.matmul out=):
+    0 + t == t bit for bit for every t but -0.0, and a matmul never returns -0.0
+    (its sums start from +0.0, in BLAS and in NumPy's own loop alike), so the
+    bits are those of dW += x^T dy, without the (in, out) temporary and the pass
+    that adds it. The bias keeps +=: a sum reduction starts from its first term
+    and may return -0.0.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -88,10 +100,14 @@ class Linear(Layer):
             y += params["bias"]
         return y.reshape(*x.shape[:-1], self.out_features), (x2, x.shape)
 
-    def backward(self, params, cache, dout, grads):
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
         x2, x_shape = cache
         d2 = dout.reshape(-1, self.out_features)  # (N, out)
-        grads["weight"] += x2.T @ d2  # (in, out)
+        dW = grads["weight"]  # (in, out)
+        if grads_zero and dW.dtype == np.result_type(x2, d2):
+            np.matmul(x2.T, d2, out=dW)  # dW was +0.0: the same bits as dW += x^T dy (see above)
+        else:
+            dW += x2.T @ d2
         if self.bias:
             grads["bias"] += d2.sum(axis=0)  # (out,)
         return (d2 @ params["weight"].T).reshape(x_shape)  # (N, in)
@@ -104,7 +120,7 @@ class ReLU(Layer):
         positive = x > 0
         return np.where(positive, x, 0).astype(x.dtype, copy=False), positive
 
-    def backward(self, params, cache, dout, grads):
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
         return np.where(cache, dout, 0).astype(dout.dtype, copy=False)
 
 
@@ -125,7 +141,7 @@ class GELU(Layer):
         t = np.tanh(_GELU_C * (x + _GELU_A * (x * x * x)))  # x*x*x: np.power(x, 3) is 60x slower here
         return 0.5 * x * (1.0 + t), (x, t)
 
-    def backward(self, params, cache, dout, grads):
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
         x, t = cache
         local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
         return dout * local
@@ -160,8 +176,8 @@ class LayerNorm(Layer):
         xhat = xc * rstd  # (N, C)
         return xhat * params["weight"] + params["bias"], (xhat, rstd)
 
-    def backward(self, params, cache, dout, grads):
-        xhat, rstd = cache
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
+        xhat, rstd = cache  # (sums keep +=: a reduction may return -0.0, which 0 + t would not)
         lead = tuple(range(dout.ndim - 1))
         grads["weight"] += (dout * xhat).sum(axis=lead)  # (C,)
         grads["bias"] += dout.sum(axis=lead)  # (C,)
@@ -206,7 +222,7 @@ class Dropout(Layer):
         m = self.mask(x.shape, x.dtype, ctx)
         return x * m, m
 
-    def backward(self, params, cache, dout, grads):
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
         return dout if cache is None else dout * cache
 
 
@@ -244,8 +260,8 @@ class Sequential(Layer):
             caches.append(cache)
         return x, caches
 
-    def backward(self, params, cache, dout, grads):
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
         subs, sub_grads = self._split(params), self._split(grads)
         for j in reversed(range(len(self.layers))):
-            dout = self.layers[j].backward(subs[j], cache[j], dout, sub_grads[j])
+            dout = self.layers[j].backward(subs[j], cache[j], dout, sub_grads[j], grads_zero=grads_zero)
         return dout

@@ -19,8 +19,9 @@ Contract:
         flat_params: ANY 1-D array of length padded_numel (e.g. a buffer that
         was just all-gathered); it is only viewed, never copied or kept past
         the cache.
-    backward(flat_params, cache, dout, flat_grad) -> dx
-        ACCUMULATES (+=) into flat_grad, a 1-D array of length padded_numel.
+    backward(flat_params, cache, dout, flat_grad, *, grads_zero=False) -> dx
+        ACCUMULATES (+=) into flat_grad, a 1-D array of length padded_numel;
+        grads_zero=True promises flat_grad holds +0.0 only (trainer.nn.layers).
 
 What it is not: it owns no arrays; parameters, gradients and optimizer state
 all live outside it (in the model's lists or in a strategy's shards).
@@ -146,5 +147,7 @@ class Unit:
     def forward(self, flat_params: np.ndarray, x: np.ndarray, ctx: Context) -> tuple[np.ndarray, Any]:
         return self.module.forward(self.views(flat_params), x, ctx)
 
-    def backward(self, flat_params: np.ndarray, cache: Any, dout: np.ndarray, flat_grad: np.ndarray) -> np.ndarray:
-        return self.module.backward(self.views(flat_params), cache, dout, self.views(flat_grad))
+    def backward(self, flat_params: np.ndarray, cache: Any, dout: np.ndarray, flat_grad: np.ndarray, *,
+                 grads_zero: bool = False) -> np.ndarray:
+        return self.module.backward(self.views(flat_params), cache, dout, self.views(flat_grad),
+                                    grads_zero=grads_zero)

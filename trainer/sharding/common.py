@@ -255,8 +255,11 @@ class DataParallelBase(Strategy):
 
                 hooks["after_unit_backward"] = after_with_injection
             ctx = Context(training=True, seed=self.config.seed, step=self.step, batch_offset=rows_before + int(offset))
+            # grads_zero at j == 0: _begin_step zeroed every gradient buffer (ddp, zero1) or dropped
+            # them, and before_unit_backward allocates them as zeros (zero2, zero3/fsdp)
             loss += self.model.forward_backward(params, grads, self._cast_input(x), y, ctx,
-                                                loss_denominator=denominator, grad_scale=scale, **hooks)
+                                                loss_denominator=denominator, grad_scale=scale,
+                                                grads_zero=j == 0, **hooks)
             rows_before += int(global_size)
         return loss
 
