@@ -2,10 +2,13 @@
 backward (overlap) and prefetched gathers, replica checksums that name the rank that
 drifted, evaluation, and failures that surface instead of hanging."""
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
-from dist_helpers import X, Y, make_config, reference_run, step_batches, tiny_model
+from dist_helpers import X, Y, assert_params_close, make_config, reference_run, step_batches, tiny_model
 from runtime.errors import CollectiveError
 from runtime.testing import run_ranks
 from trainer.nn import EVAL
@@ -79,6 +82,74 @@ async def test_fsdp_prefetches_the_next_unit_and_regathers_for_backward(reshard)
     else:
         backward = [("backward", 2), R, ("backward", 1), R, ("backward", 0), R]
     assert log_by_rank[0] == forward + backward
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+async def test_zero_launches_each_units_gather_as_soon_as_its_shard_is_updated(name):
+    async def body(group):
+        strategy = make_strategy(name, tiny_model(group.size), make_config(), group)
+        try:
+            await strategy.setup()
+            log = []
+            record_events(strategy, log)
+            step = strategy.optimizer.step
+
+            def logged_step(param, *args):
+                log.append(("update", param.size))
+                return step(param, *args)
+
+            strategy.optimizer.step = logged_step
+            await strategy.train_step(step_batches(group.size, group.rank, 1)[0])
+            return log, [m.size for m in strategy.master], strategy.comm._pending
+        finally:
+            strategy.close()
+
+    for log, shard_sizes, pending in await run_ranks(2, body):
+        after_backward = log[[e[0] for e in log].index("update"):]
+        G = ("launch", "all_gather")  # unit i's gather travels while units i+1, ... are updated
+        assert after_backward == [e for n in shard_sizes for e in (("update", n), G)]
+        assert pending == []  # the step waited for every gather: nothing in flight between steps
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+async def test_zero_replicas_are_whole_when_the_step_returns_even_with_slow_gathers(name):
+    """Each all_gather starts 20 ms late and rank 1 updates slowly, so the gathers finish long
+    after the update; the replicas the next forward reads must still be the reference's
+    parameters when train_step returns (bit for bit equal to what full_params gathers)."""
+    config = make_config()
+    want = [reference_run(config, steps=k)[0] for k in (1, 2)]
+
+    async def body(group):
+        strategy = make_strategy(name, tiny_model(group.size), config, group)
+        try:
+            await strategy.setup()
+            all_gather, step = strategy.comm.all_gather, strategy.optimizer.step
+
+            async def late_all_gather(out, x):
+                await asyncio.sleep(0.02)
+                await all_gather(out, x)
+
+            def slow_step(*args):
+                if group.rank == 1:
+                    time.sleep(0.01)
+                return step(*args)
+
+            strategy.comm.all_gather, strategy.optimizer.step = late_all_gather, slow_step
+            seen = []
+            for mbs in step_batches(group.size, group.rank, 1)[:2]:
+                await strategy.train_step(mbs)
+                seen.append([p[: u.numel].copy() for p, u in zip(strategy._compute_params(), strategy.units)])
+            return seen, await strategy.full_params()
+        finally:
+            strategy.close()
+
+    for seen, full in await run_ranks(3, body):
+        for got, reference in zip(seen, want):
+            assert_params_close(got, reference)
+        for a, b in zip(seen[-1], full):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.timeout(30)

@@ -17,8 +17,10 @@ A step is
                          their max is 1, so it decides as an all_reduce max would);
                          global norm = sqrt(sum of squares over every shard)
     compute thread:  clip (coef = clip / (norm + 1e-6), as torch.nn.utils.clip_grad_norm_),
-                     optimizer step on this rank's shards (lr = schedule(step))
-    event loop:      strategy's after-update collectives (zero1/2: all-gather params)
+                     optimizer step on this rank's shards (lr = schedule(step)), unit by
+                     unit; after each, _after_shard_update(i) (zero1/2: launch unit i's
+                     all-gather, which travels while the next units step)
+    event loop:      strategy's after-update work (zero1/2: wait for those all-gathers)
 
 Gradients are SUMMED across ranks, never averaged: each rank's loss is divided
 by the global row count (trainer.nn.loss), which makes every strategy equal
@@ -31,6 +33,7 @@ block only when a gathered unit is not there yet.
 Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks:
 
     _allocate(full_init)          buffers from the full initial params (master dtype)
+    _after_shard_update(i)        compute thread, right after unit i's shard stepped (may launch)
     _after_update(applied)        async; re-derive compute params after the optimizer step
     _compute_params()             list handed to the model (entries may be None: fsdp)
     _grad_list()                  list handed to the model (entries may be None)
@@ -302,7 +305,11 @@ class DataParallelBase(Strategy):
         if applied:
             lr = self.schedule(self.step)
             coef = clip_coefficient(grad_norm, self.config.clip_norm) if self.config.clip_norm else 1.0
-            await self._in_thread(self._update, shards, grads, coef, lr)
+            try:
+                await self._in_thread(self._update, shards, grads, coef, lr)
+            except BaseException:
+                await self.comm.cancel_pending()  # what _after_shard_update launched before the failure
+                raise
         update_s = time.perf_counter() - t_update
         await self._after_update(applied)
         self.step += 1
@@ -314,11 +321,13 @@ class DataParallelBase(Strategy):
                           timings=timings, loss_scale=scale)
 
     def _update(self, shards, grads, coef: float, lr: float) -> None:
-        """Compute thread: clip and step this rank's shards."""
-        for (param, _, state), g in zip(shards, grads):
+        """Compute thread: clip and step this rank's shards, unit by unit in index order (the
+        order of the collectives _after_shard_update may launch, the same on every rank)."""
+        for i, ((param, _, state), g) in enumerate(zip(shards, grads)):
             if coef < 1.0:
                 g *= coef
             self.optimizer.step(param, g, state, lr)
+            self._after_shard_update(i)
 
     # ---- evaluation -------------------------------------------------------------
 
@@ -458,6 +467,9 @@ class DataParallelBase(Strategy):
 
     def _begin_step(self) -> None:
         pass
+
+    def _after_shard_update(self, i: int) -> None:
+        """Compute thread, right after the optimizer stepped unit i's shard (applied steps only)."""
 
     async def _finish_grads(self) -> None:
         await self.comm.drain()

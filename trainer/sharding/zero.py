@@ -14,8 +14,19 @@ owns [r S_i, (r + 1) S_i) of every unit, trainer.nn.Unit.shard_slice):
            soon as the collective is done; only the shard (4P/N) is kept. Under
            gradient accumulation the full buffers live until the last micro-batch
            (communication only at the boundary, like FSDP's no_sync).
-    both   after the step each rank all-gathers the updated shards into the full
-           replicated parameters (in param_dtype: the compute copy is what travels).
+    both   each rank all-gathers the updated shards into the full replicated
+           parameters (in param_dtype: the compute copy is what travels), unit by unit
+           as the optimizer finishes each: _after_shard_update(i) launches unit i's
+           all_gather while the optimizer steps units i+1, i+2, ... (several gathers in
+           flight, issued in unit order on every rank), and the step waits for them all
+           before it returns, so nothing is in flight between steps (a next step's
+           forward, evaluate, full_params, a checkpoint or a shutdown never sees a
+           replica half gathered).
+
+    Worked example, 3 units: update 0 | launch gather 0 | update 1 (gather 0 travels) |
+    launch gather 1 | update 2 | launch gather 2 | wait for gathers 0, 1, 2. Only the
+    last unit's gather (and whatever of the earlier ones outlasts the updates) is
+    exposed, where the step used to wait for all three after all three updates.
 
 Master weights: when param_dtype == master_dtype the replicated parameters ARE the
 master and this rank's master shard is a view into them; otherwise the master
@@ -57,6 +68,8 @@ class ZeroStrategy(DataParallelBase):
         else:
             self.full = full
             self.master = [f[s] for f, s in zip(full, self.slices)]  # views: the replicas ARE the master
+        self.blocks = [f[s] for f, s in zip(self.full, self.slices)]  # this rank's block of each replica
+        self._launched = [False] * len(self.units)  # unit i's all_gather left during this step's update
         if self.stage == 1:
             self.grads = [np.zeros(u.padded_numel, self.reduce_dtype) for u in self.units]
         else:
@@ -72,18 +85,37 @@ class ZeroStrategy(DataParallelBase):
     async def _sync_initial_params(self) -> None:
         pass  # every rank built the same replicas from config.seed (check_replicas verifies it)
 
+    def _launch_gather(self, i: int) -> None:
+        """Launches unit i's all_gather into its replicated compute parameters, in place: this
+        rank's block of ``full[i]`` is the input (the master itself, or its cast, written here)."""
+        if self.separate:
+            cast_to(self.master[i], self.param_dtype, out=self.blocks[i])
+        self.comm.launch(self.comm.all_gather(self.full[i], self.blocks[i]))
+        self._launched[i] = True
+
+    def _after_shard_update(self, i: int) -> None:
+        """See base class: unit i's shard is final, so its all_gather leaves now and travels
+        while the optimizer steps the next units (the module docstring's worked example)."""
+        self._launch_gather(i)
+
     async def _after_update(self, applied: bool) -> None:
-        """All-gather the updated shards into the replicated compute parameters, in place: this
-        rank's block of ``full`` is the all_gather's input (the master itself, or its cast)."""
+        """Waits for every unit's all_gather: those the update launched, and the others launched
+        here (all of them when load_state_dict left the replicas stale)."""
         if not applied:
             return
-        mine = [f[s] for f, s in zip(self.full, self.slices)]
-        if self.separate:
-            for m, block in zip(self.master, mine):
-                cast_to(m, self.param_dtype, out=block)
-        await self.comm.exposed(asyncio.gather(*(self.comm.all_gather(f, b) for f, b in zip(self.full, mine))))
+        for i, launched in enumerate(self._launched):
+            if not launched:
+                self._launch_gather(i)
+        self._launched = [False] * len(self.units)
+        await self.comm.drain()  # the wait is exposed communication
+
+    def load_state_dict(self, state: dict) -> None:
+        """See base class."""
+        super().load_state_dict(state)
+        self._launched = [False] * len(self.units)  # a failed step's launches were cancelled: gather all
 
     def _begin_step(self) -> None:
+        self._launched = [False] * len(self.units)
         if self.stage == 1:
             for g in self.grads:
                 g.fill(0)
