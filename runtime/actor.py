@@ -240,15 +240,11 @@ class Actor:
         """
         async def dial(peer: int) -> None:
             host, port = addresses[peer]
-            sock = await net.connect(host, port, timeout_s, what=f"rank {peer}")
-            try:
-                await auth.connect(sock, self._secret, self._job, {"rank": self.rank},
-                                   f"rank {peer} at {host}:{port}", self._handshake_timeout_s)
-                conn = await TCPConnection.open(sock, peer, f"rank {peer} at {host}:{port}", self,
-                                                self.schema, self._max_payload)
-            except BaseException:
-                sock.close()
-                raise
+            conn = await auth.dial(
+                host, port, secret=self._secret, job=self._job, who={"rank": self.rank}, what=f"rank {peer}",
+                timeout_s=timeout_s, handshake_timeout_s=self._handshake_timeout_s,
+                wrap=lambda sock: TCPConnection.open(sock, peer, f"rank {peer} at {host}:{port}", self,
+                                                     self.schema, self._max_payload))
             self._add_conn(conn)
 
         async with asyncio.TaskGroup() as tg:

@@ -14,6 +14,9 @@ so after the handshake the socket holds nothing we have not consumed and can
 be handed to a transport. Every step runs under a deadline, so a client that
 connects and says nothing (slow loris) is dropped.
 
+:func:`dial` is the whole connector side in one call (connect with retries,
+then the handshake); rank-to-rank connections and store clients both use it.
+
 This module does not encrypt anything: see SECURITY.md.
 """
 
@@ -27,10 +30,11 @@ import logging
 import os
 import secrets
 import socket
+from typing import Any, Awaitable, Callable
 
 import msgpack
 
-from runtime import wire
+from runtime import net, wire
 from runtime.errors import AuthenticationError, BadFrameError, ConnectError
 
 log = logging.getLogger("ringweave.auth")
@@ -99,22 +103,36 @@ def _who_bytes(who: dict) -> bytes:
     return msgpack.packb(who, use_bin_type=True)
 
 
-async def _recv_exact(loop, sock, nbytes: int, where: str) -> memoryview:
+async def recv_exact(sock: socket.socket, nbytes: int, where: str, during: str = "the handshake") -> memoryview:
+    """Reads exactly ``nbytes`` from a connected non-blocking socket, and not one byte more:
+    what follows stays in the socket for whoever reads next (a transport, after the handshake).
+
+    Args:
+        where: names the peer in the error, e.g. ``"store at 10.0.0.1:29500"``.
+        during: what the read was part of, for the error, e.g. ``"the reply"``.
+    Returns:
+        a memoryview over a fresh buffer of exactly ``nbytes`` bytes.
+    Raises:
+        ConnectError: the peer closed the connection first; names ``where``,
+            ``during`` and how many of the bytes had come.
+        OSError: the connection broke (e.g. ConnectionResetError).
+    """
+    loop = asyncio.get_running_loop()
     buf = bytearray(nbytes)
     mv = memoryview(buf)
     got = 0
     while got < nbytes:
         n = await loop.sock_recv_into(sock, mv[got:])
         if n == 0:
-            raise ConnectError(f"{where}: connection closed during the handshake ({got} of {nbytes} bytes)")
+            raise ConnectError(f"{where}: connection closed during {during} ({got} of {nbytes} bytes)")
         got += n
     return mv
 
 
 async def _recv_frame(loop, sock, where: str) -> dict:
-    prefix = await _recv_exact(loop, sock, wire.PREFIX_NBYTES, where)
+    prefix = await recv_exact(sock, wire.PREFIX_NBYTES, where)
     hlen, _ = wire.parse_prefix(prefix, _MAX_HANDSHAKE_PAYLOAD, where=f" from {where}")
-    head = await _recv_exact(loop, sock, hlen, where)
+    head = await recv_exact(sock, hlen, where)
     return wire.parse_header(head, SCHEMA, where=f" from {where}")
 
 
@@ -182,3 +200,57 @@ async def connect(sock: socket.socket, secret: bytes | None, job: str, who: dict
         if reply["k"] != "ok" or not hmac.compare_digest(
                 _mac(secret, b"a", nonce_c, hello["n"]), reply["mac"]):
             raise AuthenticationError(f"{where} could not prove it holds the job's secret")
+
+
+async def dial(host: str, port: int, *, secret: bytes | None, job: str, who: dict, what: str,
+               timeout_s: float, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+               retry_dropped: bool = False, wrap: Callable[[socket.socket], Awaitable[Any]] | None = None):
+    """Connects to ``what`` at ``host:port`` (retrying refused connects until
+    ``timeout_s``, :func:`net.connect`), then runs the connector side of the handshake.
+
+    Args:
+        who: how we name ourselves to the acceptor, e.g. ``{"rank": 3}``.
+        what: names the acceptor in errors, e.g. ``"store"``, ``"rank 2"``; the
+            handshake's ``where`` is ``f"{what} at {host}:{port}"``.
+        handshake_timeout_s: the handshake must be done in this time.
+        retry_dropped: for a server that accepts and then drops connections while
+            it is busy (the store at ``max_clients``) or restarting: a connection
+            that is closed, breaks or falls silent during the handshake (or in
+            ``wrap``) is made again, with backoff, until ``timeout_s`` has passed,
+            and each handshake gets at most what is left of ``timeout_s``. Without
+            it (a rank dialling a peer) such a failure is raised as it is.
+        wrap: optional ``await wrap(sock)`` that makes of the authenticated socket
+            what the caller keeps (a stream pair, a connection); it runs here so
+            that the socket is closed if it fails.
+    Returns:
+        what ``wrap`` returned; without ``wrap``, the socket (the caller owns it).
+    Raises:
+        ConnectError: nothing accepted in ``timeout_s``; without ``retry_dropped``, the
+            acceptor closed the connection during the handshake; with it, the last
+            handshake failed when the time was up. Names the address.
+        AuthenticationError, BadFrameError: as :func:`connect`; never retried.
+        TimeoutError, OSError: without ``retry_dropped``, the handshake timed out or the
+            connection broke (and whatever ``wrap`` raises).
+    Cancellation: the socket is closed.
+    """
+    where = f"{what} at {host}:{port}"
+    backoff = net.Backoff(timeout_s)
+    while True:
+        sock = await net.connect(host, port, backoff.remaining(0.01) if retry_dropped else timeout_s, what=what)
+        try:
+            if retry_dropped:
+                handshake_s = min(handshake_timeout_s, backoff.remaining(0.05))
+            else:
+                handshake_s = handshake_timeout_s
+            await connect(sock, secret, job, who, where, timeout_s=handshake_s)
+            return sock if wrap is None else await wrap(sock)
+        except (ConnectError, OSError, TimeoutError) as exc:
+            sock.close()
+            if not retry_dropped:
+                raise
+            if not await backoff.wait_next_try():  # accepted, then dropped: a busy or restarting server
+                raise ConnectError(f"could not connect to {where} in {timeout_s:g} s ({backoff.tries} tries; "
+                                   f"last error: {type(exc).__name__}: {exc})") from None
+        except BaseException:
+            sock.close()
+            raise

@@ -1,7 +1,8 @@
 """Sockets: listen, connect with retries, and the socket options ringweave wants.
 
 Connect retries with exponential backoff and full jitter until a deadline, so
-ranks and store clients may start in any order. Everything returns plain
+ranks and store clients may start in any order (:class:`Backoff` paces that
+loop, and any other that retries until a deadline). Everything returns plain
 non-blocking sockets; protocols and handshakes are built on top elsewhere.
 
 Not here: framing (wire.py), authentication (auth.py), transports (transport.py).
@@ -49,10 +50,51 @@ def listen(host: str, port: int = 0, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+class Backoff:
+    """Paces retries until a deadline: exponential backoff with full jitter.
+
+    One object per retry loop, made when the loop starts (the deadline is
+    ``timeout_s`` from then)::
+
+        backoff = Backoff(timeout_s)
+        while True:
+            try:
+                return await attempt(timeout_s=backoff.remaining(0.01))
+            except OSError as exc:
+                last = exc
+            if not await backoff.wait_next_try():
+                raise ConnectError(f"... ({backoff.tries} tries; last error: {last})")
+
+    The n-th pause sleeps a random time in ``[0, first_delay_s * 2**(n-1)]``,
+    capped at ``max_delay_s`` and at what is left until the deadline.
+    """
+
+    def __init__(self, timeout_s: float, first_delay_s: float = 0.01, max_delay_s: float = 1.0):
+        self.deadline = time.monotonic() + timeout_s
+        self._delay_s = first_delay_s
+        self._max_delay_s = max_delay_s
+        self.tries = 1  # tries begun so far, the one under way included
+
+    def remaining(self, floor_s: float) -> float:
+        """Seconds left until the deadline, but at least ``floor_s`` (every try gets a chance)."""
+        return max(floor_s, self.deadline - time.monotonic())
+
+    async def wait_next_try(self) -> bool:
+        """Sleeps before the next try and returns True; returns False at once
+        when the deadline has passed (the caller gives up). A cancellation point."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            return False
+        await asyncio.sleep(min(random.uniform(0, self._delay_s), self.deadline - now))
+        self._delay_s = min(self._max_delay_s, self._delay_s * 2)
+        self.tries += 1
+        return True
+
+
 async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
                   first_delay_s: float = 0.01, max_delay_s: float = 1.0) -> socket.socket:
     """Connects to ``host:port``, retrying refused or unreachable connects with
-    backoff and jitter until ``timeout_s`` has passed.
+    backoff and jitter (:class:`Backoff`) until ``timeout_s`` has passed.
 
     Returns:
         a connected, tuned, non-blocking socket (the caller owns it).
@@ -61,20 +103,16 @@ async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
             address, what we were connecting to, how long and how many tries.
     """
     loop = asyncio.get_running_loop()
-    deadline = time.monotonic() + timeout_s
-    delay = first_delay_s
-    tries = 0
+    backoff = Backoff(timeout_s, first_delay_s, max_delay_s)
     last: Exception | None = None
     while True:
-        tries += 1
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             family, type_, proto, _, addr = infos[0]
             sock = socket.socket(family, type_, proto)
             try:
                 sock.setblocking(False)
-                remaining = max(0.01, deadline - time.monotonic())
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(backoff.remaining(0.01)):
                     await loop.sock_connect(sock, addr)
                 tune(sock)
                 return sock
@@ -83,10 +121,7 @@ async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
                 raise
         except (OSError, TimeoutError) as exc:
             last = exc
-        now = time.monotonic()
-        if now >= deadline:
+        if not await backoff.wait_next_try():
             raise ConnectError(
                 f"could not connect to {what} at {host}:{port} in {timeout_s:.1f} s "
-                f"({tries} tries; last error: {last})")
-        await asyncio.sleep(min(random.uniform(0, delay), deadline - now))
-        delay = min(max_delay_s, delay * 2)
+                f"({backoff.tries} tries; last error: {last})")

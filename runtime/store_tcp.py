@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import socket
 import time
 from dataclasses import dataclass
@@ -549,29 +548,10 @@ class TCPStore(Store):
         timeout_s = resolve_timeout(timeout_s, DEFAULT_TIMEOUT_S)
         connect_s = resolve_timeout(connect_timeout_s, timeout_s)
         who = dict(who) if who is not None else {"host": socket.gethostname(), "pid": os.getpid()}
-        where = f"store at {host}:{port}"
-        deadline = time.monotonic() + connect_s
-        delay_s, tries = 0.01, 0
-        while True:
-            tries += 1
-            remaining = max(0.01, deadline - time.monotonic())
-            sock = await net.connect(host, port, remaining, what="store")
-            try:
-                await auth.connect(sock, secret, job, who, where,
-                                   timeout_s=min(auth.HANDSHAKE_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
-                reader, writer = await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT_NBYTES)
-                break
-            except (ConnectError, OSError, TimeoutError) as exc:  # accepted, then dropped: a busy or
-                sock.close()                                      # restarting server; try again
-                now = time.monotonic()
-                if now >= deadline:
-                    raise ConnectError(f"could not connect to {where} in {connect_s:g} s ({tries} tries; "
-                                       f"last error: {type(exc).__name__}: {exc})") from None
-                await asyncio.sleep(min(random.uniform(0, delay_s), deadline - now))
-                delay_s = min(1.0, delay_s * 2)
-            except BaseException:
-                sock.close()
-                raise
+        reader, writer = await auth.dial(
+            host, port, secret=secret, job=job, who=who, what="store", timeout_s=connect_s,
+            retry_dropped=True,  # accepted, then dropped: a busy (max_clients) or restarting server
+            wrap=lambda sock: asyncio.open_connection(sock=sock, limit=STREAM_LIMIT_NBYTES))
         return cls(reader, writer, host, port, default_timeout_s=timeout_s, max_value_nbytes=max_value_nbytes)
 
     def statistics(self) -> TCPStoreStatistics:

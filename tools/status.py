@@ -39,30 +39,20 @@ from runtime.store_tcp import TCPStore
 _REPLY_SCHEMA: wire.Schema = {"r": _ACTOR_SCHEMA["r"], "b": _ACTOR_SCHEMA["b"]}  # what a rank answers a tool
 
 
-async def _recv_exact(loop, sock, n: int) -> bytes:
-    buf = bytearray(n)
-    mv, got = memoryview(buf), 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, mv[got:])
-        if k == 0:
-            raise ConnectionError("connection closed")
-        got += k
-    return bytes(buf)
-
-
 async def ask(host: str, port: int, secret: bytes | None, job: str, name: str = "ringweave.status",
               timeout_s: float = 2.0):
     """Calls handler ``name`` on the rank listening at host:port, as a tool."""
     loop = asyncio.get_running_loop()
+    where, during = f"{host}:{port}", f"the reply to {name}"
     sock = await net.connect(host, port, timeout_s, what="rank")
     try:
         async with asyncio.timeout(timeout_s):
-            await auth.connect(sock, secret, job, {"tool": "status"}, f"{host}:{port}")
+            await auth.connect(sock, secret, job, {"tool": "status"}, where)
             args = msgpack.packb([])
             await loop.sock_sendall(sock, wire.encode_head({"k": "q", "i": 1, "n": name}, len(args)) + args)
-            hlen, plen = wire.parse_prefix(await _recv_exact(loop, sock, wire.PREFIX_NBYTES), 1 << 24)
-            header = wire.parse_header(await _recv_exact(loop, sock, hlen), _REPLY_SCHEMA)
-            payload = await _recv_exact(loop, sock, plen)
+            hlen, plen = wire.parse_prefix(await auth.recv_exact(sock, wire.PREFIX_NBYTES, where, during), 1 << 24)
+            header = wire.parse_header(await auth.recv_exact(sock, hlen, where, during), _REPLY_SCHEMA)
+            payload = await auth.recv_exact(sock, plen, where, during)
             if "e" in header:
                 raise RuntimeError(header["e"])
             return msgpack.unpackb(payload, strict_map_key=False)
