@@ -112,8 +112,10 @@ class Call:
         return fut
 
     def _recv_done(self, fut: asyncio.Future) -> None:
-        key, src = self._outstanding.pop(fut, (None, None))
         self.group._outstanding.discard(fut)
+        if fut.cancelled():  # the deadline (or the caller) gave up on it: the rank is still missing,
+            return           # and cancel_outstanding withdraws it and names the rank
+        key, src = self._outstanding.pop(fut, (None, None))
         if src is not None and not any(s == src for _, s in self._outstanding.values()):
             self.record.waiting_on.discard(src)
 
