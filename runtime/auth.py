@@ -64,9 +64,21 @@ def secret_from_env() -> bytes | None:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IPv4 or IPv6 literal, or a name) is loopback only: a name counts when
+    every address it resolves to is loopback (``localhost`` -> 127.0.0.1 and ::1). ``0.0.0.0``,
+    ``::`` and names that do not resolve are not. (It used ``gethostbyname``, IPv4 only: ``::1``
+    was refused as not loopback, so an IPv6-loopback job wanted a secret.)"""
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback  # a literal; "%" scopes an IPv6 one
+    except ValueError:
+        pass
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    try:
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
+    except ValueError:
         return False
 
 

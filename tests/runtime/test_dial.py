@@ -129,3 +129,14 @@ async def test_a_refusal_is_never_retried_and_closes_the_socket():
         assert acceptor.accepted == 1 and wrapped == []
     finally:
         await stop(acceptor, task)
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("2001:db8::1", False),
+    ("", False),
+])
+def test_is_loopback_takes_ipv4_ipv6_and_names(host, loopback):
+    """Literals of both families and a name that resolves locally (no DNS: tests reach no other
+    host); ``::1`` was refused before (gethostbyname is IPv4 only)."""
+    assert auth.is_loopback(host) is loopback
