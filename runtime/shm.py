@@ -513,12 +513,20 @@ class Domain:
             self._unlock()
             raise
 
-    def end(self, call, ok: bool) -> None:
+    def end(self, call, ok: bool, post_exit: bool = True) -> None:
         """Ends ``call``: posts EXIT when it succeeded, else closes the domain (the group has
-        failed anyway); releases the domain to the next call."""
+        failed anyway); releases the domain to the next call.
+
+        ``post_exit=False`` is for calls in which every member waits for every other member's
+        phase 1 and writes nothing but its small slot (the small all_reduce, the barrier): then
+        a member's phase 1 of its next call says all that EXIT would. The call two after this one
+        reuses this call's small slot and fingerprint slot, and a member only gets there after
+        the call in between, which took every peer's phase 1 of it, posted after they finished
+        this one; the next data call waits on an earlier data call's EXIT. Saves a post per call."""
         try:
             if ok:
-                self.post(call, EXIT)
+                if post_exit:
+                    self.post(call, EXIT)
             else:
                 self.close()
         finally:
