@@ -60,6 +60,7 @@ async def matrix(g) -> None:
         x[0] = r
         await C.all_reduce(x, group=g)
         assert x[0] == n * (n - 1) / 2
+    await mixed_sequence(g)
     g.runtime.nodes = ["A", "B"] * (n // 2) + ["A"] * (n % 2)  # pretend: two nodes
     for count in (0, 5, 300_001):
         x = np.full(count, r + 1, np.float64)
@@ -67,6 +68,38 @@ async def matrix(g) -> None:
         assert np.all(x == n * (n + 1) / 2), (count, x[:4])
     assert set(shm.statistics(g)) == {"0d0", "0d1" if r % 2 == 0 else "0d2"}, shm.statistics(g)
     say("OK", r)
+
+
+async def mixed_sequence(g, calls: int = 600) -> None:
+    """Small and large all_reduces, barriers and broadcasts in one random order (the same on every
+    rank), each rank sleeping a random 0-2 ms before some calls (its own draw), so ranks run ahead
+    of each other by a call or two: slot reuse, the EXIT-less small calls and the data calls'
+    EXIT waits all meet. Every result is checked against its closed form."""
+    import random
+    n, r = g.size, g.rank
+    order = random.Random(1234)
+    mine = random.Random(r)
+    big = 300_001
+    for i in range(calls):
+        kind = order.choice(["small", "small", "barrier", "big", "bcast"])
+        count = order.randrange(1, 17)
+        root = order.randrange(n)
+        if mine.random() < 0.3:
+            time.sleep(mine.random() * 0.002)  # blocks this rank's loop: a late arrival
+        if kind == "small":
+            x = np.full(count, r + i, np.int64)
+            await C.all_reduce(x, group=g)
+            assert np.all(x == n * i + n * (n - 1) // 2), (i, kind, x)
+        elif kind == "barrier":
+            await C.barrier(group=g)
+        elif kind == "big":
+            x = np.full(big, float(r + 1), np.float64)
+            await C.all_reduce(x, group=g)
+            assert np.all(x == n * (n + 1) / 2), (i, kind, x[:4])
+        else:
+            y = np.full(count * 1000 if i % 2 else count, r * 1000 + i, np.int32)
+            await C.broadcast(y, src=root, group=g)
+            assert np.all(y == root * 1000 + i), (i, kind, root, y[:4])
 
 
 async def main() -> None:
