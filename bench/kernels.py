@@ -35,6 +35,7 @@ from collectives.compress import cpu as ccpu  # noqa: E402
 from collectives.compress import get_codec  # noqa: E402
 from collectives.compress import reference as cref  # noqa: E402
 from collectives.kernels import cpu, reference  # noqa: E402
+from collectives.kernels.reference import bits_equal  # noqa: E402
 
 
 def best_of(fn, repeat: int) -> float:
@@ -45,16 +46,6 @@ def best_of(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def same(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    raw = a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}")
-    if a.dtype.kind in "fV":
-        raw |= np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
-    return bool(raw.all())
 
 
 def line(label: str, nbytes: int, t_ref: float, t_fast: float, peak: float) -> None:
@@ -78,7 +69,7 @@ def bench_reductions(n: int, repeat: int, peak: float) -> None:
                 src = rng.standard_normal(n).astype(dtype)
         dst0 = src[::-1].copy()
         want = reference.reduce_into(dst0.copy(), src, op)
-        assert same(cpu.reduce_into(dst0.copy(), src, op), want), (dtype, op)
+        assert bits_equal(cpu.reduce_into(dst0.copy(), src, op), want), (dtype, op)
         dst = dst0.copy()  # results drift over repeats; the cost does not
         t_ref = best_of(lambda: reference.reduce_into(dst, src, op), repeat)
         t_fast = best_of(lambda: cpu.reduce_into(dst, src, op), repeat)
@@ -99,8 +90,8 @@ def bench_codecs(n: int, repeat: int, peak: float) -> None:
         want = ref.encode(x)
         got = fast.encode(x)
         fast.calls = ref.calls = 0  # same stochastic stream for the check
-        assert all(same(w, g) for w, g in zip(ref.encode(x), fast.encode(x))), name
-        assert same(ref.decode(want, n), fast.decode(got, n)), name
+        assert all(bits_equal(w, g) for w, g in zip(ref.encode(x), fast.encode(x))), name
+        assert bits_equal(ref.decode(want, n), fast.decode(got, n)), name
         line(f"{label} encode", 4 * n, best_of(lambda: ref.encode(x), repeat),
              best_of(lambda: fast.encode(x), repeat), peak)  # fmt: skip
         line(f"{label} decode", 4 * n, best_of(lambda: ref.decode(want, n), repeat),
@@ -124,7 +115,7 @@ def bench_codecs(n: int, repeat: int, peak: float) -> None:
         a_ref, a_fast = np.zeros_like(x), np.zeros_like(x)
         ref.decode_add(payload, a_ref)
         fast.decode_add(payload, a_fast)
-        assert same(a_ref, a_fast), name
+        assert bits_equal(a_ref, a_fast), name
         line(f"{name} decode_add", 4 * n, best_of(lambda: ref.decode_add(payload, acc), repeat),
              best_of(lambda: fast.decode_add(payload, acc), repeat), peak)  # fmt: skip
     # error feedback: y = x + e (compensate) and the int8 residual e = y - decode (fused in Numba)
@@ -143,7 +134,7 @@ def bench_codecs(n: int, repeat: int, peak: float) -> None:
     want = cref.orthogonalize(p.copy())
     got = p.copy()
     ccpu.orthogonalize(got)
-    assert same(got, want)
+    assert bits_equal(got, want)
     t_ref = best_of(lambda: cref.orthogonalize(p.copy()), repeat)
     t_fast = best_of(lambda: ccpu.orthogonalize(p.copy()), repeat)
     line(f"powersgd orthogonalize {rows}x4", p.nbytes, t_ref, t_fast, peak)

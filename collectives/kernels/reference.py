@@ -44,6 +44,19 @@ INT_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int32, np.int64, np.uint8))
 DTYPES = FLOAT_DTYPES + INT_DTYPES
 
 
+def bits_equal(a, b) -> bool:
+    """The contract's "equal" (module docstring): same dtype, same shape, same bits, except
+    that two NaNs are equal whatever their payloads. What the tests and bench/ compare fast
+    paths (Numba, CUDA, codecs) against this reference with."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    raw = a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}")
+    if a.dtype.kind in "fV":  # float16, bfloat16 ("V" to NumPy), float32, float64
+        raw |= np.isnan(a) & np.isnan(b)
+    return bool(raw.all())
+
+
 def check_operands(dst, src, op: str) -> None:
     """Raise a clear error unless ``dst <op>= src`` is a supported reduction.
 

@@ -15,7 +15,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":  # pragma: no cover - guard fo
 from numba import cuda  # noqa: E402
 
 from collectives.compress import get_codec  # noqa: E402
-from tests.compress.bits import bits_equal  # noqa: E402
+from collectives.kernels.reference import bits_equal  # noqa: E402
 
 
 def sample(n, seed):

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from collectives.compress import CODECS, ErrorFeedback, get_codec, reference
 from collectives.compress.topk import topk_count
-from tests.compress.bits import bits_equal
+from collectives.kernels.reference import bits_equal
 
 LENGTHS = [0, 1, 2, 255, 256, 257, 1001, 4099]
 BIT_EXACT = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"block": 7}),

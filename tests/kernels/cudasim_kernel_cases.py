@@ -21,11 +21,7 @@ from numba import cuda  # noqa: E402
 import collectives.kernels as kernels  # noqa: E402
 
 
-def same(a, b):
-    if a.dtype in reference.FLOAT_DTYPES:
-        bits = (a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}"))
-        return bool((bits | (np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32)))).all())
-    return bool((a == b).all())
+same = reference.bits_equal  # bit-equal, or both NaN
 
 
 def sample(dtype, n, seed):

@@ -14,14 +14,7 @@ from collectives.kernels import cpu, reference
 LENGTHS = [0, 1, 2, 7, 33, 1001]
 
 
-def same(a, b):
-    """Bit-equal, or both NaN."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.dtype.kind == "V" or a.dtype in reference.FLOAT_DTYPES:
-        fa, fb = a.astype(np.float64), b.astype(np.float64)
-        ok = (a.view(f"u{a.itemsize}") == b.view(f"u{b.itemsize}")) | (np.isnan(fa) & np.isnan(fb))
-        return bool(ok.all())
-    return bool((a == b).all())
+same = reference.bits_equal  # bit-equal, or both NaN
 
 
 def sample(dtype, n, seed):
@@ -151,3 +144,19 @@ def test_warmup_compiles_everything_and_offload_threshold():
     assert cpu.warmup() < 0.5  # second call: nothing left to compile
     assert not cpu.worth_offloading(cpu.OFFLOAD_MIN_NBYTES - 1)
     assert cpu.worth_offloading(cpu.OFFLOAD_MIN_NBYTES)
+
+
+def test_bits_equal_is_the_contracts_equality():
+    """reference.bits_equal: equal bits, or both NaN (any payload); -0.0 is not +0.0; dtype and
+    shape must match."""
+    import ml_dtypes
+    eq = reference.bits_equal
+    quiet, payload = np.array([np.nan], np.float32), np.array([0x7FC00001], np.uint32).view(np.float32)
+    assert eq(quiet, payload) and not eq(quiet, np.array([1.0], np.float32))
+    assert not eq(np.array([-0.0]), np.array([0.0]))
+    assert not eq(np.ones(2, np.float32), np.ones(2, np.float64))
+    assert not eq(np.ones(2), np.ones((2, 1)))
+    bf = np.array([np.nan, 1.5], ml_dtypes.bfloat16)
+    assert eq(bf, bf.copy()) and not eq(bf, np.array([np.nan, 2.0], ml_dtypes.bfloat16))
+    assert eq(np.array([3, -1], np.int8), np.array([3, -1], np.int8))
+    assert not eq(np.array([3, -1], np.int8), np.array([3, 1], np.int8))
