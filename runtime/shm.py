@@ -78,7 +78,8 @@ Synchronisation
 
     Later (quiet machine): a 4 B all_reduce is CPU-bound, not wait-bound. Four ranks on two cores
     run it in ~2x one rank's CPU (back to back: 254 us wall for 125 us of CPU per rank at first,
-    70 us for 35 us after the per-call Python was cut), and a bare-bones version of the same
+    70 us for 35 us after the per-call Python was cut, 62 us for 30 us once the small calls stopped
+    posting EXIT, see :meth:`Domain.end`), and a bare-bones version of the same
     protocol (mmap, words, sched_yield spin; no framework) takes 32-35 us: the waiting itself is
     cheap. Spinning on a time budget (50 us to 5 ms of sched_yield before the futex) changed
     nothing measurable. The hot path therefore avoids work rather than waits: ``try_begin`` /
