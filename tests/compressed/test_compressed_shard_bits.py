@@ -15,7 +15,7 @@ import pytest
 
 import collectives as C
 from collectives.compress import get_codec
-from tests.compress.bits import bits_equal
+from collectives.kernels.reference import bits_equal
 
 pytestmark = pytest.mark.timeout(60)
 
