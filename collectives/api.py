@@ -180,10 +180,19 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
 
 
 async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=None,
-                         timeout: float | None = None, algorithm: str | None = None) -> np.ndarray:
+                         timeout: float | None = None, algorithm: str | None = None, compression=None,
+                         key=None) -> np.ndarray:
     """Reduces ``x`` over all ranks and leaves block ``rank`` of the result in ``out``; returns ``out``.
 
     ``x`` (not modified) holds ``group.size`` blocks of ``out.size`` elements.
+
+    Args:
+        compression: None (exact), or a codec name or object as for ``all_reduce``
+            (``"fp16" | "bf16" | "int8" | "topk"``; not powersgd): float arrays, op
+            sum or avg; each block is encoded, all_to_all'd and decode-summed on its
+            owner (collectives/compressed.py ``reduce_scatter``); there is one
+            way, so ``algorithm`` must be None with a codec.
+        key: with a stateful codec (error feedback), the state stream of this ``x``.
 
     Example (2 ranks)::
 
@@ -200,6 +209,12 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
     ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
     if np.shares_memory(out, x):
         raise ValueError("reduce_scatter: out and x overlap; pass separate arrays")
+    if compression is not None:  # collectives/compressed.py
+        from collectives import compressed
+        if algorithm is not None:
+            raise ValueError(f"reduce_scatter(compression=...) has one algorithm (all_to_all of encoded blocks); "
+                             f"got algorithm={algorithm!r}")
+        return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
     call, fn = _start(group, "reduce_scatter", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype,
                       count=out.size)
     flat = ops.flat(out)
