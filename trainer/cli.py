@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
                    help="global-norm gradient clipping (default off)")
     g.add_argument("--compression", default=None, metavar="CODEC",
-                   help="gradient codec (ddp), e.g. fp16, bf16, int8, topk, powersgd; "
+                   help="gradient codec, e.g. fp16, bf16, int8, topk, powersgd (ddp only: zero1/2/3 and fsdp "
+                        "compress their reduce_scatter block by block); "
                         "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",

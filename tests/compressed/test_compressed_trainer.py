@@ -19,42 +19,17 @@ run sends 8.1% of the uncompressed run's bytes (2.0% without warm-up); the test 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from threadpoolctl import threadpool_limits
 
-from runtime.testing import run_ranks
-from trainer.cli import load_data, make_config, parse_args
-from trainer.loop import fit, steps_per_epoch
-from trainer.nn import mlp
-from trainer.sharding import make_strategy
+from tests.compressed.trainer_runs import train
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def _train(argv: list[str]) -> tuple[float, int]:
     """(final validation accuracy, bytes sent by all ranks over the run)."""
-    args = parse_args(["--quiet", "--no-eval-train", *argv])
-    data = load_data(args)
-
-    async def body(world):
-        spe = steps_per_epoch(len(data.x_train), args.batch_size, args.grad_accum)
-        config = make_config(args, spe)
-        model = mlp(data.in_dim, (args.width,) * args.depth, data.num_classes, activation=args.activation,
-                    dropout=args.dropout, pad_to=world.size, dtype=np.float32)
-        strategy = make_strategy(args.strategy, model, config, world)
-        try:
-            await strategy.setup()
-            history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
-                                log_every=0, eval_train=False, group=world)
-        finally:
-            strategy.close()
-        return history.as_dict()["epochs"][-1]["val_acc"], history.comm_bytes
-
-    with threadpool_limits(limits=1, user_api="blas"):
-        accs = await run_ranks(2, body, timeout_s=60)
-    assert accs[0] == accs[1]
-    return accs[0]
+    run = await train(argv)
+    return run["val_acc"], run["comm_bytes"]
 
 
 async def test_int8_and_topk_with_error_feedback_train_like_uncompressed():

@@ -59,7 +59,7 @@ class TrainConfig:
     master_dtype: str = "float32"     # float32, or float64 for exactness tests
     grad_accum: int = 1               # micro-batches per optimizer step
     clip_norm: float | None = None    # global-norm gradient clipping, e.g. 1.0
-    compression: str | None = None    # codec name for gradient collectives (compression issue)
+    compression: str | None = None    # gradient codec, e.g. "int8+ef" (ddp all_reduce; zero/fsdp reduce_scatter)
     bucket_cap_mb: float = 25.0       # ddp bucket size
     reshard_after_forward: bool = True  # fsdp/zero3; False keeps gathered params until backward
     prefetch: bool = True             # fsdp/zero3: gather the next unit while this one computes

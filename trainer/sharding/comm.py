@@ -5,7 +5,8 @@ all_gather, reduce_scatter, broadcast) with
 
 * accounting: bytes this rank sends, estimated with the ring algorithm's
   volume (all_reduce 2 (N-1)/N n, reduce_scatter and all_gather (N-1)/N n,
-  broadcast n, where n is the full buffer's bytes; 0 at N = 1), and the time at
+  broadcast n, where n is the full buffer's bytes; 0 at N = 1; a compressed
+  gradient collective counts its codec's payload bytes), and the time at
   least one collective was in flight ("comm_s", a union of intervals, so
   overlapping collectives are not counted twice);
 * a bridge for the compute thread: strategies run the model's synchronous
@@ -47,7 +48,7 @@ class Comm:
         self.group = group
         self.size = group.size
         self.rank = group.rank
-        self.codec = codec  # gradient codec (compression issue); all_reduce(compression=codec) for gradients
+        self.codec = codec  # gradient codec: all_reduce / reduce_scatter(compression=codec) for gradients
         runtime_timeout = getattr(getattr(group, "runtime", None), "timeout_s", 300.0)
         self.timeout_s = float(timeout_s if timeout_s is not None else runtime_timeout) + 10.0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -114,18 +115,19 @@ class Comm:
             return
         await self._timed(self._ring(out.nbytes, 1.0), _collectives().all_gather(out, x, group=self.group))
 
-    async def reduce_scatter(self, out: np.ndarray, x: np.ndarray, *, grad: bool = True) -> None:
-        """``out`` gets this rank's chunk of the sum of every rank's ``x``."""
+    async def reduce_scatter(self, out: np.ndarray, x: np.ndarray, *, grad: bool = True, key=None) -> None:
+        """``out`` gets this rank's chunk of the sum of every rank's ``x``. ``grad=True`` passes the
+        gradient codec (a compressed reduce_scatter: collectives/compressed.py, ZeRO++'s qgZ), ``key``
+        names its state stream (error feedback, top-k's warm-up count), e.g. the unit's index."""
         if self.size == 1:
             np.copyto(out, x)
             return
         if grad and self.codec is not None:
-            # ZeRO-1/2/3 reduce_scatter their gradients, and there is no compressed reduce_scatter yet:
-            # collectives/compressed.py's "shard" style begins with one (all_to_all of per-shard payloads,
-            # float32 decode-sum on the owner) and could serve it, with the owner keeping the residual.
-            raise NotImplementedError("gradient compression is wired for ddp (all_reduce) only; the ZeRO "
-                                      "strategies reduce_scatter gradients and have no codec path yet: use "
-                                      "strategy='ddp' with compression, or compression=None")
+            from collectives import compressed
+            nbytes = compressed.reduce_scatter_wire_nbytes(compressed.codec_at(self.codec, key), out.size, self.size)
+            await self._timed(nbytes, _collectives().reduce_scatter(out, x, "sum", group=self.group,
+                                                                    compression=self.codec, key=key))
+            return
         await self._timed(self._ring(x.nbytes, 1.0), _collectives().reduce_scatter(out, x, "sum", group=self.group))
 
     async def broadcast(self, x: np.ndarray, src: int = 0) -> None:

@@ -142,6 +142,9 @@ class DataParallelBase(Strategy):
         scaling = self.policy.needs_loss_scaling if config.loss_scale is None else bool(config.loss_scale)
         self.scaler = DynamicLossScaler(config.init_scale, growth_interval=config.growth_interval, enabled=scaling)
         self.comm = Comm(group, codec=make_codec(config.compression))
+        if self.comm.codec is not None and not self.replicated_grads:  # gradients are reduce-scattered
+            from collectives import compressed
+            compressed.check_blockwise(self.comm.codec)  # refuses powersgd here, not at the first step
         self.step = 0
         self.states: list = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-compute-r{self.rank}")
@@ -452,7 +455,7 @@ class DataParallelBase(Strategy):
 
     async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
         try:
-            await self.comm.reduce_scatter(self.grad_shards[i], full)
+            await self.comm.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
         finally:
             self._untrack(full.nbytes)
 

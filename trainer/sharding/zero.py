@@ -28,6 +28,12 @@ owns [r S_i, (r + 1) S_i) of every unit, trainer.nn.Unit.shard_slice):
     last unit's gather (and whatever of the earlier ones outlasts the updates) is
     exposed, where the step used to wait for all three after all three updates.
 
+Gradient compression (TrainConfig.compression, e.g. "int8+ef"): both stages' gradient
+reduce_scatter is the compressed one (collectives/compressed.py reduce_scatter, ZeRO++'s
+qgZ: int8 blocks all_to_all'd, decode-summed in float32 by the owner), with key = the unit
+index, so each unit carries its own error-feedback residual from step to step. fsdp.py
+shares the same call (common.py _reduce_and_free). powersgd is refused at construction.
+
 Master weights: when param_dtype == master_dtype the replicated parameters ARE the
 master and this rank's master shard is a view into them; otherwise the master
 shard (float32) is separate and the replicated copy is in param_dtype, as in the
@@ -149,7 +155,7 @@ class ZeroStrategy(DataParallelBase):
         chunk = np.empty(self.slices[i].stop - self.slices[i].start, self.reduce_dtype)  # scratch (S_i,)
         self._track(chunk.nbytes)
         try:
-            await self.comm.reduce_scatter(chunk, self.grads[i])
+            await self.comm.reduce_scatter(chunk, self.grads[i], key=i)  # key: unit i's codec state
             self.grads[i][self.slices[i]] = chunk
         finally:
             self._untrack(chunk.nbytes)
