@@ -15,39 +15,31 @@ TCP table's choice. Every rank of a group decides the same, from the same facts.
 
 Segments, naming, clean-up and the wait/wake primitive are in runtime/shm.py.
 
-Figures: 4 ranks on this 2-core machine, which other jobs shared (load 5-10), float32 sum,
-medians; ratios are peer time / ours in the SAME run (>1: ours faster).
+Figures: 4 ranks on this 2-core machine (quiet), float32 sum, medians of the slowest rank;
+ratios are OpenMPI's time / ours in the SAME run (>1: ours faster).
 
-``python bench/collectives.py -n 4 --ops all_reduce,barrier --sizes 4,1M,16M,64M --compare gloo,mpi
---iters 15`` (ringweave, Gloo and OpenMPI 4.1.4 over vader in the same processes), load ~5:
+``python bench/collectives.py -n 4 --ops all_reduce,barrier --shm on --compare mpi --iters 30``
+(ringweave and OpenMPI 4.1.4 over vader interleaved in the same processes), 2026-11-22, after
+the per-call overheads were cut, the small calls stopped posting EXIT and large copies streamed:
 
-    size     shm time   busbw      x gloo   x mpi-sm
-    4 B       602 us      -         5.95     0.16     (OpenMPI 94 us: it spins)
-    1 MiB    1.16 ms   1.36 GB/s    8.01     0.72
-    16 MiB   11.3 ms   2.23 GB/s    2.88     1.15
-    64 MiB   42.6 ms   2.36 GB/s    2.75     2.42     (one-core copy 10.6 GB/s: 22%)
-    barrier   332 us                2.72     0.06
+    size     shm time   busbw      x mpi-sm
+    4 B       85.8 us     -         0.21     (OpenMPI 18.2 us: it spins)
+    1 MiB    0.91 ms   1.72 GB/s    1.54
+    16 MiB   5.79 ms   4.35 GB/s    1.54
+    64 MiB   20.8 ms   4.84 GB/s    3.69     (one-core copy 11.4 GB/s: 42 %)
+    barrier  50.9 us                0.11
 
-The same bench in busier moments (load 8-10) gave 64 MiB at 3.15x and 3.89x OpenMPI, 16 MiB at
-0.72x and 0.80x, 1 MiB at 0.54x and 0.23x, 4 B at 0.10-0.18x: everything below 64 MiB swings
-with the other jobs (noise 25-140 %).
-
-``python -m runtime.launch -n 4 tests/shm/bench_allreduce.py`` (shm vs the TCP table's choice
-interleaved, CPU time per call of the slowest rank; load ~6; one-core copy 3.1 GB/s then):
-
-    size     shm               tcp                 busbw shm / fraction of one-core copy
-    4 B       557 us (145 us CPU)   1264 us (322 us CPU)
-    1 MiB    2.20 ms (0.64 ms)     7.26 ms (2.2 ms)     0.71 GB/s  23 %
-    16 MiB   13.6 ms (6.1 ms)      40.3 ms (22 ms)      1.85 GB/s  60 %
-    64 MiB   43.5 ms (22 ms)        164 ms (81 ms)      2.32 GB/s  75 %
+Three more runs (``--sizes 4,1M,16M,64M``): 4 B 92-96 us; 1 MiB 1.01-1.73x; 16 MiB 1.41-1.53x;
+64 MiB 3.62-3.71x. The machine has slow periods in which both libraries slow down (OpenMPI's
+4 B 25-28 us); runs in one, before the last changes, gave 4 B 125-206 us and 1 MiB 0.72-0.80x.
+The first version of this file measured 4 B at 557-602 us, 1 MiB 0.72x, 16 MiB 1.15x.
 
 Where the time goes. Per rank, a large all_reduce moves ~4.5 x its size through memory (copy
 in 3/4, fold 4/4 read + 1/4 written twice, copy out 3/4), the minimum for private input and
-output buffers; on two cores four ranks share ~2 cores' bandwidth. A small one costs ~150 us of
-CPU per rank and call (~15 us of it the public API, the rest the call's bookkeeping in
-runtime.group and here, the fence and the futex sleep/wake), so with 4 ranks on 2 cores and
-other jobs running it cannot get near OpenMPI's busy-polling 94 us without spinning, which
-the issue rules out. The 4 B goal (100 us) is not met.
+output buffers; on two cores four ranks share ~2 cores' bandwidth, and copies of 1 MiB and up
+use non-temporal stores (all_reduce_shm). A small call is CPU-bound: ~30 us of Python per rank
+and call, and two ranks per core (runtime/shm.py, "Later"); the protocol alone, without the
+framework, takes 32-35 us per call. OpenMPI busy-polls, which the issue rules out.
 """
 
 from collectives.shm import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm, barrier_shm,
