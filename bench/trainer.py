@@ -3,6 +3,7 @@
     python bench/trainer.py                                  # ddp zero1 zero2 zero3 fsdp at 1, 2, 4 ranks
     python bench/trainer.py --compare torch                  # + torch DDP on Gloo, same model, same run
     python bench/trainer.py --strategies ddp,fsdp --ranks 2,4 --steps 10 --quick
+    python bench/trainer.py --strategies zero2 --ranks 4 --compression none,int8 --repeat 3   # rows zero2, zero2+int8
 
 Every configuration is its own job, started as
 ``python -m runtime.launch -n N bench/trainer.py --worker ...`` (torch DDP the
@@ -37,6 +38,12 @@ on one AVX2 core, ~0.33 s per step, ~780 samples/s. DDP at N ranks sends
 Goals from the issue, printed as ratios, never asserted: at 2 ranks >= 1.7x
 the samples/s of 1 rank; exposed < 30% of comm for ddp and fsdp; at 4 ranks
 >= 0.9x torch DDP's samples/s.
+
+Gradient compression: ``--compression none,int8`` runs every configuration with each
+TrainConfig.compression (a row per codec, labelled strategy+codec), alternating the
+codecs run by run so that a busy machine slows each alike. The compressed collectives
+always use the TCP algorithms (collectives/compressed.py), the exact ones may use shared
+memory on one host: set RINGWEAVE_SHM=0 to compare both over TCP, as a network would.
 
 Noise: other processes on a 2-core machine only ever slow a run down, so
 `--repeat N` runs each configuration N times and reports the fastest (all
@@ -104,7 +111,7 @@ async def _worker_ringweave(args) -> dict:
     try:
         model = mlp(args.in_dim, (args.width,) * args.depth, args.classes, pad_to=world.size)
         config = TrainConfig(strategy=args.strategy, optimizer="adamw", lr=1e-3, warmup_steps=0,
-                             total_steps=1, seed=0)
+                             total_steps=1, seed=0, compression=args.compression)
         strategy = make_strategy(args.strategy, model, config, world)
         await strategy.setup()
         batches = _batches(args, world.rank, world.size)
@@ -232,7 +239,7 @@ def worker_main(args) -> int:
 # ---- the driver ----------------------------------------------------------------
 
 
-def run_config(args, strategy: str, ranks: int) -> dict:
+def run_config(args, strategy: str, ranks: int, compression: str = "none") -> dict:
     """One job through the launcher; returns rank 0's result, or an error record."""
     with tempfile.TemporaryDirectory(prefix="rw-bench-") as tmp:
         result_path = os.path.join(tmp, "result.json")
@@ -241,7 +248,8 @@ def run_config(args, strategy: str, ranks: int) -> dict:
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch", str(args.batch_per_rank * ranks if args.batch_per_rank else args.batch),
                "--in-dim", str(args.in_dim), "--width", str(args.width), "--depth", str(args.depth),
-               "--classes", str(args.classes), "--torch-init-file", os.path.join(tmp, "torch-init")]
+               "--classes", str(args.classes), "--torch-init-file", os.path.join(tmp, "torch-init"),
+               "--compression", compression]
         env = dict(os.environ)
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"  # one BLAS thread per rank, at every world size
@@ -251,11 +259,17 @@ def run_config(args, strategy: str, ranks: int) -> dict:
         elapsed = time.perf_counter() - started
         if proc.returncode != 0 or not os.path.exists(result_path):
             tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-15:])
-            return dict(strategy=strategy, ranks=ranks, error=f"exit {proc.returncode}", log=tail)
+            return dict(strategy=_label(strategy, compression), ranks=ranks, error=f"exit {proc.returncode}",
+                        log=tail)
         with open(result_path) as f:
             result = json.load(f)
         result["job_s"] = elapsed
+        result["strategy"], result["compression"] = _label(strategy, compression), compression
         return result
+
+
+def _label(strategy: str, compression: str) -> str:
+    return strategy if compression == "none" else f"{strategy}+{compression}"
 
 
 def _mean(rows, key):
@@ -338,21 +352,24 @@ def driver_main(args) -> int:
           "process, all threads);\n# MiB held = params + grads + optim; maxrss = max over ranks (MiB)")
     print(HEADER, flush=True)
     results = []
+    codecs = [c for c in args.compression.split(",") if c]
     for n in ranks:
         for s in strategies:
-            runs = []
+            runs = {c: [] for c in (codecs if s != "torch-ddp" else ["none"])}
             for _ in range(args.repeat):  # best of N: other processes on the machine only ever slow a run down
-                load = os.getloadavg()[0]
-                r = run_config(args, s, n)
-                r["loadavg_before"] = load
-                runs.append(r)
-            ok = [r for r in runs if "error" not in r]
-            r = max(ok, key=lambda r: r["samples_per_s"]) if ok else runs[0]
-            r["repeats"] = [x.get("samples_per_s") for x in runs]
-            results.append(r)
-            print(format_row(r) + f"  (load {r['loadavg_before']:.1f})", flush=True)
-            if "error" in r and args.verbose:
-                print(r["log"], file=sys.stderr)
+                for c in runs:  # codecs alternate run by run
+                    load = os.getloadavg()[0]
+                    r = run_config(args, s, n, c)
+                    r["loadavg_before"] = load
+                    runs[c].append(r)
+            for c, tries in runs.items():
+                ok = [r for r in tries if "error" not in r]
+                r = max(ok, key=lambda r: r["samples_per_s"]) if ok else tries[0]
+                r["repeats"] = [x.get("samples_per_s") for x in tries]
+                results.append(r)
+                print(format_row(r) + f"  (load {r['loadavg_before']:.1f})", flush=True)
+                if "error" in r and args.verbose:
+                    print(r["log"], file=sys.stderr)
     print()
     for line in goals(results):
         print(line)
@@ -384,6 +401,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a 1M-parameter model and 5 steps (a smoke run)")
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
+    p.add_argument("--compression", default="none",
+                   help="gradient codecs, comma-separated, each a row: e.g. none,int8 or int8+ef (TrainConfig."
+                        "compression; the worker: one codec)")
     p.add_argument("--out", default=None)
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
