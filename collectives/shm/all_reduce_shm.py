@@ -16,7 +16,7 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
   3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
   Then EXIT (posted by the session): the next call that writes the slots waits for it.
 
-Copy-in and copy-out of arrays of ``common.STREAM_MIN_NBYTES`` (1 MiB) and up use non-temporal
+Copy-in and copy-out of arrays of ``common.STREAM_MIN_NBYTES`` (4 MiB) and up use non-temporal
 stores (``kernels.stream_copy``): such copies go to memory anyway, and skipping the read of each
 destination line first saved 15-25% of them (figures in common.py).
 

@@ -189,7 +189,12 @@ def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False)
 # (ringweave and MPI calls interleaved, so each starts with caches the other filled): 1 MiB 1088 ->
 # 866 us, 4 MiB 1754 -> 1723 us, 16 MiB 7.49 -> 5.94 ms, 64 MiB 26.8 -> 21.7 ms; back to back
 # (caches warm from the last call): 1 MiB 1291-1393 -> 837-930 us, 256 KiB 228 -> 241 us (worse).
-STREAM_MIN_NBYTES = int(os.environ.get("RINGWEAVE_SHM_STREAM_MIN", str(1 << 20)))
+# Later, with the machine in a period where the caches did keep a 1 MiB call's data (OpenMPI's
+# own 1 MiB at 390-430 us instead of 1.1-1.4 ms), streaming at 1 MiB lost: 500-509 us against
+# 378-384 us without (--sizes 1M,4M, alternating runs); 4 MiB was even (1888-1968 vs 1870-1996).
+# So only arrays of 4 MiB and up stream: at 1 MiB the plain copy wins in one state and loses
+# less than it gains back in the other.
+STREAM_MIN_NBYTES = int(os.environ.get("RINGWEAVE_SHM_STREAM_MIN", str(4 << 20)))
 
 
 class SubComm:
