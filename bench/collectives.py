@@ -45,8 +45,9 @@ the algorithm the default table picks.
 Output (rank 0): one line per row as it is measured, then the goals; JSON to ``--json``
 (default bench/out/collectives.json) and a PNG of busbw against size to ``--plot``
 (bench/out/collectives.png; skipped with a message when matplotlib is missing). The memory
-reference printed first is a one-core NumPy copy of 64 MiB (bytes copied per second), measured by
-rank 0 while the others wait, and all ranks copying at once (sum of their rates).
+reference, printed before the goals, is a one-core NumPy copy of 64 MiB (bytes copied per second),
+measured by rank 0 while the others wait, and all ranks copying at once (sum of their rates). It is
+measured after the rows: measured first, it slowed the rows that followed it.
 
 Not here: point-to-point (bench/p2p.py), kernels alone (bench/kernels.py).
 """
@@ -488,12 +489,11 @@ async def rank_main(args) -> None:
     peers = [p for p in (gloo, mpi) if p is not None]
     from collectives import api
 
-    membw = await memory_reference(rt)
     meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup,
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
             "RINGWEAVE_SHM": os.environ.get("RINGWEAVE_SHM", "(unset)"), "launch": args.launched_by,
-            "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), "memory": membw,
+            "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), "memory": None,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if gloo:
         meta["torch"] = gloo.torch.__version__
@@ -506,16 +506,25 @@ async def rank_main(args) -> None:
     if peers:
         say("# peers in the same processes: " + ", ".join(
             f"{p.label} ({meta['torch'] if p is gloo else meta['mpi']})" for p in peers))
-    one = membw["one_core"]
-    say(f"# memory reference: NumPy copy of {fmt_bytes(one['nbytes'])}, one core: {one['median_gbps']:.2f} GB/s "
-        f"median (best {one['best_gbps']:.2f}); {n} ranks at once: {membw['all_ranks_gbps']:.2f} GB/s together")
     say("# time = median over iterations of the slowest rank; ratio x<peer> = peer time / ringweave time "
         "(>1: ringweave faster); * = the default table's choice")
     table = make_table([p.label for p in peers])
     if rank == 0:
         table.header()
 
+    # Before the first row: the first seconds after start-up ran slow for every library (a full
+    # sweep's 4 B row: ringweave 260 us and OpenMPI 32 us, against 90 us and 18 us a row later;
+    # min 90 us within that row), so every library runs a few hundred untimed small calls first.
     rows, notes = [], set()
+    if args.warmup_rounds > 0:
+        case = make_case("all_reduce", 4, dtype, n, rank)
+        warm = ringweave_variants(rw, "all_reduce", case, "default", set())
+        warm += [Variant(p, None, "-") for p in peers if not p.unsupported("all_reduce", dtype)]
+        for v in warm:
+            v.fn = v.lib.caller(case, v.algorithm)
+        for _ in range(args.warmup_rounds):
+            for v in warm:
+                await timed_call(v, case, record=False)
     for op in args.ops:
         measured = set()
         for size in ([0] if op == "barrier" else args.sizes):
@@ -547,14 +556,25 @@ async def rank_main(args) -> None:
             theirs = {v.lib.label: (every[i], None) for i, v in enumerate(variants) if v.lib is not rw}
             theirs.update({label: (None, why) for label, why in skipped.items()})
             for v, times in ours:
-                rec = row_record(n, dtype, case, v, times, theirs, membw["one_core"]["median_gbps"])
+                rec = row_record(n, dtype, case, v, times, theirs, 0.0)  # copy_fraction: at the end
                 rows.append(rec)
                 table.row(flat_row(rec, v.shown))
     if gloo:
         await api.barrier()
         gloo.close()
 
+    # The memory reference comes last: measured first, its 2 x 64 MiB per rank, allocated and
+    # freed, slowed the rows right after it (both libraries: a full sweep's 4 B to 64 B rows took
+    # ~200 us for ringweave and 29 us for OpenMPI, the rows after them ~100 us and 22 us).
+    membw = await memory_reference(rt)
+    meta["memory"] = membw
     if rank == 0:
+        one = membw["one_core"]
+        print(f"# memory reference (measured after the rows): NumPy copy of {fmt_bytes(one['nbytes'])}, one core: "
+              f"{one['median_gbps']:.2f} GB/s median (best {one['best_gbps']:.2f}); {n} ranks at once: "
+              f"{membw['all_ranks_gbps']:.2f} GB/s together")
+        for rec in rows:
+            rec["copy_fraction"] = rec["busbw_gbps"] / one["median_gbps"] if one["median_gbps"] else None
         summary = goals(rows, [p.label for p in peers], membw, n)
         for line in summary["lines"]:
             print(line)
@@ -663,6 +683,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--algorithm", default="default", help="an algorithm name, 'default' (the table) or 'all'")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per row (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per row (default 3)")
+    p.add_argument("--warmup-rounds", type=int, default=500,
+                   help="untimed rounds of a 4 B all_reduce of every library before the first row (default 500)")
     p.add_argument("--compare", default="", help="gloo, mpi or gloo,mpi: peers measured in the same processes")
     p.add_argument("--mpi-btl", default="sm", choices=["sm", "tcp"],
                    help="OpenMPI transport for --compare mpi: sm (btl self,vader) or tcp (btl self,tcp)")
