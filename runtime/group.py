@@ -354,9 +354,9 @@ class Watchdog:
     cancels the task of every call past its deadline (``expired`` then tells group.run that the
     cancellation was the deadline's). ``asyncio.timeout`` per call did the same with a timer of
     its own, ~5 us per call warm (a tenth of a small shared-memory all_reduce's CPU here): with
-    the default 300 s timeout this timer fires about once per 300 s of calls.
-
-    A call's ``deadline`` (loop time) is also read by waits that block the thread (runtime/shm.py)."""
+    the default 300 s timeout this timer fires about once per 300 s of calls. A wait that blocks
+    the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
+    it, so the timer gets to run."""
 
     def __init__(self):
         self._calls: dict[Call, None] = {}

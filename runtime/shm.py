@@ -607,7 +607,7 @@ class Domain:
     def post(self, call, phase: int) -> None:
         """Announces that this member has reached ``phase`` of ``call``, and rings the doorbell
         of every peer asleep on a condition that is now true (and only those)."""
-        self._words[self.rank].value = ((call.seq << PHASE_BITS) | phase) & 0xFFFFFFFF  # encode()
+        self._words[self.rank].value = encode(call.seq, phase)
         self.statistics_["posts"] += 1
         fence()  # our word is visible before we read the peers' targets (see "Waking")
         wants, bells = self._wants, self._bells
@@ -637,32 +637,36 @@ class Domain:
         Raises:
             CollectiveMismatchError: a peer that arrived is in a different call.
         """
-        target = ((call.seq << PHASE_BITS) | phase) & 0xFFFFFFFF
-        words = self._words
-        others = self._others
-        for p in others:
-            if (words[p].value - target) & 0xFFFFFFFF >= 0x80000000:
-                return False
-        headers, mine, parity = self._fp_headers, self._fp_header, self.parity
-        for p in others:
-            if headers[p][parity].value != mine:
-                self._check_fingerprint(call, p)
+        if not self._reached(self._others, encode(call.seq, phase)):
+            return False
+        self._compare_fingerprints(call, self._others)
         return True
 
     def reached_all(self, seq: int, phase: int) -> bool:
         """Whether every other member has posted ``phase`` of call ``seq`` (no waiting)."""
-        target = ((seq << PHASE_BITS) | phase) & 0xFFFFFFFF
+        return self._reached(self._others, encode(seq, phase))
+
+    def _reached(self, watched: list[int], target: int) -> bool:
         words = self._words
-        for p in self._others:
+        for p in watched:  # reached(), written out: this runs several times per call
             if (words[p].value - target) & 0xFFFFFFFF >= 0x80000000:
                 return False
         return True
+
+    def _compare_fingerprints(self, call, watched: list[int]) -> None:
+        # A peer that posted this call keeps its fingerprint in this parity's slot until we have
+        # left the call (the slot is rewritten two calls later, which a peer reaches only after
+        # our next call took its phase 1): one 8-byte load compares it.
+        headers, mine, parity = self._fp_headers, self._fp_header, self.parity
+        for p in watched:
+            if headers[p][parity].value != mine:
+                self._check_fingerprint(call, p)
 
     async def wait_all(self, call, phase: int, *, peers=None, seq: int | None = None,
                        check_fp: bool = True) -> None:
         """Waits until every other member (``peers=None``) or the one member ``peers=[p]`` has
         posted ``phase`` of call ``seq`` (default this call). With ``check_fp``, the fingerprints
-        of the peers waited on are compared with ours (once per call and peer).
+        of the peers waited on are compared with ours.
 
         Raises:
             the group's error (PeerLostError, a mismatch from elsewhere) as soon as it is set;
@@ -670,31 +674,21 @@ class Domain:
             CollectiveMismatchError: a peer is in a different call;
             asyncio.CancelledError: the call's deadline (group.run turns it into a timeout).
         """
-        target = (((call.seq if seq is None else seq) << PHASE_BITS) | phase) & 0xFFFFFFFF  # encode()
+        target = encode(call.seq if seq is None else seq, phase)
         watched = self._others if peers is None else peers
-        words = self._words
-        for p in watched:  # reached() inline: this runs several times per call
-            if (words[p].value - target) & 0xFFFFFFFF >= 0x80000000:  # not there yet: sleep
-                if peers is None:
-                    want = (_WANT_ALL << 62) | target
-                else:
-                    (one,) = peers
-                    want = (_WANT_ONE << 62) | (one << 32) | target
-                await self._sleep_until(call, watched, target, want, check_fp)
-                break
+        if not self._reached(watched, target):  # not there yet: sleep
+            if peers is None:
+                want = (_WANT_ALL << 62) | target
+            else:
+                (one,) = peers
+                want = (_WANT_ONE << 62) | (one << 32) | target
+            await self._sleep_until(call, watched, target, want, check_fp)
         if check_fp:
-            # A peer that posted this call keeps its fingerprint in this parity's slot until we
-            # post EXIT (the slot is rewritten two calls later), so one 8-byte load compares it.
-            headers, mine, parity = self._fp_headers, self._fp_header, self.parity
-            for p in watched:
-                if headers[p][parity].value != mine:
-                    self._check_fingerprint(call, p)
+            self._compare_fingerprints(call, watched)
 
     async def _sleep_until(self, call, watched: list[int], target: int, want: int, check_fp: bool) -> None:
-        words = self._words
-
         def done() -> bool:
-            return all(reached(words[p].value, target) for p in watched)
+            return self._reached(watched, target)
 
         self.statistics_["waits"] += 1
         if self._cooperative:  # the peers are tasks of this event loop: yield, never block

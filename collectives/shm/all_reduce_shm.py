@@ -58,14 +58,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
             await dom.begin(comm)
         ok = False
         try:
-            slots = common.small_views(dom, x.dtype, x.size)
-            slots[r][...] = x  # 1. publish my input
-            dom.post(comm, 1)
-            if not dom.arrived(comm, 1):
-                await dom.wait_all(comm, 1)  # 2. everyone's input is there
-            if x.size:
-                x[...] = slots[0]  # rank order, the same on every rank: x = S_0 <op> S_1 <op> ...
-                kernels.reduce_publish(x, slots[1:], x, op)
+            await _small(comm, dom, x, op, common.small_views(dom, x.dtype, x.size))
             ok = True
         finally:
             dom.end(comm, ok, post_exit=False)  # phase 1 of our next call says it (Domain.end)
@@ -90,7 +83,8 @@ async def _small(comm, dom, x: np.ndarray, op: str, slots: list) -> None:
     n, r = comm.size, comm.rank
     slots[r][...] = x  # 1. publish my input
     dom.post(comm, 1)
-    await dom.wait_all(comm, 1)  # 2. everyone's input is there
+    if not dom.arrived(comm, 1):
+        await dom.wait_all(comm, 1)  # 2. everyone's input is there
     if x.size:
         x[...] = slots[0]  # rank order, the same on every rank: x = S_0 <op> S_1 <op> ...
         kernels.reduce_publish(x, slots[1:], x, op)
