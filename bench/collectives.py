@@ -407,8 +407,9 @@ def ringweave_variants(rw: Ringweave, op: str, case: Case, choice: str, notes: s
     return [Variant(rw, None, default + "*")]
 
 
-def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: dict, copy_gbps: float) -> dict:
-    """One row of the JSON: ringweave's figures, each peer's under its label, the noise."""
+def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: dict) -> dict:
+    """One row of the JSON: ringweave's figures, each peer's under its label, the noise
+    (``copy_fraction`` is filled in at the end, once the memory reference is measured)."""
     s = stats(times)
     factor = busbw_factor(case.op, n)
     rec = {"op": case.op, "algorithm": v.shown.rstrip("*"), "default": v.shown.endswith("*"),
@@ -416,8 +417,7 @@ def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: di
            "time_us": s["median_s"] * 1e6, "min_us": s["min_s"] * 1e6, "p25_us": s["p25_s"] * 1e6,
            "p75_us": s["p75_s"] * 1e6, "iters": s["n"],
            "algbw_gbps": gbps(case.nbytes, s["median_s"]),
-           "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor,
-           "copy_fraction": gbps(case.nbytes, s["median_s"]) * factor / copy_gbps if copy_gbps else None}
+           "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor, "copy_fraction": None}
     spread = [(s["p75_s"] - s["p25_s"]) / s["median_s"] if s["median_s"] > 0 else 0.0]
     for label, (ptimes, why) in peers.items():
         if why:
@@ -556,7 +556,7 @@ async def rank_main(args) -> None:
             theirs = {v.lib.label: (every[i], None) for i, v in enumerate(variants) if v.lib is not rw}
             theirs.update({label: (None, why) for label, why in skipped.items()})
             for v, times in ours:
-                rec = row_record(n, dtype, case, v, times, theirs, 0.0)  # copy_fraction: at the end
+                rec = row_record(n, dtype, case, v, times, theirs)
                 rows.append(rec)
                 table.row(flat_row(rec, v.shown))
     if gloo:
