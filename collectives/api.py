@@ -380,13 +380,15 @@ def _peer(group, name: str, peer) -> int:
     return group.ranks[peer]
 
 
-async def _p2p(group, transfer, verb: str, peer: int, tag, timeout: float | None) -> None:
-    """Awaits one point-to-point ``transfer`` (a coroutine) within ``timeout`` (default the
-    runtime's); running out raises CollectiveTimeoutError naming the transfer and the peer."""
+async def _p2p(group, start, verb: str, peer: int, tag, timeout: float | None) -> None:
+    """Runs one point-to-point transfer, ``start(timeout_s)`` (the actor's send or recv_into,
+    which keep the deadline themselves), within ``timeout`` (default the runtime's); running out
+    raises CollectiveTimeoutError naming the transfer and the peer. (An outer asyncio.timeout
+    used to wrap the actor's own default deadline: a timeout longer than the runtime's still
+    ended at the runtime's, reported as the longer one.)"""
     timeout = group.runtime.timeout_s if timeout is None else timeout
     try:
-        async with asyncio.timeout(timeout):
-            await transfer
+        await start(timeout)
     except TimeoutError:
         raise CollectiveTimeoutError(f"rank {group.runtime.rank}: {verb} rank {peer} (tag {tag}) timed out after "
                                      f"{timeout:.1f} s", missing=[peer]) from None
@@ -407,7 +409,8 @@ async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float
     group = _group(group)
     ops.check_array("x", x, writeable=False)
     key, peer = _p2p_tag(group, tag), _peer(group, "dst", dst)
-    await _p2p(group, group.runtime.actor.send(peer, key, ops.as_bytes(x)), "send to", peer, tag, timeout)
+    actor, payload = group.runtime.actor, ops.as_bytes(x)
+    await _p2p(group, lambda t: actor.send(peer, key, payload, timeout_s=t), "send to", peer, tag, timeout)
 
 
 async def recv(x: np.ndarray, src: int, tag: int = 0, group=None, timeout: float | None = None) -> np.ndarray:
@@ -420,5 +423,6 @@ async def recv(x: np.ndarray, src: int, tag: int = 0, group=None, timeout: float
     group = _group(group)
     ops.check_array("x", x)
     key, peer = _p2p_tag(group, tag), _peer(group, "src", src)
-    await _p2p(group, group.runtime.actor.recv_into(peer, key, ops.as_bytes(x)), "recv from", peer, tag, timeout)
+    actor, buf = group.runtime.actor, ops.as_bytes(x)
+    await _p2p(group, lambda t: actor.recv_into(peer, key, buf, timeout_s=t), "recv from", peer, tag, timeout)
     return x

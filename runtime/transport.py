@@ -257,6 +257,8 @@ class TCPConnection(Connection):
         while self._chunking is not None:  # a large frame is going out in pieces: never interleave
             async with self._chunking:
                 pass
+            if proto.lost is not None or self._closed:  # lost while we waited: _fd may be reused already
+                raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
         if nbytes <= _COALESCE_NBYTES:  # one system call: a small copy beats a second syscall
             transport.write(head + mv if nbytes else head)
         else:
@@ -269,10 +271,8 @@ class TCPConnection(Connection):
             if self._fd >= 0 and transport.get_write_buffer_size() == 0:
                 try:
                     sent = os.writev(self._fd, (head, mv))
-                except (BlockingIOError, InterruptedError):
+                except OSError:  # would block, interrupted, or broken (the transport's write reports that)
                     sent = 0
-                except OSError:
-                    sent = 0  # a broken socket: the transport's own write reports it
             hlen = len(head)
             if sent < hlen:
                 transport.write(head[sent:])
