@@ -124,7 +124,8 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     ops.check_op(op)
     group = api._group(group)
     if compression is not None:
-        codec = compressed.resolve(compression)
+        # as compressed.all_reduce: a warm-up step's codec (top-k's warmup_steps), counting the call
+        codec = compressed.codec_at(compressed.resolve(compression), key, advance=x.size > 0)
         _, inner = compressed._split(codec)
         style = compressed._style(codec, algorithm) if inner.reduction != "sum" else None
         if style == "shard" and np.dtype(x.dtype) == np.float32 and x.size:

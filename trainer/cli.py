@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
                    help="global-norm gradient clipping (default off)")
     g.add_argument("--compression", default=None, metavar="CODEC",
-                   help="gradient codec, e.g. fp16, bf16, int8, topk, powersgd (ddp only: zero1/2/3 and fsdp "
-                        "compress their reduce_scatter block by block); "
+                   help="gradient codec, e.g. fp16, bf16, int8, topk (ddp all-reduces flat buckets; zero1/2/3 "
+                        "and fsdp compress their reduce_scatter block by block; powersgd, which compresses "
+                        "matrices, is refused by both); "
                         "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",

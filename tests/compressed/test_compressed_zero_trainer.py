@@ -51,3 +51,17 @@ async def test_powersgd_is_refused_at_construction():
             make_strategy("zero2", mlp(4, (8,), 2, pad_to=group.size),
                           make_config(parse_args(["--compression", "powersgd"]), 1), group)
     await run_ranks(2, body)
+
+
+async def test_ddp_refuses_powersgd_which_would_send_its_flat_buckets_uncompressed():
+    async def body(group):
+        with pytest.raises(ValueError, match="flat"):
+            make_strategy("ddp", mlp(4, (8,), 2, pad_to=group.size),
+                          make_config(parse_args(["--compression", "powersgd"]), 1), group)
+    await run_ranks(2, body)
+
+
+def test_a_codec_option_that_is_not_a_number_names_the_spec_and_option():
+    from trainer.sharding.common import make_codec
+    with pytest.raises(ValueError, match=r"'topk:ratio=abc'.*'ratio'.*'abc'"):
+        make_codec("topk:ratio=abc")

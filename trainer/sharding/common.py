@@ -103,7 +103,10 @@ def make_codec(spec):
         opt, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"compression {spec!r}: option {item!r} is not OPTION=VALUE")
-        kwargs[opt.strip()] = float(value) if any(c in value for c in ".eE") else int(value)
+        try:
+            kwargs[opt.strip()] = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            raise ValueError(f"compression {spec!r}: option {opt.strip()!r} needs a number, got {value!r}") from None
     try:
         return get_codec(name, error_feedback=ef, **kwargs)
     except TypeError as exc:
@@ -142,9 +145,16 @@ class DataParallelBase(Strategy):
         scaling = self.policy.needs_loss_scaling if config.loss_scale is None else bool(config.loss_scale)
         self.scaler = DynamicLossScaler(config.init_scale, growth_interval=config.growth_interval, enabled=scaling)
         self.comm = Comm(group, codec=make_codec(config.compression))
-        if self.comm.codec is not None and not self.replicated_grads:  # gradients are reduce-scattered
+        if self.comm.codec is not None:
             from collectives import compressed
-            compressed.check_blockwise(self.comm.codec)  # refuses powersgd here, not at the first step
+            if not self.replicated_grads:  # gradients are reduce-scattered
+                compressed.check_blockwise(self.comm.codec)  # refuses powersgd here, not at the first step
+            elif compressed._split(compressed.resolve(self.comm.codec))[1].reduction == "powersgd-phases":
+                # DDP all-reduces flat 1-D buckets, which PowerSGD sends uncompressed (it compresses
+                # matrices only): it sent every byte while saying it compressed.
+                raise ValueError("compression 'powersgd' compresses matrices, and ddp all-reduces flat "
+                                 "gradient buckets, which it would send uncompressed: use int8, topk, fp16 "
+                                 "or bf16, or collectives.bucket.GradBucketer, which keeps the shapes")
         self.step = 0
         self.states: list = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-compute-r{self.rank}")
