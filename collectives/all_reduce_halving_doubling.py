@@ -44,7 +44,7 @@ import numpy as np
 
 from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_async, scratch_pool
 
-SEGMENT_NBYTES = 1 << 20  # one message (the ring's size; registry.py notes)
+SEGMENT_NBYTES = 4 << 20  # one message (the ring's size; registry.py notes)
 SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call posts ahead into
 
 

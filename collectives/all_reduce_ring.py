@@ -50,7 +50,7 @@ import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
 
-SEGMENT_NBYTES = 1 << 20  # one message; set from measurements (registry.py notes)
+SEGMENT_NBYTES = 4 << 20  # one message; set from measurements (registry.py notes)
 LOOKAHEAD_STEPS = 3  # steps of receives posted ahead (bounded by SCRATCH_NBYTES)
 SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call allocates
 

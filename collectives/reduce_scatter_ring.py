@@ -38,7 +38,7 @@ import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
 
-SEGMENT_NBYTES = 1 << 20
+SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:

@@ -13,6 +13,15 @@ intermediate copy (asyncio ``BufferedProtocol``: ``get_buffer`` hands the
 kernel that buffer). Small frames are read through a staging buffer, several
 per system call.
 
+While a large payload arrives, the socket's ``SO_RCVLOWAT`` is raised to what
+is left of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter of the receive
+buffer), so the event loop is woken once per few MiB instead of once per 64 KiB
+packet, and set back to 1 when the payload is complete (a frame boundary: the
+next header must wake us at once). Measured, 4 ranks on 2 cores, 64 MiB
+all_reduce over loopback: ~1500 read callbacks per call became ~100 and the
+user CPU per rank fell by a third (registry.py notes). ``RINGWEAVE_RCVLOWAT=0``
+turns it off.
+
 Sending: ``await conn.send(header, payload)`` returns when the payload buffer
 may be reused by the caller (its bytes are in the kernel or copied). The write
 buffer's high-water mark is 0, so the transport tells us (``pause_writing`` /
@@ -33,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +55,8 @@ STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
 READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
+LOWAT_MIN_NBYTES = 256 * 1024  # payloads left to read below this wake us per packet, as before
+LOWAT_MAX_NBYTES = 4 * 1024 * 1024
 _CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in pieces of this size
 
 
@@ -111,12 +123,23 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._drained: asyncio.Future | None = None
         self.lost: BaseException | None = None
         self._where = f" from {conn.where}"  # for error messages; built once, not per frame
+        self._sock = None  # the transport's socket object, for SO_RCVLOWAT (None: not used)
+        self._lowat = 1  # the socket's SO_RCVLOWAT as we last set it
+        self._lowat_cap = 0
 
     # -- asyncio callbacks -------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.uvloop = type(transport).__module__.startswith("uvloop")
         transport.set_write_buffer_limits(high=0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and os.environ.get("RINGWEAVE_RCVLOWAT", "1") != "0":
+            try:  # a quarter of the receive buffer: the peer can always fill that much (its window)
+                cap = min(LOWAT_MAX_NBYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
+            except (OSError, AttributeError):
+                cap = 0
+            if cap >= LOWAT_MIN_NBYTES:
+                self._sock, self._lowat_cap = sock, cap
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._header is not None:  # payload mode: straight into its destination
@@ -141,6 +164,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 self._pos += nbytes
                 if self._pos == self._need:
                     self._finish_payload()
+                elif self._lowat > self._need - self._pos:  # less is left than we wait for
+                    left = self._need - self._pos
+                    self._set_lowat(left if left >= LOWAT_MIN_NBYTES else 1)
                 return
             self._end += nbytes
             self._parse_stage()
@@ -177,9 +203,22 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 conn.sink.on_frame(conn, header, dest)
                 continue
             self._header, self._dest, self._pos, self._need = header, dest, inline, plen
+            if plen - inline >= LOWAT_MIN_NBYTES and self._sock is not None:
+                self._set_lowat(min(plen - inline, self._lowat_cap))
             return
 
+    def _set_lowat(self, nbytes: int) -> None:
+        """SO_RCVLOWAT = nbytes: epoll reports the socket readable only once that many bytes
+        are queued (or on EOF / error, so a lost peer is still seen at once)."""
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self._lowat = nbytes
+        except OSError:  # closed under us, or refused: read per packet from now on
+            self._sock, self._lowat = None, 1
+
     def _finish_payload(self) -> None:
+        if self._lowat > 1:
+            self._set_lowat(1)
         header, dest = self._header, self._dest
         self._header = self._dest = None
         self._pos = self._need = 0

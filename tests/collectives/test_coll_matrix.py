@@ -145,3 +145,40 @@ async def test_all_to_all(ranks, algo, n, count):
             want = np.stack([block(j, g.rank, dtype) for j in range(n)])
             assert_equal(out, want, f"rank {g.rank} {dtype}")
     await ranks(n, body)
+
+
+# The segmented algorithms cut messages at SEGMENT_NBYTES (4 MiB), which even LARGE arrays
+# do not reach per chunk. Here segments are 4 KiB so each message is many segments: the
+# pipelines (receives posted ahead, scratch slots reused round-robin, a segment sent on as
+# soon as it is reduced) run with every chunk length, remainders included.
+SEGMENTED = [("all_reduce", "ring"), ("all_reduce", "halving_doubling"),
+             ("reduce_scatter", "ring"), ("all_gather", "ring")]
+
+
+@pytest.mark.parametrize("collective,algo", SEGMENTED, ids=lambda v: v)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+async def test_segmented_pipelines(ranks, monkeypatch, collective, algo, n):
+    import importlib
+
+    module = importlib.import_module(f"collectives.{collective}_{algo}")
+    monkeypatch.setattr(module, "SEGMENT_NBYTES", 4096)
+    count = 12_345 * n + 3  # ~12 segments of float32 per chunk, chunks of unequal length
+    dtype = F32
+
+    async def body(g):
+        if collective == "all_reduce":
+            x = contribution(g.rank, n, count, dtype, "sum")
+            await C.all_reduce(x, op="sum", algorithm=algo)
+            assert_equal(x, expected(n, count, dtype, "sum"), f"rank {g.rank}")
+        elif collective == "reduce_scatter":
+            per = count // n
+            x = contribution(g.rank, n, n * per, dtype, "max")
+            out = np.zeros(per, dtype)
+            await C.reduce_scatter(out, x, op="max", algorithm=algo)
+            assert_equal(out, expected(n, n * per, dtype, "max")[g.rank * per:(g.rank + 1) * per], f"rank {g.rank}")
+        else:
+            per = count // n
+            out = np.zeros((n, per), dtype)
+            await C.all_gather(out, pattern(g.rank, per, dtype), algorithm=algo)
+            assert_equal(out, np.stack([pattern(r, per, dtype) for r in range(n)]), f"rank {g.rank}")
+    await ranks(n, body)

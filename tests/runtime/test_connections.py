@@ -1,5 +1,7 @@
 """The connection conformance suite over both transports (in-memory and loopback TCP)."""
 
+import asyncio
+
 import pytest
 
 from tests.conformance import check_connection
@@ -31,6 +33,62 @@ async def test_send_to_a_peer_that_stopped_reading_times_out_and_drops_the_half_
         assert info.value.rank == 1
         with pytest.raises(PeerLostError):
             await rts[0].actor.send(1, "after", b"x", timeout_s=5)
+    finally:
+        for rt in rts:
+            await rt.close()
+
+
+async def test_large_payload_raises_rcvlowat_and_restores_it_at_the_frame_end(monkeypatch):
+    """While a large payload arrives the socket wakes us per few MiB (SO_RCVLOWAT), and at
+    the frame's end it is back to 1: a small frame right behind a large one must arrive at
+    once, not wait for bytes that never come. Data stays intact across the changes."""
+    import socket
+
+    import numpy as np
+
+    from runtime import transport as tr
+    from runtime.testing import make_runtimes
+
+    seen = []
+    original = tr._FrameProtocol._set_lowat
+
+    def spy(self, nbytes):
+        original(self, nbytes)
+        seen.append((nbytes, self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)))
+
+    monkeypatch.setattr(tr._FrameProtocol, "_set_lowat", spy)
+    rts = await make_runtimes(2, "tcp")
+    try:
+        proto = rts[1].actor.conns[0]._proto
+        assert proto._lowat_cap >= tr.LOWAT_MIN_NBYTES  # the default buffers allow it
+        n = 9 * 1024 * 1024 + 12345  # not a multiple of anything: the tail is below LOWAT_MIN
+        big = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)
+        out = np.zeros(n, np.uint8)
+        small = np.zeros(3, np.uint8)
+        got = asyncio.gather(rts[1].actor.recv_into(0, "big", out, timeout_s=30),
+                             rts[1].actor.recv_into(0, "small", small, timeout_s=2))
+        await rts[0].actor.send(1, "big", big)
+        await rts[0].actor.send(1, "small", np.array([7, 8, 9], np.uint8))
+        await got
+        assert np.array_equal(out, big) and small.tolist() == [7, 8, 9]
+        assert seen, "no SO_RCVLOWAT was set for a 9 MiB payload"
+        first, last = seen[0], seen[-1]
+        assert tr.LOWAT_MIN_NBYTES <= first[0] <= proto._lowat_cap
+        assert first[1] == first[0]  # the kernel took it
+        assert last == (1, 1)
+        assert all(v == w for v, w in seen)
+    finally:
+        for rt in rts:
+            await rt.close()
+
+
+async def test_rcvlowat_off_by_environment(monkeypatch):
+    from runtime.testing import make_runtimes
+
+    monkeypatch.setenv("RINGWEAVE_RCVLOWAT", "0")
+    rts = await make_runtimes(2, "tcp")
+    try:
+        assert rts[1].actor.conns[0]._proto._sock is None
     finally:
         for rt in rts:
             await rt.close()
