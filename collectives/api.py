@@ -72,30 +72,19 @@ def _group(group):
 
 class _Comm:
     """What an algorithm talks through: the call's ``rank``, ``size``, ``send``,
-    ``irecv`` and ``recv_into``, with one fix to the raw futures of ``Call.irecv``:
-    once a call fails, the receives it will never await are marked retrieved, so
-    asyncio does not log "exception was never retrieved" (the call raises the error
-    itself). A receive cancelled by the call's deadline stays in the call's record
-    (``Call._recv_done``), so the timeout error names the ranks not heard from; it
-    used to be shielded for that, at ~2-3 us and two callbacks per receive."""
-    __slots__ = ("rank", "size", "send", "call", "_irecv")
+    ``irecv`` and ``recv_into``. ``Call.irecv``'s futures are marked retrieved when
+    they finish (``Call._recv_done``): once a call fails, the receives it will never
+    await must not make asyncio log "exception was never retrieved" (the call raises
+    the error itself). A receive cancelled by the call's deadline stays in the call's
+    record, so the timeout error names the ranks not heard from."""
+    __slots__ = ("rank", "size", "send", "irecv", "call")
 
     def __init__(self, call):
-        self.rank, self.size, self.send, self._irecv = call.rank, call.size, call.send, call.irecv
+        self.rank, self.size, self.send, self.irecv = call.rank, call.size, call.send, call.irecv
         self.call = call  # the runtime Call (shared-memory algorithms reach the group through it)
-
-    def irecv(self, src: int, buf) -> asyncio.Future:
-        fut = self._irecv(src, buf)
-        fut.add_done_callback(_retrieved)
-        return fut
 
     async def recv_into(self, src: int, buf) -> None:
         await self.irecv(src, buf)
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _start(group, collective: str, nbytes: int, algorithm, timeout, **fp):

@@ -365,10 +365,11 @@ class Actor:
                                    f"{limit:.1f} s: rank {dst} is not reading", dst) from None
 
     # -- receiving --------------------------------------------------------------
-    def post(self, key: tuple, src: int, buf: memoryview | None, check=None) -> asyncio.Future:
+    def post(self, key: tuple, src: int, buf: memoryview | None, check=None, loop=None) -> asyncio.Future:
         """Posts a receive for ``key`` (``(src, tag)`` or ``("c", src, tag)``); returns
-        a future of (header, payload). A frame already kept for it completes it now."""
-        fut = asyncio.get_running_loop().create_future()
+        a future of (header, payload). A frame already kept for it completes it now.
+        ``loop``: the running loop, when the caller knows it (saves a system call)."""
+        fut = (loop or asyncio.get_running_loop()).create_future()
         waiting = self._unexpected.get(key)  # frames that arrived before a peer left still count
         if waiting:
             header, data = waiting.popleft()

@@ -73,6 +73,7 @@ class Call:
         self.record = CallRecord(group.gid, seq, fingerprint, time.monotonic())
         self.deadline = float("inf")  # loop time; set when the call starts running (Watchdog.watch)
         self.task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the running loop (Watchdog.watch), for futures
         self.expired = False  # the watchdog cancelled it
         self._outstanding: dict[asyncio.Future, tuple[tuple, int]] = {}
         self.bytes_sent = 0
@@ -100,7 +101,7 @@ class Call:
         g = self.group
         mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
         key = ("c", g.ranks[src], self._tag)
-        fut = g.runtime.actor.post(key, g.ranks[src], mv, self._check_from(src))
+        fut = g.runtime.actor.post(key, g.ranks[src], mv, self._check_from(src), self.loop)
         if g.error is not None and not fut.done():
             g.runtime.actor.unpost(key, fut)
             fut.set_exception(g.error)
@@ -109,12 +110,17 @@ class Call:
             self.record.waiting_on.add(src)
             fut.add_done_callback(self._recv_done)
             g._outstanding.add(fut)
+        elif not fut.cancelled():
+            fut.exception()  # marked retrieved, as in _recv_done
         return fut
 
     def _recv_done(self, fut: asyncio.Future) -> None:
         self.group._outstanding.discard(fut)
         if fut.cancelled():  # the deadline (or the caller) gave up on it: the rank is still missing,
             return           # and cancel_outstanding withdraws it and names the rank
+        # Marked retrieved: once a call fails, the receives it will never await would make
+        # asyncio log "exception was never retrieved"; the call raises the error itself.
+        fut.exception()
         key, src = self._outstanding.pop(fut, (None, None))
         if src is not None and not any(s == src for _, s in self._outstanding.values()):
             self.record.waiting_on.discard(src)
@@ -365,14 +371,16 @@ class Watchdog:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def watch(self, call: Call) -> None:
+        # The loop through the task: asyncio.get_running_loop() and current_task() each make a
+        # getpid system call (CPython's fork check), ~1 us apiece on this VM.
+        call.task = task = asyncio.current_task()
+        call.loop = loop = task.get_loop() if task is not None else asyncio.get_running_loop()
         if call.timeout_s is None:
             call.deadline = float("inf")
             return
-        loop = asyncio.get_running_loop()
         if loop is not self._loop:  # first call, or the runtime moved to another loop
             self.close()
             self._loop = loop
-        call.task = asyncio.current_task()
         call.deadline = deadline = loop.time() + call.timeout_s
         self._calls[call] = None
         if deadline < self._at:
