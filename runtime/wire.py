@@ -102,7 +102,9 @@ def _type_ok(value: Any, allowed: tuple) -> bool:
     return t in allowed
 
 
-_fast_specs: dict[int, tuple[dict, frozenset]] = {}
+# id(fields) -> (fields, types, required). The fields map itself is kept in the entry: keyed by
+# id() alone, a schema that was freed could hand its id to a new one and its checks with it.
+_fast_specs: dict[int, tuple[Mapping, dict, frozenset]] = {}
 
 
 def _compile(fields: Mapping[str, tuple]) -> tuple[dict, frozenset]:
@@ -139,9 +141,9 @@ def parse_header(buf, schema: Schema, where: str = "") -> dict:
     if fields is None:
         raise BadFrameError(f"bad frame{where}: unknown kind {kind!r}; known: {sorted(schema)}")
     fast = _fast_specs.get(id(fields))
-    if fast is None:
-        fast = _fast_specs[id(fields)] = _compile(fields)
-    types, required = fast
+    if fast is None or fast[0] is not fields:
+        fast = _fast_specs[id(fields)] = (fields, *_compile(fields))
+    _, types, required = fast
     if header.keys() - types.keys() == {"k"}:  # only known, typed fields: check their types
         ok = True
         for name, value in header.items():

@@ -77,3 +77,18 @@ def test_random_bytes_never_crash_the_decoder(data):
 def test_oversized_header_is_refused_when_encoding():
     with pytest.raises(BadFrameError, match="limit"):
         wire.encode_head({"k": "d", "t": "x" * (wire.MAX_HEADER_NBYTES + 10)})
+
+
+def test_schema_checks_follow_the_schema_not_a_stale_cache_entry(monkeypatch):
+    """The compiled checks are cached per schema map; an entry left by a map that was freed
+    (whose id a new map may get) must not apply to the new one."""
+    strict = {"x": (int, True)}
+    loose = {"x": (str, True)}
+    schema = {"m": strict}
+    header = msgpack.packb({"k": "m", "x": "text"})
+    with pytest.raises(BadFrameError, match="field 'x' of kind 'm' is str"):
+        wire.parse_header(header, schema)
+    stale = {"x": (str, True)}  # a different map that allowed str, cached under strict's id
+    monkeypatch.setitem(wire._fast_specs, id(strict), (stale, *wire._compile(loose)))
+    with pytest.raises(BadFrameError, match="field 'x' of kind 'm' is str"):
+        wire.parse_header(header, schema)
