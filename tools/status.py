@@ -29,7 +29,7 @@ import sys
 
 import msgpack
 
-from runtime import auth, jobfile, net, wire
+from runtime import auth, jobfile, wire
 from runtime.actor import SCHEMA as _ACTOR_SCHEMA
 from runtime.errors import RingweaveError
 from runtime.launch import attempt_prefix
@@ -44,10 +44,10 @@ async def ask(host: str, port: int, secret: bytes | None, job: str, name: str = 
     """Calls handler ``name`` on the rank listening at host:port, as a tool."""
     loop = asyncio.get_running_loop()
     where, during = f"{host}:{port}", f"the reply to {name}"
-    sock = await net.connect(host, port, timeout_s, what="rank")
+    sock = await auth.dial(host, port, secret=secret, job=job, who={"tool": "status"}, what="rank",
+                           timeout_s=timeout_s, handshake_timeout_s=timeout_s)
     try:
         async with asyncio.timeout(timeout_s):
-            await auth.connect(sock, secret, job, {"tool": "status"}, where)
             args = msgpack.packb([])
             await loop.sock_sendall(sock, wire.encode_head({"k": "q", "i": 1, "n": name}, len(args)) + args)
             hlen, plen = wire.parse_prefix(await auth.recv_exact(sock, wire.PREFIX_NBYTES, where, during), 1 << 24)
