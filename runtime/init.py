@@ -114,9 +114,13 @@ def die_with_launcher(env=None) -> bool:
     """When started by our launcher (RINGWEAVE_LAUNCHER_PID), asks the kernel to send this
     process SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so that a launcher killed
     with SIGKILL, which cannot stop its ranks itself, leaves none behind. Returns whether it
-    was armed. If the launcher is already gone, SIGTERM is raised at once."""
+    was armed. If the launcher is already gone, SIGTERM is raised at once.
+
+    The variable is taken out of ``env``: it names this process's parent only. A child of
+    the rank (a worker, a nested job) that inherited it would find its parent is not that
+    pid and SIGTERM itself at its own init."""
     env = os.environ if env is None else env
-    pid = env.get("RINGWEAVE_LAUNCHER_PID")
+    pid = env.pop("RINGWEAVE_LAUNCHER_PID", None)
     if not pid or not sys.platform.startswith("linux"):
         return False
     try:

@@ -49,3 +49,24 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their SIGKILLed launcher"
+
+
+def test_a_ranks_children_do_not_inherit_the_launcher_pid():
+    """RINGWEAVE_LAUNCHER_PID names a rank's parent. A process the rank starts (a worker, a
+    nested job) that calls runtime.init must not read it: its parent is not that pid, and it
+    would SIGTERM itself as if the launcher had died."""
+    code = textwrap.dedent("""
+        import os, subprocess, sys
+        from runtime.init import die_with_launcher
+        os.environ["RINGWEAVE_LAUNCHER_PID"] = str(os.getppid())  # as the launcher sets it
+        assert die_with_launcher()
+        assert "RINGWEAVE_LAUNCHER_PID" not in os.environ
+        child = subprocess.run([sys.executable, "-c",
+                                "from runtime.init import die_with_launcher; print(die_with_launcher(), 'alive')"],
+                               capture_output=True, text=True, timeout=30)
+        print(child.returncode, child.stdout.strip())
+    """)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0 False alive"
