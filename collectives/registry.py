@@ -26,15 +26,15 @@ from typing import Callable
 
 from runtime import env
 
-from collectives import (all_gather_bruck, all_gather_ring, all_reduce_halving_doubling, all_reduce_recursive_doubling,
-                         all_reduce_ring, all_to_all_direct, barrier_dissemination, broadcast_tree,
+from collectives import (all_gather_bruck, all_gather_direct, all_gather_ring, all_reduce_halving_doubling,
+                         all_reduce_recursive_doubling, all_reduce_ring, all_to_all_direct, barrier_dissemination, broadcast_tree,
                          gather_tree, reduce_scatter_ring, reduce_tree, scatter_tree)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
                    "halving_doubling": all_reduce_halving_doubling.run,
                    "recursive_doubling": all_reduce_recursive_doubling.run},
-    "all_gather": {"ring": all_gather_ring.run, "bruck": all_gather_bruck.run},
+    "all_gather": {"ring": all_gather_ring.run, "bruck": all_gather_bruck.run, "direct": all_gather_direct.run},
     "reduce_scatter": {"ring": reduce_scatter_ring.run},
     "broadcast": {"tree": broadcast_tree.run},
     "reduce": {"tree": reduce_tree.run},
@@ -72,6 +72,9 @@ TABLES: dict[str, list[Rule]] = {
                              "transfers: bandwidth optimum, pipelined by 4 MiB segment"),
     ],
     "all_gather": [
+        Rule("direct", lambda nbytes, world: world <= 4,
+             "one round of n-1 independent messages, straight into place; fastest at 2-4 ranks at every "
+             "size measured, 16 B to 64 MiB (figures below); larger worlds not measured"),
         Rule("bruck", lambda nbytes, world: nbytes * world <= 1 << 20,
              "latency-bound: ceil(log2 n) messages instead of n - 1; beat ring to 1 MiB gathered (figures below)"),
         Rule("ring", always, "bandwidth optimum, segmented; even with Bruck at 4 MiB, which copies out once more"),
@@ -252,3 +255,23 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # An earlier run (--sizes 16,1K,64K,256K,1M) gave the same order up to 256 KiB (598 vs 751 us at 16 B)
 # and a tie at 1 MiB (1145 vs 1121 us). Bruck needs a scratch of the whole output and copies it
 # out once more, so ring keeps the large sizes.
+#
+# Direct (collectives/all_gather_direct.py) against both, after the 4 MiB segments and SO_RCVLOWAT,
+# a slow period of the machine (medians in us, 15 iterations; a second run in brackets):
+#
+#   python bench/collectives.py -n 4 --ops all_gather --algorithm all --sizes 16,1K,64K,256K,1M,4M,16M \
+#       --shm off --compare gloo --iters 15
+#
+#   bytes      ring            bruck           direct
+#      16       959 (855)       929 (635)       783 (653)
+#    1 Ki       941 (853)       747 (613)       638 (749)
+#   64 Ki       971 (659)       797 (652)       791 (608)
+#  256 Ki      1073 (1055)     1349 (1122)      918 (795)
+#    1 Mi      1535 (1608)     1888 (1591)     1262 (1502)
+#    4 Mi      4713 (4633)     6261 (6290)     4271 (4219)
+#   16 Mi     18661 (14759)   40496 (21866)   17441 (14643)
+#
+# and with --sizes 64,256K,1M,64M --iters 10: 4 ranks 64 MiB ring 54418, direct 53785; 3 ranks
+# 60 B 585 / 518 (bruck) / 426, 1 MiB 1096 / 1141 / 958, 64 MiB 44542 / 66136 / 42941. Direct sends
+# ring's volume with no dependent steps and no copy-out; it is the default up to 4 ranks. At more
+# ranks every rank would talk to every other at once, unmeasured here, so Bruck and ring keep them.
