@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable
 
 import msgpack
 
-from runtime import auth, net, wire
+from runtime import auth, env, net, wire
 from runtime.errors import (AuthenticationError, BadFrameError, ClosedError, ConnectError,
                             MailboxFullError, PeerLostError, PeerTimeoutError, RemoteCallError)
 from runtime.transport import Connection, TCPConnection
@@ -143,7 +143,7 @@ class Actor:
         self._max_unexpected = max_unexpected_nbytes
         self._max_payload = max_payload_nbytes
         self._handshake_timeout_s = handshake_timeout_s
-        self.default_timeout_s = float(os.environ.get("RINGWEAVE_TIMEOUT_S", "300"))  # send/recv deadlines
+        self.default_timeout_s = env.timeout_s()  # send/recv deadlines; a Runtime sets its own (group.py)
         self.conns: dict[int, Connection] = {}
         self._posted: dict[tuple, collections.deque[_Recv]] = {}
         self._unexpected: dict[tuple, collections.deque] = {}

@@ -27,3 +27,26 @@ def get(name: str, default: str | None = None) -> str | None:
         key = _keys[name] = _encode(name)
     value = _data.get(key)
     return default if value is None else _decode(value)
+
+
+TIMEOUT_ENV_VAR = "RINGWEAVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0  # the built-in deadline of collectives and point-to-point calls
+
+
+def timeout_s(default: float = DEFAULT_TIMEOUT_S) -> float:
+    """The default deadline of collectives and point-to-point calls, in seconds: ``RINGWEAVE_TIMEOUT_S``
+    as it is now (not when a module was imported), ``default`` when it is unset or empty.
+
+    Raises:
+        ValueError: the variable is not a positive number; the message names it and its value.
+    """
+    raw = get(TIMEOUT_ENV_VAR)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds") from None
+    if not value > 0:  # also NaN
+        raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r}: the deadline must be a positive number of seconds")
+    return value

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from runtime import wire
+from runtime import env, wire
 from runtime.actor import Actor
 from runtime.trace import Tracer
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
@@ -41,7 +41,7 @@ from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchErro
 
 log = logging.getLogger("ringweave.group")
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("RINGWEAVE_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = env.DEFAULT_TIMEOUT_S  # RINGWEAVE_TIMEOUT_S, read when a runtime is made, overrides it
 
 
 @dataclass
@@ -424,8 +424,12 @@ class Watchdog:
 class Runtime:
     """One rank's runtime: actor, store, groups."""
 
-    def __init__(self, actor: Actor, store=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, actor: Actor, store=None, *, timeout_s: float | None = None,
                  local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None):
+        """``timeout_s``: the default deadline of every call; None: ``RINGWEAVE_TIMEOUT_S``, else
+        DEFAULT_TIMEOUT_S."""
+        if timeout_s is None:
+            timeout_s = env.timeout_s()
         self.actor = actor
         actor.default_timeout_s = timeout_s  # one deadline for collectives and point-to-point alike
         self.tracer = Tracer(actor.rank, trace_dir or os.environ.get("RINGWEAVE_TRACE") or None)

@@ -42,7 +42,8 @@ import msgpack
 from runtime import auth
 from runtime.actor import Actor
 from runtime.errors import ClosedError, RingweaveError
-from runtime.group import DEFAULT_TIMEOUT_S, ProcessGroup, Runtime
+from runtime.env import timeout_s as env_timeout_s
+from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
 from runtime.store import PrefixStore
 
@@ -165,7 +166,7 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     master_addr = master_addr or env["master_addr"]
     master_port = env["master_port"] if master_port is None else master_port
     job = job or env["job"]
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout_s = env_timeout_s() if timeout_s is None else timeout_s  # RINGWEAVE_TIMEOUT_S, read now
     if isinstance(secret, str):
         secret = secret.encode()
     secret = secret if secret is not None else auth.secret_from_env()
