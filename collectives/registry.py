@@ -238,6 +238,22 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 35-37 ms, wall 110-128 -> 101-103 ms per call. 2 MiB or 8 MiB segments were within noise of 4 MiB.
 # At 3 ranks (ring) 1 and 4 MiB segments were within noise of each other (0.92-0.97x Gloo either way).
 # Reductions on a worker thread (OFFLOAD_MIN_NBYTES 1 MiB) were no faster with 4 MiB segments either.
+#
+# Where recursive doubling hands over, re-measured after that (4 ranks, three runs, medians in us):
+#
+#   python bench/collectives.py -n 4 --ops all_reduce --algorithm all --sizes 256K,512K,1M,2M \
+#       --shm off --iters 20
+#
+#   bytes      recursive_doubling      halving_doubling        ring
+#  256 Ki      1049 / 1306 / 1096      1829 / 2187 / 1750      1956 / 2218 / 2008
+#  512 Ki      1524 / 1869 / 1401      2020 / 2288 / 1877      2410 / 2664 / 2117
+#    1 Mi      3177 / 2790 / 2503      3032 / 2908 / 2781      3380 / 3309 / 2873
+#    2 Mi      7328 / 7019 / 6307      5815 / 5529 / 4630      6727 / 6331 / 5645
+#
+# Recursive doubling was faster at 512 KiB here, but the threshold stays at 256 KiB: it sends two
+# arrays per rank against halving-doubling's 1.5, which a real network pays for (loopback on this
+# box is CPU-bound, not bandwidth-bound), and compressed all_reduce's sub-calls take this table
+# too: with 512 KiB, fp16 sent 0.67 instead of 0.5 of the plain bytes (test_wire_bytes_as_stated).
 
 # ---------------------------------------------------------------------------------------------
 # Figures behind the all_gather table (size = the gathered output, 4 ranks, TCP, quiet machine):
