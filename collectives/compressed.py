@@ -93,8 +93,8 @@ STYLES = ("shard", "gather", "ring", "phases")
 DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
 _ALIGN = 8  # payload pieces start at multiples of 8 bytes, so unpacked views are aligned
 
-__all__ = ["STYLES", "all_reduce", "cast_ring", "check_blockwise", "codec_at", "gather_decode_sum",
-           "powersgd_phases", "reduce_scatter", "reduce_scatter_wire_nbytes", "resolve", "shard_decode_sum",
+__all__ = ["STYLES", "all_reduce", "cast_ring", "check_blockwise", "codec_at", "compresses_matrices",
+           "gather_decode_sum", "powersgd_phases", "reduce_scatter", "reduce_scatter_wire_nbytes", "resolve", "shard_decode_sum",
            "wire_nbytes"]
 
 
@@ -305,12 +305,19 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
     return out
 
 
+def compresses_matrices(codec) -> bool:
+    """Whether ``codec`` (name or object) compresses whole matrices (PowerSGD's low-rank
+    all_reduces) rather than any 1-D array element- or block-wise: it cannot compress a
+    reduce_scatter's blocks, and it sends a flat 1-D array uncompressed."""
+    return _split(resolve(codec))[1].reduction == "powersgd-phases"
+
+
 def check_blockwise(codec) -> None:
     """Raises ValueError unless ``codec`` (name or object) can compress a reduce_scatter."""
-    inner = _split(resolve(codec))[1]
-    if inner.reduction == "powersgd-phases":
-        raise ValueError(f"compressed reduce_scatter encodes block by block; {inner.name} compresses whole "
-                         f"matrices (low-rank all_reduces): use int8, topk, fp16 or bf16, or compression=None")
+    if compresses_matrices(codec):
+        raise ValueError(f"compressed reduce_scatter encodes block by block; {_split(resolve(codec))[1].name} "
+                         f"compresses whole matrices (low-rank all_reduces): use int8, topk, fp16 or bf16, or "
+                         f"compression=None")
 
 
 def reduce_scatter_wire_nbytes(codec, count: int, world: int) -> int:

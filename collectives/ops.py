@@ -24,7 +24,7 @@ import asyncio
 import numpy as np
 
 from collectives.kernels import ENV_VAR as KERNELS_ENV_VAR, divide_into, reduce_into
-from collectives.kernels.cpu import OP_CODES, _reduce_native
+from collectives.kernels.cpu import OP_CODES, reduce_native
 from runtime import env
 from collectives.kernels.reference import DTYPES
 
@@ -172,7 +172,7 @@ def reduce_now(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     if not dst.size:
         return
     if dst.dtype in _NATIVE and env.get(KERNELS_ENV_VAR) != "numpy":  # that override still applies
-        _reduce_native(OP_CODES[op], dst, src)
+        reduce_native(OP_CODES[op], dst, src)
     else:
         reduce_into(dst, src, op)
 

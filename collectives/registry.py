@@ -27,8 +27,8 @@ from typing import Callable
 from runtime import env
 
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_ring, all_reduce_halving_doubling,
-                         all_reduce_recursive_doubling, all_reduce_ring, all_to_all_direct, barrier_dissemination, broadcast_tree,
-                         gather_tree, reduce_scatter_ring, reduce_tree, scatter_tree)
+                         all_reduce_recursive_doubling, all_reduce_ring, all_to_all_direct, barrier_dissemination,
+                         broadcast_tree, gather_tree, reduce_scatter_ring, reduce_tree, scatter_tree)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,

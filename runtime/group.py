@@ -41,9 +41,6 @@ from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchErro
 
 log = logging.getLogger("ringweave.group")
 
-DEFAULT_TIMEOUT_S = env.DEFAULT_TIMEOUT_S  # RINGWEAVE_TIMEOUT_S, read when a runtime is made, overrides it
-
-
 @dataclass
 class CallRecord:
     """What a rank is doing in one collective call (shown by tools/status)."""
@@ -426,8 +423,8 @@ class Runtime:
 
     def __init__(self, actor: Actor, store=None, *, timeout_s: float | None = None,
                  local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None):
-        """``timeout_s``: the default deadline of every call; None: ``RINGWEAVE_TIMEOUT_S``, else
-        DEFAULT_TIMEOUT_S."""
+        """``timeout_s``: the default deadline of every call; None: ``RINGWEAVE_TIMEOUT_S`` as it is
+        now (``runtime.env.timeout_s``)."""
         if timeout_s is None:
             timeout_s = env.timeout_s()
         self.actor = actor

@@ -17,10 +17,9 @@ While a large payload arrives, the socket's ``SO_RCVLOWAT`` is raised to what
 is left of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter of the receive
 buffer), so the event loop is woken once per few MiB instead of once per 64 KiB
 packet, and set back to 1 when the payload is complete (a frame boundary: the
-next header must wake us at once). Measured, 4 ranks on 2 cores, 64 MiB
-all_reduce over loopback: ~1500 read callbacks per call became ~100 and the
-user CPU per rank fell by a third (registry.py notes). ``RINGWEAVE_RCVLOWAT=0``
-turns it off.
+next header must wake us at once). Measured with 4 MiB segments, 4 ranks on
+2 cores, 64 MiB all_reduce over loopback: user CPU per rank 13-16 -> 8-11 ms per
+call (registry.py notes). ``RINGWEAVE_RCVLOWAT=0`` turns it off.
 
 Sending: ``await conn.send(header, payload)`` returns when the payload buffer
 may be reused by the caller (its bytes are in the kernel or copied). The write
@@ -46,7 +45,7 @@ import socket
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime import wire
+from runtime import env, wire
 from runtime.errors import BadFrameError, ClosedError, PeerLostError
 
 log = logging.getLogger("ringweave.transport")
@@ -133,7 +132,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.uvloop = type(transport).__module__.startswith("uvloop")
         transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
-        if sock is not None and os.environ.get("RINGWEAVE_RCVLOWAT", "1") != "0":
+        if sock is not None and env.get("RINGWEAVE_RCVLOWAT") != "0":
             try:  # a quarter of the receive buffer: the peer can always fill that much (its window)
                 cap = min(LOWAT_MAX_NBYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
             except (OSError, AttributeError):

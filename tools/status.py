@@ -43,15 +43,17 @@ async def ask(host: str, port: int, secret: bytes | None, job: str, name: str = 
               timeout_s: float = 2.0):
     """Calls handler ``name`` on the rank listening at host:port, as a tool."""
     loop = asyncio.get_running_loop()
-    where, during = f"{host}:{port}", f"the reply to {name}"
+    where, during = f"rank at {host}:{port}", f"the reply to {name}"
     sock = await auth.dial(host, port, secret=secret, job=job, who={"tool": "status"}, what="rank",
                            timeout_s=timeout_s, handshake_timeout_s=timeout_s)
     try:
         async with asyncio.timeout(timeout_s):
             args = msgpack.packb([])
             await loop.sock_sendall(sock, wire.encode_head({"k": "q", "i": 1, "n": name}, len(args)) + args)
-            hlen, plen = wire.parse_prefix(await auth.recv_exact(sock, wire.PREFIX_NBYTES, where, during), 1 << 24)
-            header = wire.parse_header(await auth.recv_exact(sock, hlen, where, during), _REPLY_SCHEMA)
+            hlen, plen = wire.parse_prefix(await auth.recv_exact(sock, wire.PREFIX_NBYTES, where, during), 1 << 24,
+                                           where=f" from {where}")
+            header = wire.parse_header(await auth.recv_exact(sock, hlen, where, during), _REPLY_SCHEMA,
+                                       where=f" from {where}")
             payload = await auth.recv_exact(sock, plen, where, during)
             if "e" in header:
                 raise RuntimeError(header["e"])

@@ -79,7 +79,9 @@ def apply(op, a, b):
 
 
 @njit(**_JIT)
-def _reduce_native(op, dst, src):
+def reduce_native(op, dst, src):
+    """``dst = dst <op> src`` (an op code, OP_CODES) for native dtypes, with no checks: the
+    callers guarantee 1-D, C-contiguous, same dtype and length (collectives/ops.reduce_now)."""
     for i in range(dst.size):
         dst[i] = apply(op, dst[i], src[i])
 
@@ -141,7 +143,7 @@ def _scale_bf16(dst, factor):
         dst[i] = f32_to_bf16(bf16_to_f32(dst[i]) * factor)
 
 
-_REDUCE = {"native": _reduce_native, "f16": _reduce_f16, "bf16": _reduce_bf16}
+_REDUCE = {"native": reduce_native, "f16": _reduce_f16, "bf16": _reduce_bf16}
 _DIVIDE = {"f16": _divide_f16, "bf16": _divide_bf16}
 _SCALE = {"f16": _scale_f16, "bf16": _scale_bf16}
 

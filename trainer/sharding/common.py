@@ -149,9 +149,9 @@ class DataParallelBase(Strategy):
             from collectives import compressed
             if not self.replicated_grads:  # gradients are reduce-scattered
                 compressed.check_blockwise(self.comm.codec)  # refuses powersgd here, not at the first step
-            elif compressed._split(compressed.resolve(self.comm.codec))[1].reduction == "powersgd-phases":
-                # DDP all-reduces flat 1-D buckets, which PowerSGD sends uncompressed (it compresses
-                # matrices only): it sent every byte while saying it compressed.
+            elif compressed.compresses_matrices(self.comm.codec):
+                # DDP all-reduces flat 1-D buckets, which PowerSGD sends uncompressed: it sent every
+                # byte while saying it compressed.
                 raise ValueError("compression 'powersgd' compresses matrices, and ddp all-reduces flat "
                                  "gradient buckets, which it would send uncompressed: use int8, topk, fp16 "
                                  "or bf16, or collectives.bucket.GradBucketer, which keeps the shapes")

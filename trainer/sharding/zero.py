@@ -75,7 +75,7 @@ class ZeroStrategy(DataParallelBase):
             self.full = full
             self.master = [f[s] for f, s in zip(full, self.slices)]  # views: the replicas ARE the master
         self.blocks = [f[s] for f, s in zip(self.full, self.slices)]  # this rank's block of each replica
-        self._launched = [False] * len(self.units)  # unit i's all_gather left during this step's update
+        self._launched = False  # this step's update launched every unit's all_gather (_after_shard_update)
         if self.stage == 1:
             self.grads = [np.zeros(u.padded_numel, self.reduce_dtype) for u in self.units]
         else:
@@ -97,31 +97,31 @@ class ZeroStrategy(DataParallelBase):
         if self.separate:
             cast_to(self.master[i], self.param_dtype, out=self.blocks[i])
         self.comm.launch(self.comm.all_gather(self.full[i], self.blocks[i]))
-        self._launched[i] = True
 
     def _after_shard_update(self, i: int) -> None:
         """See base class: unit i's shard is final, so its all_gather leaves now and travels
         while the optimizer steps the next units (the module docstring's worked example)."""
         self._launch_gather(i)
+        self._launched = i == len(self.units) - 1  # the update steps every unit, in index order
 
     async def _after_update(self, applied: bool) -> None:
-        """Waits for every unit's all_gather: those the update launched, and the others launched
-        here (all of them when load_state_dict left the replicas stale)."""
+        """Waits for every unit's all_gather, which the update launched (launched here instead if
+        it did not: a strategy whose update calls no _after_shard_update)."""
         if not applied:
             return
-        for i, launched in enumerate(self._launched):
-            if not launched:
+        if not self._launched:
+            for i in range(len(self.units)):
                 self._launch_gather(i)
-        self._launched = [False] * len(self.units)
+        self._launched = False
         await self.comm.drain()  # the wait is exposed communication
 
     def load_state_dict(self, state: dict) -> None:
         """See base class."""
         super().load_state_dict(state)
-        self._launched = [False] * len(self.units)  # a failed step's launches were cancelled: gather all
+        self._launched = False  # a failed step's launches were cancelled: gather all
 
     def _begin_step(self) -> None:
-        self._launched = [False] * len(self.units)
+        self._launched = False
         if self.stage == 1:
             for g in self.grads:
                 g.fill(0)
