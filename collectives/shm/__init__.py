@@ -41,7 +41,7 @@ in 3/4, fold 4/4 read + 1/4 written twice, copy out 3/4), the minimum for privat
 output buffers; on two cores four ranks share ~2 cores' bandwidth, and copies of 4 MiB and up
 use non-temporal stores (all_reduce_shm). A small call is CPU-bound: ~30 us of Python per rank
 and call, and two ranks per core (runtime/shm.py, "Later"); the protocol alone, without the
-framework, takes 32-35 us per call. OpenMPI busy-polls, which the issue rules out.
+framework, takes 32-35 us per call (``python bench/floor.py -n 4``, mode bare-shm). OpenMPI busy-polls, which the issue rules out.
 """
 
 from collectives.shm import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm, barrier_shm,

@@ -80,3 +80,17 @@ def test_busbw_factors_and_sizes():
     assert busbw_factor("broadcast", 4) == busbw_factor("reduce", 4) == 1.0
     assert parse_sizes("4:64M:4")[0] == 4 and parse_sizes("4:64M:4")[-1] == 64 << 20 and len(parse_sizes("4:64M:4")) == 13
     assert parse_sizes("4,4K,1M") == [4, 4096, 1 << 20]
+
+
+@pytest.mark.timeout(300)
+def test_floor_runs_every_mode():
+    """bench/floor.py (ringweave's small all_reduce beside the bare protocols) prints a row of
+    positive times per mode; each mode checks its own sums. No speed is asserted."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK")}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "floor.py"), "-n", "2", "--calls", "30"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = {cells[0]: cells[1:] for cells in (line.split() for line in proc.stdout.splitlines())
+            if cells and not cells[0].startswith("#")}
+    assert sorted(rows) == sorted(["ringweave-tcp", "ringweave-shm", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm"])
+    assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu in rows.values()), rows

@@ -1,0 +1,270 @@
+"""A small all_reduce's cost per call: ringweave beside the same protocol with no framework.
+
+    python bench/floor.py -n 4                         # every mode, 4 ranks
+    python bench/floor.py -n 2 --modes ringweave-tcp,bare-tcp-uvloop --calls 3000
+
+Each mode runs ``--calls`` back-to-back 4 B float32 sum all_reduces (after 200 untimed) in n
+processes, and prints the wall time per call (the slowest rank) and the CPU time per call
+(the ranks' mean; ``time.process_time``, so every thread of a rank counts). Modes:
+
+  ringweave-tcp    ``collectives.all_reduce`` over TCP (RINGWEAVE_SHM=0), through runtime.launch
+  ringweave-shm    the same over shared memory (RINGWEAVE_SHM=1)
+  bare-tcp-block   recursive doubling over blocking loopback sockets (send / recv_into)
+  bare-tcp-uvloop  the same through a minimal uvloop BufferedProtocol, one future per receive
+  bare-shm         the shared-memory protocol alone: each rank writes its value and a sequence
+                   word into one mmap, sched_yield-spins until every word has it, sums the
+                   values in rank order, then one more word round (EXIT)
+
+The bare modes leave out what ringweave adds: fingerprints, deadlines, call records, framing,
+the public API's checks. Their time is this machine's floor, not a goal. The bare TCP modes
+need n a power of two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import mmap
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# bench/collectives.py is named like the package: with this folder first on sys.path, "import
+# collectives" would find it (as bench/collectives.py itself explains). The repository comes first.
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+MODES = ("ringweave-tcp", "ringweave-shm", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm")
+WARMUP = 200
+MSG = b"x" * 40  # a bare message: about the size of one of ringweave's 4 B frames with its header
+
+
+def _timed(calls: int, one) -> tuple[float, float]:
+    for _ in range(WARMUP):
+        one()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        one()
+    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+
+
+# -- bare TCP ------------------------------------------------------------------------------------
+
+def _mesh(n: int, r: int, port0: int) -> dict[int, socket.socket]:
+    """Connected loopback sockets to every other rank (rank r listens on port0 + r)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port0 + r))
+    srv.listen(n)
+    socks = {}
+    for p in range(r + 1, n):
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                s = socket.create_connection(("127.0.0.1", port0 + p), timeout=10)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        s.sendall(bytes([r]))
+        socks[p] = s
+    for _ in range(r):
+        c, _ = srv.accept()
+        socks[c.recv(1)[0]] = c
+    srv.close()
+    for s in socks.values():
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(30)  # a lost peer fails the run, it does not hang it
+    return socks
+
+
+def _bare_tcp_block(n: int, r: int, port0: int, calls: int, out) -> None:
+    socks = _mesh(n, r, port0)
+    buf = memoryview(bytearray(len(MSG)))
+
+    def one():
+        mask = 1
+        while mask < n:  # recursive doubling: exchange with r ^ mask
+            s = socks[r ^ mask]
+            s.sendall(MSG)
+            got = 0
+            while got < len(MSG):
+                k = s.recv_into(buf[got:])
+                if not k:
+                    raise ConnectionError(f"rank {r}: rank {r ^ mask} closed the connection")
+                got += k
+            mask <<= 1
+
+    out.put(_timed(calls, one))
+
+
+def _bare_tcp_uvloop(n: int, r: int, port0: int, calls: int, out) -> None:
+    import uvloop
+
+    class Proto(asyncio.BufferedProtocol):
+        def __init__(self):
+            self.buf, self.have, self.fut, self.transport = bytearray(4096), 0, None, None
+
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def get_buffer(self, sizehint):
+            return memoryview(self.buf)[self.have:]
+
+        def buffer_updated(self, nbytes):
+            self.have += nbytes
+            if self.have >= len(MSG) and self.fut is not None and not self.fut.done():
+                self.fut.set_result(None)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        socks = _mesh(n, r, port0)
+        protos = {}
+        for p, s in socks.items():
+            s.setblocking(False)
+            protos[p] = Proto()
+            await loop.connect_accepted_socket(lambda p=p: protos[p], sock=s)
+
+        async def one():
+            mask = 1
+            while mask < n:
+                pr = protos[r ^ mask]
+                pr.fut = loop.create_future()
+                pr.transport.write(MSG)
+                if pr.have < len(MSG):
+                    await asyncio.wait_for(pr.fut, 30)
+                pr.have -= len(MSG)  # messages are all MSG long and answered before the next
+                mask <<= 1
+
+        for _ in range(WARMUP):
+            await one()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            await one()
+        out.put(((time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls))
+        for pr in protos.values():
+            pr.transport.close()
+
+    uvloop.run(main())
+
+
+# -- bare shared memory ----------------------------------------------------------------------------
+
+def _bare_shm(n: int, r: int, mm, calls: int, out) -> None:
+    words = np.frombuffer(mm, np.uint64, n, 0)  # one sequence word per rank
+    values = np.frombuffer(mm, np.float32, n, 8 * n)  # one 4 B slot per rank
+    x = np.ones(1, np.float32)
+    seq = [0]
+    deadline = [0.0]
+
+    def wait(target: int) -> None:
+        while (words < target).any():
+            if time.monotonic() > deadline[0]:
+                raise TimeoutError(f"rank {r}: a peer never reached {target}")
+            os.sched_yield()
+
+    def one():
+        deadline[0] = time.monotonic() + 30
+        seq[0] += 2
+        values[r] = x[0]
+        words[r] = seq[0]  # posted after the value (NumPy stores in program order on x86)
+        wait(seq[0])
+        x[0] = values.sum(dtype=np.float32)  # rank order, the same on every rank
+        if x[0] != n:
+            raise AssertionError(f"rank {r}: bare shm sum {x[0]}, expected {n}")
+        words[r] = seq[0] + 1  # EXIT: nobody rewrites its value before every rank has read them
+        wait(seq[0] + 1)
+        x[0] = 1.0
+
+    out.put(_timed(calls, one))
+
+
+def run_bare(mode: str, n: int, calls: int) -> tuple[float, float]:
+    if mode.startswith("bare-tcp") and n & (n - 1):
+        raise SystemExit(f"{mode} needs a power-of-two rank count, got -n {n}")
+    out = mp.Queue()
+    if mode == "bare-shm":
+        mm = mmap.mmap(-1, 4096)
+        procs = [mp.Process(target=_bare_shm, args=(n, r, mm, calls, out)) for r in range(n)]
+    else:
+        target = _bare_tcp_block if mode == "bare-tcp-block" else _bare_tcp_uvloop
+        with socket.socket() as s:  # a free block of ports: bind port 0 and start just above it
+            s.bind(("127.0.0.1", 0))
+            port0 = s.getsockname()[1] + 1
+        procs = [mp.Process(target=target, args=(n, r, port0, calls, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return max(w for w, _ in results), sum(c for _, c in results) / n
+
+
+# -- ringweave ------------------------------------------------------------------------------------
+
+async def _worker(calls: int) -> None:
+    import runtime
+    import collectives
+    rt = await runtime.init()
+    x = np.ones(1, np.float32)
+
+    async def one():
+        x[0] = 1.0
+        await collectives.all_reduce(x)
+
+    for _ in range(WARMUP):
+        await one()
+    await collectives.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        await one()
+    wall, cpu = (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+    if x[0] != rt.world_size:
+        raise AssertionError(f"rank {rt.rank}: all_reduce gave {x[0]}, expected {rt.world_size}")
+    print(f"FLOOR {wall!r} {cpu!r}", flush=True)
+    await runtime.shutdown()
+
+
+def run_ringweave(mode: str, n: int, calls: int) -> tuple[float, float]:
+    env = dict(os.environ, RINGWEAVE_SHM="0" if mode == "ringweave-tcp" else "1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", str(n), os.path.abspath(__file__),
+                          "--worker", "--calls", str(calls)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    found = [line.split("FLOOR ", 1)[1].split() for line in res.stdout.splitlines() if "FLOOR " in line]
+    if res.returncode or len(found) != n:
+        raise SystemExit(f"{mode}: the job failed (exit {res.returncode}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return max(float(w) for w, _ in found), sum(float(c) for _, c in found) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("-n", "--nproc", type=int, default=4)
+    p.add_argument("--calls", type=int, default=2000, help="timed calls per mode (default 2000)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {list(MODES)}")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        asyncio.run(_worker(args.calls))
+        return
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    print(f"# 4 B float32 sum all_reduce, {args.nproc} ranks, {args.calls} calls back to back, "
+          f"{os.cpu_count()} cores")
+    print(f"# {'mode':<18} {'wall us/call':>13} {'cpu us/call/rank':>17}")
+    for mode in modes:
+        run = run_ringweave if mode.startswith("ringweave") else run_bare
+        wall, cpu = run(mode, args.nproc, args.calls)
+        print(f"  {mode:<18} {wall * 1e6:13.1f} {cpu * 1e6:17.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
