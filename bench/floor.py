@@ -2,10 +2,12 @@
 
     python bench/floor.py -n 4                         # every mode, 4 ranks
     python bench/floor.py -n 2 --modes ringweave-tcp,bare-tcp-uvloop --calls 3000
+    python bench/floor.py -n 4 --modes ringweave-tcp --size 64M --calls 10   # a large one (ringweave only)
 
 Each mode runs ``--calls`` back-to-back 4 B float32 sum all_reduces (after 200 untimed) in n
 processes, and prints the wall time per call (the slowest rank) and the CPU time per call
-(the ranks' mean; ``time.process_time``, so every thread of a rank counts). Modes:
+(the ranks' mean; ``time.process_time``, so every thread of a rank counts; the ringweave modes
+also split it into user and system time). ``--size`` sets the array of the ringweave modes. Modes:
 
   ringweave-tcp    ``collectives.all_reduce`` over TCP (RINGWEAVE_SHM=0), through runtime.launch
   ringweave-shm    the same over shared memory (RINGWEAVE_SHM=1)
@@ -39,6 +41,8 @@ ROOT = os.path.dirname(HERE)
 # bench/collectives.py is named like the package: with this folder first on sys.path, "import
 # collectives" would find it (as bench/collectives.py itself explains). The repository comes first.
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+
+from bench.common import parse_size  # noqa: E402
 MODES = ("ringweave-tcp", "ringweave-shm", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm")
 WARMUP = 200
 MSG = b"x" * 40  # a bare message: about the size of one of ringweave's 4 B frames with its header
@@ -208,39 +212,44 @@ def run_bare(mode: str, n: int, calls: int) -> tuple[float, float]:
 
 # -- ringweave ------------------------------------------------------------------------------------
 
-async def _worker(calls: int) -> None:
+async def _worker(calls: int, nbytes: int) -> None:
+    import resource
+
     import runtime
     import collectives
     rt = await runtime.init()
-    x = np.ones(1, np.float32)
+    x = np.ones(max(1, nbytes // 4), np.float32)
 
     async def one():
-        x[0] = 1.0
+        x.fill(1.0)
         await collectives.all_reduce(x)
 
     for _ in range(WARMUP):
         await one()
     await collectives.barrier()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(calls):
         await one()
     wall, cpu = (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
-    if x[0] != rt.world_size:
-        raise AssertionError(f"rank {rt.rank}: all_reduce gave {x[0]}, expected {rt.world_size}")
-    print(f"FLOOR {wall!r} {cpu!r}", flush=True)
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    if not (x == rt.world_size).all():
+        raise AssertionError(f"rank {rt.rank}: all_reduce gave {x[x != rt.world_size][:4]}, expected {rt.world_size}")
+    user, system = (u1.ru_utime - u0.ru_utime) / calls, (u1.ru_stime - u0.ru_stime) / calls
+    print(f"FLOOR {wall!r} {cpu!r} {user!r} {system!r}", flush=True)
     await runtime.shutdown()
 
 
-def run_ringweave(mode: str, n: int, calls: int) -> tuple[float, float]:
+def run_ringweave(mode: str, n: int, calls: int, nbytes: int = 4) -> tuple[float, ...]:
     env = dict(os.environ, RINGWEAVE_SHM="0" if mode == "ringweave-tcp" else "1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", str(n), os.path.abspath(__file__),
-                          "--worker", "--calls", str(calls)], cwd=ROOT, env=env, capture_output=True,
+                          "--worker", "--calls", str(calls), "--size", str(nbytes)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     found = [line.split("FLOOR ", 1)[1].split() for line in res.stdout.splitlines() if "FLOOR " in line]
     if res.returncode or len(found) != n:
         raise SystemExit(f"{mode}: the job failed (exit {res.returncode}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
-    return max(float(w) for w, _ in found), sum(float(c) for _, c in found) / n
+    return (max(float(f[0]) for f in found),) + tuple(sum(float(f[k]) for f in found) / n for k in (1, 2, 3))
 
 
 def main() -> None:
@@ -248,22 +257,28 @@ def main() -> None:
     p.add_argument("-n", "--nproc", type=int, default=4)
     p.add_argument("--calls", type=int, default=2000, help="timed calls per mode (default 2000)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {list(MODES)}")
+    p.add_argument("--size", type=parse_size, default=4, help="bytes of the ringweave modes' array, e.g. 64M (default 4)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        asyncio.run(_worker(args.calls))
+        asyncio.run(_worker(args.calls, args.size))
         return
     modes = [m for m in args.modes.split(",") if m]
+    if args.size != 4 and any(m.startswith("bare") for m in modes):
+        raise SystemExit("--size is for the ringweave modes; the bare ones send a 4 B all_reduce's message only")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    print(f"# 4 B float32 sum all_reduce, {args.nproc} ranks, {args.calls} calls back to back, "
+    print(f"# {args.size} B float32 sum all_reduce, {args.nproc} ranks, {args.calls} calls back to back, "
           f"{os.cpu_count()} cores")
-    print(f"# {'mode':<18} {'wall us/call':>13} {'cpu us/call/rank':>17}")
+    print(f"# {'mode':<18} {'wall us/call':>13} {'cpu us/call/rank':>17} {'user':>10} {'system':>10}")
     for mode in modes:
-        run = run_ringweave if mode.startswith("ringweave") else run_bare
-        wall, cpu = run(mode, args.nproc, args.calls)
-        print(f"  {mode:<18} {wall * 1e6:13.1f} {cpu * 1e6:17.1f}", flush=True)
+        if mode.startswith("ringweave"):
+            wall, cpu, user, system = run_ringweave(mode, args.nproc, args.calls, args.size)
+            split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
+        else:
+            (wall, cpu), split = run_bare(mode, args.nproc, args.calls), f"{'-':>10} {'-':>10}"
+        print(f"  {mode:<18} {wall * 1e6:13.1f} {cpu * 1e6:17.1f} {split}", flush=True)
 
 
 if __name__ == "__main__":

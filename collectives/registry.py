@@ -234,8 +234,11 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 #   all_gather     16 MiB        1.14 / 1.24               1.40 / 1.50
 #   reduce_scatter 16 MiB        2.26 / 2.22               2.52 / 2.45
 #
-# 64 MiB all_reduce back to back (10 calls, getrusage per rank): user 13-16 -> 8-11 ms, sys 36-45 ->
-# 35-37 ms, wall 110-128 -> 101-103 ms per call. 2 MiB or 8 MiB segments were within noise of 4 MiB.
+# 64 MiB all_reduce back to back (10 calls, getrusage per rank; a probe that became bench/floor.py
+# --size 64M): user 13-16 -> 8-11 ms, sys 36-45 -> 35-37 ms, wall 110-128 -> 101-103 ms per call.
+# The lowat half alone, with 4 MiB segments (floor.py, RINGWEAVE_RCVLOWAT=1 / 0, two runs each, a
+# slow period): 127-134 / 134-141 ms wall, 59-61 / 63-64 ms CPU per rank. 2 MiB or 8 MiB segments
+# were within noise of 4 MiB.
 # At 3 ranks (ring) 1 and 4 MiB segments were within noise of each other (0.92-0.97x Gloo either way).
 # Reductions on a worker thread (OFFLOAD_MIN_NBYTES 1 MiB) were no faster with 4 MiB segments either.
 #

@@ -17,9 +17,11 @@ While a large payload arrives, the socket's ``SO_RCVLOWAT`` is raised to what
 is left of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter of the receive
 buffer), so the event loop is woken once per few MiB instead of once per 64 KiB
 packet, and set back to 1 when the payload is complete (a frame boundary: the
-next header must wake us at once). Measured with 4 MiB segments, 4 ranks on
-2 cores, 64 MiB all_reduce over loopback: user CPU per rank 13-16 -> 8-11 ms per
-call (registry.py notes). ``RINGWEAVE_RCVLOWAT=0`` turns it off.
+next header must wake us at once). ``RINGWEAVE_RCVLOWAT=0`` turns it off. 4 ranks
+on 2 cores, 64 MiB all_reduce over loopback, ``RINGWEAVE_RCVLOWAT=1 / 0 python
+bench/floor.py -n 4 --modes ringweave-tcp --size 64M --calls 10``, two runs each,
+in a slow period of the machine: 127-134 / 134-141 ms per call, 59-61 / 63-64 ms
+of CPU per rank (with the algorithms' 4 MiB segments; registry.py notes).
 
 Sending: ``await conn.send(header, payload)`` returns when the payload buffer
 may be reused by the caller (its bytes are in the kernel or copied). The write
