@@ -7,7 +7,8 @@
 Each mode runs ``--calls`` back-to-back 4 B float32 sum all_reduces (after 200 untimed) in n
 processes, and prints the wall time per call (the slowest rank) and the CPU time per call
 (the ranks' mean; ``time.process_time``, so every thread of a rank counts; the ringweave modes
-also split it into user and system time). ``--size`` sets the array of the ringweave modes. Modes:
+also split it into user and system time). ``--size`` sets the array of the ringweave modes, which
+refill it before each call (inside the timing: a 64 MiB fill is a few ms of user time). Modes:
 
   ringweave-tcp    ``collectives.all_reduce`` over TCP (RINGWEAVE_SHM=0), through runtime.launch
   ringweave-shm    the same over shared memory (RINGWEAVE_SHM=1)
@@ -261,7 +262,8 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        asyncio.run(_worker(args.calls, args.size))
+        import runtime
+        runtime.run(_worker(args.calls, args.size))  # uvloop, as bench/collectives.py runs
         return
     modes = [m for m in args.modes.split(",") if m]
     if args.size != 4 and any(m.startswith("bare") for m in modes):

@@ -35,30 +35,44 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    fold = Fold(n, r)
-    q = fold.q
+    extra, folds, steps = _plan(n, r)
     buf = as_bytes(x)
-    if fold.extra:  # an extra rank: hand our data over and wait for the result
+    if extra:  # an extra rank: hand our data over and wait for the result
         await comm.send(r + 1, buf)
         await comm.recv_into(r + 1, buf)
         return
     scratch = np.empty_like(x)
-    if fold.folds:  # reduce in the extra rank r-1's array
-        await comm.recv_into(r - 1, as_bytes(scratch))
+    sbuf = as_bytes(scratch)
+    if folds:  # reduce in the extra rank r-1's array
+        await comm.recv_into(r - 1, sbuf)
         reduce_now(scratch, x, op)  # x[r-1] <op> x[r]
         x[...] = scratch
-
-    mask = 1
-    while mask < fold.p:  # exchange with new rank q ^ mask
-        partner = fold.real(q ^ mask)
-        arrived = comm.irecv(partner, as_bytes(scratch))  # post first
+    for partner, lower in steps:  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
+        arrived = comm.irecv(partner, sbuf)  # post first
         await comm.send(partner, buf)
         await arrived
-        if q & mask:  # the partner is lower: result = theirs <op> ours
+        if lower:  # the partner is lower: result = theirs <op> ours
             reduce_now(scratch, x, op)
             x[...] = scratch
         else:
             reduce_now(x, scratch, op)
-        mask <<= 1
-    if fold.folds:  # unfold: give the extra rank the result
+    if folds:  # unfold: give the extra rank the result
         await comm.send(r - 1, buf)
+
+
+def _plan(n: int, r: int) -> tuple[bool, bool, tuple[tuple[int, bool], ...]]:
+    """(extra, folds, steps) of rank r of n: the Fold's roles, and per exchange round the
+    partner's real rank and whether it is the lower of the pair. Arithmetic only, so it is
+    worked out once per (n, r)."""
+    plan = _PLANS.get((n, r))
+    if plan is None:
+        fold = Fold(n, r)
+        steps, mask = [], 1
+        while not fold.extra and mask < fold.p:
+            steps.append((fold.real(fold.q ^ mask), bool(fold.q & mask)))
+            mask <<= 1
+        plan = _PLANS[(n, r)] = (fold.extra, fold.folds, tuple(steps))
+    return plan
+
+
+_PLANS: dict[tuple[int, int], tuple[bool, bool, tuple[tuple[int, bool], ...]]] = {}

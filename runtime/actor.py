@@ -102,7 +102,7 @@ class _BufferPool:
 
 
 class _Recv:
-    """A posted receive. ``buf`` None: allocate (``recv``); ``check(header, nbytes)``
+    """A posted receive. ``buf`` None: allocate (``recv``); ``check(header, nbytes, src)``
     may return an exception to fail the receive (used for collective fingerprints)."""
     __slots__ = ("buf", "fut", "check", "src", "tag")
 
@@ -314,7 +314,17 @@ class Actor:
         self._abort_listeners.append(fn)
 
     # -- sending ----------------------------------------------------------------
-    def _conn(self, dst: int) -> Connection:
+    def connection(self, dst: int) -> Connection:
+        """The connection to rank ``dst`` (``dst < 0``: a tool's), to send on.
+
+        Raises:
+            ClosedError: this actor is closed.
+            PeerLostError: ``dst`` was lost, or there is no connection to it.
+        """
+        if not self._lost and not self._closed:  # the usual case, with one lookup
+            conn = self.conns.get(dst)
+            if conn is not None:
+                return conn
         if self._closed:
             raise ClosedError(f"rank {self.rank}: the actor is closed")
         lost = self._lost.get(dst)
@@ -327,7 +337,7 @@ class Actor:
 
     async def send_frame(self, dst: int, header: dict, payload=None) -> None:
         """Low level: one frame to ``dst``. Returns when ``payload`` may be reused."""
-        await self._conn(dst).send(header, payload)
+        await self.connection(dst).send(header, payload)
 
     def _timeout(self, timeout_s) -> float | None:
         return self.default_timeout_s if timeout_s is _DEFAULT else timeout_s
@@ -379,9 +389,10 @@ class Actor:
             self._unexpected_frames -= 1
             self._complete(_Recv(src, key, buf, fut, check), header, data, copy=True)
             return fut
-        self._poll_failed(src, fut)
-        if fut.done():
-            return fut
+        if self._poisoned or self._lost or self._closed:
+            self._poll_failed(src, fut)
+            if fut.done():
+                return fut
         self._posted.setdefault(key, collections.deque()).append(_Recv(src, key, buf, fut, check))
         return fut
 
@@ -456,7 +467,7 @@ class Actor:
         if r.fut.done():
             return
         if r.check is not None:
-            exc = r.check(header, len(data) if data is not None else 0)
+            exc = r.check(header, len(data) if data is not None else 0, r.src)
             if exc is not None:
                 if not r.fut.done():  # the check may already have failed it (group abort)
                     r.fut.set_exception(exc)
@@ -496,7 +507,7 @@ class Actor:
                 if not q:
                     del self._posted[key]
                 if r.check is not None:
-                    exc = r.check(header, nbytes)
+                    exc = r.check(header, nbytes, r.src)
                     if exc is not None:
                         if not r.fut.done():  # the check may already have failed it (group abort)
                             r.fut.set_exception(exc)
@@ -533,6 +544,35 @@ class Actor:
         buf = bytearray(nbytes)
         self._incoming[peer] = ("ctl", None, buf)
         return memoryview(buf)
+
+    def on_whole(self, conn: Connection, header: dict, data: memoryview) -> None:
+        """A frame whose payload came with its header (``data`` is valid during this call only).
+        The usual small message, a receive posted for it with the right size, completes here;
+        anything else goes the two-step way (on_header, then on_frame)."""
+        kind = header["k"]
+        nbytes = data.nbytes
+        if kind == "c" or kind == "d":
+            key = ("c", conn.peer, header["t"]) if kind == "c" else (conn.peer, header["t"])
+            q = self._posted.get(key)
+            if q and q[0].buf is not None and q[0].buf.nbytes == nbytes:
+                r = q.popleft()
+                if not q:
+                    del self._posted[key]
+                fut = r.fut
+                if r.check is not None:
+                    exc = r.check(header, nbytes, r.src)
+                    if exc is not None:
+                        if not fut.done():  # the check may already have failed it (group abort)
+                            fut.set_exception(exc)
+                        return
+                if not fut.done():
+                    r.buf[:] = data
+                    fut.set_result((header, r.buf))
+                return
+        dest = self.on_header(conn, header, nbytes)
+        if dest is not None and nbytes:
+            dest[:] = data
+        self.on_frame(conn, header, dest if nbytes else None)
 
     def on_frame(self, conn: Connection, header: dict, buf) -> None:
         peer = conn.peer

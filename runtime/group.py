@@ -31,7 +31,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 from runtime import env, wire
 from runtime.actor import Actor
@@ -41,110 +40,116 @@ from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchErro
 
 log = logging.getLogger("ringweave.group")
 
-@dataclass
-class CallRecord:
-    """What a rank is doing in one collective call (shown by tools/status)."""
-    gid: int
-    seq: int
-    fingerprint: str
-    started: float
-    waiting_on: set = field(default_factory=set)  # group ranks with a receive outstanding
-
-
 class Call:
-    """One collective call on one group: the ``comm`` an algorithm talks through.
+    """One collective call on one group: the ``comm`` an algorithm talks through, and the
+    record of it that ``tools/status`` shows (``gid``, ``seq``, ``fingerprint``, ``started``,
+    ``waiting_on``).
 
     Algorithms use only ``rank``, ``size``, ``send``, ``irecv`` and ``recv_into``;
     ranks are group ranks and buffers are bytes-like (memoryviews of arrays).
+
+    Every receive posted by the call stays in ``_outstanding`` until the call ends: what it
+    still waits on is derived from it when asked (status, a timeout), not kept up to date
+    per message. A receive that failed without being awaited (the call failed on another
+    one first) is marked retrieved when the call ends (``cancel_outstanding``), so asyncio
+    does not log "exception was never retrieved": the call raises the error itself.
     """
+    __slots__ = ("group", "gid", "rank", "size", "seq", "fingerprint", "timeout_s", "started", "deadline",
+                 "task", "loop", "expired", "bytes_sent", "algorithm", "_tag", "_packed", "_outstanding",
+                 "_actor", "_peers", "__weakref__")
 
     def __init__(self, group: "ProcessGroup", seq: int, fingerprint: str, timeout_s: float):
         self.group = group
+        self.gid = group.gid
         self.rank = group.rank
         self.size = group.size
         self.seq = seq
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
-        self._tag = (group.gid, seq)
-        self._packed: bytes | None = None  # the frame header, packed at the first send
-        self.record = CallRecord(group.gid, seq, fingerprint, time.monotonic())
+        self.started = time.monotonic()
         self.deadline = float("inf")  # loop time; set when the call starts running (Watchdog.watch)
         self.task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the running loop (Watchdog.watch), for futures
         self.expired = False  # the watchdog cancelled it
-        self._outstanding: dict[asyncio.Future, tuple[tuple, int]] = {}
         self.bytes_sent = 0
+        self.algorithm: str | None = None  # shown by runtime tracing
+        self._tag = (group.gid, seq)
+        self._packed: bytes | None = None  # the frame header, packed at the first send
+        self._outstanding: dict[asyncio.Future, tuple[tuple, int]] = {}  # every receive posted: (key, src)
+        self._actor = group.runtime.actor
+        self._peers = group.ranks  # group rank -> global rank
+
+    @property
+    def waiting_on(self) -> set[int]:
+        """Group ranks this call has a receive outstanding from (cancelled ones count: the
+        deadline gave up on them, and the rank is still missing)."""
+        return {src for fut, (_, src) in self._outstanding.items() if not fut.done() or fut.cancelled()}
 
     async def send(self, dst: int, buf) -> None:
         """Sends ``buf`` to group rank ``dst``; returns when ``buf`` may be reused."""
-        g = self.group
-        if g.error is not None:
-            raise g.error
-        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+        error = self.group.error
+        if error is not None:
+            raise error
+        mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
         self.bytes_sent += mv.nbytes
-        await g.runtime.actor.send_frame(g.ranks[dst], self._header, mv)
-
-    @property
-    def _header(self) -> bytes:
-        """The frame header of this call's messages, packed once (at the first send: a
-        shared-memory call sends none)."""
-        if self._packed is None:
-            self._packed = wire.pack_header({"k": "c", "t": self._tag, "f": self.fingerprint})
-        return self._packed
+        packed = self._packed
+        if packed is None:  # packed once, at the first send (a shared-memory call sends none)
+            packed = self._packed = wire.pack_header({"k": "c", "t": self._tag, "f": self.fingerprint})
+        conn = self._actor.connection(self._peers[dst])
+        if not conn.send_now(packed, mv):  # a small frame goes out at once, without a coroutine
+            await conn.send(packed, mv)
 
     def irecv(self, src: int, buf) -> asyncio.Future:
         """Posts a receive from group rank ``src`` into ``buf`` (exact length);
         returns a future to await. Post before sending to avoid a copy."""
-        g = self.group
-        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
-        key = ("c", g.ranks[src], self._tag)
-        fut = g.runtime.actor.post(key, g.ranks[src], mv, self._check_from(src), self.loop)
-        if g.error is not None and not fut.done():
-            g.runtime.actor.unpost(key, fut)
-            fut.set_exception(g.error)
-        if not fut.done():
+        mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+        peer = self._peers[src]
+        key = ("c", peer, self._tag)
+        fut = self._actor.post(key, peer, mv, self._check, self.loop)
+        error = self.group.error
+        if error is not None and not fut.done():
+            self._actor.unpost(key, fut)
+            fut.set_exception(error)
+        if fut.done():
+            if not fut.cancelled():
+                fut.exception()  # marked retrieved (see the class docstring)
+        else:
             self._outstanding[fut] = (key, src)
-            self.record.waiting_on.add(src)
-            fut.add_done_callback(self._recv_done)
-            g._outstanding.add(fut)
-        elif not fut.cancelled():
-            fut.exception()  # marked retrieved, as in _recv_done
         return fut
-
-    def _recv_done(self, fut: asyncio.Future) -> None:
-        self.group._outstanding.discard(fut)
-        if fut.cancelled():  # the deadline (or the caller) gave up on it: the rank is still missing,
-            return           # and cancel_outstanding withdraws it and names the rank
-        # Marked retrieved: once a call fails, the receives it will never await would make
-        # asyncio log "exception was never retrieved"; the call raises the error itself.
-        fut.exception()
-        key, src = self._outstanding.pop(fut, (None, None))
-        if src is not None and not any(s == src for _, s in self._outstanding.values()):
-            self.record.waiting_on.discard(src)
 
     async def recv_into(self, src: int, buf) -> None:
         await self.irecv(src, buf)
 
-    def _check_from(self, src: int):
-        def check(header: dict, nbytes: int):
-            if header["f"] == self.fingerprint:
-                return None
-            exc = CollectiveMismatchError(
-                f"collective mismatch in group {self.group.gid} at call #{self.seq}: "
-                f"rank {self.group.ranks[self.rank]} called {self.fingerprint!r} but rank "
-                f"{self.group.ranks[src]} called {header['f']!r}")
-            self.group.abort(exc)
-            return exc
-        return check
+    def _check(self, header: dict, nbytes: int, peer: int):
+        """The actor's check of a frame for one of our receives (``peer``: the global rank
+        that sent it): None if it is of this call, else the mismatch (the group is failed)."""
+        theirs = header["f"]
+        if theirs == self.fingerprint:
+            return None
+        exc = CollectiveMismatchError(
+            f"collective mismatch in group {self.gid} at call #{self.seq}: "
+            f"rank {self._peers[self.rank]} called {self.fingerprint!r} but rank {peer} called {theirs!r}")
+        self.group.abort(exc)
+        return exc
+
+    def fail_outstanding(self, exc: BaseException) -> None:
+        """Fails every receive still pending with ``exc`` (the group failed)."""
+        for fut in self._outstanding:
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # marked retrieved: the awaiting algorithm still raises it
 
     def cancel_outstanding(self) -> list[int]:
-        """Withdraws every outstanding receive; returns the group ranks they waited on."""
-        missing = sorted({src for _, src in self._outstanding.values()})
-        actor = self.group.runtime.actor
-        for fut, (key, _) in list(self._outstanding.items()):
-            actor.unpost(key, fut)
+        """Withdraws every outstanding receive; returns the group ranks they waited on.
+        Receives that failed unawaited are marked retrieved."""
+        missing = sorted(self.waiting_on)
+        actor = self._actor
+        for fut, (key, _) in self._outstanding.items():
             if not fut.done():
+                actor.unpost(key, fut)
                 fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()
         return missing
 
 
@@ -161,8 +166,7 @@ class ProcessGroup:
         self.error: BaseException | None = None
         self._shm_enabled: bool | None = None  # None: follow the runtime
         self._seq = 0
-        self._outstanding: set[asyncio.Future] = set()
-        self.calls: dict[int, CallRecord] = {}  # seq -> record of calls in flight
+        self.calls: dict[int, Call] = {}  # seq -> calls in flight
         self._finished: dict[int, str] = {}  # seq -> fingerprint of recently finished calls
 
     @property
@@ -194,23 +198,27 @@ class ProcessGroup:
             CollectiveError (or the group's stored error): the group has failed.
             ValueError: this rank is not a member.
         """
-        if not self.is_member:
+        if self.rank < 0:
             raise ValueError(f"rank {self.runtime.actor.rank} is not a member of group {self.gid} {self.ranks}")
         if self.error is not None:
             raise self.error
         self._seq += 1
         call = Call(self, self._seq, fingerprint, timeout_s if timeout_s is not None else self.runtime.timeout_s)
-        self.calls[call.seq] = call.record
+        self.calls[call.seq] = call
         return call
 
     async def run(self, call: Call, coro_fn, *args) -> None:
         """Runs ``coro_fn(call, *args)`` under the call's timeout and failure rules."""
-        tracer = self.runtime.tracer
-        start_us = tracer.now_us() if tracer.enabled else 0.0
+        rt = self.runtime
+        tracer = rt.tracer
+        tracing = tracer.out_dir is not None  # tracer.enabled, without a call per collective
+        start_us = tracer.now_us() if tracing else 0.0
         outcome = "error"
-        watchdog = self.runtime.watchdog
+        watchdog = rt.watchdog
+        actor = rt.actor
         try:
-            self._check_early(call)
+            if actor.has_unexpected():
+                self._check_early(call)
             watchdog.watch(call)
             try:
                 await coro_fn(call, *args)
@@ -220,7 +228,8 @@ class ProcessGroup:
                 raise TimeoutError from None  # the call's deadline, not the caller's cancellation
             finally:
                 watchdog.unwatch(call)
-            self._check_leftovers(call)
+            if actor.has_unexpected():
+                self._check_leftovers(call)
             outcome = "ok"
         except TimeoutError:
             missing = call.cancel_outstanding()
@@ -244,10 +253,10 @@ class ProcessGroup:
             self._finished[call.seq] = call.fingerprint
             if len(self._finished) > 256:  # drop the first finished (O(1); min() scanned all 256 per call)
                 del self._finished[next(iter(self._finished))]
-            if tracer.enabled:
+            if tracing:
                 tracer.complete(call.fingerprint.split(" ", 1)[0], start_us, tracer.now_us(), self.gid,
                                 {"op": call.fingerprint, "seq": call.seq, "group": self.gid,
-                                 "bytes_sent": call.bytes_sent, "algorithm": getattr(call, "algorithm", None),
+                                 "bytes_sent": call.bytes_sent, "algorithm": call.algorithm,
                                  "outcome": outcome})
 
     async def _not_arrived(self, call: Call) -> tuple[list[int], dict[int, str]]:
@@ -289,9 +298,7 @@ class ProcessGroup:
         their sender (e.g. both ranks thought they were the root of a broadcast and
         neither received): a mismatch, not something to ignore."""
         actor = self.runtime.actor
-        if not actor.has_unexpected():
-            return
-        for src, peer in enumerate(self.ranks):
+        for peer in self.ranks:
             for header in actor.unexpected_headers(("c", peer, call._tag)):
                 exc = self._stray_error(call.seq, call.fingerprint, peer, header["f"])
                 self.abort(exc)
@@ -315,8 +322,6 @@ class ProcessGroup:
     def _check_early(self, call: Call) -> None:
         """Frames of ``call`` that arrived before it started here must be of the same call."""
         actor = self.runtime.actor
-        if not actor.has_unexpected():
-            return
         for peer in self.ranks:
             for header in actor.unexpected_headers(("c", peer, call._tag)):
                 if header["f"] != call.fingerprint:
@@ -340,10 +345,8 @@ class ProcessGroup:
         if self.error is not None:
             return
         self.error = exc
-        for fut in list(self._outstanding):
-            if not fut.done():
-                fut.set_exception(exc)
-        self._outstanding.clear()
+        for call in list(self.calls.values()):
+            call.fail_outstanding(exc)
         if tell_peers and isinstance(exc, (CollectiveMismatchError, PeerLostError)):
             self.runtime.tell_abort(self, exc)
 

@@ -6,6 +6,9 @@ asked where each payload should go once its header has arrived::
 
     sink.on_header(conn, header, nbytes) -> memoryview of nbytes | None (discard; called for every frame)
     sink.on_frame(conn, header, buf)        payload complete in buf
+    sink.on_whole(conn, header, data)       instead of both, for a frame whose payload came with its
+                                            header (``data``: a view of the staging buffer, valid only
+                                            during the call; the sink copies what it keeps)
     sink.on_lost(conn, exc)                 the connection is gone (exc: why)
 
 so a large array lands straight in the buffer its receiver posted, with no
@@ -52,10 +55,13 @@ from runtime.errors import BadFrameError, ClosedError, PeerLostError
 
 log = logging.getLogger("ringweave.transport")
 
+_PREFIX_PACK, _MAGIC, _VERSION = wire.PREFIX.pack, wire.MAGIC, wire.VERSION
+
 STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
 READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
+SEND_NOW_NBYTES = _COALESCE_NBYTES  # the largest payload Connection.send_now takes
 LOWAT_MIN_NBYTES = 256 * 1024  # payloads left to read below this wake us per packet, as before
 LOWAT_MAX_NBYTES = 4 * 1024 * 1024
 _CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in pieces of this size
@@ -65,6 +71,7 @@ _CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in
 class Sink(Protocol):
     def on_header(self, conn: "Connection", header: dict, nbytes: int) -> memoryview | None: ...
     def on_frame(self, conn: "Connection", header: dict, buf: memoryview | None) -> None: ...
+    def on_whole(self, conn: "Connection", header: dict, data: memoryview) -> None: ...
     def on_lost(self, conn: "Connection", exc: BaseException) -> None: ...
 
 
@@ -93,6 +100,18 @@ class Connection:
             the connection is then closed (a half frame cannot be recalled).
         """
         raise NotImplementedError
+
+    def send_now(self, packed: bytes, payload: memoryview) -> bool:
+        """Sends one small frame without waiting, if the connection can take it at once:
+        ``packed`` is wire.pack_header's bytes, ``payload`` a byte memoryview of at most
+        ``SEND_NOW_NBYTES``, copied before this returns. False: nothing was sent, use
+        :meth:`send` (which waits its turn). Saves a small frame's coroutine and the
+        drain check; the next :meth:`send` still waits for back-pressure.
+
+        Raises:
+            PeerLostError: as :meth:`send`.
+        """
+        return False
 
     def close(self) -> None:
         """Closes the connection; ``on_lost`` is not called for a local close."""
@@ -190,9 +209,14 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 return
             hstart = self._start + wire.PREFIX_NBYTES
             header = wire.parse_header(stage[hstart:hstart + hlen], self._schema, where=self._where)
-            self._start = hstart + hlen
+            start = hstart + hlen
             conn.frames_received += 1
             conn.bytes_received += wire.PREFIX_NBYTES + hlen + plen
+            if self._end - start >= plen:  # the whole frame is here: one call to the sink
+                self._start = start + plen
+                conn.sink.on_whole(conn, header, stage[start:start + plen])
+                continue
+            self._start = start
             dest = conn.sink.on_header(conn, header, plen)
             if not plen:
                 dest = None
@@ -340,6 +364,21 @@ class TCPConnection(Connection):
         self.frames_sent += 1
         self.bytes_sent += len(head) + nbytes
         await proto.wait_drained()
+
+    def send_now(self, packed: bytes, payload: memoryview) -> bool:
+        """See base class: written at once when no large frame is going out in pieces and
+        the transport is not holding bytes back (paused)."""
+        proto = self._proto
+        if proto.lost is not None or self._closed:
+            raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
+        nbytes = payload.nbytes
+        if self._chunking is not None or proto._paused or nbytes > SEND_NOW_NBYTES:
+            return False
+        head = _PREFIX_PACK(_MAGIC, _VERSION, len(packed), nbytes) + packed
+        proto.transport.write(head + payload if nbytes else head)
+        self.frames_sent += 1
+        self.bytes_sent += len(head) + nbytes
+        return True
 
     def close(self) -> None:
         """See base class."""

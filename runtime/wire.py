@@ -105,19 +105,17 @@ def _type_ok(value: Any, allowed: tuple) -> bool:
 # id(fields) -> (fields, types, required). The fields map itself is kept in the entry: keyed by
 # id() alone, a schema that was freed could hand its id to a new one and its checks with it.
 _fast_specs: dict[int, tuple[Mapping, dict, frozenset]] = {}
+_ANY_TYPE = frozenset()  # in a compiled spec: the field takes any value
 
 
 def _compile(fields: Mapping[str, tuple]) -> tuple[dict, frozenset]:
-    """field -> exact allowed types (None where any value goes), and the required names.
-    Fields that accept ANY are left out of ``types`` and checked by the slow path
-    only when something else is wrong."""
-    types = {}
+    """field -> exact allowed types ("k" included; _ANY_TYPE where any value goes), and the
+    required names ("k" included)."""
+    types = {"k": frozenset((str,))}
     for name, spec in fields.items():
         allowed = spec[:-1]
-        if ANY in allowed:
-            continue
-        types[name] = frozenset(allowed)
-    return types, frozenset(n for n, spec in fields.items() if spec[-1])
+        types[name] = _ANY_TYPE if ANY in allowed else frozenset(allowed)
+    return types, frozenset(["k", *(name for name, spec in fields.items() if spec[-1])])
 
 
 def parse_header(buf, schema: Schema, where: str = "") -> dict:
@@ -144,14 +142,14 @@ def parse_header(buf, schema: Schema, where: str = "") -> dict:
     if fast is None or fast[0] is not fields:
         fast = _fast_specs[id(fields)] = (fields, *_compile(fields))
     _, types, required = fast
-    if header.keys() - types.keys() == {"k"}:  # only known, typed fields: check their types
-        ok = True
-        for name, value in header.items():
-            allowed = types.get(name)
-            if allowed is not None and type(value) not in allowed:
-                ok = False
-                break
-        if ok and required <= header.keys():
+    # The fast path: every field known and of an allowed type, and the required ones there.
+    # Anything else goes to the slow path, which says what is wrong.
+    for name, value in header.items():
+        allowed = types.get(name)
+        if allowed is None or (type(value) not in allowed and allowed is not _ANY_TYPE):
+            break
+    else:
+        if header.keys() >= required:
             return header
     for name, value in header.items():  # the slow path says exactly what is wrong
         if name == "k":
