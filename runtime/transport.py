@@ -55,7 +55,7 @@ from runtime.errors import BadFrameError, ClosedError, PeerLostError
 
 log = logging.getLogger("ringweave.transport")
 
-_PREFIX_PACK, _MAGIC, _VERSION = wire.PREFIX.pack, wire.MAGIC, wire.VERSION
+_PREFIX_PACK, _PREFIX_UNPACK, _MAGIC, _VERSION = wire.PREFIX.pack, wire.PREFIX.unpack_from, wire.MAGIC, wire.VERSION
 
 STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
 READ_NBYTES = 64 * 1024  # largest read into the stage
@@ -130,6 +130,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._max_payload = max_payload_nbytes
         self._stage = bytearray(STAGE_NBYTES)
         self._stage_mv = memoryview(self._stage)
+        self._stage_head = self._stage_mv[:READ_NBYTES]  # what an empty stage reads into (made once)
         self._start = 0  # first unconsumed byte in the stage
         self._end = 0  # one past the last received byte in the stage
         self._header: dict | None = None  # header of the payload being received directly
@@ -168,9 +169,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             if self._discard is None:
                 self._discard = memoryview(bytearray(_DISCARD_NBYTES))
             return self._discard[: min(_DISCARD_NBYTES, self._need - self._pos)]
-        if self._start == self._end:
+        if self._start == self._end:  # the usual case: everything read was consumed
             self._start = self._end = 0
-        elif STAGE_NBYTES - self._end < wire.MAX_HEADER_NBYTES + wire.PREFIX_NBYTES:
+            return self._stage_head
+        if STAGE_NBYTES - self._end < wire.MAX_HEADER_NBYTES + wire.PREFIX_NBYTES:
             n = self._end - self._start  # compact: move the unread tail to the front
             self._stage_mv[:n] = self._stage_mv[self._start:self._end]
             self._start, self._end = 0, n
@@ -204,7 +206,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             avail = self._end - self._start
             if avail < wire.PREFIX_NBYTES:
                 return
-            hlen, plen = wire.parse_prefix(stage[self._start:], self._max_payload, where=self._where)
+            magic, version, hlen, plen = _PREFIX_UNPACK(stage, self._start)
+            if (magic != _MAGIC or version != _VERSION or not 0 < hlen <= wire.MAX_HEADER_NBYTES
+                    or plen > self._max_payload):  # wire.parse_prefix says which check failed
+                wire.parse_prefix(stage[self._start:], self._max_payload, where=self._where)
             if avail < wire.PREFIX_NBYTES + hlen:
                 return
             hstart = self._start + wire.PREFIX_NBYTES
