@@ -12,6 +12,11 @@ refill it before each call (inside the timing: a 64 MiB fill is a few ms of user
 
   ringweave-tcp    ``collectives.all_reduce`` over TCP (RINGWEAVE_SHM=0), through runtime.launch
   ringweave-shm    the same over shared memory (RINGWEAVE_SHM=1)
+  ringweave-inproc the TCP one with the n ranks as tasks of ONE process (runtime.testing, real
+                   loopback sockets): no context switches and no scheduling between ranks, so the
+                   CPU is the framework's own work, repeatable to a few percent where the
+                   multi-process modes move by 10-20% between runs. Its wall column is the CPU of
+                   every rank summed (one thread runs them all), its cpu column that over n
   bare-tcp-block   recursive doubling over blocking loopback sockets (send / recv_into)
   bare-tcp-uvloop  the same through a minimal uvloop BufferedProtocol, one future per receive
   bare-shm         the shared-memory protocol alone: each rank writes its value and a sequence
@@ -44,7 +49,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
 from bench.common import parse_size  # noqa: E402
-MODES = ("ringweave-tcp", "ringweave-shm", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm")
+MODES = ("ringweave-tcp", "ringweave-shm", "ringweave-inproc", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm")
 WARMUP = 200
 MSG = b"x" * 40  # a bare message: about the size of one of ringweave's 4 B frames with its header
 
@@ -241,6 +246,61 @@ async def _worker(calls: int, nbytes: int) -> None:
     await runtime.shutdown()
 
 
+def run_inproc(n: int, calls: int, nbytes: int = 4) -> tuple[float, ...]:
+    """The n ranks as tasks of this process's event loop (uvloop), over loopback TCP."""
+    import resource
+
+    import runtime
+    import collectives
+    from runtime.testing import run_ranks
+
+    async def body(world):
+        x = np.ones(max(1, nbytes // 4), np.float32)
+        for _ in range(WARMUP):
+            await collectives.all_reduce(x, group=world)
+            x.fill(1.0)
+        await collectives.barrier(group=world)
+        return x
+
+    async def main():
+        warm, done = [], []
+
+        def clock():
+            return time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+
+        async def timed(world):
+            x = await body(world)
+            warm.append(world.rank)
+            if len(warm) == n:  # every rank warm: the last to get here starts the clock
+                started.set_result(clock())
+            await started
+            for _ in range(calls):
+                x.fill(1.0)
+                await collectives.all_reduce(x, group=world)
+            done.append(world.rank)
+            if len(done) == n:  # the last to finish stops it (before the runtimes close)
+                stopped.set_result(clock())
+            if not (x == n).all():
+                raise AssertionError(f"rank {world.rank}: all_reduce gave {x[x != n][:4]}, expected {n}")
+
+        loop = asyncio.get_running_loop()
+        started, stopped = loop.create_future(), loop.create_future()
+        await run_ranks(n, timed, transport="tcp")
+        (c0, u0), (c1, u1) = started.result(), stopped.result()
+        total = (c1 - c0) / calls
+        return total, total / n, (u1.ru_utime - u0.ru_utime) / calls / n, (u1.ru_stime - u0.ru_stime) / calls / n
+
+    env = {"RINGWEAVE_SHM": os.environ.get("RINGWEAVE_SHM")}
+    os.environ["RINGWEAVE_SHM"] = "0"
+    try:
+        return runtime.run(main())
+    finally:
+        if env["RINGWEAVE_SHM"] is None:
+            del os.environ["RINGWEAVE_SHM"]
+        else:
+            os.environ["RINGWEAVE_SHM"] = env["RINGWEAVE_SHM"]
+
+
 def run_ringweave(mode: str, n: int, calls: int, nbytes: int = 4) -> tuple[float, ...]:
     env = dict(os.environ, RINGWEAVE_SHM="0" if mode == "ringweave-tcp" else "1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -275,7 +335,10 @@ def main() -> None:
           f"{os.cpu_count()} cores")
     print(f"# {'mode':<18} {'wall us/call':>13} {'cpu us/call/rank':>17} {'user':>10} {'system':>10}")
     for mode in modes:
-        if mode.startswith("ringweave"):
+        if mode == "ringweave-inproc":
+            wall, cpu, user, system = run_inproc(args.nproc, args.calls, args.size)
+            split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
+        elif mode.startswith("ringweave"):
             wall, cpu, user, system = run_ringweave(mode, args.nproc, args.calls, args.size)
             split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
         else:
