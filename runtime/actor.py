@@ -513,6 +513,9 @@ class Actor:
                             r.fut.set_exception(exc)
                         self._incoming[peer] = ("drop", None, None)
                         return None
+                if r.fut.done():  # failed already (its group aborted): the frame goes nowhere
+                    self._incoming[peer] = ("drop", None, None)
+                    return None
                 if r.buf is not None and kind != "o" and r.buf.nbytes == nbytes:
                     self._incoming[peer] = ("direct", r, r.buf)
                     return r.buf

@@ -140,13 +140,14 @@ class Call:
                 fut.exception()  # marked retrieved: the awaiting algorithm still raises it
 
     def cancel_outstanding(self) -> list[int]:
-        """Withdraws every outstanding receive; returns the group ranks they waited on.
-        Receives that failed unawaited are marked retrieved."""
+        """Withdraws every receive of the call still posted (a failed one too: a frame that
+        comes later must not land in the caller's array after the call has raised); returns
+        the group ranks they waited on. Receives that failed unawaited are marked retrieved."""
         missing = sorted(self.waiting_on)
         actor = self._actor
         for fut, (key, _) in self._outstanding.items():
+            actor.unpost(key, fut)
             if not fut.done():
-                actor.unpost(key, fut)
                 fut.cancel()
             elif not fut.cancelled():
                 fut.exception()

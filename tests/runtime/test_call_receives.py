@@ -116,3 +116,28 @@ async def test_send_now_sends_small_frames_and_steps_aside_for_a_frame_in_pieces
     finally:
         for rt in rts:
             await rt.close()
+
+
+@pytest.mark.parametrize("nbytes", [16, 1 << 20], ids=["whole-frame", "payload-read-direct"])
+async def test_a_frame_after_the_call_failed_does_not_land_in_the_callers_array(nbytes):
+    """Rank 0's broadcast times out waiting for the root, rank 1. Rank 1's frame comes after
+    that: rank 0's array must be as the failed call left it, not overwritten behind the
+    caller's back (small frames complete in one step, large ones are read into the posted buffer)."""
+    from runtime.errors import CollectiveTimeoutError
+
+    rts = await make_runtimes(2, "tcp")
+    try:
+        x0 = np.zeros(nbytes // 4, np.float32)
+        with pytest.raises(CollectiveTimeoutError):
+            await collectives.broadcast(x0, 1, group=rts[0].world, algorithm="tree", timeout=0.3)
+        x1 = np.full(nbytes // 4, 7.0, np.float32)
+        await collectives.broadcast(x1, 1, group=rts[1].world, algorithm="tree")
+        for _ in range(100):  # until the frame is in at rank 0, kept for nobody
+            await asyncio.sleep(0.01)
+            if rts[0].actor.statistics().unexpected_frames:
+                break
+        assert rts[0].actor.statistics().unexpected_frames == 1
+        assert not x0.any()
+    finally:
+        for rt in rts:
+            await rt.close()
