@@ -327,7 +327,8 @@ def test_sub_calls_use_the_tcp_table_whatever_the_shm_setting(monkeypatch, shm):
                                               ("all_reduce", 2 << 20, 4): "halving_doubling",
                                               ("all_reduce", 2 << 20, 3): "ring",
                                               ("all_to_all", 1 << 20, 4): "direct",
-                                              ("all_gather", 64, 2): "direct",
+                                              ("all_gather", 64, 2): "recursive_doubling",
+                                              ("all_gather", 64, 3): "direct",
                                               ("all_gather", 64, 5): "bruck",
                                               ("all_gather", 1 << 20, 5): "ring"}.items():
         name, fn = registry.first_tcp_rule(collective, nbytes, world)
