@@ -17,6 +17,9 @@ refill it before each call (inside the timing: a 64 MiB fill is a few ms of user
                    CPU is the framework's own work, repeatable to a few percent where the
                    multi-process modes move by 10-20% between runs. Its wall column is the CPU of
                    every rank summed (one thread runs them all), its cpu column that over n
+  gloo             torch.distributed's Gloo backend (when torch is installed): the same all_reduce
+                   back to back in n processes, the peer bench/collectives.py times one call at a
+                   time between barriers
   bare-tcp-block   recursive doubling over blocking loopback sockets (send / recv_into)
   bare-tcp-uvloop  the same through a minimal uvloop BufferedProtocol, one future per receive
   bare-shm         the shared-memory protocol alone: each rank writes its value and a sequence
@@ -49,14 +52,16 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
 from bench.common import parse_size  # noqa: E402
-MODES = ("ringweave-tcp", "ringweave-shm", "ringweave-inproc", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm")
+MODES = ("ringweave-tcp", "ringweave-shm", "ringweave-inproc", "gloo", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm")
 WARMUP = 200
 MSG = b"x" * 40  # a bare message: about the size of one of ringweave's 4 B frames with its header
 
 
-def _timed(calls: int, one) -> tuple[float, float]:
+def _timed(calls: int, one, after_warmup=None) -> tuple[float, float]:
     for _ in range(WARMUP):
         one()
+    if after_warmup is not None:
+        after_warmup()
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(calls):
         one()
@@ -195,6 +200,51 @@ def _bare_shm(n: int, r: int, mm, calls: int, out) -> None:
     out.put(_timed(calls, one))
 
 
+# -- Gloo ----------------------------------------------------------------------------------------
+
+def _gloo(n: int, r: int, port: int, calls: int, nbytes: int, out) -> None:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=r == 0, timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=r, world_size=n)
+    x = torch.ones(max(1, nbytes // 4))
+
+    def one():
+        x.fill_(1.0)
+        dist.all_reduce(x)
+
+    u0 = []
+    wall, cpu = _timed(calls, one, after_warmup=lambda: (dist.barrier(), u0.append(resource.getrusage(resource.RUSAGE_SELF))))
+    u0 = u0[0]
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    if not bool((x == n).all()):
+        raise AssertionError(f"rank {r}: gloo all_reduce gave {x[:4]}, expected {n}")
+    out.put((wall, cpu, (u1.ru_utime - u0.ru_utime) / calls, (u1.ru_stime - u0.ru_stime) / calls))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_gloo(n: int, calls: int, nbytes: int) -> tuple[float, ...]:
+    try:
+        import torch  # noqa: F401  (imported in the ranks; here only to say it is missing)
+    except ImportError:
+        raise SystemExit("gloo: torch is not installed (pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Queue()
+    procs = [mp.Process(target=_gloo, args=(n, r, port, calls, nbytes, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return (max(res[0] for res in results),) + tuple(sum(res[k] for res in results) / n for k in (1, 2, 3))
+
+
 def run_bare(mode: str, n: int, calls: int) -> tuple[float, float]:
     if mode.startswith("bare-tcp") and n & (n - 1):
         raise SystemExit(f"{mode} needs a power-of-two rank count, got -n {n}")
@@ -313,11 +363,18 @@ def run_ringweave(mode: str, n: int, calls: int, nbytes: int = 4) -> tuple[float
     return (max(float(f[0]) for f in found),) + tuple(sum(float(f[k]) for f in found) / n for k in (1, 2, 3))
 
 
+def default_modes() -> list[str]:
+    """Every mode; gloo only where torch is installed (it is not a dependency of the project)."""
+    import importlib.util
+    return [m for m in MODES if m != "gloo" or importlib.util.find_spec("torch") is not None]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("-n", "--nproc", type=int, default=4)
     p.add_argument("--calls", type=int, default=2000, help="timed calls per mode (default 2000)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {list(MODES)}")
+    p.add_argument("--modes", default=",".join(default_modes()),
+                   help=f"comma list from {list(MODES)} (default: all; gloo only when torch is installed)")
     p.add_argument("--size", type=parse_size, default=4, help="bytes of the ringweave modes' array, e.g. 64M (default 4)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -337,6 +394,9 @@ def main() -> None:
     for mode in modes:
         if mode == "ringweave-inproc":
             wall, cpu, user, system = run_inproc(args.nproc, args.calls, args.size)
+            split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
+        elif mode == "gloo":
+            wall, cpu, user, system = run_gloo(args.nproc, args.calls, args.size)
             split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
         elif mode.startswith("ringweave"):
             wall, cpu, user, system = run_ringweave(mode, args.nproc, args.calls, args.size)

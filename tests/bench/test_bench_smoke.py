@@ -92,9 +92,11 @@ def test_floor_runs_every_mode():
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     rows = {cells[0]: cells[1:] for cells in (line.split() for line in proc.stdout.splitlines())
             if cells and not cells[0].startswith("#")}
-    assert sorted(rows) == sorted(["ringweave-tcp", "ringweave-shm", "ringweave-inproc", "bare-tcp-block",
-                                   "bare-tcp-uvloop", "bare-shm"])
+    expected = ["ringweave-tcp", "ringweave-shm", "ringweave-inproc", "bare-tcp-block", "bare-tcp-uvloop", "bare-shm"]
+    if importlib.util.find_spec("torch") is not None:  # the Gloo peer, where torch is installed
+        expected.append("gloo")
+    assert sorted(rows) == sorted(expected)
     assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, *_ in rows.values()), rows
-    for mode in ("ringweave-tcp", "ringweave-shm", "ringweave-inproc"):  # user + system: about the row's CPU
+    for mode in {"ringweave-tcp", "ringweave-shm", "ringweave-inproc", "gloo"} & set(rows):  # user + system
         user, system = map(float, rows[mode][2:])
         assert user >= 0 and system >= 0 and user + system > 0, rows[mode]
