@@ -183,15 +183,10 @@ def _pack_all(payloads, msg: np.ndarray | None = None) -> tuple[list, int, np.nd
 
 
 def _message_nbytes(inner: Codec, n: int) -> int:
-    """Bytes of one packed message of ``inner``'s payload for ``n`` elements (no encoding: an
-    encode could advance a codec's state, e.g. int8's stochastic-rounding counter)."""
-    from collectives.compress import Int8Codec, TopKCodec
-    from collectives.compress.topk import topk_count
-    if isinstance(inner, Int8Codec):
-        return _aligned(n) + _aligned(4 * -(-n // inner.block))
-    if isinstance(inner, TopKCodec):
-        return 2 * _aligned(4 * topk_count(n, inner.ratio))
-    return _aligned(inner.wire_nbytes(n))  # one-piece payloads (fp16, bf16)
+    """Bytes of one packed message of ``inner``'s payload for ``n`` elements: each array at an
+    aligned offset, as :func:`_pack` lays them out (from the codec's ``payload_nbytes``, not
+    by encoding: an encode could advance a codec's state, e.g. int8's stochastic rounding)."""
+    return sum(_aligned(nbytes) for nbytes in inner.payload_nbytes(n))
 
 
 def wire_nbytes(codec, n: int, world: int, algorithm: str | None = None) -> int:

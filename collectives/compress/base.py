@@ -98,6 +98,12 @@ class Codec(abc.ABC):
     def wire_nbytes(self, shape) -> int:
         """Bytes of payload for an array of ``shape`` (an int count or a tuple)."""
 
+    def payload_nbytes(self, shape) -> tuple[int, ...]:
+        """Bytes of each array of the payload for an array of ``shape``, in the order
+        ``encode`` returns them (their sum is :meth:`wire_nbytes`), without encoding
+        (an encode may advance a codec's state). The default: a one-array payload."""
+        return (self.wire_nbytes(shape),)
+
     def decode_add(self, payload: Payload, out) -> None:
         """``out += decode(payload)``, for gather-then-sum; ``out`` is float32."""
         out += self.decode(payload, out.shape)

@@ -85,6 +85,10 @@ class ErrorFeedback(Codec):
         """See base class (the codec's)."""
         return self.codec.wire_nbytes(shape)
 
+    def payload_nbytes(self, shape) -> tuple[int, ...]:
+        """See base class (the codec's)."""
+        return self.codec.payload_nbytes(shape)
+
     def sharing(self, codec: Codec) -> ErrorFeedback:
         """Error feedback over ``codec`` that carries THIS object's residuals (the same dict):
         how a warm-up step (e.g. top-k at a larger ratio) keeps the stream's error."""

@@ -109,8 +109,12 @@ class Int8Codec(Codec):
 
     def wire_nbytes(self, shape) -> int:
         """See base class: n + 4 * ceil(n / block)."""
+        return sum(self.payload_nbytes(shape))
+
+    def payload_nbytes(self, shape) -> tuple[int, ...]:
+        """See base class: int8 values (n), float32 scales (one per block)."""
         n = numel(shape)
-        return n + 4 * (-(-n // self.block))
+        return n, 4 * (-(-n // self.block))
 
     def __repr__(self) -> str:
         return f"Int8Codec(block={self.block}, stochastic={self.stochastic}, seed={self.seed})"

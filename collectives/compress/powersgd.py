@@ -135,8 +135,12 @@ class PowerSGDCodec(Codec):
 
     def wire_nbytes(self, shape) -> int:
         """See base class: 4 r (n + m)."""
+        return sum(self.payload_nbytes(shape))
+
+    def payload_nbytes(self, shape) -> tuple[int, ...]:
+        """See base class: P (n x r) and Q (m x r), float32."""
         n, m = matrix_shape(shape)
-        return 4 * self.rank * (n + m)
+        return 4 * self.rank * n, 4 * self.rank * m
 
     def __repr__(self) -> str:
         return f"PowerSGDCodec(rank={self.rank}, seed={self.seed})"

@@ -131,7 +131,12 @@ class TopKCodec(Codec):
 
     def wire_nbytes(self, shape) -> int:
         """See base class: 8 * k."""
-        return 8 * topk_count(numel(shape), self.ratio)
+        return sum(self.payload_nbytes(shape))
+
+    def payload_nbytes(self, shape) -> tuple[int, ...]:
+        """See base class: k float32 values, k int32 indices."""
+        k = topk_count(numel(shape), self.ratio)
+        return 4 * k, 4 * k
 
     def __repr__(self) -> str:
         warm = f", warmup_steps={self.warmup_steps}" if self.warmup_steps else ""

@@ -171,3 +171,18 @@ def test_codecs_accept_other_float_dtypes_and_shapes():
         out = codec.decode(codec.encode(x.astype(np.float64)), x.shape)
         assert out.shape == (6, 10) and out.dtype == np.float32
         assert math.isclose(codec.wire_nbytes((6, 10)), codec.wire_nbytes(60))
+
+
+@pytest.mark.parametrize("n", [1, 255, 257, 4099])
+@pytest.mark.parametrize(("name", "kw"), BIT_EXACT + [("powersgd", {"rank": 2})], ids=lambda v: str(v))
+def test_payload_nbytes_is_what_encode_returns_array_by_array(name, kw, n):
+    """compressed.py sizes its packed messages from payload_nbytes without encoding, so each
+    array's size, in order, must be what encode returns (with and without error feedback)."""
+    shape = (n,) if name != "powersgd" else (n, 3)
+    codecs = [get_codec(name, **kw)]
+    if codecs[0].lossy:  # error feedback wraps lossy codecs only
+        codecs.append(ErrorFeedback(get_codec(name, **kw)))
+    for codec in codecs:
+        payload = codec.encode(sample(int(np.prod(shape)), n).reshape(shape))
+        assert [a.nbytes for a in payload] == list(codec.payload_nbytes(shape)), codec
+        assert sum(codec.payload_nbytes(shape)) == codec.wire_nbytes(shape)
