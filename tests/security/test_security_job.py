@@ -88,11 +88,16 @@ asyncio.run(main())
 
 
 def iters(out: Path) -> dict[int, int]:
+    """Each rank's iteration count so far. A rank writes ``iters.R.tmp`` and renames it to
+    ``iters.R``: the .tmp files are skipped, and one renamed between the listing and the read
+    (FileNotFoundError) is read at the next poll."""
     got = {}
     for p in out.glob("iters.*"):
+        if p.suffix == ".tmp":
+            continue
         try:
             got[int(p.name.split(".")[1])] = int(p.read_text())
-        except ValueError:
+        except (ValueError, FileNotFoundError):
             pass
     return got
 
