@@ -6,17 +6,19 @@
 
 Each mode runs ``--calls`` back-to-back 4 B float32 sum all_reduces (after 200 untimed) in n
 processes, and prints the wall time per call (the slowest rank) and the CPU time per call
-(the ranks' mean; ``time.process_time``, so every thread of a rank counts; the ringweave modes
-also split it into user and system time). ``--size`` sets the array of the ringweave modes, which
-refill it before each call (inside the timing: a 64 MiB fill is a few ms of user time). Modes:
+(the ranks' mean; ``time.process_time``, so every thread of a rank counts), split into user and
+system time (getrusage). ``--size`` sets the array of the ringweave and gloo modes, which refill
+it before each call (inside the timing: a 64 MiB fill is a few ms of user time). Modes:
 
   ringweave-tcp    ``collectives.all_reduce`` over TCP (RINGWEAVE_SHM=0), through runtime.launch
   ringweave-shm    the same over shared memory (RINGWEAVE_SHM=1)
   ringweave-inproc the TCP one with the n ranks as tasks of ONE process (runtime.testing, real
                    loopback sockets): no context switches and no scheduling between ranks, so the
-                   CPU is the framework's own work, repeatable to a few percent where the
-                   multi-process modes move by 10-20% between runs. Its wall column is the CPU of
-                   every rank summed (one thread runs them all), its cpu column that over n
+                   CPU is the framework's own work. Runs within minutes of each other agreed to
+                   a few percent (4 B: 178-190 us), but it moves with the machine's slow periods
+                   too (the same code, later: 265-379 us); compare A/B runs interleaved. Its wall
+                   column is the CPU of every rank summed (one thread runs them all), its cpu
+                   column that over n
   gloo             torch.distributed's Gloo backend (when torch is installed): the same all_reduce
                    back to back in n processes, the peer bench/collectives.py times one call at a
                    time between barriers
@@ -35,13 +37,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import mmap
 import multiprocessing as mp
 import os
+import resource
 import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -57,15 +62,47 @@ WARMUP = 200
 MSG = b"x" * 40  # a bare message: about the size of one of ringweave's 4 B frames with its header
 
 
-def _timed(calls: int, one, after_warmup=None) -> tuple[float, float]:
+class _Clock:
+    """This process's wall, CPU, user and system time from ``start()`` on, per call."""
+
+    def start(self) -> "_Clock":
+        self.t0, self.c0, self.u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+        return self
+
+    def per_call(self, calls: int) -> tuple[float, float, float, float]:
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+        return ((time.perf_counter() - self.t0) / calls, (time.process_time() - self.c0) / calls,
+                (u1.ru_utime - self.u0.ru_utime) / calls, (u1.ru_stime - self.u0.ru_stime) / calls)
+
+
+def _timed(calls: int, one, after_warmup=None) -> tuple[float, float, float, float]:
+    """WARMUP untimed calls of ``one``, ``after_warmup()``, then ``calls`` timed ones (_Clock)."""
     for _ in range(WARMUP):
         one()
     if after_warmup is not None:
         after_warmup()
-    t0, c0 = time.perf_counter(), time.process_time()
+    clock = _Clock().start()
     for _ in range(calls):
         one()
-    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+    return clock.per_call(calls)
+
+
+def _over_ranks(per_rank: list) -> tuple[float, ...]:
+    """Per-rank (wall, cpu, user, system): the slowest rank's wall, the mean of the rest."""
+    n = len(per_rank)
+    return (max(r[0] for r in per_rank),) + tuple(sum(r[k] for r in per_rank) / n for k in (1, 2, 3))
+
+
+def _in_processes(n: int, target, *args) -> tuple[float, ...]:
+    """Runs ``target(n, rank, *args, out)`` in n processes; each puts its _Clock figures in ``out``."""
+    out = mp.Queue()
+    procs = [mp.Process(target=target, args=(n, r, *args, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return _over_ranks(results)
 
 
 # -- bare TCP ------------------------------------------------------------------------------------
@@ -159,10 +196,10 @@ def _bare_tcp_uvloop(n: int, r: int, port0: int, calls: int, out) -> None:
 
         for _ in range(WARMUP):
             await one()
-        t0, c0 = time.perf_counter(), time.process_time()
+        clock = _Clock().start()
         for _ in range(calls):
             await one()
-        out.put(((time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls))
+        out.put(clock.per_call(calls))
         for pr in protos.values():
             pr.transport.close()
 
@@ -203,12 +240,10 @@ def _bare_shm(n: int, r: int, mm, calls: int, out) -> None:
 # -- Gloo ----------------------------------------------------------------------------------------
 
 def _gloo(n: int, r: int, port: int, calls: int, nbytes: int, out) -> None:
-    import resource
-
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, n, is_master=r == 0, timeout=__import__("datetime").timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=r == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=r, world_size=n)
     x = torch.ones(max(1, nbytes // 4))
 
@@ -216,13 +251,10 @@ def _gloo(n: int, r: int, port: int, calls: int, nbytes: int, out) -> None:
         x.fill_(1.0)
         dist.all_reduce(x)
 
-    u0 = []
-    wall, cpu = _timed(calls, one, after_warmup=lambda: (dist.barrier(), u0.append(resource.getrusage(resource.RUSAGE_SELF))))
-    u0 = u0[0]
-    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    figures = _timed(calls, one, after_warmup=dist.barrier)
     if not bool((x == n).all()):
         raise AssertionError(f"rank {r}: gloo all_reduce gave {x[:4]}, expected {n}")
-    out.put((wall, cpu, (u1.ru_utime - u0.ru_utime) / calls, (u1.ru_stime - u0.ru_stime) / calls))
+    out.put(figures)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -232,45 +264,28 @@ def run_gloo(n: int, calls: int, nbytes: int) -> tuple[float, ...]:
         import torch  # noqa: F401  (imported in the ranks; here only to say it is missing)
     except ImportError:
         raise SystemExit("gloo: torch is not installed (pip install torch --index-url https://download.pytorch.org/whl/cpu)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Queue()
-    procs = [mp.Process(target=_gloo, args=(n, r, port, calls, nbytes, out)) for r in range(n)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    return (max(res[0] for res in results),) + tuple(sum(res[k] for res in results) / n for k in (1, 2, 3))
+    return _in_processes(n, _gloo, _free_port(), calls, nbytes)
 
 
-def run_bare(mode: str, n: int, calls: int) -> tuple[float, float]:
+def run_bare(mode: str, n: int, calls: int) -> tuple[float, ...]:
     if mode.startswith("bare-tcp") and n & (n - 1):
         raise SystemExit(f"{mode} needs a power-of-two rank count, got -n {n}")
-    out = mp.Queue()
     if mode == "bare-shm":
-        mm = mmap.mmap(-1, 4096)
-        procs = [mp.Process(target=_bare_shm, args=(n, r, mm, calls, out)) for r in range(n)]
-    else:
-        target = _bare_tcp_block if mode == "bare-tcp-block" else _bare_tcp_uvloop
-        with socket.socket() as s:  # a free block of ports: bind port 0 and start just above it
-            s.bind(("127.0.0.1", 0))
-            port0 = s.getsockname()[1] + 1
-        procs = [mp.Process(target=target, args=(n, r, port0, calls, out)) for r in range(n)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    return max(w for w, _ in results), sum(c for _, c in results) / n
+        return _in_processes(n, _bare_shm, mmap.mmap(-1, 4096), calls)
+    target = _bare_tcp_block if mode == "bare-tcp-block" else _bare_tcp_uvloop
+    return _in_processes(n, target, _free_port() + 1, calls)  # rank r listens on port + 1 + r
+
+
+def _free_port() -> int:
+    """A port free now (bound to 0 and released); the bare TCP modes use the block just above it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -- ringweave ------------------------------------------------------------------------------------
 
 async def _worker(calls: int, nbytes: int) -> None:
-    import resource
-
     import runtime
     import collectives
     rt = await runtime.init()
@@ -283,23 +298,18 @@ async def _worker(calls: int, nbytes: int) -> None:
     for _ in range(WARMUP):
         await one()
     await collectives.barrier()
-    u0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0, c0 = time.perf_counter(), time.process_time()
+    clock = _Clock().start()
     for _ in range(calls):
         await one()
-    wall, cpu = (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
-    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    figures = clock.per_call(calls)
     if not (x == rt.world_size).all():
         raise AssertionError(f"rank {rt.rank}: all_reduce gave {x[x != rt.world_size][:4]}, expected {rt.world_size}")
-    user, system = (u1.ru_utime - u0.ru_utime) / calls, (u1.ru_stime - u0.ru_stime) / calls
-    print(f"FLOOR {wall!r} {cpu!r} {user!r} {system!r}", flush=True)
+    print("FLOOR " + " ".join(repr(f) for f in figures), flush=True)
     await runtime.shutdown()
 
 
 def run_inproc(n: int, calls: int, nbytes: int = 4) -> tuple[float, ...]:
     """The n ranks as tasks of this process's event loop (uvloop), over loopback TCP."""
-    import resource
-
     import runtime
     import collectives
     from runtime.testing import run_ranks
@@ -314,41 +324,31 @@ def run_inproc(n: int, calls: int, nbytes: int = 4) -> tuple[float, ...]:
 
     async def main():
         warm, done = [], []
-
-        def clock():
-            return time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+        clock = _Clock()
 
         async def timed(world):
             x = await body(world)
             warm.append(world.rank)
             if len(warm) == n:  # every rank warm: the last to get here starts the clock
-                started.set_result(clock())
+                started.set_result(clock.start())
             await started
             for _ in range(calls):
                 x.fill(1.0)
                 await collectives.all_reduce(x, group=world)
             done.append(world.rank)
             if len(done) == n:  # the last to finish stops it (before the runtimes close)
-                stopped.set_result(clock())
+                stopped.set_result(clock.per_call(calls))
             if not (x == n).all():
                 raise AssertionError(f"rank {world.rank}: all_reduce gave {x[x != n][:4]}, expected {n}")
 
         loop = asyncio.get_running_loop()
         started, stopped = loop.create_future(), loop.create_future()
         await run_ranks(n, timed, transport="tcp")
-        (c0, u0), (c1, u1) = started.result(), stopped.result()
-        total = (c1 - c0) / calls
-        return total, total / n, (u1.ru_utime - u0.ru_utime) / calls / n, (u1.ru_stime - u0.ru_stime) / calls / n
+        _, cpu, user, system = stopped.result()  # every rank's, one thread: the wall column is the CPU
+        return cpu, cpu / n, user / n, system / n
 
-    env = {"RINGWEAVE_SHM": os.environ.get("RINGWEAVE_SHM")}
-    os.environ["RINGWEAVE_SHM"] = "0"
-    try:
+    with mock.patch.dict(os.environ, RINGWEAVE_SHM="0"):
         return runtime.run(main())
-    finally:
-        if env["RINGWEAVE_SHM"] is None:
-            del os.environ["RINGWEAVE_SHM"]
-        else:
-            os.environ["RINGWEAVE_SHM"] = env["RINGWEAVE_SHM"]
 
 
 def run_ringweave(mode: str, n: int, calls: int, nbytes: int = 4) -> tuple[float, ...]:
@@ -360,7 +360,7 @@ def run_ringweave(mode: str, n: int, calls: int, nbytes: int = 4) -> tuple[float
     found = [line.split("FLOOR ", 1)[1].split() for line in res.stdout.splitlines() if "FLOOR " in line]
     if res.returncode or len(found) != n:
         raise SystemExit(f"{mode}: the job failed (exit {res.returncode}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
-    return (max(float(f[0]) for f in found),) + tuple(sum(float(f[k]) for f in found) / n for k in (1, 2, 3))
+    return _over_ranks([[float(v) for v in f] for f in found])
 
 
 def default_modes() -> list[str]:
@@ -375,7 +375,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2000, help="timed calls per mode (default 2000)")
     p.add_argument("--modes", default=",".join(default_modes()),
                    help=f"comma list from {list(MODES)} (default: all; gloo only when torch is installed)")
-    p.add_argument("--size", type=parse_size, default=4, help="bytes of the ringweave modes' array, e.g. 64M (default 4)")
+    p.add_argument("--size", type=parse_size, default=4, help="bytes of the ringweave and gloo modes' array, e.g. 64M (default 4)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -384,7 +384,7 @@ def main() -> None:
         return
     modes = [m for m in args.modes.split(",") if m]
     if args.size != 4 and any(m.startswith("bare") for m in modes):
-        raise SystemExit("--size is for the ringweave modes; the bare ones send a 4 B all_reduce's message only")
+        raise SystemExit("--size is for the ringweave and gloo modes; the bare ones send a 4 B all_reduce's message only")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
@@ -394,16 +394,13 @@ def main() -> None:
     for mode in modes:
         if mode == "ringweave-inproc":
             wall, cpu, user, system = run_inproc(args.nproc, args.calls, args.size)
-            split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
         elif mode == "gloo":
             wall, cpu, user, system = run_gloo(args.nproc, args.calls, args.size)
-            split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
         elif mode.startswith("ringweave"):
             wall, cpu, user, system = run_ringweave(mode, args.nproc, args.calls, args.size)
-            split = f"{user * 1e6:10.1f} {system * 1e6:10.1f}"
         else:
-            (wall, cpu), split = run_bare(mode, args.nproc, args.calls), f"{'-':>10} {'-':>10}"
-        print(f"  {mode:<18} {wall * 1e6:13.1f} {cpu * 1e6:17.1f} {split}", flush=True)
+            wall, cpu, user, system = run_bare(mode, args.nproc, args.calls)
+        print(f"  {mode:<18} {wall * 1e6:13.1f} {cpu * 1e6:17.1f} {user * 1e6:10.1f} {system * 1e6:10.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,8 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
 
 def _on_device(a) -> bool:
     """A device array: all_reduce, all_gather and broadcast take them (collectives/device.py);
-    the other calls want NumPy arrays. A NumPy array is answered without the attribute probe,
-    which costs ~0.5 us per host call."""
+    the other calls want NumPy arrays. A NumPy array is answered without the attribute probe
+    (a failed ``hasattr``: ~0.5 us per host call, timeit on this machine)."""
     return type(a) is not np.ndarray and is_device_array(a)
 
 

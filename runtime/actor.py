@@ -101,6 +101,9 @@ class _BufferPool:
         return len(mv.obj) >= _BufferPool.MIN_NBYTES
 
 
+_DROP = object()  # Actor._claim: the frame has a receive, but goes nowhere
+
+
 class _Recv:
     """A posted receive. ``buf`` None: allocate (``recv``); ``check(header, nbytes, src)``
     may return an exception to fail the receive (used for collective fingerprints)."""
@@ -495,27 +498,35 @@ class Actor:
                 self._pool.give(data)
         r.fut.set_result((header, r.buf))
 
+    def _claim(self, key: tuple, header: dict, nbytes: int):
+        """Takes the receive posted first for ``key`` and runs its check on the frame. Returns
+        it, None when none is posted, or _DROP when the frame goes nowhere: the check failed
+        the receive (a fingerprint mismatch), or it had failed already (its group aborted)."""
+        q = self._posted.get(key)
+        if not q:
+            return None
+        r = q.popleft()
+        if not q:
+            del self._posted[key]
+        if r.check is not None:
+            exc = r.check(header, nbytes, r.src)
+            if exc is not None:
+                if not r.fut.done():  # the check may already have failed it (group abort)
+                    r.fut.set_exception(exc)
+                return _DROP
+        return _DROP if r.fut.done() else r
+
     # -- sink interface (called by connections) -------------------------------
     def on_header(self, conn: Connection, header: dict, nbytes: int) -> memoryview | None:
         kind = header["k"]
         peer = conn.peer
         if kind in ("d", "o", "c"):
             key = ("c", peer, header["t"]) if kind == "c" else (peer, header["t"])
-            q = self._posted.get(key)
-            if q:
-                r = q.popleft()
-                if not q:
-                    del self._posted[key]
-                if r.check is not None:
-                    exc = r.check(header, nbytes, r.src)
-                    if exc is not None:
-                        if not r.fut.done():  # the check may already have failed it (group abort)
-                            r.fut.set_exception(exc)
-                        self._incoming[peer] = ("drop", None, None)
-                        return None
-                if r.fut.done():  # failed already (its group aborted): the frame goes nowhere
-                    self._incoming[peer] = ("drop", None, None)
-                    return None
+            r = self._claim(key, header, nbytes)
+            if r is _DROP:
+                self._incoming[peer] = ("drop", None, None)
+                return None
+            if r is not None:
                 if r.buf is not None and kind != "o" and r.buf.nbytes == nbytes:
                     self._incoming[peer] = ("direct", r, r.buf)
                     return r.buf
@@ -557,20 +568,11 @@ class Actor:
         if kind == "c" or kind == "d":
             key = ("c", conn.peer, header["t"]) if kind == "c" else (conn.peer, header["t"])
             q = self._posted.get(key)
-            if q and q[0].buf is not None and q[0].buf.nbytes == nbytes:
-                r = q.popleft()
-                if not q:
-                    del self._posted[key]
-                fut = r.fut
-                if r.check is not None:
-                    exc = r.check(header, nbytes, r.src)
-                    if exc is not None:
-                        if not fut.done():  # the check may already have failed it (group abort)
-                            fut.set_exception(exc)
-                        return
-                if not fut.done():
+            if q and q[0].buf is not None and q[0].buf.nbytes == nbytes:  # else on_header decides
+                r = self._claim(key, header, nbytes)
+                if r is not _DROP:
                     r.buf[:] = data
-                    fut.set_result((header, r.buf))
+                    r.fut.set_result((header, r.buf))
                 return
         dest = self.on_header(conn, header, nbytes)
         if dest is not None and nbytes:

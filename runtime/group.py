@@ -212,7 +212,7 @@ class ProcessGroup:
         """Runs ``coro_fn(call, *args)`` under the call's timeout and failure rules."""
         rt = self.runtime
         tracer = rt.tracer
-        tracing = tracer.out_dir is not None  # tracer.enabled, without a call per collective
+        tracing = tracer.enabled
         start_us = tracer.now_us() if tracing else 0.0
         outcome = "error"
         watchdog = rt.watchdog

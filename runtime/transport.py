@@ -63,8 +63,6 @@ from runtime.errors import BadFrameError, ClosedError, PeerLostError
 
 log = logging.getLogger("ringweave.transport")
 
-_PREFIX_PACK, _PREFIX_UNPACK, _MAGIC, _VERSION = wire.PREFIX.pack, wire.PREFIX.unpack_from, wire.MAGIC, wire.VERSION
-
 STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
 READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
@@ -214,10 +212,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             avail = self._end - self._start
             if avail < wire.PREFIX_NBYTES:
                 return
-            magic, version, hlen, plen = _PREFIX_UNPACK(stage, self._start)
-            if (magic != _MAGIC or version != _VERSION or not 0 < hlen <= wire.MAX_HEADER_NBYTES
-                    or plen > self._max_payload):  # wire.parse_prefix says which check failed
-                wire.parse_prefix(stage[self._start:], self._max_payload, where=self._where)
+            hlen, plen = wire.parse_prefix(stage[self._start:], self._max_payload, where=self._where)
             if avail < wire.PREFIX_NBYTES + hlen:
                 return
             hstart = self._start + wire.PREFIX_NBYTES
@@ -387,7 +382,7 @@ class TCPConnection(Connection):
         nbytes = payload.nbytes
         if self._chunking is not None or proto._paused or nbytes > SEND_NOW_NBYTES:
             return False
-        head = _PREFIX_PACK(_MAGIC, _VERSION, len(packed), nbytes) + packed
+        head = wire.encode_head(packed, nbytes)
         proto.transport.write(head + payload if nbytes else head)
         self.frames_sent += 1
         self.bytes_sent += len(head) + nbytes

@@ -97,6 +97,6 @@ def test_floor_runs_every_mode():
         expected.append("gloo")
     assert sorted(rows) == sorted(expected)
     assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, *_ in rows.values()), rows
-    for mode in {"ringweave-tcp", "ringweave-shm", "ringweave-inproc", "gloo"} & set(rows):  # user + system
+    for mode in rows:  # user + system: about the row's CPU
         user, system = map(float, rows[mode][2:])
         assert user >= 0 and system >= 0 and user + system > 0, rows[mode]

@@ -109,7 +109,7 @@ async def test_send_now_sends_small_frames_and_steps_aside_for_a_frame_in_pieces
                                    a1.recv_into(0, "s", out, timeout_s=30))
         a1.conns[0]._proto.transport.resume_reading()
         await sending
-        await conn.send(packed, memoryview(np.array([4, 5, 6], np.uint8)))  # after the big one
+        await asyncio.wait_for(conn.send(packed, memoryview(np.array([4, 5, 6], np.uint8))), 30)  # after the big one
         await receiving
         assert np.array_equal(got_big, big) and out.tolist() == [4, 5, 6]
         assert a1.statistics().unexpected_frames == 0
