@@ -56,10 +56,9 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
 
     q, mask = fold.q, 1
     while mask < fold.p:
-        partner = q ^ mask
-        arrived = comm.irecv(fold.real(partner), window(partner & ~(mask - 1), mask))  # post first
-        await comm.send(fold.real(partner), window(q & ~(mask - 1), mask))
-        await arrived
+        partner = q ^ mask  # ours out, theirs into place
+        await comm.sendrecv(fold.real(partner), window(q & ~(mask - 1), mask),
+                            fold.real(partner), window(partner & ~(mask - 1), mask))
         mask <<= 1
     if fold.folds:  # unfold: the extra rank gets everything
         await comm.send(r - 1, as_bytes(out))

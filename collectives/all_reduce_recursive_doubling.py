@@ -48,9 +48,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         reduce_now(scratch, x, op)  # x[r-1] <op> x[r]
         x[...] = scratch
     for partner, lower in steps:  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
-        arrived = comm.irecv(partner, sbuf)  # post first
-        await comm.send(partner, buf)
-        await arrived
+        await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
         if lower:  # the partner is lower: result = theirs <op> ours
             reduce_now(scratch, x, op)
             x[...] = scratch

@@ -17,13 +17,12 @@ Signature: ``await run(comm)``.
 from __future__ import annotations
 
 _EMPTY = memoryview(b"")
+_NOTHING = memoryview(bytearray())  # the receive's (empty) buffer
 
 
 async def run(comm) -> None:
     n, r = comm.size, comm.rank
     distance = 1
     while distance < n:
-        arrived = comm.irecv((r - distance) % n, bytearray())  # post first
-        await comm.send((r + distance) % n, _EMPTY)
-        await arrived
+        await comm.sendrecv((r + distance) % n, _EMPTY, (r - distance) % n, _NOTHING)  # "here" out, in
         distance <<= 1

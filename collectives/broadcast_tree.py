@@ -36,7 +36,7 @@ async def run(comm, x: np.ndarray, root: int) -> None:
     mask = 1
     while mask < n:  # find our parent: the lowest set bit of v
         if v & mask:
-            await comm.recv_into((v - mask + root) % n, buf)  # the whole array, from the parent
+            await comm.sendrecv(None, None, (v - mask + root) % n, buf)  # the whole array, from the parent
             break
         mask <<= 1
     mask >>= 1

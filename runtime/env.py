@@ -50,3 +50,27 @@ def timeout_s(default: float = DEFAULT_TIMEOUT_S) -> float:
     if not value > 0:  # also NaN
         raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r}: the deadline must be a positive number of seconds")
     return value
+
+
+INLINE_WAIT_ENV_VAR = "RINGWEAVE_INLINE_WAIT_US"
+DEFAULT_INLINE_WAIT_US = 2000.0  # see runtime/group.Call.sendrecv
+
+
+def inline_wait_s(default_us: float = DEFAULT_INLINE_WAIT_US) -> float:
+    """How long a small collective message may be waited for in ``poll()`` on its socket, without
+    returning to the event loop (``Call.sendrecv``), in seconds: ``RINGWEAVE_INLINE_WAIT_US`` as it
+    is now, ``default_us`` when unset or empty; 0 turns that path off.
+
+    Raises:
+        ValueError: the variable is not a number >= 0; the message names it and its value.
+    """
+    raw = get(INLINE_WAIT_ENV_VAR)
+    if raw is None or not raw.strip():
+        return default_us / 1e6
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{INLINE_WAIT_ENV_VAR}={raw!r} is not a number of microseconds") from None
+    if not value >= 0:  # also NaN
+        raise ValueError(f"{INLINE_WAIT_ENV_VAR}={raw!r}: the wait must be 0 or more microseconds")
+    return value / 1e6

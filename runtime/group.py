@@ -35,17 +35,19 @@ import time
 from runtime import env, wire
 from runtime.actor import Actor
 from runtime.trace import Tracer
+from runtime.transport import SEND_NOW_NBYTES
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
                             CollectiveTimeoutError, PeerLostError, RingweaveError)
 
 log = logging.getLogger("ringweave.group")
+_live_runtimes = 0  # Runtimes made and not closed in this process (Call.sendrecv)
 
 class Call:
     """One collective call on one group: the ``comm`` an algorithm talks through, and the
     record of it that ``tools/status`` shows (``gid``, ``seq``, ``fingerprint``, ``started``,
     ``waiting_on``).
 
-    Algorithms use only ``rank``, ``size``, ``send``, ``irecv`` and ``recv_into``;
+    Algorithms use only ``rank``, ``size``, ``send``, ``irecv``, ``recv_into`` and ``sendrecv``;
     ranks are group ranks and buffers are bytes-like (memoryviews of arrays).
 
     Every receive posted by the call stays in ``_outstanding`` until the call ends: what it
@@ -87,17 +89,10 @@ class Call:
 
     async def send(self, dst: int, buf) -> None:
         """Sends ``buf`` to group rank ``dst``; returns when ``buf`` may be reused."""
-        error = self.group.error
-        if error is not None:
-            raise error
-        mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
-        self.bytes_sent += mv.nbytes
-        packed = self._packed
-        if packed is None:  # packed once, at the first send (a shared-memory call sends none)
-            packed = self._packed = wire.pack_header({"k": "c", "t": self._tag, "f": self.fingerprint})
-        conn = self._actor.connection(self._peers[dst])
-        if not conn.send_now(packed, mv):  # a small frame goes out at once, without a coroutine
-            await conn.send(packed, mv)
+        if not self.send_now(dst, buf):  # a small frame goes out at once, without a coroutine
+            mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+            self.bytes_sent += mv.nbytes
+            await self._actor.connection(self._peers[dst]).send(self._packed, mv)
 
     def irecv(self, src: int, buf) -> asyncio.Future:
         """Posts a receive from group rank ``src`` into ``buf`` (exact length);
@@ -119,6 +114,58 @@ class Call:
 
     async def recv_into(self, src: int, buf) -> None:
         await self.irecv(src, buf)
+
+    async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf: memoryview) -> None:
+        """Sends ``sbuf`` to group rank ``dst`` (None: nothing) and receives ``src``'s message
+        of this call into ``rbuf`` (a byte memoryview of the exact length): the same as
+        ``arrived = irecv(src, rbuf); await send(dst, sbuf); await arrived``, which it falls
+        back to.
+
+        The small-message path: when this is the only call in flight on the runtime, both
+        messages are small and nothing of ``src``'s connection is staged or kept, the send
+        goes out at once (``send_now``) and ``src``'s frame is read straight from its socket
+        (``Connection.recv_now``), its header checked byte for byte against ours (a peer in
+        the same call packs the same one), waiting in ``poll()`` for at most the runtime's
+        ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
+        returning to the event loop. That skips the loop's wake-up, the sink callbacks and
+        the receive's future (figures in collectives/registry.py). Only while the runtime is
+        the process's only one: ranks run as tasks of one loop (runtime.testing) would wait
+        on a peer that cannot run until the wait is over. Anything else (another
+        frame first, a mismatch, a lost peer, no frame in time) goes to the normal path,
+        which reports it as it always does; other tasks of the loop wait at most that long.
+        """
+        actor = self._actor
+        rt = self.group.runtime
+        if (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= SEND_NOW_NBYTES
+                and self.group.error is None and not actor.has_unexpected()):
+            conn = actor.connection(self._peers[src])
+            if dst is None or self.send_now(dst, sbuf):
+                if conn.recv_now(wire.encode_head(self._packed or self._pack(), rbuf.nbytes), rbuf, rt.inline_wait_s):
+                    return
+                await self.irecv(src, rbuf)  # what was read of it went the usual way
+                return
+        arrived = self.irecv(src, rbuf)
+        if dst is not None:
+            await self.send(dst, sbuf)
+        await arrived
+
+    def send_now(self, dst: int, buf) -> bool:
+        """Sends ``buf`` to group rank ``dst`` if that can be done at once (a small frame, the
+        connection idle: ``Connection.send_now``); False: nothing was sent."""
+        error = self.group.error
+        if error is not None:
+            raise error
+        mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+        if self._actor.connection(self._peers[dst]).send_now(self._packed or self._pack(), mv):
+            self.bytes_sent += mv.nbytes
+            return True
+        return False
+
+    def _pack(self) -> bytes:
+        """The header of every frame of this call, packed once, when first needed (a shared-memory
+        call never needs it); a peer in the same call packs the same bytes."""
+        self._packed = wire.pack_header({"k": "c", "t": self._tag, "f": self.fingerprint})
+        return self._packed
 
     def _check(self, header: dict, nbytes: int, peer: int):
         """The actor's check of a frame for one of our receives (``peer``: the global rank
@@ -217,6 +264,7 @@ class ProcessGroup:
         outcome = "error"
         watchdog = rt.watchdog
         actor = rt.actor
+        rt.in_flight += 1
         try:
             if actor.has_unexpected():
                 self._check_early(call)
@@ -250,6 +298,7 @@ class ProcessGroup:
                 self.abort(exc)                 # on us rather than on it would otherwise time out
             raise
         finally:
+            rt.in_flight -= 1
             self.calls.pop(call.seq, None)
             self._finished[call.seq] = call.fingerprint
             if len(self._finished) > 256:  # drop the first finished (O(1); min() scanned all 256 per call)
@@ -440,6 +489,10 @@ class Runtime:
         self.local_world_size = local_world_size
         self.shm_enabled = True  # every rank must agree (the algorithm is in each call's fingerprint)
         self.watchdog = Watchdog()  # the deadlines of the calls in flight
+        self.inline_wait_s = env.inline_wait_s()  # Call.sendrecv's wait off the event loop (0: never)
+        global _live_runtimes
+        _live_runtimes += 1  # Call.sendrecv waits off the loop only while this is the process's one runtime
+        self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)
         self.groups: dict[int, ProcessGroup] = {}
         self.world = self._add_group(list(range(actor.world_size)))
         actor.add_lost_listener(self._on_peer_lost)
@@ -522,6 +575,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        global _live_runtimes
+        _live_runtimes -= 1
         self.watchdog.close()
         try:
             self.tracer.write()

@@ -35,9 +35,18 @@ is the small-frame shortcut: when nothing is queued it writes the frame (payload
 copied behind the header) and returns True without a coroutine; otherwise it
 sends nothing and the caller awaits ``send``.
 
+``conn.recv_now(head, dest, wait_s)`` is the small-frame shortcut on the receive
+side, for a caller that knows the exact bytes the next frame's head must be (a
+collective's peer packs the same header): when nothing of the connection is
+staged or half read, it reads the frame straight from the socket, blocking the
+thread in ``poll()`` for at most ``wait_s``, with no event-loop round trip and no
+sink callbacks. Bytes that are not that frame, or not all of it in time, are
+handed to the normal receive path (:meth:`_FrameProtocol.feed`), exactly as if
+the event loop had read them, so nothing is lost or reordered.
+
 Call order of a connection (grammar)::
 
-    open -> ((send | send_now)* | on_header on_frame | on_whole)* -> [on_lost] -> close -> end
+    open -> ((send | send_now)* | on_header on_frame | on_whole | recv_now)* -> [on_lost] -> close -> end
 
 The small-message path (these two, with runtime/group.Call and collectives/api) was
 cut down with ``python bench/floor.py -n 4 --modes ringweave-inproc,ringweave-tcp``, a
@@ -54,7 +63,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import socket
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +99,7 @@ class ConnectionStatistics:
     frames_received: int
     bytes_received: int
     write_buffer_nbytes: int
+    frames_received_now: int = 0  # of frames_received, those recv_now took off the socket itself
 
 
 class Connection:
@@ -116,6 +128,19 @@ class Connection:
 
         Raises:
             PeerLostError: as :meth:`send`.
+        """
+        return False
+
+    def recv_now(self, head: bytes, dest: memoryview, wait_s: float) -> bool:
+        """Receives the next frame at once, without the event loop, if it is exactly ``head``
+        (prefix and packed header, as wire.encode_head makes them) followed by
+        ``dest.nbytes`` bytes of payload, waiting for it at most ``wait_s`` (blocking the
+        thread). True: the payload is in ``dest`` and the sink was not called. False:
+        nothing of it is in ``dest``; whatever was read went to the sink the usual way
+        (the caller posts its receive as it would have). Only for small frames.
+
+        Raises:
+            nothing: a broken connection returns False and is reported by the event loop.
         """
         return False
 
@@ -240,6 +265,20 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 self._set_lowat(min(plen - inline, self._lowat_cap))
             return
 
+    def idle(self) -> bool:
+        """Nothing received is waiting here: no bytes staged, no payload half read."""
+        return self._header is None and self._start == self._end and self.lost is None
+
+    def feed(self, data: memoryview) -> None:
+        """Takes bytes read from the socket by someone else (TCPConnection.recv_now) as if
+        the event loop had read them: same buffers, same parsing, same sink calls."""
+        while data.nbytes and self.lost is None:
+            buf = self.get_buffer(-1)
+            n = min(buf.nbytes, data.nbytes)
+            buf[:n] = data[:n]
+            self.buffer_updated(n)
+            data = data[n:]
+
     def _set_lowat(self, nbytes: int) -> None:
         """SO_RCVLOWAT = nbytes: epoll reports the socket readable only once that many bytes
         are queued (or on EOF / error, so a lost peer is still seen at once)."""
@@ -302,7 +341,10 @@ class TCPConnection(Connection):
         self._proto = _FrameProtocol(self, schema, max_payload_nbytes)
         self._closed = False
         self._chunking: asyncio.Lock | None = None  # held while a large frame goes out in pieces
-        self._fd = -1  # the socket's descriptor, for writev of header + payload
+        self._fd = -1  # the socket's descriptor, for writev of header + payload (and recv_now)
+        self._poller = None  # select.poll on _fd, for recv_now (made at its first wait)
+        self._now_buf = bytearray()  # recv_now reads a frame into this (grown as needed, reused)
+        self.frames_received_now = 0
         self.frames_sent = self.bytes_sent = 0
         self.frames_received = self.bytes_received = 0
 
@@ -388,6 +430,55 @@ class TCPConnection(Connection):
         self.bytes_sent += len(head) + nbytes
         return True
 
+    def recv_now(self, head: bytes, dest: memoryview, wait_s: float) -> bool:
+        """See base class. Reads exactly the expected frame's length from the socket (never
+        into the next frame), checking the bytes against ``head`` as they come; the first
+        byte that differs, EOF, an error or the end of ``wait_s`` ends the attempt."""
+        proto = self._proto
+        fd = self._fd
+        if fd < 0 or self._closed or not proto.idle():
+            return False
+        hlen = len(head)
+        total = hlen + dest.nbytes
+        if len(self._now_buf) < total:
+            self._now_buf = bytearray(total)
+        frame = memoryview(self._now_buf)[:total]
+        got = 0
+        deadline = 0.0
+        ours = True  # every byte read so far is what head says it must be
+        while got < total:
+            try:
+                n = os.readv(fd, (frame[got:],))
+            except BlockingIOError:  # nothing yet: wait (the first time, start the clock)
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + wait_s
+                elif now >= deadline:
+                    break
+                if self._poller is None:
+                    self._poller = select.poll()
+                    self._poller.register(fd, select.POLLIN)
+                self._poller.poll((deadline - now) * 1000.0)
+                continue
+            except OSError:  # broken: the event loop reads the same error and reports it
+                break
+            if n == 0:  # EOF: likewise
+                break
+            checked = min(got + n, hlen)
+            ours = got >= checked or frame[got:checked] == head[got:checked]
+            got += n
+            if not ours:  # another frame (or another call's): not ours to take
+                break
+        if ours and got == total:
+            dest[:] = frame[hlen:]
+            self.frames_received += 1
+            self.frames_received_now += 1
+            self.bytes_received += total
+            return True
+        if got:
+            proto.feed(frame[:got])  # counted and delivered by the normal path
+        return False
+
     def close(self) -> None:
         """See base class."""
         if not self._closed:
@@ -408,7 +499,8 @@ class TCPConnection(Connection):
     def statistics(self) -> ConnectionStatistics:
         t = self._proto.transport
         return ConnectionStatistics(self.frames_sent, self.bytes_sent, self.frames_received,
-                                    self.bytes_received, t.get_write_buffer_size() if t else 0)
+                                    self.bytes_received, t.get_write_buffer_size() if t else 0,
+                                    self.frames_received_now)
 
 
 class MemoryConnection(Connection):

@@ -93,6 +93,7 @@ class Link:
         self.size = comm.size
         self.send = comm.send
         self.irecv = comm.irecv
+        self.sendrecv = comm.sendrecv
 
     async def recv_into(self, src: int, buf) -> None:
         await self.irecv(src, buf)
@@ -219,6 +220,9 @@ class SubComm:
 
     async def recv_into(self, src: int, buf) -> None:
         await self.call.recv_into(self.members[src], buf)
+
+    async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf) -> None:
+        await self.call.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)
 
 
 def tcp_algorithm(collective: str, nbytes: int, world: int):

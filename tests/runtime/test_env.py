@@ -49,3 +49,18 @@ def test_a_bad_timeout_names_the_variable(monkeypatch):
             env.timeout_s()
     monkeypatch.setenv("RINGWEAVE_TIMEOUT_S", " ")
     assert env.timeout_s() == env.DEFAULT_TIMEOUT_S
+
+
+def test_inline_wait_is_microseconds_and_a_bad_one_names_the_variable(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("RINGWEAVE_INLINE_WAIT_US", "250")
+    assert env.inline_wait_s() == 250e-6
+    monkeypatch.setenv("RINGWEAVE_INLINE_WAIT_US", "0")
+    assert env.inline_wait_s() == 0.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("RINGWEAVE_INLINE_WAIT_US", bad)
+        with pytest.raises(ValueError, match=f"RINGWEAVE_INLINE_WAIT_US={bad!r}"):
+            env.inline_wait_s()
+    monkeypatch.delenv("RINGWEAVE_INLINE_WAIT_US")
+    assert env.inline_wait_s() == env.DEFAULT_INLINE_WAIT_US / 1e6

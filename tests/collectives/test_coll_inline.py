@@ -1,0 +1,97 @@
+"""Small collectives through the real launcher, where Call.sendrecv may read a peer's frame
+straight from its socket (one runtime per process; runtime.testing's ranks-as-tasks never
+take that path): closed-form answers for every call, whichever path each message took.
+
+The job mixes all_reduce (several ops, dtypes and lengths), barrier, broadcast from every
+root and all_gather, then a few calls in flight at once (which take the event loop's path).
+Each rank reports how many frames it took off the socket itself
+(``ConnectionStatistics.frames_received_now``): some with the path on, none with
+``RINGWEAVE_INLINE_WAIT_US=0``.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+JOB = r'''
+import asyncio, os
+import numpy as np
+import runtime
+import collectives as C
+
+
+async def main():
+    rt = await runtime.init()
+    n, r = rt.world_size, rt.rank
+    wrong = []
+
+    def expect(what, got, want):
+        if not np.array_equal(got, want):
+            wrong.append(f"{what}: got {got[:4]} want {np.asarray(want)[:4]}")
+
+    calls = 0
+    for it in range(60):
+        for dtype in (np.float32, np.int64, np.float64):
+            for count in (1, 3, 1000):
+                x = np.full(count, r + 1 + it % 3, dtype)
+                await C.all_reduce(x)
+                expect(f"sum {dtype.__name__} {count}", x, np.full(count, n * (n + 1) // 2 + n * (it % 3), dtype))
+                x = np.full(count, r + it, dtype)
+                await C.all_reduce(x, op="max")
+                expect(f"max {dtype.__name__} {count}", x, np.full(count, n - 1 + it, dtype))
+                calls += 2
+        await C.barrier()
+        root = it % n
+        b = np.arange(100, dtype=np.int32) * (root + 1) if r == root else np.zeros(100, np.int32)
+        await C.broadcast(b, src=root)
+        expect(f"broadcast from {root}", b, np.arange(100, dtype=np.int32) * (root + 1))
+        out = np.full(n * 5, -1.0, np.float32)
+        await C.all_gather(out, np.full(5, r + it, np.float32))
+        expect("all_gather", out, np.repeat(np.arange(n, dtype=np.float32) + it, 5))
+        calls += 3
+    xs = [np.full(7, (r + 1) * (i + 1), np.float64) for i in range(3)]
+    await asyncio.gather(*(C.all_reduce(x) for x in xs))  # in flight at once: the event loop's path
+    for i, x in enumerate(xs):
+        expect(f"concurrent {i}", x, np.full(7, (i + 1) * n * (n + 1) / 2))
+    now = sum(c.statistics().frames_received_now for c in rt.actor.conns.values())
+    total = sum(c.statistics().frames_received for c in rt.actor.conns.values())
+    print(f"rank {r}: calls={calls} wrong={len(wrong)} now={now} frames={total}", flush=True)
+    for w in wrong[:5]:
+        print(f"rank {r}: WRONG {w}", flush=True)
+    await runtime.shutdown()
+
+runtime.run(main())
+'''
+
+LINE = re.compile(r"rank (\d): calls=(\d+) wrong=(\d+) now=(\d+) frames=(\d+)")
+
+
+def run_job(tmp_path: Path, env: dict) -> dict[int, tuple[int, int, int]]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), RINGWEAVE_SHM="0", **env)
+    proc = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "4", str(script)], cwd=str(REPO),
+                          env=full_env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = {int(m.group(1)): (int(m.group(3)), int(m.group(4)), int(m.group(5))) for m in LINE.finditer(proc.stdout)}
+    assert sorted(found) == [0, 1, 2, 3], proc.stdout[-3000:]
+    assert all(wrong == 0 for wrong, _, _ in found.values()), proc.stdout[-3000:]
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_small_collectives_in_processes_are_right_and_read_off_the_socket(tmp_path):
+    found = run_job(tmp_path, {})
+    assert all(now > 0 for _, now, _ in found.values()), found  # the path was taken on every rank
+
+
+@pytest.mark.timeout(180)
+def test_inline_wait_0_turns_the_path_off(tmp_path):
+    found = run_job(tmp_path, {"RINGWEAVE_INLINE_WAIT_US": "0"})
+    assert all(now == 0 for _, now, _ in found.values()), found
