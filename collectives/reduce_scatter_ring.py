@@ -11,7 +11,10 @@ reduced over all ranks, in ``out``; ``x`` is not modified):
 * at step 0 the partial sent is the rank's own block of ``x``; later it is the
   partial reduced at the step before; at the last step (s = n-2) the block
   received is ``(r - n) mod n = r`` and lands straight in ``out``;
-* each block is cut into ``nseg`` **segments** (:data:`SEGMENT_NBYTES`);
+* a block of up to ``SEND_NOW_NBYTES`` (16 KiB) is one message per step, and each
+  step is one ``comm.sendrecv`` (runtime/group.Call: the peer's message may be read
+  straight off its socket), into two small partial slots taken in turn;
+* a larger block is cut into ``nseg`` **segments** (:data:`SEGMENT_NBYTES`);
   segment k of step s+1 goes out as soon as segment k of step s is reduced.
   Partials live in scratch slots [step parity][segment] (from the pool kept
   across calls), and each receive is posted one step ahead into the slot whose
@@ -36,7 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
+from collectives.ops import as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
+from runtime.transport import SEND_NOW_NBYTES
 
 SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
 
@@ -48,6 +52,16 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         out[...] = x
         return
     right, left = (r + 1) % n, (r - 1) % n
+    if count * x.itemsize <= SEND_NOW_NBYTES:  # small: one message per step
+        slots = np.empty((2, count), x.dtype)  # partials, [step parity]
+        partial = x[(r - 1) % n * count:((r - 1) % n + 1) * count]  # step 0 sends our own block r-1
+        for s in range(n - 1):
+            block = (r - s - 2) % n
+            dst = out if s == n - 2 else slots[s % 2]  # the slot sent at step s-1 is free again
+            await comm.sendrecv(right, as_bytes(partial), left, as_bytes(dst))  # ours out, the left's in
+            reduce_now(dst, x[block * count:(block + 1) * count], op)  # partial = received <op> ours
+            partial = dst  # what we send at step s+1
+        return
     seg_elems = max(1, SEGMENT_NBYTES // x.itemsize)
     nseg = max(1, -(-count // seg_elems))
     sb = chunk_bounds(count, nseg)  # segment k of a block: [sb[k], sb[k+1])

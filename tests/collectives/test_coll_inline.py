@@ -3,7 +3,7 @@ straight from its socket (one runtime per process; runtime.testing's ranks-as-ta
 take that path): closed-form answers for every call, whichever path each message took.
 
 The job mixes all_reduce (several ops, dtypes and lengths), barrier, broadcast from every
-root and all_gather, then a few calls in flight at once (which take the event loop's path).
+root, all_gather and reduce_scatter, then a few calls in flight at once (which take the event loop's path).
 Each rank reports how many frames it took off the socket itself
 (``ConnectionStatistics.frames_received_now``): some with the path on, none with
 ``RINGWEAVE_INLINE_WAIT_US=0``.
@@ -54,7 +54,10 @@ async def main():
         out = np.full(n * 5, -1.0, np.float32)
         await C.all_gather(out, np.full(5, r + it, np.float32))
         expect("all_gather", out, np.repeat(np.arange(n, dtype=np.float32) + it, 5))
-        calls += 3
+        mine = np.full(5, -1, np.int32)  # block j of rank q's input is q + j + it
+        await C.reduce_scatter(mine, np.repeat(np.arange(n, dtype=np.int32) + r + it, 5))
+        expect("reduce_scatter", mine, np.full(5, n * (n - 1) // 2 + n * (r + it), np.int32))
+        calls += 4
     xs = [np.full(7, (r + 1) * (i + 1), np.float64) for i in range(3)]
     await asyncio.gather(*(C.all_reduce(x) for x in xs))  # in flight at once: the event loop's path
     for i, x in enumerate(xs):
