@@ -246,6 +246,18 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # were within noise of 4 MiB.
 # At 3 ranks (ring) 1 and 4 MiB segments were within noise of each other (0.92-0.97x Gloo either way).
 # Reductions on a worker thread (OFFLOAD_MIN_NBYTES 1 MiB) were no faster with 4 MiB segments either.
+# Re-checked at 4-64 MiB with 1, 2 and 4 MiB segments (halving-doubling and ring, --algorithm all,
+# two runs each): 4 MiB gave the best or equal busbw at every size (16 MiB: 0.88-0.92 GB/s against
+# 0.75-0.82 with 1-2 MiB).
+#
+# Tried and not kept: receiving large payloads piece by piece through one reused 256 KiB buffer
+# (the transport handing each piece to a reduce or copy into place), so the kernel copies into
+# cache-hot memory. A two-process probe (64 MiB over loopback, 10 rounds) was promising: the
+# receiver's system time was 4.3-5.9 ms through the small buffer against 10.8-14.5 ms into a
+# pre-touched 64 MiB one. In the all_reduce it was not: `python bench/floor.py -n 4 --modes
+# ringweave-inproc --size 64M --calls 6`, 182-187 ms per call before against 198-245 ms, user time
+# up 4-8 ms per rank (a callback per piece, the all-gather's copy out of the piece buffer) and
+# system time no lower.
 #
 # Where recursive doubling hands over, re-measured after that (4 ranks, three runs, medians in us):
 #
@@ -318,3 +330,30 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # messages) it tied direct (60 B 411 / 429 and 405 / 421, 1 MiB 1276 / 1253 and 1453 / 1380); at 8
 # ranks (8 processes on 2 cores) runs moved by 2x and neither it nor Bruck won at every size.
 # So it is the default at 2 and 4 ranks up to 256 KiB gathered only.
+
+# ---------------------------------------------------------------------------------------------
+# Small messages read straight off the socket (runtime/group.Call.sendrecv, TCPConnection.recv_now;
+# used by recursive-doubling all_reduce and all_gather, the dissemination barrier, the broadcast
+# tree's receive and ring reduce_scatter's blocks up to 16 KiB). 4 B all_reduce back to back,
+# 4 ranks on 2 cores, this tree against the one before it (git worktree), interleaved:
+#
+#   python bench/floor.py -n 4 --modes ringweave-tcp --calls 3000
+#
+#               wall us/call       CPU us/call/rank (user + system)
+#   before      334 / 338 / 403 / 421    146-181 (112-137 + 34-44)
+#   after       270 / 287 / 293 / 308    120-130 (82-95 + 32-38)
+#
+# The same command's bare modes in those runs: blocking sockets 70-73 us wall, 28 us CPU; a
+# minimal uvloop protocol 120-123 / 46-50. cProfile of one rank (2000 calls through the launcher)
+# found every frame taken off the socket, none through the event loop, ~109 Python calls per
+# all_reduce, and most of the remaining time in poll() (blocked, no CPU) and the loopback send.
+#
+# In bench/collectives.py (issue 3's command, --shm off --compare gloo --iters 20; one run before,
+# three after) the barrier went from 592 to 307-348 us (Gloo 789-1121), broadcast 4 B-1 KiB from
+# 1.13-1.88x to 1.58-2.57x Gloo, 4 B all_reduce from 1.50x to 1.48-1.85x. Our tiny all_reduce rows
+# take 450-730 us interleaved with Gloo's calls in the same processes, against 359 us with no peer
+# in the run (--ops all_reduce,broadcast,barrier --sizes 4,1K --iters 60, with and without
+# --compare gloo, minutes apart: 359 / 619 us); a 2 ms sleep before each timed call (every
+# library) did not close that gap (4 B 615-626 us with it, 492 without), so it is not Gloo's
+# threads still running. Tried with this path and not kept: a flat broadcast (root sends to all)
+# lost to the tree at most sizes, 4 B-1 MiB, in two --algorithm all runs.

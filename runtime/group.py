@@ -128,11 +128,17 @@ class Call:
         the same call packs the same one), waiting in ``poll()`` for at most the runtime's
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
         returning to the event loop. That skips the loop's wake-up, the sink callbacks and
-        the receive's future (figures in collectives/registry.py). Only while the runtime is
+        the receive's future (figures at the end of collectives/registry.py). Only while the runtime is
         the process's only one: ranks run as tasks of one loop (runtime.testing) would wait
         on a peer that cannot run until the wait is over. Anything else (another
         frame first, a mismatch, a lost peer, no frame in time) goes to the normal path,
         which reports it as it always does; other tasks of the loop wait at most that long.
+
+        Raises:
+            as :meth:`send` and :meth:`irecv` (the group's error, PeerLostError,
+            CollectiveMismatchError through the call's check).
+        Cancellation: as ``send`` then awaiting the receive; the wait in ``poll()`` cannot
+            be cancelled, it ends by itself within ``inline_wait_s``.
         """
         actor = self._actor
         rt = self.group.runtime

@@ -266,8 +266,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             return
 
     def idle(self) -> bool:
-        """Nothing received is waiting here: no bytes staged, no payload half read."""
-        return self._header is None and self._start == self._end and self.lost is None
+        """Nothing received is waiting here (no bytes staged, no payload half read), and the
+        transport is reading (whoever paused it meant no bytes to be taken)."""
+        return (self._header is None and self._start == self._end and self.lost is None
+                and self.transport is not None and self.transport.is_reading())
 
     def feed(self, data: memoryview) -> None:
         """Takes bytes read from the socket by someone else (TCPConnection.recv_now) as if

@@ -179,3 +179,13 @@ async def test_a_closed_peer_ends_the_wait_at_once_and_is_reported_by_the_loop(p
     assert not conn.recv_now(head_of(1, "fp", 4), memoryview(bytearray(4)), 5.0)
     assert time.monotonic() - t0 < 1.0
     await until(lambda: sink.lost is not None)
+
+
+async def test_a_transport_whose_reading_is_paused_is_left_alone(pair):
+    client, conn, sink = pair
+    client.sendall(frame(1, "fp", b"abcd"))
+    conn._proto.transport.pause_reading()
+    assert not conn.recv_now(head_of(1, "fp", 4), memoryview(bytearray(4)), 0.05)
+    conn._proto.transport.resume_reading()
+    await until(lambda: sink.frames)
+    assert sink.frames[0][2] == b"abcd"
