@@ -76,10 +76,10 @@ def shm_enabled(group) -> bool:
 
 class Link:
     """The call behind an algorithm's ``comm``: its group, sequence number and fingerprint (from
-    the :class:`runtime.group.Call`), and its messages (through ``comm``, so whatever the caller
-    wrapped around the call's receives still applies). collectives/api.py hands algorithms a
-    thin wrapper of the call exposing only rank/size/send/irecv; the call is reached through
-    ``comm.call`` when the wrapper offers it, else through its bound ``send``."""
+    the :class:`runtime.group.Call`), and its messages (``send``, ``irecv`` and ``sendrecv``,
+    forwarded to ``comm``, so whatever a caller wrapped around them still applies). ``comm`` is
+    the Call itself (what collectives/api.py hands algorithms), a wrapper that offers it as
+    ``comm.call`` (SubComm's callers), or one whose bound ``send`` belongs to it."""
 
     def __init__(self, comm):
         call = getattr(comm, "call", None)  # api's wrapper first: the usual case
