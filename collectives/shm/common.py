@@ -79,7 +79,7 @@ class Link:
     the :class:`runtime.group.Call`), and its messages (``send``, ``irecv`` and ``sendrecv``,
     forwarded to ``comm``, so whatever a caller wrapped around them still applies). ``comm`` is
     the Call itself (what collectives/api.py hands algorithms), a wrapper that offers it as
-    ``comm.call`` (SubComm's callers), or one whose bound ``send`` belongs to it."""
+    ``comm.call`` (SubComm), or one whose bound ``send`` belongs to it."""
 
     def __init__(self, comm):
         call = getattr(comm, "call", None)  # api's wrapper first: the usual case
