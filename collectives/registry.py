@@ -357,3 +357,13 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # library) did not close that gap (4 B 615-626 us with it, 492 without), so it is not Gloo's
 # threads still running. Tried with this path and not kept: a flat broadcast (root sends to all)
 # lost to the tree at most sizes, 4 B-1 MiB, in two --algorithm all runs.
+#
+# recv_now for frames up to 1 MiB (the head first, then the payload straight into place), which
+# only a broadcast's receive uses. Broadcast against the tree before it, two runs each, ours / Gloo
+# us (python bench/collectives.py -n 4 --ops broadcast --sizes 4K,16K,64K,256K,1M --shm off
+# --compare gloo --iters 30):
+#
+#   bytes      before                           after
+#   64 Ki      528 / 654 (1.24x), 639 / 705     376 / 596 (1.58x), 383 / 748 (1.95x)
+#  256 Ki      645 / 766 (1.19x), 671 / 877     470 / 875 (1.86x), 572 / 875 (1.53x)
+#    1 Mi     1328 / 1689 (1.27x), 1383 / 1795  1182 / 1437 (1.22x), 1178 / 1658 (1.41x)

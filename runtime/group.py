@@ -35,7 +35,7 @@ import time
 from runtime import env, wire
 from runtime.actor import Actor
 from runtime.trace import Tracer
-from runtime.transport import SEND_NOW_NBYTES
+from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
                             CollectiveTimeoutError, PeerLostError, RingweaveError)
 
@@ -121,9 +121,10 @@ class Call:
         ``arrived = irecv(src, rbuf); await send(dst, sbuf); await arrived``, which it falls
         back to.
 
-        The small-message path: when this is the only call in flight on the runtime, both
-        messages are small and nothing of ``src``'s connection is staged or kept, the send
-        goes out at once (``send_now``) and ``src``'s frame is read straight from its socket
+        The small-message path: when this is the only call in flight on the runtime, the send
+        is small (or there is none), the receive is at most RECV_NOW_NBYTES (1 MiB) and nothing
+        of ``src``'s connection is staged or kept, the send goes out at once (``send_now``)
+        and ``src``'s frame is read straight from its socket
         (``Connection.recv_now``), its header checked byte for byte against ours (a peer in
         the same call packs the same one), waiting in ``poll()`` for at most the runtime's
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
@@ -142,7 +143,7 @@ class Call:
         """
         actor = self._actor
         rt = self.group.runtime
-        if (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= SEND_NOW_NBYTES
+        if (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= RECV_NOW_NBYTES
                 and self.group.error is None and not actor.has_unexpected()):
             conn = actor.connection(self._peers[src])
             if dst is None or self.send_now(dst, sbuf):

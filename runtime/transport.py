@@ -35,10 +35,11 @@ is the small-frame shortcut: when nothing is queued it writes the frame (payload
 copied behind the header) and returns True without a coroutine; otherwise it
 sends nothing and the caller awaits ``send``.
 
-``conn.recv_now(head, dest, wait_s)`` is the small-frame shortcut on the receive
-side, for a caller that knows the exact bytes the next frame's head must be (a
-collective's peer packs the same header): when nothing of the connection is
-staged or half read, it reads the frame straight from the socket, blocking the
+``conn.recv_now(head, dest, wait_s)`` is the shortcut on the receive side, for a
+caller that knows the exact bytes the next frame's head must be (a collective's
+peer packs the same header): when nothing of the connection is staged or half
+read, it reads the frame straight from the socket (a small one whole, a larger
+one's payload straight into ``dest`` once its head has matched), blocking the
 thread in ``poll()`` for at most ``wait_s``, with no event-loop round trip and no
 sink callbacks. Bytes that are not that frame, or not all of it in time, are
 handed to the normal receive path (:meth:`_FrameProtocol.feed`), exactly as if
@@ -79,6 +80,8 @@ READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
 SEND_NOW_NBYTES = _COALESCE_NBYTES  # the largest payload Connection.send_now takes
+RECV_NOW_NBYTES = 1024 * 1024  # the largest payload a caller should hand Connection.recv_now
+_NOW_WHOLE_NBYTES = 64 * 1024  # recv_now: frames up to this are read whole and their payload copied
 LOWAT_MIN_NBYTES = 256 * 1024  # payloads left to read below this wake us per packet, as before
 LOWAT_MAX_NBYTES = 4 * 1024 * 1024
 _CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in pieces of this size
@@ -137,7 +140,10 @@ class Connection:
         ``dest.nbytes`` bytes of payload, waiting for it at most ``wait_s`` (blocking the
         thread). True: the payload is in ``dest`` and the sink was not called. False:
         nothing of it is in ``dest``; whatever was read went to the sink the usual way
-        (the caller posts its receive as it would have). Only for small frames.
+        (the caller posts its receive as it would have). For payloads up to RECV_NOW_NBYTES:
+        a small frame is read whole; a larger one's payload goes straight into ``dest``
+        once its head has matched (if it does not all come in time, what came is handed
+        to the sink as above, which copies it again).
 
         Raises:
             nothing: a broken connection returns False and is reported by the event loop.
@@ -345,7 +351,8 @@ class TCPConnection(Connection):
         self._chunking: asyncio.Lock | None = None  # held while a large frame goes out in pieces
         self._fd = -1  # the socket's descriptor, for writev of header + payload (and recv_now)
         self._poller = None  # select.poll on _fd, for recv_now (made at its first wait)
-        self._now_buf = bytearray()  # recv_now reads a frame into this (grown as needed, reused)
+        self._now_buf = bytearray()  # recv_now reads a small frame, or a large one's head, into this (reused)
+        self._now_deadline = 0.0  # recv_now's deadline (monotonic; 0: not waited yet)
         self.frames_received_now = 0
         self.frames_sent = self.bytes_sent = 0
         self.frames_received = self.bytes_received = 0
@@ -435,51 +442,73 @@ class TCPConnection(Connection):
     def recv_now(self, head: bytes, dest: memoryview, wait_s: float) -> bool:
         """See base class. Reads exactly the expected frame's length from the socket (never
         into the next frame), checking the bytes against ``head`` as they come; the first
-        byte that differs, EOF, an error or the end of ``wait_s`` ends the attempt."""
+        byte that differs, EOF, an error or the end of ``wait_s`` (one budget for the whole
+        frame) ends the attempt."""
         proto = self._proto
-        fd = self._fd
-        if fd < 0 or self._closed or not proto.idle():
+        if self._fd < 0 or self._closed or not proto.idle():
             return False
         hlen = len(head)
         total = hlen + dest.nbytes
-        if len(self._now_buf) < total:
-            self._now_buf = bytearray(total)
-        frame = memoryview(self._now_buf)[:total]
+        whole = total <= _NOW_WHOLE_NBYTES  # small: head and payload in one read, the payload copied once
+        first = hlen if not whole else total
+        if len(self._now_buf) < first:
+            self._now_buf = bytearray(first)
+        frame = memoryview(self._now_buf)[:first]
+        self._now_deadline = 0.0
+        got, ours = self._read_now(frame, head, wait_s)
+        if ours and got == first:
+            if whole:
+                dest[:] = frame[hlen:]
+                return self._took_now(total)
+            # the head is ours: the payload straight into place (the normal path would put it there too)
+            pgot, _ = self._read_now(dest, None, wait_s)
+            if pgot == dest.nbytes:
+                return self._took_now(total)
+            proto.feed(frame)
+            proto.feed(dest[:pgot])  # (the sink copies it into where it keeps the frame)
+            return False
+        if got:
+            proto.feed(frame[:got])  # counted and delivered by the normal path
+        return False
+
+    def _read_now(self, into: memoryview, head: bytes | None, wait_s: float) -> tuple[int, bool]:
+        """Reads ``into`` full from the socket, or until EOF, an error, the first byte that
+        differs from ``head`` (when given) or the deadline (``wait_s`` from the first wait of
+        this recv_now). Returns (bytes read, whether they all matched)."""
+        fd = self._fd
+        want = into.nbytes
+        hlen = len(head) if head is not None else 0
         got = 0
-        deadline = 0.0
-        ours = True  # every byte read so far is what head says it must be
-        while got < total:
+        while got < want:
             try:
-                n = os.readv(fd, (frame[got:],))
+                n = os.readv(fd, (into[got:],))
             except BlockingIOError:  # nothing yet: wait (the first time, start the clock)
                 now = time.monotonic()
-                if not deadline:
-                    deadline = now + wait_s
-                elif now >= deadline:
+                if not self._now_deadline:
+                    self._now_deadline = now + wait_s
+                elif now >= self._now_deadline:
                     break
                 if self._poller is None:
                     self._poller = select.poll()
                     self._poller.register(fd, select.POLLIN)
-                self._poller.poll((deadline - now) * 1000.0)
+                self._poller.poll((self._now_deadline - now) * 1000.0)
                 continue
             except OSError:  # broken: the event loop reads the same error and reports it
                 break
             if n == 0:  # EOF: likewise
                 break
             checked = min(got + n, hlen)
-            ours = got >= checked or frame[got:checked] == head[got:checked]
+            ours = got >= checked or into[got:checked] == head[got:checked]
             got += n
             if not ours:  # another frame (or another call's): not ours to take
-                break
-        if ours and got == total:
-            dest[:] = frame[hlen:]
-            self.frames_received += 1
-            self.frames_received_now += 1
-            self.bytes_received += total
-            return True
-        if got:
-            proto.feed(frame[:got])  # counted and delivered by the normal path
-        return False
+                return got, False
+        return got, True
+
+    def _took_now(self, total: int) -> bool:
+        self.frames_received += 1
+        self.frames_received_now += 1
+        self.bytes_received += total
+        return True
 
     def close(self) -> None:
         """See base class."""

@@ -48,16 +48,17 @@ async def main():
                 calls += 2
         await C.barrier()
         root = it % n
-        b = np.arange(100, dtype=np.int32) * (root + 1) if r == root else np.zeros(100, np.int32)
-        await C.broadcast(b, src=root)
-        expect(f"broadcast from {root}", b, np.arange(100, dtype=np.int32) * (root + 1))
+        for length in (100, 70_000):  # 70 000 int32: a frame read head first, payload straight into b
+            b = np.arange(length, dtype=np.int32) * (root + 1) if r == root else np.zeros(length, np.int32)
+            await C.broadcast(b, src=root)
+            expect(f"broadcast {length} from {root}", b, np.arange(length, dtype=np.int32) * (root + 1))
         out = np.full(n * 5, -1.0, np.float32)
         await C.all_gather(out, np.full(5, r + it, np.float32))
         expect("all_gather", out, np.repeat(np.arange(n, dtype=np.float32) + it, 5))
         mine = np.full(5, -1, np.int32)  # block j of rank q's input is q + j + it
         await C.reduce_scatter(mine, np.repeat(np.arange(n, dtype=np.int32) + r + it, 5))
         expect("reduce_scatter", mine, np.full(5, n * (n - 1) // 2 + n * (r + it), np.int32))
-        calls += 4
+        calls += 5
     xs = [np.full(7, (r + 1) * (i + 1), np.float64) for i in range(3)]
     await asyncio.gather(*(C.all_reduce(x) for x in xs))  # in flight at once: the event loop's path
     for i, x in enumerate(xs):

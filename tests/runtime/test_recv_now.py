@@ -189,3 +189,39 @@ async def test_a_transport_whose_reading_is_paused_is_left_alone(pair):
     conn._proto.transport.resume_reading()
     await until(lambda: sink.frames)
     assert sink.frames[0][2] == b"abcd"
+
+
+async def test_a_large_frame_s_payload_goes_straight_into_place(pair):
+    client, conn, sink = pair
+    payload = bytes(range(256)) * 1024  # 256 KiB: read head first, then the payload into dest
+    threading.Thread(target=client.sendall, args=(frame(1, "fp", payload),)).start()
+    dest = memoryview(bytearray(len(payload)))
+    assert conn.recv_now(head_of(1, "fp", len(payload)), dest, 5.0)
+    assert bytes(dest) == payload
+    await asyncio.sleep(0.02)
+    assert sink.frames == [] and conn.statistics().frames_received_now == 1
+
+
+async def test_a_large_frame_not_all_in_time_reaches_the_sink_whole(pair):
+    """The head and part of a large payload come within the wait: the part already read
+    into dest is handed to the sink with the head, and the rest follows the usual way."""
+    client, conn, sink = pair
+    payload = bytes(range(256)) * 512  # 128 KiB
+    whole = frame(1, "fp", payload)
+    client.sendall(whole[:-50_000])
+    time.sleep(0.02)
+    assert not conn.recv_now(head_of(1, "fp", len(payload)), memoryview(bytearray(len(payload))), 0.05)
+    client.sendall(whole[-50_000:])
+    await until(lambda: sink.frames)
+    assert sink.frames == [("frame", {"k": "c", "t": (0, 1), "f": "fp"}, payload)]
+
+
+async def test_a_large_frame_with_another_head_leaves_dest_alone(pair):
+    client, conn, sink = pair
+    payload = b"z" * 200_000
+    client.sendall(frame(1, "other", payload))
+    dest = memoryview(bytearray(b"." * len(payload)))
+    assert not conn.recv_now(head_of(1, "fp", len(payload)), dest, 1.0)
+    assert bytes(dest) == b"." * len(payload)
+    await until(lambda: sink.frames)
+    assert sink.frames[0][1]["f"] == "other" and sink.frames[0][2] == payload
