@@ -350,7 +350,9 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 #
 # In bench/collectives.py (issue 3's command, --shm off --compare gloo --iters 20; one run before,
 # three after) the barrier went from 592 to 307-348 us (Gloo 789-1121), broadcast 4 B-1 KiB from
-# 1.13-1.88x to 1.58-2.57x Gloo, 4 B all_reduce from 1.50x to 1.48-1.85x. Our tiny all_reduce rows
+# 1.13-1.88x to 1.58-2.57x Gloo, 4 B all_reduce from 1.50x to 1.48-1.85x. (A fifth run, with the
+# large-frame read below and in a slower period of the machine: barrier 490 us against Gloo's
+# 1034, broadcast 4 B-1 KiB 1.59-2.25x, 4 B all_reduce 1.57x.) Our tiny all_reduce rows
 # take 450-730 us interleaved with Gloo's calls in the same processes, against 359 us with no peer
 # in the run (--ops all_reduce,broadcast,barrier --sizes 4,1K --iters 60, with and without
 # --compare gloo, minutes apart: 359 / 619 us); a 2 ms sleep before each timed call (every

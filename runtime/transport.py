@@ -139,11 +139,12 @@ class Connection:
         (prefix and packed header, as wire.encode_head makes them) followed by
         ``dest.nbytes`` bytes of payload, waiting for it at most ``wait_s`` (blocking the
         thread). True: the payload is in ``dest`` and the sink was not called. False:
-        nothing of it is in ``dest``; whatever was read went to the sink the usual way
-        (the caller posts its receive as it would have). For payloads up to RECV_NOW_NBYTES:
-        a small frame is read whole; a larger one's payload goes straight into ``dest``
-        once its head has matched (if it does not all come in time, what came is handed
-        to the sink as above, which copies it again).
+        whatever was read went to the sink the usual way (the caller posts its receive as
+        it would have, and that receive gets the frame whole). For payloads up to
+        RECV_NOW_NBYTES: a small frame is read whole, and on False nothing of it is in
+        ``dest``; a larger one's payload goes straight into ``dest`` once its head has
+        matched, so on False (it did not all come in time) ``dest`` may hold the part that
+        came, which the sink was also given and delivers again with the rest.
 
         Raises:
             nothing: a broken connection returns False and is reported by the event loop.
@@ -352,7 +353,6 @@ class TCPConnection(Connection):
         self._fd = -1  # the socket's descriptor, for writev of header + payload (and recv_now)
         self._poller = None  # select.poll on _fd, for recv_now (made at its first wait)
         self._now_buf = bytearray()  # recv_now reads a small frame, or a large one's head, into this (reused)
-        self._now_deadline = 0.0  # recv_now's deadline (monotonic; 0: not waited yet)
         self.frames_received_now = 0
         self.frames_sent = self.bytes_sent = 0
         self.frames_received = self.bytes_received = 0
@@ -454,14 +454,14 @@ class TCPConnection(Connection):
         if len(self._now_buf) < first:
             self._now_buf = bytearray(first)
         frame = memoryview(self._now_buf)[:first]
-        self._now_deadline = 0.0
-        got, ours = self._read_now(frame, head, wait_s)
+        deadline = time.monotonic() + wait_s  # one budget for the whole frame
+        got, ours = self._read_now(frame, head, deadline)
         if ours and got == first:
             if whole:
                 dest[:] = frame[hlen:]
                 return self._took_now(total)
             # the head is ours: the payload straight into place (the normal path would put it there too)
-            pgot, _ = self._read_now(dest, None, wait_s)
+            pgot, _ = self._read_now(dest, None, deadline)
             if pgot == dest.nbytes:
                 return self._took_now(total)
             proto.feed(frame)
@@ -471,10 +471,10 @@ class TCPConnection(Connection):
             proto.feed(frame[:got])  # counted and delivered by the normal path
         return False
 
-    def _read_now(self, into: memoryview, head: bytes | None, wait_s: float) -> tuple[int, bool]:
+    def _read_now(self, into: memoryview, head: bytes | None, deadline: float) -> tuple[int, bool]:
         """Reads ``into`` full from the socket, or until EOF, an error, the first byte that
-        differs from ``head`` (when given) or the deadline (``wait_s`` from the first wait of
-        this recv_now). Returns (bytes read, whether they all matched)."""
+        differs from ``head`` (when given) or ``deadline`` (time.monotonic). Returns (bytes
+        read, whether they all matched)."""
         fd = self._fd
         want = into.nbytes
         hlen = len(head) if head is not None else 0
@@ -482,16 +482,14 @@ class TCPConnection(Connection):
         while got < want:
             try:
                 n = os.readv(fd, (into[got:],))
-            except BlockingIOError:  # nothing yet: wait (the first time, start the clock)
-                now = time.monotonic()
-                if not self._now_deadline:
-                    self._now_deadline = now + wait_s
-                elif now >= self._now_deadline:
+            except BlockingIOError:  # nothing yet: wait, until the deadline
+                left = deadline - time.monotonic()
+                if left <= 0:
                     break
                 if self._poller is None:
                     self._poller = select.poll()
                     self._poller.register(fd, select.POLLIN)
-                self._poller.poll((self._now_deadline - now) * 1000.0)
+                self._poller.poll(left * 1000.0)
                 continue
             except OSError:  # broken: the event loop reads the same error and reports it
                 break

@@ -194,9 +194,13 @@ async def test_a_transport_whose_reading_is_paused_is_left_alone(pair):
 async def test_a_large_frame_s_payload_goes_straight_into_place(pair):
     client, conn, sink = pair
     payload = bytes(range(256)) * 1024  # 256 KiB: read head first, then the payload into dest
-    threading.Thread(target=client.sendall, args=(frame(1, "fp", payload),)).start()
+    sender = threading.Thread(target=client.sendall, args=(frame(1, "fp", payload),))
+    sender.start()
     dest = memoryview(bytearray(len(payload)))
-    assert conn.recv_now(head_of(1, "fp", len(payload)), dest, 5.0)
+    try:
+        assert conn.recv_now(head_of(1, "fp", len(payload)), dest, 5.0)
+    finally:
+        sender.join(5)
     assert bytes(dest) == payload
     await asyncio.sleep(0.02)
     assert sink.frames == [] and conn.statistics().frames_received_now == 1
