@@ -32,6 +32,9 @@ Worked example, n = 4, op = sum, 4 elements, block j = element j::
 
 Messages are cut into SEGMENT_NBYTES segments so a half is reduced while the
 rest of it is still arriving, and every receive is posted before the first send.
+An array of at most EXCHANGE_NBYTES (each message at most half of it, 1 MiB) is
+one ``comm.sendrecv`` per step instead, which reads the partner's message straight
+off its socket when it can (runtime/group.Call.sendrecv; figures in registry.py).
 
 Signature: ``await run(comm, x, op)``; ``x`` 1-D reduced in place; ``op`` a kernel op.
 """
@@ -42,10 +45,11 @@ import asyncio
 
 import numpy as np
 
-from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_async, scratch_pool
+from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
 
 SEGMENT_NBYTES = 4 << 20  # one message (the ring's size; registry.py notes)
 SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call posts ahead into
+EXCHANGE_NBYTES = 2 << 20  # arrays up to this: one sendrecv per step (messages up to RECV_NOW_NBYTES)
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -85,6 +89,31 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         lo, hi = min(lo, theirs[0]), max(hi, theirs[1])
         mask <<= 1
 
+    if x.nbytes <= EXCHANGE_NBYTES:
+        await _exchange(comm, x, op, span, rs, ag)
+    else:
+        await _posted(comm, x, op, span, rs, ag, bounds)
+    if fold.folds:  # unfold: give the extra rank the result
+        await comm.send(r - 1, as_bytes(x))
+
+
+async def _exchange(comm, x: np.ndarray, op: str, span, rs: list, ag: list) -> None:
+    """The plan's steps one at a time, each one sendrecv with the partner (a small array)."""
+    count = max((span(*keep).size for _, keep, _ in rs), default=0)
+    raw = scratch_pool.take(count * x.itemsize)
+    scratch = raw[:count * x.itemsize].view(x.dtype)
+    for partner, keep, give in rs:
+        kept = span(*keep)
+        mine = scratch[:kept.size]
+        await comm.sendrecv(partner, as_bytes(span(*give)), partner, as_bytes(mine))
+        reduce_now(kept, mine, op)  # our half <op> the partner's copy
+    for partner, theirs, ours in ag:
+        await comm.sendrecv(partner, as_bytes(span(*ours)), partner, as_bytes(span(*theirs)))
+    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
+
+
+async def _posted(comm, x: np.ndarray, op: str, span, rs: list, ag: list, bounds: list) -> None:
+    """The plan's steps in segments, every receive posted before the first send."""
     # Post every receive before the first send (per partner in send order: its
     # reduce-scatter half, then its all-gather window), so a partner that runs
     # ahead writes straight into our buffers instead of into kept frames. All-gather
@@ -127,8 +156,6 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         for fut in arrived:
             await fut
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
-    if fold.folds:  # unfold: give the extra rank the result
-        await comm.send(r - 1, as_bytes(x))
 
 
 def segments(a: np.ndarray) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ reduced over all ranks, in ``out``; ``x`` is not modified):
 * at step 0 the partial sent is the rank's own block of ``x``; later it is the
   partial reduced at the step before; at the last step (s = n-2) the block
   received is ``(r - n) mod n = r`` and lands straight in ``out``;
-* a block of up to ``SEND_NOW_NBYTES`` (16 KiB) is one message per step, and each
+* a block of up to :data:`SMALL_NBYTES` (16 KiB) is one message per step, and each
   step is one ``comm.sendrecv`` (runtime/group.Call: the peer's message may be read
   straight off its socket), into two small partial slots taken in turn;
 * a larger block is cut into ``nseg`` **segments** (:data:`SEGMENT_NBYTES`);
@@ -40,9 +40,8 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
-from runtime.transport import SEND_NOW_NBYTES
-
 SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
+SMALL_NBYTES = 16 << 10  # blocks up to this: one sendrecv per step
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
@@ -52,7 +51,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         out[...] = x
         return
     right, left = (r + 1) % n, (r - 1) % n
-    if count * x.itemsize <= SEND_NOW_NBYTES:  # small: one message per step
+    if count * x.itemsize <= SMALL_NBYTES:  # small: one message per step
         slots = np.empty((2, count), x.dtype)  # partials, [step parity]
         partial = x[(r - 1) % n * count:((r - 1) % n + 1) * count]  # step 0 sends our own block r-1
         for s in range(n - 1):

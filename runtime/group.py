@@ -122,7 +122,7 @@ class Call:
         back to.
 
         The small-message path: when this is the only call in flight on the runtime, the send
-        is small (or there is none), the receive is at most RECV_NOW_NBYTES (1 MiB) and nothing
+        is at most SEND_NOW_NBYTES (1 MiB; or there is none) and the connection takes it at once, the receive is at most RECV_NOW_NBYTES (1 MiB) and nothing
         of ``src``'s connection is staged or kept, the send goes out at once (``send_now``)
         and ``src``'s frame is read straight from its socket
         (``Connection.recv_now``), its header checked byte for byte against ours (a peer in

@@ -79,7 +79,7 @@ STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
 READ_NBYTES = 64 * 1024  # largest read into the stage
 _DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
-SEND_NOW_NBYTES = _COALESCE_NBYTES  # the largest payload Connection.send_now takes
+SEND_NOW_NBYTES = 1024 * 1024  # the largest payload Connection.send_now takes
 RECV_NOW_NBYTES = 1024 * 1024  # the largest payload a caller should hand Connection.recv_now
 _NOW_WHOLE_NBYTES = 64 * 1024  # recv_now: frames up to this are read whole and their payload copied
 LOWAT_MIN_NBYTES = 256 * 1024  # payloads left to read below this wake us per packet, as before
@@ -123,11 +123,11 @@ class Connection:
         raise NotImplementedError
 
     def send_now(self, packed: bytes, payload: memoryview) -> bool:
-        """Sends one small frame without waiting, if the connection can take it at once:
+        """Sends one frame without waiting, if the connection can take it at once:
         ``packed`` is wire.pack_header's bytes, ``payload`` a byte memoryview of at most
-        ``SEND_NOW_NBYTES``, copied before this returns. False: nothing was sent, use
-        :meth:`send` (which waits its turn). Saves a small frame's coroutine and the
-        drain check; the next :meth:`send` still waits for back-pressure.
+        ``SEND_NOW_NBYTES`` (1 MiB), in the kernel or copied before this returns. False:
+        nothing was sent, use :meth:`send` (which waits its turn). Saves the frame's
+        coroutine and the drain check; the next :meth:`send` still waits for back-pressure.
 
         Raises:
             PeerLostError: as :meth:`send`.
@@ -426,7 +426,11 @@ class TCPConnection(Connection):
 
     def send_now(self, packed: bytes, payload: memoryview) -> bool:
         """See base class: written at once when no large frame is going out in pieces and
-        the transport is not holding bytes back (paused)."""
+        the transport is not holding bytes back (paused). A payload up to _COALESCE_NBYTES is
+        copied behind the header and handed to the transport (one write); a larger one goes
+        out with its header in one ``writev`` straight from the caller's buffer, and what
+        the socket does not take of it (its buffer full: rare, it holds megabytes) is
+        copied and queued in the transport, which keeps the order."""
         proto = self._proto
         if proto.lost is not None or self._closed:
             raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
@@ -434,7 +438,23 @@ class TCPConnection(Connection):
         if self._chunking is not None or proto._paused or nbytes > SEND_NOW_NBYTES:
             return False
         head = wire.encode_head(packed, nbytes)
-        proto.transport.write(head + payload if nbytes else head)
+        if nbytes <= _COALESCE_NBYTES:
+            proto.transport.write(head + payload if nbytes else head)
+        else:
+            transport = proto.transport
+            if self._fd < 0 or transport.get_write_buffer_size():
+                return False
+            try:
+                sent = os.writev(self._fd, (head, payload))
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:  # broken: send() hands it to the transport, which reports it
+                return False
+            if sent == 0:
+                return False
+            hlen = len(head)
+            if sent < hlen + nbytes:  # copied: the caller may reuse payload once this returns
+                transport.write(head[sent:] + payload if sent < hlen else bytes(payload[sent - hlen:]))
         self.frames_sent += 1
         self.bytes_sent += len(head) + nbytes
         return True

@@ -3,7 +3,8 @@ straight from its socket (one runtime per process; runtime.testing's ranks-as-ta
 take that path): closed-form answers for every call, whichever path each message took.
 
 The job mixes all_reduce (several ops, dtypes and lengths), barrier, broadcast from every
-root, all_gather and reduce_scatter, then a few calls in flight at once (which take the event loop's path).
+root, all_gather and reduce_scatter, a few of them with messages up to 600 KiB (sent with one
+writev by send_now, read head first and then straight into place), then a few calls in flight at once (which take the event loop's path).
 Each rank reports how many frames it took off the socket itself
 (``ConnectionStatistics.frames_received_now``): some with the path on, none with
 ``RINGWEAVE_INLINE_WAIT_US=0``.
@@ -59,6 +60,17 @@ async def main():
         await C.reduce_scatter(mine, np.repeat(np.arange(n, dtype=np.int32) + r + it, 5))
         expect("reduce_scatter", mine, np.full(5, n * (n - 1) // 2 + n * (r + it), np.int32))
         calls += 5
+        if it % 10 == 0:  # larger messages: sent with one writev (send_now), read head first then into place
+            big = np.full(300_000, r + it, np.float32)  # 1.2 MiB: halving-doubling, one sendrecv per step
+            await C.all_reduce(big, algorithm="halving_doubling")
+            expect("all_reduce 1.2 MiB", big, np.full(300_000, n * (n - 1) / 2 + n * it, np.float32))
+            mid = np.full(70_000, r + 1, np.float64)  # 560 KiB: recursive doubling's whole-array exchanges
+            await C.all_reduce(mid, algorithm="recursive_doubling")
+            expect("all_reduce 560 KiB", mid, np.full(70_000, n * (n + 1) / 2))
+            out = np.full(n * 100_000, -1, np.int32)  # 400 KiB blocks: direct, one sendrecv per turn
+            await C.all_gather(out, np.full(100_000, r + it, np.int32), algorithm="direct")
+            expect("all_gather 400 KiB blocks", out, np.repeat(np.arange(n, dtype=np.int32) + it, 100_000))
+            calls += 3
     xs = [np.full(7, (r + 1) * (i + 1), np.float64) for i in range(3)]
     await asyncio.gather(*(C.all_reduce(x) for x in xs))  # in flight at once: the event loop's path
     for i, x in enumerate(xs):

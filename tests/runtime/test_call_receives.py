@@ -118,6 +118,42 @@ async def test_send_now_sends_small_frames_and_steps_aside_for_a_frame_in_pieces
             await rt.close()
 
 
+async def test_send_now_writes_a_large_frame_and_copies_what_the_full_socket_does_not_take():
+    """A payload above the small-frame size goes out with its header in one writev, straight
+    from the caller's buffer. With the peer not reading, the socket buffers fill: the frame
+    that meets them is partly written and the rest copied into the transport (send_now still
+    returns True and the caller overwrites its buffer at once); after it, send_now refuses.
+    Every frame it took arrives whole, in order, with the bytes it had when it was sent."""
+    from runtime import transport as tr
+
+    rts = await make_runtimes(2, "tcp")
+    try:
+        a0, a1 = rts[0].actor, rts[1].actor
+        conn = a0.connection(1)
+        a1.conns[0]._proto.transport.pause_reading()
+        buf = np.empty(tr.SEND_NOW_NBYTES, np.uint8)
+        taken = 0
+        for i in range(200):  # 200 MiB: far past the kernel's buffers (a few MiB each way)
+            buf[:] = i
+            if not conn.send_now(wire.pack_header({"k": "d", "t": f"L{i}"}), memoryview(buf)):
+                break
+            taken += 1
+            buf[:] = 255  # reused at once, as the contract allows
+        else:
+            pytest.fail("the socket never filled")
+        assert taken >= 1
+        assert conn._proto.transport.get_write_buffer_size() > 0, "no frame was left half written"
+        a1.conns[0]._proto.transport.resume_reading()
+        out = np.empty(tr.SEND_NOW_NBYTES, np.uint8)
+        for i in range(taken):
+            await a1.recv_into(0, f"L{i}", out, timeout_s=30)
+            assert (out == i).all(), f"frame {i} of {taken}: {np.unique(out)}"
+        assert a1.statistics().unexpected_frames == 0  # nothing more came than what send_now took
+    finally:
+        for rt in rts:
+            await rt.close()
+
+
 @pytest.mark.parametrize("nbytes", [16, 1 << 20], ids=["whole-frame", "payload-read-direct"])
 async def test_a_frame_after_the_call_failed_does_not_land_in_the_callers_array(nbytes):
     """Rank 0's broadcast times out waiting for the root, rank 1. Rank 1's frame comes after
