@@ -11,9 +11,10 @@ reduced over all ranks, in ``out``; ``x`` is not modified):
 * at step 0 the partial sent is the rank's own block of ``x``; later it is the
   partial reduced at the step before; at the last step (s = n-2) the block
   received is ``(r - n) mod n = r`` and lands straight in ``out``;
-* a block of up to :data:`SMALL_NBYTES` (16 KiB) is one message per step, and each
+* a block of up to :data:`EXCHANGE_NBYTES` (1 MiB) is one message per step, and each
   step is one ``comm.sendrecv`` (runtime/group.Call: the peer's message may be read
-  straight off its socket), into two small partial slots taken in turn;
+  straight off its socket), into two partial slots taken in turn (from the pool kept
+  across calls);
 * a larger block is cut into ``nseg`` **segments** (:data:`SEGMENT_NBYTES`);
   segment k of step s+1 goes out as soon as segment k of step s is reduced.
   Partials live in scratch slots [step parity][segment] (from the pool kept
@@ -40,8 +41,9 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
+
 SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
-SMALL_NBYTES = 16 << 10  # blocks up to this: one sendrecv per step
+EXCHANGE_NBYTES = 1 << 20  # blocks up to this (runtime.transport.RECV_NOW_NBYTES): one sendrecv per step
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
@@ -51,8 +53,9 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         out[...] = x
         return
     right, left = (r + 1) % n, (r - 1) % n
-    if count * x.itemsize <= SMALL_NBYTES:  # small: one message per step
-        slots = np.empty((2, count), x.dtype)  # partials, [step parity]
+    if count * x.itemsize <= EXCHANGE_NBYTES:  # one message per step
+        raw = scratch_pool.take(2 * count * x.itemsize)
+        slots = raw[:2 * count * x.itemsize].view(x.dtype).reshape(2, count)  # partials, [step parity]
         partial = x[(r - 1) % n * count:((r - 1) % n + 1) * count]  # step 0 sends our own block r-1
         for s in range(n - 1):
             block = (r - s - 2) % n
@@ -60,6 +63,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
             await comm.sendrecv(right, as_bytes(partial), left, as_bytes(dst))  # ours out, the left's in
             reduce_now(dst, x[block * count:(block + 1) * count], op)  # partial = received <op> ours
             partial = dst  # what we send at step s+1
+        scratch_pool.give(raw)  # only after success (see below)
         return
     seg_elems = max(1, SEGMENT_NBYTES // x.itemsize)
     nseg = max(1, -(-count // seg_elems))
