@@ -334,7 +334,8 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # ---------------------------------------------------------------------------------------------
 # Small messages read straight off the socket (runtime/group.Call.sendrecv, TCPConnection.recv_now;
 # used by recursive-doubling all_reduce and all_gather, the dissemination barrier, the broadcast
-# tree's receive and ring reduce_scatter's blocks up to 16 KiB). 4 B all_reduce back to back,
+# tree's receive and ring reduce_scatter's blocks up to 16 KiB; since widened to 1 MiB, see the
+# end of this file). 4 B all_reduce back to back,
 # 4 ranks on 2 cores, this tree against the one before it (git worktree), interleaved:
 #
 #   python bench/floor.py -n 4 --modes ringweave-tcp --calls 3000
@@ -369,3 +370,47 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 #   64 Ki      528 / 654 (1.24x), 639 / 705     376 / 596 (1.58x), 383 / 748 (1.95x)
 #  256 Ki      645 / 766 (1.19x), 671 / 877     470 / 875 (1.86x), 572 / 875 (1.53x)
 #    1 Mi     1328 / 1689 (1.27x), 1383 / 1795  1182 / 1437 (1.22x), 1178 / 1658 (1.41x)
+
+# ---------------------------------------------------------------------------------------------
+# The fast path widened to messages of up to 1 MiB (sixth session): Connection.send_now writes a
+# payload above 16 KiB with its header in one writev from the caller's buffer (what a full socket
+# does not take is copied into the transport), so Call.sendrecv reads the peer's reply straight
+# off the socket for exchanges up to 1 MiB each way. Three algorithms were changed to use it:
+# halving-doubling all_reduce up to 2 MiB, direct all_gather blocks up to 1 MiB, and ring
+# reduce_scatter blocks up to 1 MiB. Each now runs one sendrecv per step, with no receives posted
+# ahead and no segments. Recursive doubling (already sendrecv) got the larger sends for free.
+#
+# Each new path was measured against the old one in the same run. A temporary second
+# registry entry held the old threshold, and --algorithm all alternated the two every
+# iteration. Medians in us, 4 ranks, --shm off, two runs each:
+#
+#   python bench/collectives.py -n 4 --ops all_reduce --sizes 256K,1M,2M --algorithm all --shm off --iters 40
+#   bytes     halving-doubling new / old
+#   256 Ki     846 / 1506     698 / 1286
+#     1 Mi    2307 / 3457    1528 / 2226
+#     2 Mi    4502 / 4972    2763 / 3623
+#   (4 and 16 MiB with one sendrecv per step but no fast path, first message > 1 MiB: no gain,
+#   6297 / 6854 and 33369 / 31914, so the posted, segmented path keeps them.)
+#
+#   python bench/collectives.py -n 4 --ops all_gather --sizes 256K,1M,4M --algorithm all --shm off --iters 40
+#   bytes     direct new / old
+#   256 Ki     520 / 604      617 / 717
+#     1 Mi     857 / 901      829 / 952
+#     4 Mi    3090 / 3378    3255 / 3413
+#
+#   python bench/collectives.py -n 4 --ops reduce_scatter --sizes 64K,256K,1M,4M --algorithm all --shm off --iters 40
+#   bytes     ring, 1 MiB / 16 KiB threshold
+#   256 Ki     781 / 1175     767 / 1080
+#     1 Mi    1540 / 1977    1680 / 2148
+#     4 Mi    5241 / 5930    4973 / 5504
+#
+# Recursive doubling (its sends above 16 KiB now written at once), this tree against the one
+# before it (git worktree, interleaved): 64 KiB 412, 382 / 492, 559; 256 KiB 498, 486 / 640, 690.
+# The table's crossover is unchanged (--algorithm all, 256K, 512K, 1M, two runs): recursive
+# doubling first at 256 KiB (796 / 1053 halving-doubling, 1353 / 1481), a tie at 512 KiB (1248 / 1348,
+# 1298 / 1259), halving-doubling first at 1 MiB (2932 / 3174, 3549 / 4654).
+#
+# Issue 3's command (--ops all_reduce,all_gather,reduce_scatter,broadcast,barrier --shm off
+# --compare gloo --iters 20), once before and twice after the halving-doubling and direct
+# all_gather change (before the reduce_scatter one): all_reduce 1 MiB 1.90x Gloo before, 4.15x and
+# 4.72x after; 256 KiB 4.16x before, 8.68x and 8.24x after; all_gather 1 MiB 2.05x before, 2.03x and 4.65x after.

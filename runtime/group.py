@@ -89,7 +89,7 @@ class Call:
 
     async def send(self, dst: int, buf) -> None:
         """Sends ``buf`` to group rank ``dst``; returns when ``buf`` may be reused."""
-        if not self.send_now(dst, buf):  # a small frame goes out at once, without a coroutine
+        if not self.send_now(dst, buf):  # a frame up to 1 MiB goes out at once, without a coroutine
             mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
             self.bytes_sent += mv.nbytes
             await self._actor.connection(self._peers[dst]).send(self._packed, mv)
@@ -121,10 +121,10 @@ class Call:
         ``arrived = irecv(src, rbuf); await send(dst, sbuf); await arrived``, which it falls
         back to.
 
-        The small-message path: when this is the only call in flight on the runtime, the send
-        is at most SEND_NOW_NBYTES (1 MiB; or there is none) and the connection takes it at once, the receive is at most RECV_NOW_NBYTES (1 MiB) and nothing
-        of ``src``'s connection is staged or kept, the send goes out at once (``send_now``)
-        and ``src``'s frame is read straight from its socket
+        The fast path: when this is the only call in flight on the runtime, the send is at
+        most SEND_NOW_NBYTES (1 MiB; or there is none) and goes out at once (``send_now``),
+        the receive is at most RECV_NOW_NBYTES (1 MiB) and nothing of ``src``'s connection
+        is staged or kept, ``src``'s frame is read straight from its socket
         (``Connection.recv_now``), its header checked byte for byte against ours (a peer in
         the same call packs the same one), waiting in ``poll()`` for at most the runtime's
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without

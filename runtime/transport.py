@@ -31,9 +31,11 @@ may be reused by the caller (its bytes are in the kernel or copied). The write
 buffer's high-water mark is 0, so the transport tells us (``pause_writing`` /
 ``resume_writing``) exactly when it holds bytes of ours; that is both the
 back-pressure and the "buffer reusable" signal. ``conn.send_now(packed, payload)``
-is the small-frame shortcut: when nothing is queued it writes the frame (payload
-copied behind the header) and returns True without a coroutine; otherwise it
-sends nothing and the caller awaits ``send``.
+is the shortcut for frames up to 1 MiB: when nothing is queued it writes the frame
+(a small payload copied behind the header, a larger one with the header in one
+``writev``; what a full socket does not take is copied into the transport) and
+returns True without a coroutine; otherwise it sends nothing and the caller
+awaits ``send``.
 
 ``conn.recv_now(head, dest, wait_s)`` is the shortcut on the receive side, for a
 caller that knows the exact bytes the next frame's head must be (a collective's
