@@ -414,3 +414,36 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # --compare gloo --iters 20), once before and twice after the halving-doubling and direct
 # all_gather change (before the reduce_scatter one): all_reduce 1 MiB 1.90x Gloo before, 4.15x and
 # 4.72x after; 256 KiB 4.16x before, 8.68x and 8.24x after; all_gather 1 MiB 2.05x before, 2.03x and 4.65x after.
+
+# ---------------------------------------------------------------------------------------------
+# Spinning before sleeping (RINGWEAVE_SPIN_US, default 50; TCPConnection.recv_now). This machine is
+# a KVM guest with guest halt-polling off (/sys/module/haltpoll/parameters/guest_halt_poll_ns = 0),
+# so a rank asleep in poll() idles its virtual CPU, and the wake-up goes through the host. For the
+# first 50 us of its wait, recv_now now re-reads the socket with sched_yield between reads.
+# 4 B all_reduce back to back, RINGWEAVE_SPIN_US=0 / 50 interleaved:
+#
+#   python bench/floor.py -n 4 --modes ringweave-tcp --calls 3000
+#
+#   run        wall us/call (0 / 50)    CPU us/call/rank (0 / 50)
+#   a          277 / 140                118 / 69
+#   b          226 / 139                 99 / 68
+#   c          338 / 149                127 / 74
+#   d (final)  231 / 136, 232 / 169     101 / 68, 100 / 83
+#
+# The CPU per call fell too: the sleep and the wake-up cost more than the spin. A sweep of the
+# budget (two runs each, wall us): 0: 259, 245; 20: 165, 166; 50: 143, 143; 100: 159, 145;
+# 200: 143, 144; 500: 168, 167. The bare modes of that command in the same period: blocking
+# sockets 59 us, a minimal uvloop protocol 106 us, ringweave 147 us.
+#
+# bench/collectives.py without a peer (--sizes 4,16K,256K,1M --shm off --iters 30, two runs each,
+# 0 / 50): all_reduce 4 B 333, 329 / 199, 179 us; 1 MiB 1195, 1057 / 868, 887; barrier 276, 231 /
+# 135, 142; broadcast 4 B 207, 208 / 131, 133; all_gather 16 B 367, 391 / 211, 277; reduce_scatter
+# 16 B 466, 531 / 245, 419. Broadcast 1 MiB did not move (623, 800 / 667, 730).
+#
+# With --compare gloo the gain mostly disappears. Five alternating runs of --ops
+# all_reduce,broadcast,barrier --sizes 4,1K --iters 40 gave these median ratios to Gloo (0 / 50):
+# 4 B all_reduce 1.68 / 1.80, broadcast 4 B 1.82 / 1.95, broadcast 1 KiB 1.77 / 2.27, barrier
+# 2.09 / 2.06. Interleaved with Gloo, our 4 B all_reduce takes 460-480 us; in the same minutes
+# without the peer it takes 186-201 us. Every library runs slower after the others' calls, as after
+# any idle period: a 2 ms sleep before each timed call made ours slower (612 against 476 us), and
+# a 2 ms sched_yield spin in its place did not help consistently (329 and 557 against 403 and 504).

@@ -54,23 +54,40 @@ def timeout_s(default: float = DEFAULT_TIMEOUT_S) -> float:
 
 INLINE_WAIT_ENV_VAR = "RINGWEAVE_INLINE_WAIT_US"
 DEFAULT_INLINE_WAIT_US = 2000.0  # see runtime/group.Call.sendrecv
+SPIN_ENV_VAR = "RINGWEAVE_SPIN_US"
+DEFAULT_SPIN_US = 50.0  # see TCPConnection.recv_now; figures in collectives/registry.py
 
 
 def inline_wait_s(default_us: float = DEFAULT_INLINE_WAIT_US) -> float:
-    """How long a small collective message may be waited for in ``poll()`` on its socket, without
-    returning to the event loop (``Call.sendrecv``), in seconds: ``RINGWEAVE_INLINE_WAIT_US`` as it
-    is now, ``default_us`` when unset or empty; 0 turns that path off.
+    """How long a collective message may be waited for on its socket, without returning to
+    the event loop (``Call.sendrecv``), in seconds: ``RINGWEAVE_INLINE_WAIT_US`` as it is now,
+    ``default_us`` when unset or empty; 0 turns that path off.
 
     Raises:
         ValueError: the variable is not a number >= 0; the message names it and its value.
     """
-    raw = get(INLINE_WAIT_ENV_VAR)
+    return _microseconds(INLINE_WAIT_ENV_VAR, default_us, "the wait")
+
+
+def spin_s(default_us: float = DEFAULT_SPIN_US) -> float:
+    """How much of that wait is spent re-reading the socket (``sched_yield`` between reads)
+    before sleeping in ``poll()``, in seconds: ``RINGWEAVE_SPIN_US`` as it is now, ``default_us``
+    when unset or empty; 0: sleep at once.
+
+    Raises:
+        ValueError: the variable is not a number >= 0; the message names it and its value.
+    """
+    return _microseconds(SPIN_ENV_VAR, default_us, "the spin")
+
+
+def _microseconds(name: str, default_us: float, what: str) -> float:
+    raw = get(name)
     if raw is None or not raw.strip():
         return default_us / 1e6
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{INLINE_WAIT_ENV_VAR}={raw!r} is not a number of microseconds") from None
+        raise ValueError(f"{name}={raw!r} is not a number of microseconds") from None
     if not value >= 0:  # also NaN
-        raise ValueError(f"{INLINE_WAIT_ENV_VAR}={raw!r}: the wait must be 0 or more microseconds")
+        raise ValueError(f"{name}={raw!r}: {what} must be 0 or more microseconds")
     return value / 1e6

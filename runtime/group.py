@@ -128,7 +128,8 @@ class Call:
         (``Connection.recv_now``), its header checked byte for byte against ours (a peer in
         the same call packs the same one), waiting in ``poll()`` for at most the runtime's
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
-        returning to the event loop. That skips the loop's wake-up, the sink callbacks and
+        returning to the event loop, the first ``spin_s`` of it (``RINGWEAVE_SPIN_US``, default
+        50) re-reading the socket with ``sched_yield`` between reads instead of sleeping. That skips the loop's wake-up, the sink callbacks and
         the receive's future (figures at the end of collectives/registry.py). Only while the runtime is
         the process's only one: ranks run as tasks of one loop (runtime.testing) would wait
         on a peer that cannot run until the wait is over. Anything else (another
@@ -147,7 +148,8 @@ class Call:
                 and self.group.error is None and not actor.has_unexpected()):
             conn = actor.connection(self._peers[src])
             if dst is None or self.send_now(dst, sbuf):
-                if conn.recv_now(wire.encode_head(self._packed or self._pack(), rbuf.nbytes), rbuf, rt.inline_wait_s):
+                head = wire.encode_head(self._packed or self._pack(), rbuf.nbytes)
+                if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s):
                     return
                 await self.irecv(src, rbuf)  # what was read of it went the usual way
                 return
@@ -497,6 +499,7 @@ class Runtime:
         self.shm_enabled = True  # every rank must agree (the algorithm is in each call's fingerprint)
         self.watchdog = Watchdog()  # the deadlines of the calls in flight
         self.inline_wait_s = env.inline_wait_s()  # Call.sendrecv's wait off the event loop (0: never)
+        self.spin_s = env.spin_s()  # of that wait, the part spent re-reading the socket before poll()
         global _live_runtimes
         _live_runtimes += 1  # Call.sendrecv waits off the loop only while this is the process's one runtime
         self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)

@@ -37,12 +37,13 @@ is the shortcut for frames up to 1 MiB: when nothing is queued it writes the fra
 returns True without a coroutine; otherwise it sends nothing and the caller
 awaits ``send``.
 
-``conn.recv_now(head, dest, wait_s)`` is the shortcut on the receive side, for a
+``conn.recv_now(head, dest, wait_s, spin_s)`` is the shortcut on the receive side, for a
 caller that knows the exact bytes the next frame's head must be (a collective's
 peer packs the same header): when nothing of the connection is staged or half
 read, it reads the frame straight from the socket (a small one whole, a larger
 one's payload straight into ``dest`` once its head has matched), blocking the
-thread in ``poll()`` for at most ``wait_s``, with no event-loop round trip and no
+thread for at most ``wait_s`` (re-reading with ``sched_yield`` for the first
+``spin_s`` of it, then asleep in ``poll()``), with no event-loop round trip and no
 sink callbacks. Bytes that are not that frame, or not all of it in time, are
 handed to the normal receive path (:meth:`_FrameProtocol.feed`), exactly as if
 the event loop had read them, so nothing is lost or reordered.
@@ -136,11 +137,12 @@ class Connection:
         """
         return False
 
-    def recv_now(self, head: bytes, dest: memoryview, wait_s: float) -> bool:
+    def recv_now(self, head: bytes, dest: memoryview, wait_s: float, spin_s: float = 0.0) -> bool:
         """Receives the next frame at once, without the event loop, if it is exactly ``head``
         (prefix and packed header, as wire.encode_head makes them) followed by
         ``dest.nbytes`` bytes of payload, waiting for it at most ``wait_s`` (blocking the
-        thread). True: the payload is in ``dest`` and the sink was not called. False:
+        thread; the first ``spin_s`` of that re-reading the socket, ``sched_yield`` between
+        reads, before sleeping in ``poll()``). True: the payload is in ``dest`` and the sink was not called. False:
         whatever was read went to the sink the usual way (the caller posts its receive as
         it would have, and that receive gets the frame whole). For payloads up to
         RECV_NOW_NBYTES: a small frame is read whole, and on False nothing of it is in
@@ -461,11 +463,17 @@ class TCPConnection(Connection):
         self.bytes_sent += len(head) + nbytes
         return True
 
-    def recv_now(self, head: bytes, dest: memoryview, wait_s: float) -> bool:
+    def recv_now(self, head: bytes, dest: memoryview, wait_s: float, spin_s: float = 0.0) -> bool:
         """See base class. Reads exactly the expected frame's length from the socket (never
         into the next frame), checking the bytes against ``head`` as they come; the first
         byte that differs, EOF, an error or the end of ``wait_s`` (one budget for the whole
-        frame) ends the attempt."""
+        frame, and one ``spin_s`` within it) ends the attempt.
+
+        Why spin: on this project's machine (a KVM guest with guest halt-polling off) a rank
+        that sleeps idles its virtual CPU, and waking it costs an exit to the host. Re-reading
+        for up to 50 us first halved a 4 B all_reduce back to back, wall and CPU alike
+        (figures in collectives/registry.py); ``sched_yield`` hands the core to any rank
+        that has work, so oversubscribed ranks do not starve each other."""
         proto = self._proto
         if self._fd < 0 or self._closed or not proto.idle():
             return False
@@ -476,14 +484,16 @@ class TCPConnection(Connection):
         if len(self._now_buf) < first:
             self._now_buf = bytearray(first)
         frame = memoryview(self._now_buf)[:first]
-        deadline = time.monotonic() + wait_s  # one budget for the whole frame
-        got, ours = self._read_now(frame, head, deadline)
+        now = time.monotonic()
+        deadline = now + wait_s  # one budget for the whole frame
+        spin_until = now + min(spin_s, wait_s)
+        got, ours = self._read_now(frame, head, deadline, spin_until)
         if ours and got == first:
             if whole:
                 dest[:] = frame[hlen:]
                 return self._took_now(total)
             # the head is ours: the payload straight into place (the normal path would put it there too)
-            pgot, _ = self._read_now(dest, None, deadline)
+            pgot, _ = self._read_now(dest, None, deadline, spin_until)
             if pgot == dest.nbytes:
                 return self._took_now(total)
             proto.feed(frame)
@@ -493,10 +503,12 @@ class TCPConnection(Connection):
             proto.feed(frame[:got])  # counted and delivered by the normal path
         return False
 
-    def _read_now(self, into: memoryview, head: bytes | None, deadline: float) -> tuple[int, bool]:
+    def _read_now(self, into: memoryview, head: bytes | None, deadline: float,
+                  spin_until: float) -> tuple[int, bool]:
         """Reads ``into`` full from the socket, or until EOF, an error, the first byte that
-        differs from ``head`` (when given) or ``deadline`` (time.monotonic). Returns (bytes
-        read, whether they all matched)."""
+        differs from ``head`` (when given) or ``deadline`` (time.monotonic); until
+        ``spin_until`` a read that finds nothing yields the core and reads again, after it
+        the thread sleeps in ``poll()``. Returns (bytes read, whether they all matched)."""
         fd = self._fd
         want = into.nbytes
         hlen = len(head) if head is not None else 0
@@ -505,7 +517,11 @@ class TCPConnection(Connection):
             try:
                 n = os.readv(fd, (into[got:],))
             except BlockingIOError:  # nothing yet: wait, until the deadline
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
+                left = deadline - now
                 if left <= 0:
                     break
                 if self._poller is None:

@@ -64,3 +64,18 @@ def test_inline_wait_is_microseconds_and_a_bad_one_names_the_variable(monkeypatc
             env.inline_wait_s()
     monkeypatch.delenv("RINGWEAVE_INLINE_WAIT_US")
     assert env.inline_wait_s() == env.DEFAULT_INLINE_WAIT_US / 1e6
+
+
+def test_spin_is_microseconds_and_a_bad_one_names_the_variable(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("RINGWEAVE_SPIN_US", "75")
+    assert env.spin_s() == 75e-6
+    monkeypatch.setenv("RINGWEAVE_SPIN_US", "0")
+    assert env.spin_s() == 0.0
+    for bad in ("busy", "-5", "nan"):
+        monkeypatch.setenv("RINGWEAVE_SPIN_US", bad)
+        with pytest.raises(ValueError, match=f"RINGWEAVE_SPIN_US={bad!r}"):
+            env.spin_s()
+    monkeypatch.delenv("RINGWEAVE_SPIN_US")
+    assert env.spin_s() == env.DEFAULT_SPIN_US / 1e6

@@ -158,6 +158,35 @@ async def test_bytes_arriving_while_it_waits_wake_it(pair):
     assert time.monotonic() - t0 < 2.0 and bytes(dest) == b"abcd"
 
 
+async def test_bytes_arriving_while_it_spins_are_read_without_sleeping_in_poll(pair):
+    """With a spin budget the wait re-reads the socket (sched_yield between reads) and never
+    sleeps in poll(): its poller, made at the first sleep, is never made."""
+    client, conn, sink = pair
+    timer = threading.Timer(0.01, client.sendall, (frame(1, "fp", b"spun"),))
+    timer.start()
+    dest = memoryview(bytearray(4))
+    try:
+        assert conn.recv_now(head_of(1, "fp", 4), dest, 5.0, spin_s=3.0)
+    finally:
+        timer.join()
+    assert bytes(dest) == b"spun" and conn._poller is None and not sink.frames
+
+
+async def test_a_spin_longer_than_the_wait_ends_with_the_wait(pair):
+    """The spin is part of the wait, not added to it: nothing comes, and recv_now returns
+    after wait_s however long spin_s is; then it sleeps in poll() once it stops spinning."""
+    client, conn, sink = pair
+    t0 = time.monotonic()
+    assert not conn.recv_now(head_of(1, "fp", 4), memoryview(bytearray(4)), 0.05, spin_s=30.0)
+    assert 0.04 <= time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    assert not conn.recv_now(head_of(1, "fp", 4), memoryview(bytearray(4)), 0.05, spin_s=0.01)
+    assert 0.04 <= time.monotonic() - t0 < 1.0 and conn._poller is not None
+    client.sendall(frame(1, "fp", b"late"))
+    await until(lambda: sink.frames)
+    assert sink.frames[0][2] == b"late"
+
+
 async def test_a_connection_with_bytes_staged_is_not_read_past(pair):
     """Bytes the event loop already read (a partial frame in the stage) come first: recv_now
     must not read from the socket around them."""
