@@ -447,3 +447,18 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # without the peer it takes 186-201 us. Every library runs slower after the others' calls, as after
 # any idle period: a 2 ms sleep before each timed call made ours slower (612 against 476 us), and
 # a 2 ms sched_yield spin in its place did not help consistently (329 and 557 against 403 and 504).
+#
+# Where the time goes after the other library's calls: the bench's timed call, instrumented for a
+# run with getrusage(RUSAGE_THREAD) around it (not kept; mean over 100 calls per rank, 4 ranks,
+# python bench/collectives.py -n 4 --ops all_reduce --sizes 4,256K --shm off --iters 100, without
+# and with --compare gloo, minutes apart):
+#
+#               wall us (median)     user us           system us
+#   4 B         107-172 / 365-406    26-49 / 144-171   16-40 / 11-43
+#   256 KiB     400-425 / 738-798    20-62 / 211-237   46-93 / 49-99
+#
+# The same calls use three to five times the user CPU when Gloo's calls run between them. The
+# kernel's share did not change. The likeliest cause, not proven here: Gloo waits with its threads
+# asleep, so the virtual CPUs idle between our calls (and a 2 ms sleep did the same), and our
+# Python then runs on cold caches. A smaller cold footprint would help (less Python per call); a
+# faster wait would not.
