@@ -74,9 +74,10 @@ TABLES: dict[str, list[Rule]] = {
                              "transfers: bandwidth optimum, pipelined by 4 MiB segment"),
     ],
     "all_gather": [
-        Rule("recursive_doubling", lambda nbytes, world: world in (2, 4) and nbytes * world <= 256 << 10,
-             "log2(n) messages per rank instead of direct's n-1, straight into place: 2-13% faster than "
-             "direct at 4 ranks to 256 KiB gathered, a tie at 1 MiB (figures below)"),
+        Rule("recursive_doubling", lambda nbytes, world: world in (2, 4) and nbytes * world <= 1 << 20,
+             "log2(n) messages per rank instead of direct's n-1, straight into place: faster than direct "
+             "at 4 ranks to 1 MiB gathered (since messages up to 1 MiB take the fast path), a tie at 4 MiB "
+             "(figures below)"),
         Rule("direct", lambda nbytes, world: world <= 4,
              "one round of n-1 independent messages, straight into place; fastest at 2-4 ranks at every "
              "size measured, 16 B to 64 MiB (figures below); larger worlds not measured"),
@@ -329,7 +330,8 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # Two messages per rank instead of three, each into place. At 3 ranks (the fold: two more
 # messages) it tied direct (60 B 411 / 429 and 405 / 421, 1 MiB 1276 / 1253 and 1453 / 1380); at 8
 # ranks (8 processes on 2 cores) runs moved by 2x and neither it nor Bruck won at every size.
-# So it is the default at 2 and 4 ranks up to 256 KiB gathered only.
+# So it is the default at 2 and 4 ranks up to 256 KiB gathered only. (Since raised to 1 MiB
+# gathered: figures at the end of this file.)
 
 # ---------------------------------------------------------------------------------------------
 # Small messages read straight off the socket (runtime/group.Call.sendrecv, TCPConnection.recv_now;
@@ -462,3 +464,15 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # asleep, so the virtual CPUs idle between our calls (and a 2 ms sleep did the same), and our
 # Python then runs on cold caches. A smaller cold footprint would help (less Python per call); a
 # faster wait would not.
+#
+# All_gather's table after the fast path took messages up to 1 MiB (--algorithm all, 4 ranks,
+# medians us, two runs; python bench/collectives.py -n 4 --ops all_gather --sizes 256K,1M,4M
+# --algorithm all --shm off --iters 30):
+#
+#   gathered   bruck         direct        recursive doubling   ring
+#   256 Ki     547, 531      436, 434      399, 359             745, 690
+#     1 Mi     938, 896      702, 674      580, 545             1057, 988
+#     4 Mi     3810, 3586    2724, 2485    2749, 2628           3267, 3095
+#
+# and at 1 MiB with --compare gloo (two runs): direct 1375, 904; recursive doubling 1302, 817. So
+# recursive doubling is the default at 2 and 4 ranks up to 1 MiB gathered, and direct above that.
