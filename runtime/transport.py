@@ -142,9 +142,9 @@ class Connection:
         (prefix and packed header, as wire.encode_head makes them) followed by
         ``dest.nbytes`` bytes of payload, waiting for it at most ``wait_s`` (blocking the
         thread; the first ``spin_s`` of that re-reading the socket, ``sched_yield`` between
-        reads, before sleeping in ``poll()``). True: the payload is in ``dest`` and the sink was not called. False:
-        whatever was read went to the sink the usual way (the caller posts its receive as
-        it would have, and that receive gets the frame whole). For payloads up to
+        reads, before sleeping in ``poll()``). True: the payload is in ``dest`` and the sink
+        was not called. False: whatever was read went to the sink the usual way (the caller
+        posts its receive as it would have, and that receive gets the frame whole). For payloads up to
         RECV_NOW_NBYTES: a small frame is read whole, and on False nothing of it is in
         ``dest``; a larger one's payload goes straight into ``dest`` once its head has
         matched, so on False (it did not all come in time) ``dest`` may hold the part that

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from runtime import env
 
 
@@ -40,8 +42,6 @@ def test_timeout_is_read_when_a_runtime_is_made_not_at_import(monkeypatch):
 
 
 def test_a_bad_timeout_names_the_variable(monkeypatch):
-    import pytest
-
     for raw, why in [("abc", "is not a number of seconds"), ("0", "must be a positive"),
                      ("-3", "must be a positive"), ("nan", "must be a positive")]:
         monkeypatch.setenv("RINGWEAVE_TIMEOUT_S", raw)
@@ -51,31 +51,18 @@ def test_a_bad_timeout_names_the_variable(monkeypatch):
     assert env.timeout_s() == env.DEFAULT_TIMEOUT_S
 
 
-def test_inline_wait_is_microseconds_and_a_bad_one_names_the_variable(monkeypatch):
-    import pytest
-
-    monkeypatch.setenv("RINGWEAVE_INLINE_WAIT_US", "250")
-    assert env.inline_wait_s() == 250e-6
-    monkeypatch.setenv("RINGWEAVE_INLINE_WAIT_US", "0")
-    assert env.inline_wait_s() == 0.0
+@pytest.mark.parametrize("name, read, default_us", [
+    ("RINGWEAVE_INLINE_WAIT_US", env.inline_wait_s, env.DEFAULT_INLINE_WAIT_US),
+    ("RINGWEAVE_SPIN_US", env.spin_s, env.DEFAULT_SPIN_US),
+])
+def test_a_microseconds_setting_is_read_and_a_bad_one_names_the_variable(monkeypatch, name, read, default_us):
+    monkeypatch.setenv(name, "250")
+    assert read() == 250e-6
+    monkeypatch.setenv(name, "0")
+    assert read() == 0.0
     for bad in ("soon", "-1", "nan"):
-        monkeypatch.setenv("RINGWEAVE_INLINE_WAIT_US", bad)
-        with pytest.raises(ValueError, match=f"RINGWEAVE_INLINE_WAIT_US={bad!r}"):
-            env.inline_wait_s()
-    monkeypatch.delenv("RINGWEAVE_INLINE_WAIT_US")
-    assert env.inline_wait_s() == env.DEFAULT_INLINE_WAIT_US / 1e6
-
-
-def test_spin_is_microseconds_and_a_bad_one_names_the_variable(monkeypatch):
-    import pytest
-
-    monkeypatch.setenv("RINGWEAVE_SPIN_US", "75")
-    assert env.spin_s() == 75e-6
-    monkeypatch.setenv("RINGWEAVE_SPIN_US", "0")
-    assert env.spin_s() == 0.0
-    for bad in ("busy", "-5", "nan"):
-        monkeypatch.setenv("RINGWEAVE_SPIN_US", bad)
-        with pytest.raises(ValueError, match=f"RINGWEAVE_SPIN_US={bad!r}"):
-            env.spin_s()
-    monkeypatch.delenv("RINGWEAVE_SPIN_US")
-    assert env.spin_s() == env.DEFAULT_SPIN_US / 1e6
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}={bad!r}"):
+            read()
+    monkeypatch.delenv(name)
+    assert read() == default_us / 1e6
