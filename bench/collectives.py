@@ -27,7 +27,10 @@ Method, per (op, size):
    stops the run naming the op, size, variant, rank and first wrong index.
 2. ``--warmup`` rounds, not timed, then ``--iters`` timed rounds. Each round runs every variant once,
    in turn; each timed call is ``barrier; t0; call; t1; barrier`` with that library's own barrier
-   (OSU style), and in-place inputs are reset before the first barrier (not timed).
+   (OSU style), and in-place inputs are reset before the first barrier (not timed). ``--block K``
+   runs K iterations of one variant before the next variant's (default 1). Every library runs
+   slower right after another's calls (collectives/registry.py, end), so K > 1 shows each one
+   warm; K = 1 is the default, and issue 3's figures use it.
 3. time of an iteration = the slowest rank's t1 - t0; the row shows the median (and min) over the
    iterations. algbw = size / time, busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n;
    all_gather, reduce_scatter, all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1).
@@ -489,7 +492,7 @@ async def rank_main(args) -> None:
     peers = [p for p in (gloo, mpi) if p is not None]
     from collectives import api
 
-    meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup,
+    meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup, "block": args.block,
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
             "RINGWEAVE_SHM": os.environ.get("RINGWEAVE_SHM", "(unset)"), "launch": args.launched_by,
@@ -545,9 +548,11 @@ async def rank_main(args) -> None:
                 case.poison()
                 await timed_call(v, case, record=False)
                 check(case, v.lib, f"{v.lib.label} {v.shown}", rank)
-            for it in range(args.warmup + args.iters):  # 2. rounds of every variant in turn
-                for v in variants:
-                    await timed_call(v, case, record=it >= args.warmup)
+            total = args.warmup + args.iters
+            for start in range(0, total, args.block):  # 2. rounds of every variant in turn
+                for v in variants:  # --block calls of one variant, then the next one's
+                    for it in range(start, min(start + args.block, total)):
+                        await timed_call(v, case, record=it >= args.warmup)
             every = np.array([v.times for v in variants], np.float64)  # (variants, iters)
             every = (await max_over_ranks(every)) if n > 1 else every
             if rank != 0:
@@ -683,6 +688,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--algorithm", default="default", help="an algorithm name, 'default' (the table) or 'all'")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per row (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per row (default 3)")
+    p.add_argument("--block", type=int, default=1,
+                   help="iterations of one variant in a row before the next variant's (default 1: alternate every call)")
     p.add_argument("--warmup-rounds", type=int, default=500,
                    help="untimed rounds of a 4 B all_reduce of every library before the first row (default 500)")
     p.add_argument("--compare", default="", help="gloo, mpi or gloo,mpi: peers measured in the same processes")
@@ -708,8 +715,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [c for c in args.compare if c not in ("gloo", "mpi")]
     if bad:
         p.error(f"--compare: unknown {bad}; choose gloo and/or mpi")
-    if args.iters < 1 or args.warmup < 0 or args.nproc < 1:
-        p.error("need --iters >= 1, --warmup >= 0, -n >= 1")
+    if args.iters < 1 or args.warmup < 0 or args.nproc < 1 or args.block < 1:
+        p.error("need --iters >= 1, --warmup >= 0, --block >= 1, -n >= 1")
     return args
 
 

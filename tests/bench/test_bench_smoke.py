@@ -60,6 +60,17 @@ def test_table_json_and_plot(tmp_path):
 
 
 @pytest.mark.timeout(360)
+def test_blocks_of_one_variant_still_time_every_iteration(tmp_path):
+    """--block 3 with 5 timed and 1 untimed iterations: blocks of 3, 3 (the last one cut short);
+    every variant still gets exactly 5 timed calls."""
+    stdout, data, _ = run_bench(tmp_path, "--ops", "all_reduce", "--algorithm", "all", "--block", "3",
+                                "--iters", "5", "--warmup", "1")
+    assert data["meta"]["block"] == 3
+    assert len(data["rows"]) >= 2 * 3  # two sizes, every algorithm
+    assert all(r["iters"] == 5 for r in data["rows"])
+
+
+@pytest.mark.timeout(360)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (optional peer)")
 def test_compare_gloo(tmp_path):
     stdout, data, png = run_bench(tmp_path, "--ops", "all_reduce,all_gather,reduce_scatter,broadcast,reduce",
