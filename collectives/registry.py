@@ -28,7 +28,7 @@ from runtime import env
 
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
                          all_reduce_halving_doubling, all_reduce_recursive_doubling, all_reduce_ring,
-                         all_to_all_direct, barrier_dissemination, broadcast_tree, gather_tree,
+                         all_to_all_direct, barrier_dissemination, broadcast_flat, broadcast_tree, gather_tree,
                          reduce_scatter_ring, reduce_tree, scatter_tree)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
@@ -38,7 +38,7 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_gather": {"ring": all_gather_ring.run, "bruck": all_gather_bruck.run, "direct": all_gather_direct.run,
                    "recursive_doubling": all_gather_recursive_doubling.run},
     "reduce_scatter": {"ring": reduce_scatter_ring.run},
-    "broadcast": {"tree": broadcast_tree.run},
+    "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run},
     "reduce": {"tree": reduce_tree.run},
     "gather": {"tree": gather_tree.run},
     "scatter": {"tree": scatter_tree.run},
@@ -86,7 +86,12 @@ TABLES: dict[str, list[Rule]] = {
         Rule("ring", always, "bandwidth optimum, segmented; even with Bruck at 4 MiB, which copies out once more"),
     ],
     "reduce_scatter": [Rule("ring", always)],
-    "broadcast": [Rule("tree", always)],
+    "broadcast": [
+        Rule("flat", lambda nbytes, world: world <= 4 and nbytes <= 64 << 10,
+             "one latency for every receiver; faster than the tree at 4 ranks to 64 KiB (figures below); "
+             "larger worlds not measured"),
+        Rule("tree", always, "log2(n) rounds; the root sends log2(n) copies, not n-1"),
+    ],
     "reduce": [Rule("tree", always)],
     "gather": [Rule("tree", always)],
     "scatter": [Rule("tree", always)],
@@ -483,3 +488,23 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 1.66 / 1.84, 1.90; broadcast 1 MiB 1.46, 1.22 / 1.53, 1.53; barrier 2.01, 2.07 / 2.60, 2.26. Our
 # 4 B all_reduce in blocks of 5 took 365-400 us. Without Gloo in the processes it took 186-201 us,
 # so having torch and Gloo in the process still costs us even when our calls are back to back.
+#
+# Broadcast: flat (collectives/broadcast_flat.py, the root sends to each rank in turn) against the
+# binomial tree, now that both take the fast path. A flat broadcast was tried before and lost, but
+# in --algorithm all runs where it always ran first after the peer's call (the cold slot above).
+# Alternating with each other, no peer (python bench/collectives.py -n 4 --ops broadcast --sizes
+# 4,1K,16K,64K,256K,1M --algorithm all --shm off --iters 40; three runs, medians us, flat / tree):
+#
+#   bytes      run 1          run 2          run 3
+#       4     118 / 131       72 / 116      123 / 136
+#    1 Ki     145 / 153      128 / 145      130 / 145
+#   16 Ki     152 / 165      127 / 141      137 / 172
+#   64 Ki     158 / 193      150 / 171      167 / 201
+#  256 Ki     158 / 237      367 / 312      251 / 248
+#    1 Mi     708 / 755      867 / 823      739 / 752
+#
+# and each alone beside Gloo (--algorithm flat or tree --compare gloo --iters 30, runs alternated,
+# three each; ratio to Gloo, flat / tree): 4 B 1.63, 2.57, 2.06 / 2.04, 1.83, 1.80; 1 KiB 1.81,
+# 1.86, 2.62 / 1.93, 1.95, 2.29; 16 KiB 2.67, 3.47, 2.93 / 1.80, 1.92, 1.49; 64 KiB 1.31, 2.01,
+# 1.69 / 1.56, 1.62, 1.56; 256 KiB and 1 MiB within noise. So flat up to 64 KiB at up to 4 ranks;
+# at more ranks the root's n-1 sends in a row were not measured, and the tree keeps them.
