@@ -28,9 +28,9 @@ Method, per (op, size):
 2. ``--warmup`` rounds, not timed, then ``--iters`` timed rounds. Each round runs every variant once,
    in turn; each timed call is ``barrier; t0; call; t1; barrier`` with that library's own barrier
    (OSU style), and in-place inputs are reset before the first barrier (not timed). ``--block K``
-   runs K iterations of one variant before the next variant's (default 1). Every library runs
-   slower right after another's calls (collectives/registry.py, end), so K > 1 shows each one
-   warm; K = 1 is the default, and issue 3's figures use it.
+   runs K iterations of one variant before the next variant's (default 1). ringweave's calls
+   run slower right after Gloo's (collectives/registry.py, end), so K > 1 shows a library
+   closer to warm; K = 1 is the default, and issue 3's figures use it.
 3. time of an iteration = the slowest rank's t1 - t0; the row shows the median (and min) over the
    iterations. algbw = size / time, busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n;
    all_gather, reduce_scatter, all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1).

@@ -33,26 +33,26 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import as_bytes
+from runtime.transport import RECV_NOW_NBYTES
 
-EXCHANGE_NBYTES = 1 << 20  # blocks up to this (runtime.transport.RECV_NOW_NBYTES): one sendrecv per turn
+EXCHANGE_NBYTES = RECV_NOW_NBYTES  # blocks up to this: one sendrecv per turn (1 MiB)
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
     n, r = comm.size, comm.rank
     count = x.size
+    exchange = x.nbytes <= EXCHANGE_NBYTES
+    posted = [] if exchange else [comm.irecv(j, as_bytes(out[j * count:(j + 1) * count]))
+                                  for j in range(n) if j != r]
     mine = out[r * count:(r + 1) * count]
-    if x.nbytes <= EXCHANGE_NBYTES:
-        if not np.shares_memory(mine, x):
-            mine[...] = x
-        data = as_bytes(mine)
+    if not np.shares_memory(mine, x):
+        mine[...] = x
+    data = as_bytes(mine)  # our block of out: the same bytes as x, and contiguous
+    if exchange:
         for i in range(1, n):
             j = (r - i) % n
             await comm.sendrecv((r + i) % n, data, j, as_bytes(out[j * count:(j + 1) * count]))
         return
-    posted = [comm.irecv(j, as_bytes(out[j * count:(j + 1) * count])) for j in range(n) if j != r]
-    if not np.shares_memory(mine, x):
-        mine[...] = x
-    data = as_bytes(mine)  # our block of out: the same bytes as x, and contiguous
     for i in range(1, n):
         await comm.send((r + i) % n, data)
     for fut in posted:

@@ -46,10 +46,11 @@ import asyncio
 import numpy as np
 
 from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
+from runtime.transport import RECV_NOW_NBYTES
 
 SEGMENT_NBYTES = 4 << 20  # one message (the ring's size; registry.py notes)
 SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call posts ahead into
-EXCHANGE_NBYTES = 2 << 20  # arrays up to this: one sendrecv per step (messages up to RECV_NOW_NBYTES)
+EXCHANGE_NBYTES = 2 * RECV_NOW_NBYTES  # arrays up to this: one sendrecv per step (messages up to half: 1 MiB)
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:

@@ -41,9 +41,10 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
+from runtime.transport import RECV_NOW_NBYTES
 
 SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
-EXCHANGE_NBYTES = 1 << 20  # blocks up to this (runtime.transport.RECV_NOW_NBYTES): one sendrecv per step
+EXCHANGE_NBYTES = RECV_NOW_NBYTES  # blocks up to this: one sendrecv per step (1 MiB)
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:

@@ -160,8 +160,8 @@ class Call:
         await arrived
 
     def send_now(self, dst: int, buf) -> bool:
-        """Sends ``buf`` to group rank ``dst`` if that can be done at once (a small frame, the
-        connection idle: ``Connection.send_now``); False: nothing was sent."""
+        """Sends ``buf`` to group rank ``dst`` if that can be done at once (a frame up to
+        SEND_NOW_NBYTES, the connection idle: ``Connection.send_now``); False: nothing was sent."""
         error = self.group.error
         if error is not None:
             raise error

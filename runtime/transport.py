@@ -394,12 +394,7 @@ class TCPConnection(Connection):
             # as its own packet and wakes the receiver once for 16+ bytes and again for
             # the payload (measured: 1 MiB one-way 390 -> 630 us). What the socket does
             # not take goes through the transport, which keeps the order.
-            sent = 0
-            if self._fd >= 0 and transport.get_write_buffer_size() == 0:
-                try:
-                    sent = os.writev(self._fd, (head, mv))
-                except OSError:  # would block, interrupted, or broken (the transport's write reports that)
-                    sent = 0
+            sent = self._writev_now(head, mv)
             hlen = len(head)
             if sent < hlen:
                 transport.write(head[sent:])
@@ -445,23 +440,26 @@ class TCPConnection(Connection):
         if nbytes <= _COALESCE_NBYTES:
             proto.transport.write(head + payload if nbytes else head)
         else:
-            transport = proto.transport
-            if self._fd < 0 or transport.get_write_buffer_size():
-                return False
-            try:
-                sent = os.writev(self._fd, (head, payload))
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:  # broken: send() hands it to the transport, which reports it
-                return False
-            if sent == 0:
+            sent = self._writev_now(head, payload)
+            if sent == 0:  # nothing went (would block, broken, or bytes queued): send() takes it
                 return False
             hlen = len(head)
             if sent < hlen + nbytes:  # copied: the caller may reuse payload once this returns
-                transport.write(head[sent:] + payload if sent < hlen else bytes(payload[sent - hlen:]))
+                proto.transport.write(head[sent:] + payload if sent < hlen else bytes(payload[sent - hlen:]))
         self.frames_sent += 1
         self.bytes_sent += len(head) + nbytes
         return True
+
+    def _writev_now(self, head: bytes, payload: memoryview) -> int:
+        """Header and payload in ONE writev, when the transport holds nothing of ours (so order
+        is kept); returns the bytes the socket took: 0 when it would block, is broken (the
+        transport's own write then reports that) or the transport holds bytes."""
+        if self._fd < 0 or self._proto.transport.get_write_buffer_size():
+            return 0
+        try:
+            return os.writev(self._fd, (head, payload))
+        except OSError:
+            return 0
 
     def recv_now(self, head: bytes, dest: memoryview, wait_s: float, spin_s: float = 0.0) -> bool:
         """See base class. Reads exactly the expected frame's length from the socket (never
@@ -470,10 +468,11 @@ class TCPConnection(Connection):
         frame, and one ``spin_s`` within it) ends the attempt.
 
         Why spin: on this project's machine (a KVM guest with guest halt-polling off) a rank
-        that sleeps idles its virtual CPU, and waking it costs an exit to the host. Re-reading
-        for up to 50 us first halved a 4 B all_reduce back to back, wall and CPU alike
-        (figures in collectives/registry.py); ``sched_yield`` hands the core to any rank
-        that has work, so oversubscribed ranks do not starve each other."""
+        that sleeps idles its virtual CPU, and waking it goes through the host. Re-reading for
+        up to 50 us first took a 4 B all_reduce back to back from 226-338 to 136-169 us of wall
+        time, and from 99-127 to 68-83 us of CPU per rank (figures in collectives/registry.py);
+        ``sched_yield`` hands the core to any rank that has work, so oversubscribed ranks do
+        not starve each other."""
         proto = self._proto
         if self._fd < 0 or self._closed or not proto.idle():
             return False
