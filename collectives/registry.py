@@ -451,8 +451,8 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # all_reduce,broadcast,barrier --sizes 4,1K --iters 40 gave these median ratios to Gloo (0 / 50):
 # 4 B all_reduce 1.68 / 1.80, broadcast 4 B 1.82 / 1.95, broadcast 1 KiB 1.77 / 2.27, barrier
 # 2.09 / 2.06. Interleaved with Gloo, our 4 B all_reduce takes 460-480 us; in the same minutes
-# without the peer it takes 186-201 us. Every library runs slower after the others' calls, as after
-# any idle period: a 2 ms sleep before each timed call made ours slower (612 against 476 us), and
+# without the peer it takes 186-201 us. Our calls run slower after Gloo's calls, as after any idle
+# period (only ours was measured this way): a 2 ms sleep before each timed call made ours slower (612 against 476 us), and
 # a 2 ms sched_yield spin in its place did not help consistently (329 and 557 against 403 and 504).
 #
 # Where the time goes after the other library's calls: the bench's timed call, instrumented for a
