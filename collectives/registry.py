@@ -28,8 +28,8 @@ from runtime import env
 
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
                          all_reduce_halving_doubling, all_reduce_recursive_doubling, all_reduce_ring,
-                         all_to_all_direct, barrier_dissemination, broadcast_flat, broadcast_tree, gather_tree,
-                         reduce_scatter_ring, reduce_tree, scatter_tree)
+                         all_to_all_direct, barrier_dissemination, broadcast_flat, broadcast_tree, gather_direct,
+                         gather_tree, reduce_scatter_ring, reduce_tree, scatter_direct, scatter_tree)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
@@ -40,8 +40,8 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
     "reduce_scatter": {"ring": reduce_scatter_ring.run},
     "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run},
     "reduce": {"tree": reduce_tree.run},
-    "gather": {"tree": gather_tree.run},
-    "scatter": {"tree": scatter_tree.run},
+    "gather": {"tree": gather_tree.run, "direct": gather_direct.run},
+    "scatter": {"tree": scatter_tree.run, "direct": scatter_direct.run},
     "all_to_all": {"direct": all_to_all_direct.run},
     "barrier": {"dissemination": barrier_dissemination.run},
 }
@@ -93,8 +93,18 @@ TABLES: dict[str, list[Rule]] = {
         Rule("tree", always, "log2(n) rounds; the root sends log2(n) copies, not n-1"),
     ],
     "reduce": [Rule("tree", always)],
-    "gather": [Rule("tree", always)],
-    "scatter": [Rule("tree", always)],
+    "gather": [
+        Rule("direct", lambda nbytes, world: world <= 8 or nbytes >= 1 << 20,
+             "every block crosses once, straight into place; faster than the tree at 3, 4 and 8 ranks at "
+             "every size measured (figures below); large blocks at any size of world: the root takes n-1 "
+             "blocks either way and the tree forwards them besides"),
+        Rule("tree", always, "small blocks on more than 8 ranks (not measured): log2(n) rounds, not n-1 messages"),
+    ],
+    "scatter": [
+        Rule("direct", lambda nbytes, world: world <= 8 or nbytes >= 1 << 20,
+             "every block crosses once, straight from the root's input; as gather (figures below)"),
+        Rule("tree", always, "small blocks on more than 8 ranks (not measured): log2(n) rounds, not n-1 messages"),
+    ],
     "all_to_all": [Rule("direct", always)],
     "barrier": [Rule("dissemination", always)],
 }
@@ -508,3 +518,45 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 1.86, 2.62 / 1.93, 1.95, 2.29; 16 KiB 2.67, 3.47, 2.93 / 1.80, 1.92, 1.49; 64 KiB 1.31, 2.01,
 # 1.69 / 1.56, 1.62, 1.56; 256 KiB and 1 MiB within noise. So flat up to 64 KiB at up to 4 ranks;
 # at more ranks the root's n-1 sends in a row were not measured, and the tree keeps them.
+
+# ---------------------------------------------------------------------------------------------
+# Gather and scatter: direct (collectives/gather_direct.py, scatter_direct.py: every block
+# crosses the network once, between its rank and the root) against the binomial trees, which
+# forward blocks through inner ranks (the tree's 4-rank scatter moves 64 MiB in all for a 64 MiB
+# input, direct 48). Sizes are the root's whole buffer (n blocks); 4 ranks, medians in us, two
+# runs, direct / tree:
+#
+#   python bench/collectives.py -n 4 --ops scatter,gather --algorithm all \
+#       --sizes 16,1K,64K,256K,1M,4M,16M,64M --shm off --iters 12
+#
+#   bytes      scatter run 1    scatter run 2     gather run 1 *    gather run 2 *
+#      16      116 / 373        134 / 278          70 / 124          205 / 295
+#    1 Ki      114 / 311        159 / 303          78 / 307          105 / 277
+#   64 Ki      283 / 369        155 / 305         312 / 502          184 / 267
+#  256 Ki      279 / 472         92 / 500         259 / 232          202 / 332
+#    1 Mi      384 / 627        324 / 463         304 / 527          266 / 492
+#    4 Mi      980 / 1314       828 / 1473        888 / 1121         567 / 1526
+#   16 Mi     4158 / 5722      3995 / 5454       3627 / 4970        4026 / 6066
+#   64 Mi    18436 / 25714    17985 / 26479     17316 / 25766      17992 / 25748
+#
+# (* gather to 4 MiB measured again after its root took blocks up to 1 MiB with sendrecv, each
+# read straight off its socket in turn; 64 MiB from the first runs, with every receive posted.
+# Before that change direct gather lost to the tree up to 64 KiB: 269 / 123 us at 16 B.)
+# At 8 ranks (64 B, 64 KiB, 1 MiB, 16 MiB; --iters 10, one run) direct won every row: scatter
+# 528 / 1177, 794 / 1275, 1371 / 1792, 6877 / 10107; gather 577 / 1033, 889 / 1140, 719 / 1418,
+# 4787 / 8618. At 3 ranks the two were within noise (60 B scatter 176 / 156, 1 MiB gather
+# 339 / 322) or direct ahead. Sending the scatter's blocks all at once (asyncio.gather) instead
+# of in turn: 64 MiB 13237 / 13153 and 13536 / 14020 us, 16 MiB 4007 / 3848 and 4009 / 3782
+# (at once / in turn), no gain, so in turn. Beside Gloo (--ops gather,scatter --sizes
+# 16,1K,64K,1M,16M,64M --compare gloo --iters 12, two runs, ratio Gloo / ours): gather 2.44-5.28
+# to 1 MiB, 1.70-1.83 at 16 MiB, 2.54-2.93 at 64 MiB (the tree: 1.16-1.63 to 1 MiB, 2.29 at 64
+# MiB); scatter 1.76-3.06 to 1 MiB, 1.03-1.43 at 16 MiB, 1.01-1.03 at 64 MiB (the tree: 0.67).
+#
+# Tried and not kept: a pipelined chain broadcast (the array in segments of 64 KiB-1 MiB down
+# the line root, root+1, ...; one sendrecv per step: send segment i-1 on while segment i comes
+# in). Against the tree (--ops broadcast --algorithm all --sizes 256K,1M,4M,16M,64M --iters 12,
+# segments of nbytes/8 clamped to 64 KiB-1 MiB, then fixed 64 KiB and 256 KiB): 256 KiB
+# 506 / 295, 430 / 187, 323 / 266 us; 1 MiB 1596 / 1120, 1169 / 789, 1390 / 970; 4 MiB
+# 3802 / 4190, 5256 / 3220, 4500 / 4694; 64 MiB 59331 / 51158, 71704 / 48124, 75340 / 61511
+# (chain / tree). Loopback here is bound by the CPU of the kernel's copies, not by any one link,
+# and the chain copies as many bytes as the tree in more messages.
