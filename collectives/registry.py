@@ -570,3 +570,10 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # in every row. Beside Gloo after it (--compare gloo --iters 12, two runs): 16 B 1.75, 2.82x;
 # 1 KiB 1.39, 1.66x; 64 KiB 1.80, 1.36x; 1 MiB 1.18, 1.45x; 16 MiB 1.11, 0.97x (posted
 # receives: 1.05x at 16 B, 1.34x at 1 KiB and 1.08x at 1 MiB in this session's first run).
+#
+# reduce tree: arrays up to 1 MiB now take each child's partial with sendrecv (read off its
+# socket) instead of posted receives. Same run, the old file as a temporary second entry
+# (--ops reduce --algorithm all --sizes 16,1K,64K,256K,1M,4M --iters 15, 4 ranks, two runs),
+# medians us, new / old: 16 B 84 / 177, 219 / 346; 1 KiB 136 / 128, 194 / 319; 64 KiB 122 / 254,
+# 93 / 275; 256 KiB 249 / 417, 344 / 510; 1 MiB 905 / 1189, 965 / 1145; 4 MiB (the same code in
+# both) 3987 / 4662, 4585 / 4450.
