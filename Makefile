@@ -8,10 +8,10 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -e ".[test,cuda]"
+	$(BIN)/python -m pip install -e ".[test,cuda,plot]"
 	touch $(STAMP)
 
 # The main job: 4 ranks train the default model on digits through the launcher.
