@@ -39,7 +39,8 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 def check_plot(stdout: str, png: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:
-        assert png.exists() and png.stat().st_size > 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{png} is not a PNG"
+        assert "plot skipped" not in stdout
     else:
         assert "plot skipped" in stdout
 
