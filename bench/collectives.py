@@ -637,8 +637,9 @@ def goals(rows: list[dict], peers: list[str], membw: dict, n: int) -> dict:
     tiny = [r for r in d if r["op"] == "all_reduce" and 0 < r["bytes"] <= 8]
     if tiny:
         t = tiny[0]
-        lines.append(f"#   all_reduce {fmt_bytes(t['bytes'])} under 100 us (issue 6): {t['time_us']:.1f} us   "
-                     f"{'PASS' if t['time_us'] < 100 else 'FAIL'}")
+        verdict = ("PASS" if t["time_us"] < 100 else "FAIL") if shm_rows else \
+            "(a shared-memory goal: not judged on this TCP run)"
+        lines.append(f"#   all_reduce {fmt_bytes(t['bytes'])} under 100 us (issue 6): {t['time_us']:.1f} us   {verdict}")
         out["all_reduce_small_us"] = t["time_us"]
     big = [r for r in d if r["op"] == "all_reduce" and r["bytes"] >= MiB]
     if big and membw.get("one_core"):
