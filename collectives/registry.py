@@ -583,3 +583,16 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 680 / 875; 16 KiB 378 / 557, 459 / 692; 64 KiB 522 / 556, 635 / 588; 256 KiB 660 / 769, 671 / 734.
 # 6 ranks: 64 B 267 / 306, 273 / 296; 1 KiB 283 / 256, 271 / 291; 16 KiB 342 / 329, 286 / 303;
 # 64 KiB 351 / 368, 367 / 451; 256 KiB 428 / 609, 681 / 715. So flat to 16 KiB up to 8 ranks.
+#
+# Where a small call's time goes when it runs cold (after Gloo's calls, or any idle gap). A probe
+# (not kept) ran `barrier; t0; all_reduce(4 B); t1` 200 times at 4 ranks with a 7 ms sleep before
+# each barrier: the slowest rank's median was 425-647 us (190-290 us without the sleep), and the
+# same probe over bare blocking sockets (recursive doubling, one np.add per step) 215-241 us
+# (132-142). Of ours, the barrier's exit skew (last rank out minus first, on the shared monotonic
+# clock) was 183-250 us cold against 74 us warm, and a rank that leaves early waits that long in
+# the all_reduce. A flat barrier (every rank to every other, one round; tried, not kept) left the
+# skew where it was (206-215 us), so it is the 2 cores scheduling 4 ranks, not the dissemination's
+# chain of messages. Taking NumPy out of the recursive doubling's steps (byte views by
+# memoryview.cast, a cached scratch, the kernel called directly; a probe run in the bench beside
+# Gloo, 60 iterations, three runs alternating) changed nothing measurable: 553 / 593, 590 / 595,
+# 470 / 450 us (stripped / as is).
