@@ -40,16 +40,24 @@ def timeout_s(default: float = DEFAULT_TIMEOUT_S) -> float:
     Raises:
         ValueError: the variable is not a positive number; the message names it and its value.
     """
-    raw = get(TIMEOUT_ENV_VAR)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds") from None
-    if not value > 0:  # also NaN
-        raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r}: the deadline must be a positive number of seconds")
-    return value
+    return _number(TIMEOUT_ENV_VAR, default, "seconds", lambda v: v > 0,
+                   "the deadline must be a positive number of seconds")
+
+
+MISMATCH_CHECK_ENV_VAR = "RINGWEAVE_MISMATCH_CHECK_S"
+DEFAULT_MISMATCH_CHECK_S = 1.0  # see runtime/group.ProcessGroup.check_stalled
+
+
+def mismatch_check_s(default: float = DEFAULT_MISMATCH_CHECK_S) -> float:
+    """How long a collective call may wait before it asks the ranks it waits on which call
+    they are in (``ProcessGroup.check_stalled``), in seconds: ``RINGWEAVE_MISMATCH_CHECK_S`` as
+    it is now, ``default`` when unset or empty; 0 turns the check off.
+
+    Raises:
+        ValueError: the variable is not a number >= 0; the message names it and its value.
+    """
+    return _number(MISMATCH_CHECK_ENV_VAR, default, "seconds", lambda v: v >= 0,
+                   "the check must be 0 (off) or more seconds")
 
 
 INLINE_WAIT_ENV_VAR = "RINGWEAVE_INLINE_WAIT_US"
@@ -81,13 +89,19 @@ def spin_s(default_us: float = DEFAULT_SPIN_US) -> float:
 
 
 def _microseconds(name: str, default_us: float, what: str) -> float:
+    return _number(name, default_us, "microseconds", lambda v: v >= 0, f"{what} must be 0 or more microseconds") / 1e6
+
+
+def _number(name: str, default: float, unit: str, ok, must: str) -> float:
+    """The variable as a float, ``default`` when unset or empty; ValueError (naming the variable,
+    its value and ``must``) when it is not a number or ``ok(value)`` is false (NaN never is)."""
     raw = get(name)
     if raw is None or not raw.strip():
-        return default_us / 1e6
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of microseconds") from None
-    if not value >= 0:  # also NaN
-        raise ValueError(f"{name}={raw!r}: {what} must be 0 or more microseconds")
-    return value / 1e6
+        raise ValueError(f"{name}={raw!r} is not a number of {unit}") from None
+    if not ok(value):
+        raise ValueError(f"{name}={raw!r}: {must}")
+    return value

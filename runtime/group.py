@@ -57,8 +57,8 @@ class Call:
     does not log "exception was never retrieved": the call raises the error itself.
     """
     __slots__ = ("group", "gid", "rank", "size", "seq", "fingerprint", "timeout_s", "started", "deadline",
-                 "task", "loop", "expired", "bytes_sent", "algorithm", "_tag", "_packed", "_outstanding",
-                 "_actor", "_peers", "__weakref__")
+                 "task", "loop", "expired", "check_at", "checks", "bytes_sent", "algorithm", "_tag", "_packed",
+                 "_outstanding", "_actor", "_peers", "__weakref__")
 
     def __init__(self, group: "ProcessGroup", seq: int, fingerprint: str, timeout_s: float):
         self.group = group
@@ -73,6 +73,8 @@ class Call:
         self.task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the running loop (Watchdog.watch), for futures
         self.expired = False  # the watchdog cancelled it
+        self.check_at = float("inf")  # loop time of its next mismatch check (Watchdog.watch)
+        self.checks = 0  # mismatch checks made so far (each waits twice as long as the one before)
         self.bytes_sent = 0
         self.algorithm: str | None = None  # shown by runtime tracing
         self._tag = (group.gid, seq)
@@ -353,6 +355,47 @@ class ProcessGroup:
         why = {r: w for r, w in answers if w is not None}
         return sorted(why), why
 
+    def check_stalled(self, call: Call) -> None:
+        """Asks, in the background, the ranks ``call`` waits on (every other member when it
+        waits on none in particular, as a shared-memory call does) which call they are in at
+        this call's sequence number; one in a different call fails the group with a
+        CollectiveMismatchError naming both calls and both ranks, which every member then
+        raises. The Watchdog calls this for a call in flight ``RINGWEAVE_MISMATCH_CHECK_S``
+        (default 1 s), then after twice as long each time.
+
+        Why: a mismatch shows in the frames only when a rank receives a frame of the other
+        call. Ranks that disagree on a gather's or a reduce's root may all wait for frames
+        nobody sends (the rank that thinks it is the root sends nothing), and without this
+        they waited for the whole timeout."""
+        if self.error is None:
+            self.runtime.actor._spawn(self._ask_about(call), f"mismatch check g{self.gid} #{call.seq}")
+
+    async def _ask_about(self, call: Call) -> None:
+        actor = self.runtime.actor
+        lost = actor.lost_peers()
+        asked = [self.ranks[r] for r in call.waiting_on] or [r for r in self.ranks if r != actor.rank]
+        budget_s = min(1.0, call.timeout_s / 4) if call.timeout_s is not None else 1.0
+
+        async def ask(peer: int):
+            try:
+                return peer, await actor.call(peer, "ringweave.call_of", self.gid, call.seq, timeout_s=budget_s)
+            except (TimeoutError, RingweaveError, OSError):
+                return peer, None  # busy, gone or refused: nothing learnt (a lost peer fails the call anyway)
+
+        answers = await asyncio.gather(*(ask(r) for r in asked if r not in lost))
+        if self.error is not None or self.calls.get(call.seq) is not call:
+            return  # failed or finished meanwhile
+        for peer, theirs in answers:
+            if isinstance(theirs, str) and theirs != call.fingerprint:
+                self.abort(self._mismatch_error(call.seq, call.fingerprint, peer, theirs))
+                return
+
+    def call_of(self, seq: int) -> str | None:
+        """The fingerprint of this rank's call #``seq`` in this group: in flight or finished
+        (the last 256), None when it has not got there yet (or forgot it)."""
+        rec = self.calls.get(seq)
+        return rec.fingerprint if rec is not None else self._finished.get(seq)
+
     def _check_leftovers(self, call: Call) -> None:
         """A call that finished with frames of its own still unclaimed disagreed with
         their sender (e.g. both ranks thought they were the root of a broadcast and
@@ -424,27 +467,32 @@ class Watchdog:
     the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
     it, so the timer gets to run."""
 
-    def __init__(self):
+    def __init__(self, check_s: float = 0.0):
         self._calls: dict[Call, None] = {}
         self._handle: asyncio.TimerHandle | None = None
         self._at = float("inf")  # when the armed timer fires
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.check_s = check_s  # a call this long in flight gets a mismatch check (0: never)
 
     def watch(self, call: Call) -> None:
         # The loop through the task: asyncio.get_running_loop() and current_task() each make a
         # getpid system call (CPython's fork check), ~1 us apiece on this VM.
         call.task = task = asyncio.current_task()
         call.loop = loop = task.get_loop() if task is not None else asyncio.get_running_loop()
-        if call.timeout_s is None:
+        if call.timeout_s is None and not self.check_s:
             call.deadline = float("inf")
             return
         if loop is not self._loop:  # first call, or the runtime moved to another loop
             self.close()
             self._loop = loop
-        call.deadline = deadline = loop.time() + call.timeout_s
+        now = loop.time()
+        call.deadline = now + call.timeout_s if call.timeout_s is not None else float("inf")
+        if self.check_s:
+            call.check_at = now + self.check_s
         self._calls[call] = None
-        if deadline < self._at:
-            self._arm(deadline)
+        at = min(call.deadline, call.check_at)
+        if at < self._at:
+            self._arm(at)
 
     def unwatch(self, call: Call) -> None:
         self._calls.pop(call, None)  # the timer stays armed: it re-arms for the rest when it fires
@@ -470,8 +518,12 @@ class Watchdog:
                 del self._calls[call]
                 call.expired = True
                 call.task.cancel()
-            else:
-                later = min(later, call.deadline)
+                continue
+            if call.check_at <= now:  # in flight for a while: is every rank in the same call?
+                call.checks += 1
+                call.check_at = now + self.check_s * (2 ** min(call.checks, 6))  # 1, 2, 4 .. 64 x check_s
+                call.group.check_stalled(call)
+            later = min(later, call.deadline, call.check_at)
         if later != float("inf"):
             self._arm(later)
 
@@ -498,7 +550,7 @@ class Runtime:
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.shm_enabled = True  # every rank must agree (the algorithm is in each call's fingerprint)
-        self.watchdog = Watchdog()  # the deadlines of the calls in flight
+        self.watchdog = Watchdog(env.mismatch_check_s())  # deadlines and mismatch checks of the calls in flight
         self.inline_wait_s = env.inline_wait_s()  # Call.sendrecv's wait off the event loop (0: never)
         self.spin_s = env.spin_s()  # of that wait, the part spent re-reading the socket before poll()
         global _live_runtimes
@@ -510,6 +562,7 @@ class Runtime:
         actor.add_abort_listener(self._on_abort)
         actor.stray_listener = self._on_stray
         actor.register("ringweave.status", self.status)
+        actor.register("ringweave.call_of", self._call_of)
         self._closed = False
 
     @property
@@ -567,6 +620,11 @@ class Runtime:
             await self.actor.send_frame(dst, {"k": "a", "g": gid, "m": message, "x": kind})
         except (PeerLostError, ClosedError, OSError):
             pass
+
+    def _call_of(self, gid: int, seq: int) -> str | None:
+        """``ringweave.call_of``: this rank's call #seq in group gid (ProcessGroup.check_stalled)."""
+        group = self.groups.get(gid)
+        return group.call_of(seq) if group is not None and group.is_member else None
 
     def status(self) -> dict:
         """What this rank is doing now: its calls in flight and how long each has waited."""

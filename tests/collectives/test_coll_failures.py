@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import collectives as C
+from collectives.registry import ALGORITHMS
 from runtime.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,6 +119,66 @@ async def test_mismatch_raises_on_every_rank(ranks, kind, transport):
     for m in messages:  # names both calls and both ranks
         assert "called" in m and m.count("rank ") >= 2, m
         assert m.count("'") >= 4, m
+
+
+def _rooted(collective: str, algo: str, root: int, rank: int):
+    """``collective`` to/from ``root`` with 7 elements per rank, on 3 ranks."""
+    x, out = np.ones(7, np.float32), np.empty(21, np.float32)
+    if collective == "gather":
+        return C.gather(out if rank == root else None, x, dst=root, algorithm=algo)
+    if collective == "scatter":
+        return C.scatter(x, out if rank == root else None, src=root, algorithm=algo)
+    if collective == "reduce":
+        return C.reduce(x, dst=root, algorithm=algo)
+    return C.broadcast(x, src=root, algorithm=algo)
+
+
+@pytest.mark.parametrize("collective,algo", [(c, a) for c in ("gather", "scatter", "reduce", "broadcast")
+                                             for a in ALGORITHMS[c] if a != "shm"])
+async def test_root_mismatch_raises_on_every_rank(ranks, collective, algo):
+    """Rank 1 thinks it is the root, the others that rank 0 is. In a gather or a reduce
+    nobody may send a frame the other side receives (rank 1 waits for frames sent to rank
+    0, rank 0 for one rank 1 never sends): the mismatch check (ProcessGroup.check_stalled,
+    1 s by default) finds it, not the 20 s deadline."""
+    async def body(g):
+        start = time.monotonic()
+        with pytest.raises(CollectiveMismatchError) as info:
+            await _rooted(collective, algo, 1 if g.rank == 1 else 0, g.rank)
+            await C.barrier()
+        assert time.monotonic() - start < 8
+        return str(info.value)
+
+    for m in await ranks(3, body, transport="tcp", timeout_s=20):
+        assert "called" in m and m.count("rank ") >= 2 and "root=0" in m and "root=1" in m, m
+
+
+async def test_a_late_rank_is_not_a_mismatch(ranks, monkeypatch):
+    """Checks every 0.1 s while rank 2 arrives 1.5 s late: the others ask it (it is not in
+    the call yet, then it is in the same one) and go on waiting; the gather is right."""
+    monkeypatch.setenv("RINGWEAVE_MISMATCH_CHECK_S", "0.1")
+
+    async def body(g):
+        if g.rank == 2:
+            await asyncio.sleep(1.5)
+        x, out = np.full(3, g.rank, np.float32), np.empty(9, np.float32)
+        await C.gather(out if g.rank == 0 else None, x, dst=0)
+        await C.barrier()
+        return out if g.rank == 0 else None
+
+    out = (await ranks(3, body, transport="tcp", timeout_s=20))[0]
+    np.testing.assert_array_equal(out, np.repeat(np.arange(3, dtype=np.float32), 3))
+
+
+def test_mismatch_check_setting(monkeypatch):
+    from runtime import env
+    monkeypatch.setenv("RINGWEAVE_MISMATCH_CHECK_S", "0.25")
+    assert env.mismatch_check_s() == 0.25
+    monkeypatch.setenv("RINGWEAVE_MISMATCH_CHECK_S", "")
+    assert env.mismatch_check_s() == env.DEFAULT_MISMATCH_CHECK_S
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("RINGWEAVE_MISMATCH_CHECK_S", bad)
+        with pytest.raises(ValueError, match="RINGWEAVE_MISMATCH_CHECK_S"):
+            env.mismatch_check_s()
 
 
 # -- lost ranks: every survivor raises PeerLostError within seconds --------------------
