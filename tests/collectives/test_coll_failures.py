@@ -152,6 +152,36 @@ async def test_root_mismatch_raises_on_every_rank(ranks, collective, algo):
         assert "called" in m and m.count("rank ") >= 2 and "root=0" in m and "root=1" in m, m
 
 
+_KINDS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+          "barrier"]
+
+
+def _any_call(kind: str, rank: int):
+    """``kind`` on 4 ranks, 4 elements per rank (root 0)."""
+    x, out, one = np.ones(4, np.float32), np.empty(16, np.float32), np.empty(1, np.float32)
+    return {"all_reduce": lambda: C.all_reduce(x), "all_gather": lambda: C.all_gather(out, x),
+            "reduce_scatter": lambda: C.reduce_scatter(one, x), "broadcast": lambda: C.broadcast(x, src=0),
+            "reduce": lambda: C.reduce(x, dst=0), "gather": lambda: C.gather(out if rank == 0 else None, x, dst=0),
+            "scatter": lambda: C.scatter(one, x if rank == 0 else None, src=0),
+            "all_to_all": lambda: C.all_to_all(np.empty(4, np.float32), x), "barrier": C.barrier}[kind]()
+
+
+@pytest.mark.parametrize("mine,odd", [(a, b) for a in _KINDS for b in _KINDS if a != b])
+async def test_every_pair_of_collectives_mismatches_within_seconds(ranks, mine, odd):
+    """Rank 1 calls ``odd``, the others ``mine`` (default algorithms, TCP). With the
+    mismatch check off, the 12 pairs where the others call reduce or gather waited for the
+    whole timeout."""
+    async def body(g):
+        start = time.monotonic()
+        with pytest.raises(CollectiveMismatchError):
+            await _any_call(odd if g.rank == 1 else mine, g.rank)
+            await C.barrier()
+        return time.monotonic() - start
+
+    took = await ranks(4, body, transport="tcp", timeout_s=20)
+    assert max(took) < 8, took
+
+
 async def test_a_late_rank_is_not_a_mismatch(ranks, monkeypatch):
     """Checks every 0.1 s while rank 2 arrives 1.5 s late: the others ask it (it is not in
     the call yet, then it is in the same one) and go on waiting; the gather is right."""
