@@ -461,7 +461,8 @@ class ProcessGroup:
 class Watchdog:
     """The deadlines of a runtime's calls in flight: one timer, armed for the earliest of them,
     cancels the task of every call past its deadline (``expired`` then tells group.run that the
-    cancellation was the deadline's). ``asyncio.timeout`` per call did the same with a timer of
+    cancellation was the deadline's), and starts the mismatch check of every call in flight for
+    ``check_s`` (ProcessGroup.check_stalled; again after 2, 4, .. 64 x check_s more). ``asyncio.timeout`` per call did the same with a timer of
     its own, ~5 us per call warm (a tenth of a small shared-memory all_reduce's CPU here): with
     the default 300 s timeout this timer fires about once per 300 s of calls. A wait that blocks
     the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
