@@ -29,7 +29,8 @@ from runtime import env
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
                          all_reduce_halving_doubling, all_reduce_recursive_doubling, all_reduce_ring,
                          all_to_all_direct, barrier_dissemination, broadcast_flat, broadcast_tree, gather_direct,
-                         gather_tree, reduce_scatter_ring, reduce_tree, scatter_direct, scatter_tree)
+                         gather_tree, reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct,
+                         scatter_tree)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
@@ -39,7 +40,7 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
                    "recursive_doubling": all_gather_recursive_doubling.run},
     "reduce_scatter": {"ring": reduce_scatter_ring.run},
     "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run},
-    "reduce": {"tree": reduce_tree.run},
+    "reduce": {"tree": reduce_tree.run, "rabenseifner": reduce_rabenseifner.run},
     "gather": {"tree": gather_tree.run, "direct": gather_direct.run},
     "scatter": {"tree": scatter_tree.run, "direct": scatter_direct.run},
     "all_to_all": {"direct": all_to_all_direct.run},
@@ -92,7 +93,12 @@ TABLES: dict[str, list[Rule]] = {
              "16 KiB, even at 6 (figures below); more than 8 ranks not measured"),
         Rule("tree", always, "log2(n) rounds; the root sends log2(n) copies, not n-1"),
     ],
-    "reduce": [Rule("tree", always)],
+    "reduce": [
+        Rule("rabenseifner", lambda nbytes, world: nbytes >= 16 << 20,
+             "reduce-scatter then gather: the work spread over every rank; 5-10% faster than the tree at "
+             "16 MiB at 4 and 8 ranks, level at 4 MiB (figures below); lengths not a multiple of n use the tree"),
+        Rule("tree", always, "log2(n) rounds; the root receives and reduces log2(n) whole arrays"),
+    ],
     "gather": [
         Rule("direct", lambda nbytes, world: world <= 8 or nbytes >= 1 << 20,
              "every block crosses once, straight into place; faster than the tree at 3, 4 and 8 ranks at "
@@ -596,3 +602,13 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # memoryview.cast, a cached scratch, the kernel called directly; a probe run in the bench beside
 # Gloo, 60 iterations, three runs alternating) changed nothing measurable: 553 / 593, 590 / 595,
 # 470 / 450 us (stripped / as is).
+#
+# reduce: Rabenseifner (collectives/reduce_rabenseifner.py: ring reduce-scatter, then direct gather
+# to the root) against the tree (--ops reduce --algorithm all --iters 10, 4 ranks, medians in ms,
+# rabenseifner / tree; four runs at 16 and 64 MiB, two below):
+#   64 KiB 0.42 / 0.21, 0.63 / 0.24; 1 MiB 1.23 / 0.75, 1.10 / 0.93; 4 MiB 5.73 / 5.65, 5.57 / 6.03;
+#   16 MiB 21.4 / 22.6, 19.9 / 22.0, 23.2 / 33.0, 19.3 / 21.6;
+#   64 MiB 90.7 / 104.2, 86.2 / 87.8, 90.4 / 88.2, 87.3 / 92.3.
+# 8 ranks (--iters 6, one run): 1 MiB 8.05 / 4.23, 16 MiB 49.0 / 54.6. So from 16 MiB. The
+# reduce-scatter (61 ms at 64 MiB in issue 3's command) plus a direct gather (17 ms) suggested more;
+# the two phases do not overlap, and the root takes its three blocks while the others are done.
