@@ -107,6 +107,22 @@ async def test_reduce(ranks, algo, n, count):
     await ranks(n, body)
 
 
+@pytest.mark.parametrize("n,count", [(2, 2), (3, 21), (4, 4), (5, 35), (8, 8 * 9), (4, 4 * 300_000)])
+async def test_reduce_rabenseifner_on_lengths_it_takes(ranks, n, count):
+    """The matrix's lengths are never multiples of n, so reduce's Rabenseifner algorithm hands
+    them all to the tree; these are multiples (the last has 1.2 MB float32 blocks, which take
+    the reduce-scatter's segmented path, and 4.8 MB float64 ones)."""
+    async def body(g):
+        for dtype, op in combos(count) if count < 1000 else [(F32, "sum"), (np.dtype(np.float64), "max"), (BF16, "avg")]:
+            for root in roots(n):
+                x = contribution(g.rank, n, count, dtype, op)
+                before = x.copy()
+                await C.reduce(x, dst=root, op=op, algorithm="rabenseifner")
+                want = expected(n, count, dtype, op) if g.rank == root else before
+                assert_equal(x, want, f"rank {g.rank} {dtype} {op} root {root}")
+    await ranks(n, body)
+
+
 @pytest.mark.parametrize("algo,n,count", grid("gather"))
 async def test_gather(ranks, algo, n, count):
     async def body(g):
