@@ -156,14 +156,14 @@ _KINDS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "
           "barrier"]
 
 
-def _any_call(kind: str, rank: int):
-    """``kind`` on 4 ranks, 4 elements per rank (root 0)."""
-    x, out, one = np.ones(4, np.float32), np.empty(16, np.float32), np.empty(1, np.float32)
+def _any_call(kind: str, rank: int, k: int = 1, dtype=np.float32):
+    """``kind`` on 4 ranks, 4 k elements per rank (root 0)."""
+    x, out, one = np.ones(4 * k, dtype), np.empty(16 * k, dtype), np.empty(k, dtype)
     return {"all_reduce": lambda: C.all_reduce(x), "all_gather": lambda: C.all_gather(out, x),
             "reduce_scatter": lambda: C.reduce_scatter(one, x), "broadcast": lambda: C.broadcast(x, src=0),
             "reduce": lambda: C.reduce(x, dst=0), "gather": lambda: C.gather(out if rank == 0 else None, x, dst=0),
             "scatter": lambda: C.scatter(one, x if rank == 0 else None, src=0),
-            "all_to_all": lambda: C.all_to_all(np.empty(4, np.float32), x), "barrier": C.barrier}[kind]()
+            "all_to_all": lambda: C.all_to_all(np.empty(4 * k, dtype), x), "barrier": C.barrier}[kind]()
 
 
 @pytest.mark.parametrize("mine,odd", [(a, b) for a in _KINDS for b in _KINDS if a != b])
@@ -175,6 +175,23 @@ async def test_every_pair_of_collectives_mismatches_within_seconds(ranks, mine, 
         start = time.monotonic()
         with pytest.raises(CollectiveMismatchError):
             await _any_call(odd if g.rank == 1 else mine, g.rank)
+            await C.barrier()
+        return time.monotonic() - start
+
+    took = await ranks(4, body, transport="tcp", timeout_s=20)
+    assert max(took) < 8, took
+
+
+@pytest.mark.parametrize("differs", ["length", "dtype"])
+@pytest.mark.parametrize("odd", [0, 1], ids=["root_differs", "other_differs"])
+@pytest.mark.parametrize("kind", [k for k in _KINDS if k != "barrier"])
+async def test_every_collective_with_another_length_or_dtype_mismatches(ranks, kind, odd, differs):
+    """Rank ``odd`` (the root, 0, or not, 1) passes twice the length or float64 (4 ranks, TCP)."""
+    async def body(g):
+        start = time.monotonic()
+        k, dtype = (2 if differs == "length" else 1), (np.float64 if differs == "dtype" else np.float32)
+        with pytest.raises(CollectiveMismatchError):
+            await (_any_call(kind, g.rank, k, dtype) if g.rank == odd else _any_call(kind, g.rank))
             await C.barrier()
         return time.monotonic() - start
 
