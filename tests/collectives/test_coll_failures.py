@@ -264,6 +264,32 @@ async def test_lost_rank_fails_every_survivor(ranks, how, transport, algo):
             assert f"rank {leaver}" in m, m
 
 
+@pytest.mark.parametrize("leaver", [0, 2], ids=["root_lost", "other_lost"])
+@pytest.mark.parametrize("kind", _KINDS)
+async def test_lost_rank_fails_every_collective(ranks, kind, leaver):
+    """Every collective (default algorithms, TCP) pending when a rank drops its connections:
+    each survivor raises PeerLostError naming it within 5 s, from that call or, when its own
+    part was done (a gather's sender), from the next."""
+    async def body(g):
+        await C.barrier()
+        if g.rank == leaver:
+            await asyncio.sleep(0.05)  # the others are in the call by now
+            for conn in list(g.runtime.actor.conns.values()):
+                conn.abort()
+            return None
+        start = time.monotonic()
+        with pytest.raises(PeerLostError) as info:
+            await _any_call(kind, g.rank, 4096)
+            await C.barrier()
+        assert time.monotonic() - start < 5
+        return str(info.value)
+
+    results = await ranks(4, body, transport="tcp", timeout_s=20)
+    for r, m in enumerate(results):
+        if r != leaver:
+            assert f"rank {leaver}" in m, m
+
+
 async def test_sub_group_without_the_lost_rank_keeps_working(ranks):
     async def body(g):
         sub = g.new_group([0, 1])
