@@ -612,3 +612,11 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 8 ranks (--iters 6, one run): 1 MiB 8.05 / 4.23, 16 MiB 49.0 / 54.6. So from 16 MiB. The
 # reduce-scatter (61 ms at 64 MiB in issue 3's command) plus a direct gather (17 ms) suggested more;
 # the two phases do not overlap, and the root takes its three blocks while the others are done.
+#
+# Tried and not kept: all_reduce as the ring reduce-scatter then the direct all-gather (their own
+# rows at 64 MiB, 61 and 62 ms in issue 3's command, summed to less than halving-doubling's
+# 136 ms). As an algorithm (--ops all_reduce --algorithm all --sizes 16M,64M --iters 8, two
+# runs, ms): 16 MiB 27.3 / 29.8 against halving-doubling's 27.4 / 30.7; 64 MiB 124.6 / 128.5
+# against 118.3 / 119.7 (ring 113.1 / 113.4). The all-gather's receives cannot be posted until
+# the reduce-scatter has read x, so a rank that finishes first sends into frames its peers keep
+# and copy.
