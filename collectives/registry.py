@@ -620,3 +620,12 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # against 118.3 / 119.7 (ring 113.1 / 113.4). The all-gather's receives cannot be posted until
 # the reduce-scatter has read x, so a rank that finishes first sends into frames its peers keep
 # and copy.
+#
+# Tried and not kept: the binomial-tree broadcast in segments (every segment's receive posted,
+# each forwarded to the children as it lands; 1 MiB or 4 MiB segments; --ops broadcast
+# --algorithm all --sizes 4M,16M,64M --iters 6, one run each, ms, segmented / whole). 8 ranks,
+# 1 MiB: 4 MiB 7.8 / 6.7, 16 MiB 26.4 / 26.5, 64 MiB 119.5 / 126.5; 4 MiB segments: 9.3 / 8.8,
+# 28.3 / 27.4, 147.3 / 141.2. 4 ranks, 1 MiB: 5.7 / 4.9, 18.2 / 19.2, 67.7 / 69.2; 4 MiB: 6.8 / 6.7,
+# 15.5 / 16.8, 66.0 / 76.6. Level within this box's noise: its loopback is bound by the CPU
+# of the kernel's copies, which segments do not reduce. A link-bound network, where a pipeline
+# pays off, was not available to measure.
