@@ -366,8 +366,15 @@ async def _p2p(group, start, verb: str, peer: int, tag, timeout: float | None) -
     try:
         await start(timeout)
     except TimeoutError:
+        hint = ""
+        if verb == "recv from":  # the usual cause: the sender used another tag
+            kept = {t[2]: v for t, v in group.runtime.actor.kept_from(peer).items()
+                    if isinstance(t, tuple) and t[:2] == ("p2p", group.gid)}
+            if kept:
+                hint = "; waiting unreceived from it: " + ", ".join(
+                    f"{frames} message(s), {nbytes} bytes, under tag {t}" for t, (frames, nbytes) in sorted(kept.items()))
         raise CollectiveTimeoutError(f"rank {group.runtime.rank}: {verb} rank {peer} (tag {tag}) timed out after "
-                                     f"{timeout:.1f} s", missing=[peer]) from None
+                                     f"{timeout:.1f} s{hint}", missing=[peer]) from None
 
 
 async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float | None = None) -> None:

@@ -403,6 +403,13 @@ class Actor:
         """Whether any frame is kept that no receive has taken yet (a cheap test per call)."""
         return bool(self._unexpected)
 
+    def kept_from(self, peer: int) -> dict:
+        """The point-to-point frames kept from ``peer`` that no receive has taken yet: their
+        tag -> (frames, payload bytes). (For a receive's timeout message: a sender that used
+        another tag.)"""
+        return {key[1]: (len(q), sum(len(data) for _, data in q))
+                for key, q in self._unexpected.items() if q and key[0] == peer}
+
     def unexpected_headers(self, key: tuple) -> list[dict]:
         """Headers of the frames kept for ``key`` that no receive has taken yet."""
         kept = self._unexpected.get(key)

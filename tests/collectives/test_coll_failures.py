@@ -360,6 +360,29 @@ async def test_send_recv_tags_order_and_errors(ranks):
     await ranks(2, body)
 
 
+@pytest.mark.parametrize("transport", ["memory", "tcp"])
+async def test_recv_timeout_names_messages_waiting_under_another_tag(ranks, transport):
+    """The usual reason a receive never completes: the sender used another tag. Its
+    timeout says what is waiting from that rank, and under which tags."""
+    async def body(g):
+        if g.rank == 0:
+            for _ in range(2):
+                await C.send(np.ones(3, np.float32), dst=1, tag=2)
+            await C.barrier()
+            return None
+        x = np.empty(3, np.float32)
+        await asyncio.sleep(0.1)  # both sent by now
+        with pytest.raises(CollectiveTimeoutError) as info:
+            await C.recv(x, src=0, tag=1, timeout=0.3)
+        for _ in range(2):  # they are still there to take
+            await C.recv(x, src=0, tag=2)
+        await C.barrier()
+        return str(info.value)
+
+    message = (await ranks(2, body, transport=transport))[1]
+    assert "recv from rank 0 (tag 1)" in message and "2 message(s), 24 bytes, under tag 2" in message, message
+
+
 # -- deadlines: one watchdog per runtime (runtime/group.py Watchdog) ---------------------
 
 async def test_cancelling_a_call_is_not_a_timeout(ranks):
