@@ -40,6 +40,7 @@ from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchErro
                             CollectiveTimeoutError, PeerLostError, RingweaveError)
 
 log = logging.getLogger("ringweave.group")
+WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
 _live_runtimes = 0  # Runtimes made and not closed in this process (Call.sendrecv)
 
 class Call:
@@ -361,7 +362,9 @@ class ProcessGroup:
         this call's sequence number; one in a different call fails the group with a
         CollectiveMismatchError naming both calls and both ranks, which every member then
         raises. The Watchdog calls this for a call in flight ``RINGWEAVE_MISMATCH_CHECK_S``
-        (default 1 s), then after twice as long each time.
+        (default 1 s), then after twice as long each time. The WARN_AT_CHECK-th check (at 31 s
+        by default) also logs a warning naming the ranks waited on and those that have not
+        reached the call (and where they are), long before the deadline (300 s) says so.
 
         Why: a mismatch shows in the frames only when a rank receives a frame of the other
         call. Ranks that disagree on a gather's or a reduce's root may all wait for frames
@@ -389,6 +392,14 @@ class ProcessGroup:
             if isinstance(theirs, str) and theirs != call.fingerprint:
                 self.abort(self._mismatch_error(call.seq, call.fingerprint, peer, theirs))
                 return
+        if call.checks == WARN_AT_CHECK:  # long enough to say who is missing, before the deadline
+            absent, why = await self._not_arrived(call)
+            if self.error is None and self.calls.get(call.seq) is call:
+                waited = time.monotonic() - call.started
+                log.warning("rank %d: %r (group %d, call #%d) has waited %.0f s on rank(s) %s%s", actor.rank,
+                            call.fingerprint, self.gid, call.seq, waited, sorted(self.ranks[r] for r in call.waiting_on),
+                            f"; not reached by rank(s) {absent} ({', '.join(f'{r}: {why[r]}' for r in absent)})"
+                            if absent else "; every rank has reached it")
 
     def call_of(self, seq: int) -> str | None:
         """The fingerprint of this rank's call #``seq`` in this group: in flight or finished

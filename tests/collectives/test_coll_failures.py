@@ -216,6 +216,26 @@ async def test_a_late_rank_is_not_a_mismatch(ranks, monkeypatch):
     np.testing.assert_array_equal(out, np.repeat(np.arange(3, dtype=np.float32), 3))
 
 
+async def test_a_long_wait_is_logged_naming_the_missing_rank(ranks, monkeypatch, caplog):
+    """At the 5th check (31 x RINGWEAVE_MISMATCH_CHECK_S: 1.55 s here) a call still waiting
+    logs which rank it waits on and that rank 2 has not reached it; the call then completes."""
+    monkeypatch.setenv("RINGWEAVE_MISMATCH_CHECK_S", "0.05")
+
+    async def body(g):
+        if g.rank == 2:
+            await asyncio.sleep(3.0)
+        x = np.ones(3, np.float32)
+        await C.all_reduce(x)
+        return x
+
+    with caplog.at_level("WARNING", logger="ringweave.group"):
+        for x in await ranks(3, body, transport="tcp", timeout_s=20):
+            np.testing.assert_array_equal(x, np.full(3, 3, np.float32))
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert said, caplog.text
+    assert all("not reached by rank(s) [2] (2: at call #0)" in m for m in said), said
+
+
 def test_mismatch_check_setting(monkeypatch):
     from runtime import env
     monkeypatch.setenv("RINGWEAVE_MISMATCH_CHECK_S", "0.25")
