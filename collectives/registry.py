@@ -75,13 +75,15 @@ TABLES: dict[str, list[Rule]] = {
                              "transfers: bandwidth optimum, pipelined by 4 MiB segment"),
     ],
     "all_gather": [
-        Rule("recursive_doubling", lambda nbytes, world: world in (2, 4) and nbytes * world <= 1 << 20,
+        Rule("recursive_doubling",
+             lambda nbytes, world: world in (2, 4, 8) and nbytes * world <= (4 << 20 if world == 8 else 1 << 20),
              "log2(n) messages per rank instead of direct's n-1, straight into place: faster than direct "
-             "at 4 ranks to 1 MiB gathered (since messages up to 1 MiB take the fast path), a tie at 4 MiB "
-             "(figures below)"),
-        Rule("direct", lambda nbytes, world: world <= 4,
+             "at 4 ranks to 1 MiB gathered (since messages up to 1 MiB take the fast path), a tie at 4 MiB; "
+             "at 8 ranks the fastest to 4 MiB (figures below)"),
+        Rule("direct", lambda nbytes, world: world <= 8,
              "one round of n-1 independent messages, straight into place; fastest at 2-4 ranks at every "
-             "size measured, 16 B to 64 MiB (figures below); larger worlds not measured"),
+             "size measured, 16 B to 64 MiB, at 6 ranks too, and level with ring at 8 ranks and 16 MiB "
+             "(figures below); more than 8 ranks not measured"),
         Rule("bruck", lambda nbytes, world: nbytes * world <= 1 << 20,
              "latency-bound: ceil(log2 n) messages instead of n - 1; beat ring to 1 MiB gathered (figures below)"),
         Rule("ring", always, "bandwidth optimum, segmented; even with Bruck at 4 MiB, which copies out once more"),
@@ -629,3 +631,14 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 15.5 / 16.8, 66.0 / 76.6. Level within this box's noise: its loopback is bound by the CPU
 # of the kernel's copies, which segments do not reduce. A link-bound network, where a pipeline
 # pays off, was not available to measure.
+#
+# all_gather at 8 ranks (--ops all_gather --algorithm all --sizes 64K,1M,4M,16M --iters 6, two
+# runs, medians in us; size = the gathered output), bruck / direct / recursive doubling / ring:
+#   64 KiB  2285 / 2764 / 1391 / 3346,     1910 / 1959 / 1329 / 2762
+#    1 MiB  5053 / 3790 / 3000 / 4719,     4153 / 3612 / 2310 / 3896
+#    4 MiB 10955 / 7880 / 7613 / 9593,    11502 / 8634 / 8540 / 12265
+#   16 MiB 51403 / 36460 / 37951 / 36291, 49622 / 34239 / 38810 / 35923
+# At 6 ranks (one run, the same sizes less a few bytes to divide by 6): bruck / direct / recursive
+# doubling / ring 1521 / 1192 / 1180 / 1944; 3139 / 2303 / 2829 / 3126; 12287 / 8201 / 9630 / 10044;
+# 38891 / 28096 / 33251 / 30081. So at 8 ranks recursive doubling to 4 MiB gathered (bruck and
+# ring were the defaults there), then direct; direct at every size at 5-7 ranks (6 measured).
