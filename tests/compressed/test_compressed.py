@@ -329,8 +329,9 @@ def test_sub_calls_use_the_tcp_table_whatever_the_shm_setting(monkeypatch, shm):
                                               ("all_to_all", 1 << 20, 4): "direct",
                                               ("all_gather", 64, 2): "recursive_doubling",
                                               ("all_gather", 64, 3): "direct",
-                                              ("all_gather", 64, 5): "bruck",
-                                              ("all_gather", 1 << 20, 5): "ring"}.items():
+                                              ("all_gather", 64, 5): "direct",
+                                              ("all_gather", 64, 16): "bruck",
+                                              ("all_gather", 1 << 20, 16): "ring"}.items():
         name, fn = registry.first_tcp_rule(collective, nbytes, world)
         assert (name, fn) == (want, registry.ALGORITHMS[collective][want])
         assert common.tcp_algorithm(collective, nbytes, world) is fn
