@@ -219,7 +219,7 @@ class Ringweave:
         return sorted(self.registry.ALGORITHMS[op])
 
     def default_algorithm(self, op: str, nbytes: int) -> str:
-        return self.registry.choose(op, nbytes, self.n)[0]
+        return self.registry.choose(op, nbytes, self.n, group=self.rt.world)[0]
 
     def unsupported(self, op: str, dtype: np.dtype) -> str | None:
         return None

@@ -28,9 +28,9 @@ from runtime import env
 
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
                          all_reduce_halving_doubling, all_reduce_recursive_doubling, all_reduce_ring,
-                         all_to_all_direct, barrier_dissemination, broadcast_flat, broadcast_tree, gather_direct,
-                         gather_tree, reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct,
-                         scatter_tree)
+                         all_to_all_direct, barrier_dissemination, broadcast_chain, broadcast_flat, broadcast_tree,
+                         gather_direct, gather_tree, reduce_rabenseifner, reduce_scatter_ring, reduce_tree,
+                         scatter_direct, scatter_tree)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
@@ -39,7 +39,7 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_gather": {"ring": all_gather_ring.run, "bruck": all_gather_bruck.run, "direct": all_gather_direct.run,
                    "recursive_doubling": all_gather_recursive_doubling.run},
     "reduce_scatter": {"ring": reduce_scatter_ring.run},
-    "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run},
+    "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run, "chain": broadcast_chain.run},
     "reduce": {"tree": reduce_tree.run, "rabenseifner": reduce_rabenseifner.run},
     "gather": {"tree": gather_tree.run, "direct": gather_direct.run},
     "scatter": {"tree": scatter_tree.run, "direct": scatter_direct.run},
@@ -50,10 +50,14 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of a selection table: use ``algorithm`` when ``applies(nbytes, world)``."""
+    """One row of a selection table: use ``algorithm`` when ``applies(nbytes, world)``, and,
+    for a rule with ``hosts="several"``, only when the group spans more than one host (its
+    messages cross a network; on one host TCP runs over loopback, where the kernel's copies,
+    not any link, bound the time, and the best algorithm can differ: registry notes)."""
     algorithm: str
     applies: Callable[[int, int], bool]
     why: str = ""
+    hosts: str = "any"  # "any" | "several"
 
 
 def always(nbytes: int, world: int) -> bool:
@@ -90,6 +94,10 @@ TABLES: dict[str, list[Rule]] = {
     ],
     "reduce_scatter": [Rule("ring", always)],
     "broadcast": [
+        Rule("chain", lambda nbytes, world: nbytes >= 128 << 10 and world <= 8,
+             "across hosts: every link busy at once, a segment at a time; 2.2-4.6x faster than the tree from "
+             "128 KiB at 4 and 8 ranks on 1 Gbit/s links (bench/netem.py, figures below); on one host's "
+             "loopback it lost to the tree to 1 MiB; more than 8 ranks not measured", hosts="several"),
         Rule("flat", lambda nbytes, world: nbytes <= (64 << 10 if world <= 4 else 16 << 10) and world <= 8,
              "one latency for every receiver; faster than the tree at 4 ranks to 64 KiB and at 8 ranks to "
              "16 KiB, even at 6 (figures below); more than 8 ranks not measured"),
@@ -126,6 +134,7 @@ TABLES: dict[str, list[Rule]] = {
 # others the first non-shm rule below. Figures: collectives/shm/__init__.py.
 from collectives import shm as _shm  # noqa: E402  (after the tables it extends)
 from runtime.shm import shm_usable as _shm_usable  # noqa: E402
+from collectives.shm.common import one_node as _one_node  # noqa: E402
 
 for _collective, _algorithms in _shm.ALGORITHMS.items():
     ALGORITHMS[_collective].update(_algorithms)
@@ -164,35 +173,42 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
             raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         return override, fn
     shm_off = (group is not None and not getattr(group, "shm_enabled", True)) or not _shm_usable()
-    key = (collective, nbytes, world, shm_off)
+    several = group is not None and spans_hosts(group)
+    key = (collective, nbytes, world, shm_off, several)
     chosen = _CHOSEN.get(key)
     if chosen is None:
-        chosen = _from_table(collective, nbytes, world, shm_off)
+        chosen = _from_table(collective, nbytes, world, shm_off, several)
         if len(_CHOSEN) > 4096:
             _CHOSEN.clear()
         _CHOSEN[key] = chosen
     return chosen
 
 
-def _from_table(collective: str, nbytes: int, world: int, shm_off: bool) -> tuple[str, Callable]:
+def spans_hosts(group) -> bool:
+    """Whether the group's members are on more than one host (the same on every member)."""
+    return not _one_node(group)
+
+
+def _from_table(collective: str, nbytes: int, world: int, shm_off: bool, several: bool) -> tuple[str, Callable]:
     for rule in TABLES[collective]:
-        if shm_off and rule.algorithm == "shm":
+        if (shm_off and rule.algorithm == "shm") or (rule.hosts == "several" and not several):
             continue
         if rule.applies(nbytes, world):
             return rule.algorithm, ALGORITHMS[collective][rule.algorithm]
     raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover
 
 
-def first_tcp_rule(collective: str, nbytes: int, world: int) -> tuple[str, Callable]:
+def first_tcp_rule(collective: str, nbytes: int, world: int, group=None) -> tuple[str, Callable]:
     """The algorithm (name, run function) of the first rule of ``collective``'s table that
     applies and is not the shared-memory one: the table's choice with shm ruled out, ignoring
     overrides. For calls that must run over TCP (compressed.py's sub-calls, whose order is not
     the order they run in) and for the shm algorithms' fallback (collectives/shm/common.py).
+    ``group``, when given, lets the rules for groups spanning hosts apply (without it: one host).
 
     Raises:
         ValueError: no such rule (not with the default tables: each ends with one that always applies).
     """
-    return _from_table(collective, nbytes, world, True)
+    return _from_table(collective, nbytes, world, True, group is not None and spans_hosts(group))
 
 
 # (collective, nbytes, world, shm ruled out) -> the table's choice. The rules are pure functions of
@@ -560,14 +576,15 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # to 1 MiB, 1.70-1.83 at 16 MiB, 2.54-2.93 at 64 MiB (the tree: 1.16-1.63 to 1 MiB, 2.29 at 64
 # MiB); scatter 1.76-3.06 to 1 MiB, 1.03-1.43 at 16 MiB, 1.01-1.03 at 64 MiB (the tree: 0.67).
 #
-# Tried and not kept: a pipelined chain broadcast (the array in segments of 64 KiB-1 MiB down
+# A pipelined chain broadcast on one host's loopback (the array in segments of 64 KiB-1 MiB down
 # the line root, root+1, ...; one sendrecv per step: send segment i-1 on while segment i comes
 # in). Against the tree (--ops broadcast --algorithm all --sizes 256K,1M,4M,16M,64M --iters 12,
 # segments of nbytes/8 clamped to 64 KiB-1 MiB, then fixed 64 KiB and 256 KiB): 256 KiB
 # 506 / 295, 430 / 187, 323 / 266 us; 1 MiB 1596 / 1120, 1169 / 789, 1390 / 970; 4 MiB
 # 3802 / 4190, 5256 / 3220, 4500 / 4694; 64 MiB 59331 / 51158, 71704 / 48124, 75340 / 61511
 # (chain / tree). Loopback here is bound by the CPU of the kernel's copies, not by any one link,
-# and the chain copies as many bytes as the tree in more messages.
+# and the chain copies as many bytes as the tree in more messages. So on one host the tree stays;
+# across hosts, where links bound the time, the chain is the default (below).
 #
 # all_to_all direct: blocks up to 1 MiB now go round by round, one sendrecv per round (sent at
 # once, the peer's block read off its socket), instead of every receive posted first. Same run,
@@ -642,3 +659,21 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # doubling / ring 1521 / 1192 / 1180 / 1944; 3139 / 2303 / 2829 / 3126; 12287 / 8201 / 9630 / 10044;
 # 38891 / 28096 / 33251 / 30081. So at 8 ranks recursive doubling to 4 MiB gathered (bruck and
 # ring were the defaults there), then direct; direct at every size at 5-7 ranks (6 measured).
+#
+# Broadcast across hosts: the pipelined chain (collectives/broadcast_chain.py) against the tree and
+# flat with every rank in its own network namespace behind 1 Gbit/s links (bench/netem.py -n N
+# --rate 1gbit -- --ops broadcast --algorithm all --iters 3-5; medians, chain / tree / flat):
+#   4 ranks:  32 KiB 0.30 / 0.34 / 0.25 ms; 64 KiB 0.56 / 0.47 / 0.43; 128 KiB 0.72 / 1.66 / 2.56;
+#             256 KiB 1.69 / 3.69 / 5.79 and 1.64 / 3.41 / 5.93; 1 MiB 7.9 / 23.4 / 25.0;
+#             4 MiB 38.1 / 78.0 / 103.7; 16 MiB 155 / 345 / 420 (busbw 0.11 GB/s: the link's rate)
+#   8 ranks:  64 KiB 1.29 / 0.83 / 2.42 ms; 256 KiB 2.89 / 5.43 / 14.1; 1 MiB 9.8 / 45.4 / 61.1;
+#             16 MiB 191 / 552 / 981
+# 256 KiB segments instead of nbytes/8 (clamped to 64 KiB-1 MiB) gave the same (4 ranks: 1.92,
+# 7.99, 34.6, 141.7 ms at 256 KiB-16 MiB). So across hosts the chain from 128 KiB at up to 8
+# ranks (Rule.hosts = "several"); more ranks were not measured (its fill grows with n: it needs
+# about (n - 2) / (log2 n - 1) segments to beat the tree). On one host the table is unchanged.
+# The other collectives under the same links at 4 ranks (64 KiB, 1 MiB, 16 MiB; one run):
+# all_reduce halving-doubling 0.65 / 12.3 / 223 ms, ring 1.81 / 12.0 / 229, recursive doubling
+# 0.62 / 17.3 / 310; all_gather direct 0.64 / 5.6 / 121, ring 0.88 / 5.8 / 119, recursive
+# doubling 0.59 / 6.2 / 144, bruck 0.80 / 6.3 / 124. The defaults there were within 3%
+# of the best but at all_gather 1 MiB (6.2 against direct's 5.6 ms, 11%); no rule of their own yet.

@@ -7,7 +7,8 @@
     ip netns exec B unshare --uts sh -c 'hostname node-b && exec python -m runtime.launch -n 2 \\
         --nnodes 2 --node-rank 1 --master-addr 10.N.M.1 --master-port P job.py OUT'
 
-with the same RINGWEAVE_SECRET in both. Each namespace gets its own host name
+with the same RINGWEAVE_SECRET in both. (The 512 KiB broadcast takes the pipelined chain,
+the table's choice for groups that span hosts.) Each namespace gets its own host name
 (``unshare --uts``) because the runtime tells machines apart by host name and
 boot id: with the same name the 4 ranks would look like one machine and talk
 through /dev/shm, which the namespaces share. The job checks all_reduce,
@@ -77,6 +78,9 @@ async def main():
     b = np.full(4096, r, np.float64)
     await C.broadcast(b, src=n - 1)
     assert (b == n - 1).all()
+    big = np.arange(1 << 16, dtype=np.float64) + r                # 512 KiB: the chain across nodes
+    await C.broadcast(big, src=1)
+    assert (big == np.arange(1 << 16) + 1).all(), big[:4]
     await C.barrier()
     print(f"rank {r}: collectives ok across {len(peers)} node(s) {peers}", flush=True)
 

@@ -1,0 +1,42 @@
+"""The selection table's rules for groups that span hosts (Rule.hosts == "several"): the
+broadcast takes the pipelined chain across hosts, where links bound the time, and keeps
+flat / tree on one host's loopback (figures in collectives/registry.py's notes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from collectives import registry
+from collectives.shm import common
+
+
+def group_on(nodes: str):
+    """A stand-in group whose rank i is on host nodes[i]."""
+    return SimpleNamespace(runtime=SimpleNamespace(nodes=list(nodes)), ranks=list(range(len(nodes))),
+                           size=len(nodes), shm_enabled=True)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
+    monkeypatch.setenv("RINGWEAVE_SHM", shm)
+    two_hosts, one_host = group_on("abab"), group_on("aaaa")
+    assert registry.spans_hosts(two_hosts) and not registry.spans_hosts(one_host)
+    tcp = registry.first_tcp_rule
+    assert tcp("broadcast", 128 << 10, 4, two_hosts)[0] == "chain"
+    assert tcp("broadcast", 64 << 10, 4, two_hosts)[0] == "flat"       # below the chain's sizes
+    assert tcp("broadcast", 16 << 20, 8, group_on("ab" * 4))[0] == "chain"
+    assert tcp("broadcast", 16 << 20, 16, group_on("ab" * 8))[0] == "tree"  # more ranks: not measured
+    assert tcp("broadcast", 1 << 20, 4, one_host)[0] == "tree"
+    assert tcp("broadcast", 1 << 20, 4)[0] == "tree"                    # no group: one host
+    # the default table: over TCP the chain itself; with shared memory on, "shm", whose
+    # fallback for a group across hosts takes the TCP table with the group
+    assert registry.choose("broadcast", 1 << 20, 4, group=two_hosts)[0] == ("chain" if shm == "0" else "shm")
+    assert registry.choose("broadcast", 1 << 20, 4, group=one_host)[0] == ("tree" if shm == "0" else "shm")
+    assert common.tcp_algorithm("broadcast", 1 << 20, 4, two_hosts) is registry.ALGORITHMS["broadcast"]["chain"]
+    # every other collective: the same on one host and across hosts
+    for collective in registry.TABLES:
+        if collective != "broadcast":
+            for nbytes in (4, 1 << 20, 64 << 20):
+                assert tcp(collective, nbytes, 4, two_hosts) == tcp(collective, nbytes, 4, one_host)
