@@ -104,6 +104,10 @@ TABLES: dict[str, list[Rule]] = {
         Rule("tree", always, "log2(n) rounds; the root sends log2(n) copies, not n-1"),
     ],
     "reduce": [
+        Rule("rabenseifner", lambda nbytes, world: nbytes >= 1 << 20,
+             "across hosts: the root's link carries (n-1)/n of the array instead of log2(n) whole ones; "
+             "1.4x faster than the tree at 1 MiB on 1 Gbit/s links at 4 ranks (bench/netem.py, figures "
+             "below)", hosts="several"),
         Rule("rabenseifner", lambda nbytes, world: nbytes >= 16 << 20,
              "reduce-scatter then gather: the work spread over every rank; 5-10% faster than the tree at "
              "16 MiB at 4 and 8 ranks, level at 4 MiB (figures below); lengths not a multiple of n use the tree"),
@@ -677,3 +681,7 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 0.62 / 17.3 / 310; all_gather direct 0.64 / 5.6 / 121, ring 0.88 / 5.8 / 119, recursive
 # doubling 0.59 / 6.2 / 144, bruck 0.80 / 6.3 / 124. The defaults there were within 3%
 # of the best but at all_gather 1 MiB (6.2 against direct's 5.6 ms, 11%); no rule of their own yet.
+# Under the same links at 4 ranks (--ops reduce,gather,scatter,all_to_all,reduce_scatter
+# --algorithm all --sizes 64K,1M,16M --iters 3, one run, ms): reduce rabenseifner / tree 0.54 / 0.64,
+# 12.0 / 16.8, 217 / 282 (so across hosts from 1 MiB: Rule.hosts = "several"); gather direct / tree
+# 0.06 / 0.12, 2.2 / 4.5, 103 / 104; scatter direct / tree 0.27 / 0.38, 5.5 / 6.4, 102 / 137.

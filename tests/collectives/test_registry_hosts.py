@@ -1,6 +1,7 @@
-"""The selection table's rules for groups that span hosts (Rule.hosts == "several"): the
-broadcast takes the pipelined chain across hosts, where links bound the time, and keeps
-flat / tree on one host's loopback (figures in collectives/registry.py's notes)."""
+"""The selection table's rules for groups that span hosts (Rule.hosts == "several"): across
+hosts, where links bound the time, the broadcast takes the pipelined chain and the reduce
+Rabenseifner from 1 MiB; one host's loopback keeps its own choices (figures in
+collectives/registry.py's notes)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert registry.choose("broadcast", 1 << 20, 4, group=two_hosts)[0] == ("chain" if shm == "0" else "shm")
     assert registry.choose("broadcast", 1 << 20, 4, group=one_host)[0] == ("tree" if shm == "0" else "shm")
     assert common.tcp_algorithm("broadcast", 1 << 20, 4, two_hosts) is registry.ALGORITHMS["broadcast"]["chain"]
+    # reduce: Rabenseifner from 1 MiB across hosts, from 16 MiB on one
+    assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
+    assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
+    assert tcp("reduce", 16 << 20, 4, one_host)[0] == "rabenseifner"
     # every other collective: the same on one host and across hosts
     for collective in registry.TABLES:
-        if collective != "broadcast":
+        if collective not in ("broadcast", "reduce"):
             for nbytes in (4, 1 << 20, 64 << 20):
                 assert tcp(collective, nbytes, 4, two_hosts) == tcp(collective, nbytes, 4, one_host)
