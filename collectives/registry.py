@@ -79,6 +79,10 @@ TABLES: dict[str, list[Rule]] = {
                              "transfers: bandwidth optimum, pipelined by 4 MiB segment"),
     ],
     "all_gather": [
+        Rule("direct", lambda nbytes, world: world <= 4 and nbytes * world >= 1 << 20,
+             "across hosts from 1 MiB gathered: one message per peer; 10-15% faster than recursive "
+             "doubling at 1 MiB on 1 Gbit/s links, 4 ranks, three runs (bench/netem.py, figures below)",
+             hosts="several"),
         Rule("recursive_doubling",
              lambda nbytes, world: world in (2, 4, 8) and nbytes * world <= (4 << 20 if world == 8 else 1 << 20),
              "log2(n) messages per rank instead of direct's n-1, straight into place: faster than direct "
@@ -685,3 +689,9 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # --algorithm all --sizes 64K,1M,16M --iters 3, one run, ms): reduce rabenseifner / tree 0.54 / 0.64,
 # 12.0 / 16.8, 217 / 282 (so across hosts from 1 MiB: Rule.hosts = "several"); gather direct / tree
 # 0.06 / 0.12, 2.2 / 4.5, 103 / 104; scatter direct / tree 0.27 / 0.38, 5.5 / 6.4, 102 / 137.
+#
+# all_gather across hosts at 4 ranks (bench/netem.py -n 4 --rate 1gbit -- --ops all_gather
+# --algorithm all --sizes 64K,256K,1M --iters 5; two runs, us, direct / recursive doubling):
+# 64 KiB 645 / 621, 498 / 702; 256 KiB 1176 / 1011, 923 / 1214; 1 MiB 5458 / 6394, 5738 / 6232
+# (and 5623 / 6211 in the first run above). So direct from 1 MiB gathered across hosts; below
+# that the two took turns.

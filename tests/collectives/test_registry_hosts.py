@@ -1,7 +1,7 @@
 """The selection table's rules for groups that span hosts (Rule.hosts == "several"): across
-hosts, where links bound the time, the broadcast takes the pipelined chain and the reduce
-Rabenseifner from 1 MiB; one host's loopback keeps its own choices (figures in
-collectives/registry.py's notes)."""
+hosts, where links bound the time, the broadcast takes the pipelined chain, the reduce
+Rabenseifner from 1 MiB and all_gather direct from 1 MiB gathered; one host's loopback keeps
+its own choices (figures in collectives/registry.py's notes)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,12 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
     assert tcp("reduce", 16 << 20, 4, one_host)[0] == "rabenseifner"
+    # all_gather: direct from 1 MiB gathered across hosts at up to 4 ranks (recursive doubling on one)
+    assert tcp("all_gather", 256 << 10, 4, two_hosts)[0] == "direct"
+    assert tcp("all_gather", 256 << 10, 4, one_host)[0] == "recursive_doubling"
+    assert tcp("all_gather", 64 << 10, 4, two_hosts)[0] == "recursive_doubling"
     # every other collective: the same on one host and across hosts
     for collective in registry.TABLES:
-        if collective not in ("broadcast", "reduce"):
+        if collective not in ("broadcast", "reduce", "all_gather"):
             for nbytes in (4, 1 << 20, 64 << 20):
                 assert tcp(collective, nbytes, 4, two_hosts) == tcp(collective, nbytes, 4, one_host)
