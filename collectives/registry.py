@@ -13,7 +13,9 @@ Every rank must run the same algorithm, so its name is part of the call's
 fingerprint (collectives/ops.py): a rank whose override differs gets a
 ``CollectiveMismatchError`` naming both choices, not a hang. The table itself
 depends only on values that are already in the fingerprint (bytes, group
-size), so ranks that agree on the call agree on the table's choice.
+size) and on facts that are the same on every member (whether the group spans
+hosts, ``Rule.hosts``; whether shared memory is usable), so ranks that agree on
+the call agree on the table's choice.
 
 Not here: the algorithms (one file each, ``collectives/<collective>_<name>.py``),
 argument checks (ops.py), the public calls (api.py).
@@ -99,7 +101,7 @@ TABLES: dict[str, list[Rule]] = {
     "reduce_scatter": [Rule("ring", always)],
     "broadcast": [
         Rule("chain", lambda nbytes, world: nbytes >= 128 << 10 and world <= 8,
-             "across hosts: every link busy at once, a segment at a time; 2.2-4.6x faster than the tree from "
+             "across hosts: every link busy at once, a segment at a time; 2.0-4.6x faster than the tree from "
              "128 KiB at 4 and 8 ranks on 1 Gbit/s links (bench/netem.py, figures below); on one host's "
              "loopback it lost to the tree to 1 MiB; more than 8 ranks not measured", hosts="several"),
         Rule("flat", lambda nbytes, world: nbytes <= (64 << 10 if world <= 4 else 16 << 10) and world <= 8,
