@@ -29,6 +29,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -102,6 +103,7 @@ def run(args, bench_args: list[str]) -> int:
                RINGWEAVE_SECRET="netem-" + os.urandom(8).hex())
     made: list = []
     procs = []
+    logs = []  # every node but 0 writes into a file (a pipe nobody reads while we wait could fill and stall it)
     try:
         names = build(args.nproc, tag, subnet, args.rate, args.delay, made)
         label = f"netem {args.nproc} namespaces, {args.rate}" + (f", +{args.delay}" if args.delay else "")
@@ -110,19 +112,29 @@ def run(args, bench_args: list[str]) -> int:
                    str(i), "--master-addr", master, "--master-port", port, "--max-time-s", str(args.max_time_s),
                    os.path.join(HERE, "collectives.py"), *bench_args, "--shm", "off", "--launched-by", label]
             inner = f"hostname rw-netem-{i} && exec {shlex.join(job)}"
+            log = None if i == 0 else tempfile.TemporaryFile("w+")
+            logs.append(log)
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", inner],
-                                          cwd=os.getcwd(), env=env, stdout=None if i == 0 else subprocess.DEVNULL,
-                                          stderr=None if i == 0 else subprocess.PIPE, text=True))
-        codes = [p.wait(timeout=args.max_time_s + 60) for p in procs]
-        for i, (p, code) in enumerate(zip(procs, codes)):
-            if code and i:
-                print(f"netem: node {i} exited {code}: {(p.stderr.read() or '')[-2000:]}", file=sys.stderr)
+                                          cwd=os.getcwd(), env=env, stdout=log, stderr=log, text=True))
+        codes = []
+        for i, p in enumerate(procs):
+            try:
+                codes.append(p.wait(timeout=args.max_time_s + 60))
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"netem: node {i} had not finished {args.max_time_s + 60} s after it started") from None
+        for i, (code, log) in enumerate(zip(codes, logs)):
+            if code and log is not None:
+                log.seek(0)
+                print(f"netem: node {i} exited {code}: {log.read()[-2000:]}", file=sys.stderr)
         return max(codes)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for log in logs:
+            if log is not None:
+                log.close()
         teardown(made)
 
 

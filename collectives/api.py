@@ -372,7 +372,8 @@ async def _p2p(group, start, verb: str, peer: int, tag, timeout: float | None) -
                     if isinstance(t, tuple) and t[:2] == ("p2p", group.gid)}
             if kept:
                 hint = "; waiting unreceived from it: " + ", ".join(
-                    f"{frames} message(s), {nbytes} bytes, under tag {t}" for t, (frames, nbytes) in sorted(kept.items()))
+                    f"{frames} message(s), {nbytes} bytes, under tag {t}"
+                    for t, (frames, nbytes) in sorted(kept.items()))
         raise CollectiveTimeoutError(f"rank {group.runtime.rank}: {verb} rank {peer} (tag {tag}) timed out after "
                                      f"{timeout:.1f} s{hint}", missing=[peer]) from None
 

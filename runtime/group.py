@@ -331,30 +331,36 @@ class ProcessGroup:
         ``ringweave.status`` with a lower sequence number for this group, or does
         not answer within the budget (stopped, stuck without the GIL), had not
         arrived; one that is gone is left to PeerLostError. Bounded by
-        ``min(1 s, timeout / 4)``.
+        :func:`_answer_budget_s` (``min(1 s, timeout / 4)``).
 
         Returns:
             (global ranks that had not arrived, rank -> why), e.g. ``([2], {2: "not answering"})``.
         """
-        actor = self.runtime.actor
-        budget_s = min(1.0, call.timeout_s / 4)
-
-        async def ask(peer: int) -> tuple[int, str | None]:
-            try:
-                st = await actor.call(peer, "ringweave.status", timeout_s=budget_s)
-            except TimeoutError:
-                return peer, f"not answering in {budget_s:.2g} s"
-            except (RingweaveError, OSError):
-                return peer, None  # gone or refused: not a matter of arriving
-            seq = dict(st.get("seqs", ())).get(self.gid) if isinstance(st, dict) else None
-            if isinstance(seq, int) and seq < call.seq:
-                return peer, f"at call #{seq}"
-            return peer, None
-
-        peers = [r for r in self.ranks if r != actor.rank]
-        answers = await asyncio.gather(*(ask(r) for r in peers))
-        why = {r: w for r, w in answers if w is not None}
+        why = {}
+        peers = [r for r in self.ranks if r != self.runtime.actor.rank]
+        for peer, st in await self._ask(call, peers, "ringweave.status"):
+            if isinstance(st, TimeoutError):
+                why[peer] = f"not answering in {_answer_budget_s(call):.2g} s"
+            elif isinstance(st, dict):  # (another error: gone or refused, not a matter of arriving)
+                seq = dict(st.get("seqs", ())).get(self.gid)
+                if isinstance(seq, int) and seq < call.seq:
+                    why[peer] = f"at call #{seq}"
         return sorted(why), why
+
+    async def _ask(self, call: Call, peers: list[int], name: str, *args) -> list[tuple[int, object]]:
+        """Calls handler ``name`` on every one of ``peers`` at once, each within
+        :func:`_answer_budget_s`; returns (peer, answer) pairs, the answer being the exception
+        where the question failed (TimeoutError: no answer in time; another: gone or refused)."""
+        actor = self.runtime.actor
+        budget_s = _answer_budget_s(call)
+
+        async def one(peer: int) -> tuple[int, object]:
+            try:
+                return peer, await actor.call(peer, name, *args, timeout_s=budget_s)
+            except (TimeoutError, RingweaveError, OSError) as exc:
+                return peer, exc
+
+        return list(await asyncio.gather(*(one(p) for p in peers)))
 
     def check_stalled(self, call: Call) -> None:
         """Asks, in the background, the ranks ``call`` waits on (every other member when it
@@ -377,18 +383,10 @@ class ProcessGroup:
         actor = self.runtime.actor
         lost = actor.lost_peers()
         asked = [self.ranks[r] for r in call.waiting_on] or [r for r in self.ranks if r != actor.rank]
-        budget_s = min(1.0, call.timeout_s / 4) if call.timeout_s is not None else 1.0
-
-        async def ask(peer: int):
-            try:
-                return peer, await actor.call(peer, "ringweave.call_of", self.gid, call.seq, timeout_s=budget_s)
-            except (TimeoutError, RingweaveError, OSError):
-                return peer, None  # busy, gone or refused: nothing learnt (a lost peer fails the call anyway)
-
-        answers = await asyncio.gather(*(ask(r) for r in asked if r not in lost))
+        answers = await self._ask(call, [r for r in asked if r not in lost], "ringweave.call_of", self.gid, call.seq)
         if self.error is not None or self.calls.get(call.seq) is not call:
             return  # failed or finished meanwhile
-        for peer, theirs in answers:
+        for peer, theirs in answers:  # (a failed question teaches nothing; a lost peer fails the call anyway)
             if isinstance(theirs, str) and theirs != call.fingerprint:
                 self.abort(self._mismatch_error(call.seq, call.fingerprint, peer, theirs))
                 return
@@ -396,10 +394,11 @@ class ProcessGroup:
             absent, why = await self._not_arrived(call)
             if self.error is None and self.calls.get(call.seq) is call:
                 waited = time.monotonic() - call.started
+                waited_on = sorted(self.ranks[r] for r in call.waiting_on)
+                missing = (f"; not reached by rank(s) {absent} ({', '.join(f'{r}: {why[r]}' for r in absent)})"
+                           if absent else "; every rank has reached it")
                 log.warning("rank %d: %r (group %d, call #%d) has waited %.0f s on rank(s) %s%s", actor.rank,
-                            call.fingerprint, self.gid, call.seq, waited, sorted(self.ranks[r] for r in call.waiting_on),
-                            f"; not reached by rank(s) {absent} ({', '.join(f'{r}: {why[r]}' for r in absent)})"
-                            if absent else "; every rank has reached it")
+                            call.fingerprint, self.gid, call.seq, waited, waited_on, missing)
 
     def call_of(self, seq: int) -> str | None:
         """The fingerprint of this rank's call #``seq`` in this group: in flight or finished
@@ -469,13 +468,19 @@ class ProcessGroup:
                 "error": repr(self.error) if self.error else None}
 
 
+def _answer_budget_s(call: Call) -> float:
+    """How long a question to the other ranks about ``call`` waits for their answers."""
+    return min(1.0, call.timeout_s / 4) if call.timeout_s is not None else 1.0
+
+
 class Watchdog:
     """The deadlines of a runtime's calls in flight: one timer, armed for the earliest of them,
     cancels the task of every call past its deadline (``expired`` then tells group.run that the
     cancellation was the deadline's), and starts the mismatch check of every call in flight for
-    ``check_s`` (ProcessGroup.check_stalled; again after 2, 4, .. 64 x check_s more). ``asyncio.timeout`` per call did the same with a timer of
-    its own, ~5 us per call warm (a tenth of a small shared-memory all_reduce's CPU here): with
-    the default 300 s timeout this timer fires about once per 300 s of calls. A wait that blocks
+    ``check_s`` (ProcessGroup.check_stalled; again after 2, 4, .. 64 x check_s more).
+    ``asyncio.timeout`` per call did the deadlines with a timer of its own, ~5 us per call warm
+    (a tenth of a small shared-memory all_reduce's CPU here): this one timer fires about once
+    per ``check_s`` (1 s) while calls are in flight, and looks only at those. A wait that blocks
     the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
     it, so the timer gets to run."""
 

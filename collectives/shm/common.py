@@ -225,8 +225,9 @@ class SubComm:
         await self.call.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)
 
 
-def tcp_algorithm(collective: str, nbytes: int, world: int, group=None):
-    """The run function the TCP table would choose (:func:`collectives.registry.first_tcp_rule`;
-    ``group``, when given, lets the rules for groups spanning hosts apply)."""
+def tcp_algorithm(collective: str, nbytes: int, world: int, group):
+    """The run function the TCP table would choose for ``group`` (:func:`collectives.registry.
+    first_tcp_rule`; the group decides whether the rules for groups spanning hosts apply;
+    None: one host)."""
     from collectives import registry  # here: registry imports collectives.shm
     return registry.first_tcp_rule(collective, nbytes, world, group)[1]
