@@ -21,7 +21,8 @@ it before each call (inside the timing: a 64 MiB fill is a few ms of user time).
                    column that over n
   gloo             torch.distributed's Gloo backend (when torch is installed): the same all_reduce
                    back to back in n processes, the peer bench/collectives.py times one call at a
-                   time between barriers
+                   time between barriers; its tensor is refilled through NumPy (torch's fill_
+                   would wake its OpenMP threads, which then spin beside the all_reduce)
   bare-tcp-block   recursive doubling over blocking loopback sockets (send / recv_into)
   bare-tcp-uvloop  the same through a minimal uvloop BufferedProtocol, one future per receive
   bare-shm         the shared-memory protocol alone: each rank writes its value and a sequence
@@ -246,9 +247,12 @@ def _gloo(n: int, r: int, port: int, calls: int, nbytes: int, out) -> None:
     store = dist.TCPStore("127.0.0.1", port, n, is_master=r == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=r, world_size=n)
     x = torch.ones(max(1, nbytes // 4))
+    xn = x.numpy()  # refilled through NumPy, one thread, as the ringweave modes do: torch's fill_
+    # runs on its OpenMP pool (2 threads per rank here), whose threads then spin beside the
+    # all_reduce: at 64 MiB that made Gloo's calls 20-45% slower (collectives/registry.py notes)
 
     def one():
-        x.fill_(1.0)
+        xn.fill(1.0)
         dist.all_reduce(x)
 
     figures = _timed(calls, one, after_warmup=dist.barrier)

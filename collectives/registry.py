@@ -300,6 +300,29 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # two runs each): 4 MiB gave the best or equal busbw at every size (16 MiB: 0.88-0.92 GB/s against
 # 0.75-0.82 with 1-2 MiB).
 #
+# Where a 64 MiB all_reduce's CPU goes, beside Gloo's (session 8). bench/floor.py's gloo mode
+# refilled its tensor with torch's fill_, which runs on torch's OpenMP pool (2 threads per rank);
+# those threads then spin beside the all_reduce. With that, Gloo took 148-158 ms a call and 68-73 ms
+# of CPU per rank against 109-127 ms and 50-58 ms with OMP_NUM_THREADS=1 (two runs each), so the
+# "1.33x back to back" of earlier notes was that artifact. The mode now refills through NumPy, as
+# ours do. Three runs alternating, `python bench/floor.py -n 4 --modes ringweave-tcp,gloo --size 64M
+# --calls 7` (wall / CPU per rank / user / system, ms, the fill included):
+#
+#   ringweave   126.0 / 58.2 / 18.2 / 39.9    114.2 / 52.4 / 16.4 / 36.0    137.1 / 62.7 / 18.9 / 43.8
+#   gloo        118.9 / 55.2 /  9.6 / 45.5    126.3 / 57.2 / 11.1 / 46.0    117.2 / 49.7 /  9.0 / 40.6
+#
+# and at 16 MiB (--calls 20): 31.7 / 32.6, 35.0 / 33.3, 32.0 / 38.6 ms wall (ours / Gloo). Both are
+# bound by the kernel: with the 4 ranks' CPU summed over the 2 cores the wall time is within 10%
+# of it, and 70-80% of each rank's CPU is system time, the same bytes copied in and out of the
+# loopback's 64 KiB packets (perf: _copy_from_iter + _copy_to_iter 37% of all samples, the TCP
+# stack around them most of the rest). We make 40x fewer syscalls (280 against ~11000 per rank
+# and call, perf stat) and 15% fewer packets, and spend ~5 ms less system time; Gloo spends ~6 ms
+# less user time. Ours, the fill left out (a probe timing only the call, three runs): user 10-20,
+# typically 13 ms, of which the reduction of 48 MiB is 4.4 ms alone on a quiet core
+# (collectives/kernels, level with np.add) and 5-10 ms beside the other ranks; system 34-48 ms.
+# 1.2x Gloo's busbw at 64 MiB would need our CPU per call ~17% (9 ms) lower: all of our user time
+# but the reduction itself. Not reachable over loopback TCP on this box.
+#
 # Tried and not kept: receiving large payloads piece by piece through one reused 256 KiB buffer
 # (the transport handing each piece to a reduce or copy into place), so the kernel copies into
 # cache-hot memory. A two-process probe (64 MiB over loopback, 10 rounds) was promising: the
