@@ -100,10 +100,11 @@ TABLES: dict[str, list[Rule]] = {
     ],
     "reduce_scatter": [Rule("ring", always)],
     "broadcast": [
-        Rule("chain", lambda nbytes, world: nbytes >= 128 << 10 and world <= 8,
+        Rule("chain", lambda nbytes, world: nbytes >= (128 << 10 if world <= 8 else 512 << 10) and world <= 16,
              "across hosts: every link busy at once, a segment at a time; 2.0-4.6x faster than the tree from "
-             "128 KiB at 4 and 8 ranks on 1 Gbit/s links (bench/netem.py, figures below); on one host's "
-             "loopback it lost to the tree to 1 MiB; more than 8 ranks not measured", hosts="several"),
+             "128 KiB at 4 and 8 ranks on 1 Gbit/s links, 2.0-4.0x from 512 KiB at 12 and 16 (bench/netem.py, "
+             "figures below); on one host's loopback it lost to the tree to 1 MiB; more than 16 ranks not "
+             "measured", hosts="several"),
         Rule("flat", lambda nbytes, world: nbytes <= (64 << 10 if world <= 4 else 16 << 10) and world <= 8,
              "one latency for every receiver; faster than the tree at 4 ranks to 64 KiB and at 8 ranks to "
              "16 KiB, even at 6 (figures below); more than 8 ranks not measured"),
@@ -705,6 +706,15 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 7.99, 34.6, 141.7 ms at 256 KiB-16 MiB). So across hosts the chain from 128 KiB at up to 8
 # ranks (Rule.hosts = "several"); more ranks were not measured (its fill grows with n: it needs
 # about (n - 2) / (log2 n - 1) segments to beat the tree). On one host the table is unchanged.
+# At 12 and 16 ranks (session 8; bench/netem.py -n N --rate 1gbit -- --ops broadcast --algorithm all
+# --sizes 128K,256K,512K,1M --iters 5; ms, chain / tree; 16 ranks also from a first run with 64K and
+# 4M): 16 ranks 64 KiB 4.1 / 2.4; 128 KiB 5.5 / 3.7, 7.8 / 5.4; 256 KiB 7.4 / 10.5, 9.0 / 8.6;
+# 512 KiB 11.3 / 22.8; 1 MiB 21.1 / 68.0, 20.9 / 63.7; 4 MiB 80 / 282. 12 ranks: 128 KiB 2.4 / 2.4;
+# 256 KiB 3.9 / 7.5; 512 KiB 8.1 / 23.3; 1 MiB 12.7 / 50.5. (16 processes on this box's 2 cores are
+# CPU-bound below the links' rate there: the chain's busbw was 0.05 GB/s, not 0.11.) At 100 Mbit/s
+# and 16 ranks the chain won from 64 KiB (5.1 / 17.0 ms, 1 MiB 81 / 610 ms), but tc's 256 KB burst
+# lets the smaller messages through unshaped. So across hosts the chain from 512 KiB at 9-16 ranks;
+# more than 16 ranks were not measured.
 # The other collectives under the same links at 4 ranks (64 KiB, 1 MiB, 16 MiB; one run):
 # all_reduce halving-doubling 0.65 / 12.3 / 223 ms, ring 1.81 / 12.0 / 229, recursive doubling
 # 0.62 / 17.3 / 310; all_gather direct 0.64 / 5.6 / 121, ring 0.88 / 5.8 / 119, recursive
@@ -720,3 +730,18 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 64 KiB 645 / 621, 498 / 702; 256 KiB 1176 / 1011, 923 / 1214; 1 MiB 5458 / 6394, 5738 / 6232
 # (and 5623 / 6211 in the first run above). So direct from 1 MiB gathered across hosts; below
 # that the two took turns.
+#
+# Tried and not kept (session 8): a direct all_reduce for tiny arrays (every rank sends its array
+# to every other in one round, reads each peer's straight off its socket, then folds all n in rank
+# order): one latency instead of recursive doubling's log2(n) rounds. Against recursive doubling,
+# alternating with each other and no peer (--ops all_reduce --algorithm all --sizes 4,1K,16K,64K
+# --shm off --iters 40, 4 ranks, two runs, medians us, direct / recursive doubling): 4 B 434 / 354,
+# 344 / 336; 1 KiB 486 / 453, 476 / 411; 16 KiB 589 / 487, 547 / 470; 64 KiB 683 / 559, 660 / 487.
+# Its minima were 30-50% higher. Three sends and three receives per rank cost more on 2 cores than
+# the second round they save.
+#
+# The same runs beside Gloo (--compare gloo) show what the slot after the peer's call costs:
+# --algorithm all puts the variants in a fixed order, and the first after Gloo's call is the cold
+# one. There direct (first) took 670 and 702 us at 4 B, and recursive doubling (third) 463 and
+# 477 us, 2.52x and 2.43x Gloo's 1166 and 1160 us; run alone in issue 3's command, where it always
+# follows Gloo, recursive doubling's 4 B was 1.55-1.97x this session.

@@ -28,7 +28,9 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("broadcast", 128 << 10, 4, two_hosts)[0] == "chain"
     assert tcp("broadcast", 64 << 10, 4, two_hosts)[0] == "flat"       # below the chain's sizes
     assert tcp("broadcast", 16 << 20, 8, group_on("ab" * 4))[0] == "chain"
-    assert tcp("broadcast", 16 << 20, 16, group_on("ab" * 8))[0] == "tree"  # more ranks: not measured
+    assert tcp("broadcast", 512 << 10, 16, group_on("ab" * 8))[0] == "chain"
+    assert tcp("broadcast", 256 << 10, 16, group_on("ab" * 8))[0] == "tree"  # 9-16 ranks: from 512 KiB
+    assert tcp("broadcast", 16 << 20, 17, group_on("ab" * 8 + "a"))[0] == "tree"  # more ranks: not measured
     assert tcp("broadcast", 1 << 20, 4, one_host)[0] == "tree"
     assert tcp("broadcast", 1 << 20, 4)[0] == "tree"                    # no group: one host
     # the default table: over TCP the chain itself; with shared memory on, "shm", whose
