@@ -75,16 +75,24 @@ TABLES: dict[str, list[Rule]] = {
     "all_reduce": [
         Rule("recursive_doubling", lambda nbytes, world: nbytes <= (256 << 10 if world <= 4 else 64 << 10),
              "latency-bound: log2(n) rounds of the whole (small) array; fastest to 256 KiB at 4 ranks"),
+        Rule("ring", lambda nbytes, world: world >= 8 and nbytes >= 4 << 20,
+             "across hosts at 8 ranks and more from 4 MiB: 1.2-1.4x faster than halving-doubling at 8 and 16 "
+             "ranks on 1 Gbit/s links, two runs each; level at 4 ranks (bench/netem.py, figures below)",
+             hosts="several"),
         Rule("halving_doubling", lambda nbytes, world: _pow2(world) or nbytes <= 1 << 20,
              "2 log2(n) rounds at the bandwidth optimum; beat ring at 4 ranks from 1 to 64 MiB"),
         Rule("ring", always, "other world sizes, where the halving-doubling fold costs two extra full "
                              "transfers: bandwidth optimum, pipelined by 4 MiB segment"),
     ],
     "all_gather": [
-        Rule("direct", lambda nbytes, world: world <= 4 and nbytes * world >= 1 << 20,
+        Rule("ring", lambda nbytes, world: world >= 8 and nbytes * world >= 2 << 20,
+             "across hosts at 8 ranks and more from 2 MiB gathered: at 8 ranks on 1 Gbit/s links faster than "
+             "recursive doubling and direct at 2 and 4 MiB (4 MiB: 32-34 against 36-51 ms), level with direct "
+             "at 16 MiB (bench/netem.py, figures below)", hosts="several"),
+        Rule("direct", lambda nbytes, world: world <= 8 and nbytes * world >= 1 << 20,
              "across hosts from 1 MiB gathered: one message per peer; 10-15% faster than recursive "
-             "doubling at 1 MiB on 1 Gbit/s links, 4 ranks, three runs (bench/netem.py, figures below)",
-             hosts="several"),
+             "doubling at 1 MiB on 1 Gbit/s links at 4 ranks, three runs, and 0-30% at 8 ranks, three runs "
+             "(bench/netem.py, figures below)", hosts="several"),
         Rule("recursive_doubling",
              lambda nbytes, world: world in (2, 4, 8) and nbytes * world <= (4 << 20 if world == 8 else 1 << 20),
              "log2(n) messages per rank instead of direct's n-1, straight into place: faster than direct "
@@ -730,6 +738,24 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # 64 KiB 645 / 621, 498 / 702; 256 KiB 1176 / 1011, 923 / 1214; 1 MiB 5458 / 6394, 5738 / 6232
 # (and 5623 / 6211 in the first run above). So direct from 1 MiB gathered across hosts; below
 # that the two took turns.
+#
+# all_reduce and all_gather across hosts at 8 and 16 ranks (session 8; bench/netem.py -n N --rate 1gbit
+# -- --ops all_gather,all_reduce --algorithm all --iters 3; medians in ms). all_reduce, halving-doubling
+# / ring:
+#   8 ranks:  1 MiB 15.5 / 15.3, 16.3 / 15.5; 2 MiB 35.9 / 31.0; 4 MiB 83.3 / 61.8, 78.9 / 62.3;
+#             16 MiB 364 / 270, 369 / 263
+#   16 ranks: 256 KiB 15.2 / 32.7; 1 MiB 28.5 / 34.6; 2 MiB 57.5 / 58.7; 4 MiB 121.8 / 83.8, 133.3 / 106.6;
+#             16 MiB 450 / 339, 450 / 372
+#   4 ranks:  4 MiB 55.1 / 52.9; 16 MiB 229.8 / 218.7 (and 223 / 229 in the first runs above)
+# So ring across hosts at 8 ranks and more from 4 MiB; at 4 ranks the two are level and the table
+# is unchanged. (Recursive doubling was 1.5-2.3x slower than either from 1 MiB.) all_gather at 8
+# ranks, gathered size, direct / recursive doubling / ring (three runs at 1 and 4 MiB, two at 2 MiB):
+#   1 MiB 7.1 / 7.4 / 7.9, 8.3 / 9.6 / 9.3, 6.8 / 9.0 / 8.3; 2 MiB 18.6 / 20.2 / 16.4, 16.2 / 20.1 / 15.4;
+#   4 MiB 42.4 / 42.2 / 31.4, 49.2 / 50.9 / 33.6, 54.5 / 35.6 / 32.0; 16 MiB 143 / 191 / 140, 144 / - / 139
+# (bruck: 8.5, 37.7 and 174 ms at 1, 4 and 16 MiB). So at 8 ranks across hosts direct from 1 MiB
+# gathered and ring from 2 MiB. At 16 ranks (one run) recursive doubling, bruck, direct and ring
+# were within noise of each other at 1 and 4 MiB (14.5-16.8 and 54.8-59.7 ms) and ring was fastest at
+# 16 MiB (157 against 209-280 ms), the table's choice there already.
 #
 # Tried and not kept (session 8): a direct all_reduce for tiny arrays (every rank sends its array
 # to every other in one round, reads each peer's straight off its socket, then folds all n in rank
