@@ -757,6 +757,18 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # were within noise of each other at 1 and 4 MiB (14.5-16.8 and 54.8-59.7 ms) and ring was fastest at
 # 16 MiB (157 against 209-280 ms), the table's choice there already.
 #
+# The same emulation at 10 Gbit/s is not a multi-host regime: all the "hosts" share this box's 2
+# cores, and the collectives reach 0.3-0.7 GB/s busbw against the links' 1.25, so the CPU of the
+# copies bounds them as on loopback. (bench/netem.py -n N --rate 10gbit -- --ops broadcast,reduce
+# --algorithm all --sizes 256K,512K,1M,2M,4M --iters 5, one run each; ms, medians.) There the
+# across-host rules lose at 8 ranks up to 1-2 MiB: broadcast chain / tree 256 KiB 2.0 / 1.7,
+# 512 KiB 4.5 / 2.7, 1 MiB 7.0 / 5.5, 2 MiB 11.2 / 11.3, 4 MiB 18.7 / 20.2; reduce rabenseifner /
+# tree 1 MiB 7.9 / 5.1, 2 MiB 11.7 / 10.9, 4 MiB 22.5 / 23.8. At 4 ranks they held: chain / tree
+# 256 KiB 0.50 / 0.51, 1 MiB 2.3 / 2.8, 4 MiB 6.8 / 11.6 (a first run: 0.88 / 0.56 at 256 KiB);
+# rabenseifner / tree 1 MiB 2.4 / 2.4, 4 MiB 7.8 / 10.2. The rules stay as the link-bound runs
+# set them: a real 10 Gbit/s cluster, where every host has its own cores, was not available to
+# say where between the two regimes it falls.
+#
 # Tried and not kept (session 8): a direct all_reduce for tiny arrays (every rank sends its array
 # to every other in one round, reads each peer's straight off its socket, then folds all n in rank
 # order): one latency instead of recursive doubling's log2(n) rounds. Against recursive doubling,
