@@ -783,3 +783,24 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # one. There direct (first) took 670 and 702 us at 4 B, and recursive doubling (third) 463 and
 # 477 us, 2.52x and 2.43x Gloo's 1166 and 1160 us; run alone in issue 3's command, where it always
 # follows Gloo, recursive doubling's 4 B was 1.55-1.97x this session.
+#
+# Where a cold 4 B all_reduce's time goes, phase by phase (session 8; a probe, not kept: `barrier;
+# t0; all_reduce(4 B); t1` 200 times at 4 ranks over TCP, with Call.sendrecv and recv_now wrapped
+# to stamp their entry and exit; medians per rank in us, a 7 ms pause before each barrier / none):
+#
+#   from t0 to the first sendrecv (api checks, table, fingerprint, open_call, watch, the plan)  70-100 / 21
+#   first sendrecv (its send and the wait for the partner)                                      50-270 / 23-125
+#   between the two rounds (one reduce_now of 1 element)                                        12-26 / 4-5
+#   second sendrecv                                                                             40-113 / 17-20
+#   from the last sendrecv to t1                                                                 9-18 / 5-7
+#   slowest rank, t0 to t1                                                                      450-646 / 214
+#   barrier exit skew (last rank out minus first)                                               198-289 / 75
+#
+# The set-up's time was spread evenly (10th-90th percentile 70-125 us), not a few preempted calls,
+# and it was as slow when the 7 ms pause was a busy loop instead of a sleep (91-98 us), so it is not
+# the vCPU halting or its clock slowing: every line of Python runs ~4x slower for a while after the
+# process has been away from its core, on this nested virtual machine (nested_pvm=1 on the kernel's
+# command line). Touching 8 MiB between calls instead (no pause) cost less: 35 us. A shorter path per
+# call would shrink this in proportion; last session's probe without NumPy in the rounds did not
+# show it (above), and the set-up is already memoised where it repeats (table choice, fingerprint,
+# plan). The bench's Gloo peer puts its own calls between ours, so every one of ours is cold there.
