@@ -1,7 +1,7 @@
 """The selection table's rules for groups that span hosts (Rule.hosts == "several"): across
 hosts, where links bound the time, the broadcast takes the pipelined chain, the reduce
 Rabenseifner from 1 MiB, all_gather direct from 1 MiB gathered (ring from 2 MiB at 8 ranks and
-more) and all_reduce ring from 4 MiB at 8 ranks and more; one host's loopback keeps its own
+more) and all_reduce ring from 4 MiB at 8-16 ranks; one host's loopback keeps its own
 choices (figures in collectives/registry.py's notes)."""
 
 from __future__ import annotations
@@ -53,12 +53,13 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("all_gather", 256 << 10, 8, eight_hosts)[0] == "ring"
     assert tcp("all_gather", 256 << 10, 8, eight_on_one)[0] == "recursive_doubling"
     assert tcp("all_gather", 64 << 10, 8, eight_hosts)[0] == "recursive_doubling"
-    # all_reduce: ring from 4 MiB across hosts at 8 ranks and more; halving-doubling at 4 ranks and on one host
+    # all_reduce: ring from 4 MiB across hosts at 8-16 ranks; halving-doubling at 4 ranks and on one host
     assert tcp("all_reduce", 4 << 20, 8, eight_hosts)[0] == "ring"
     assert tcp("all_reduce", 4 << 20, 16, group_on("ab" * 8))[0] == "ring"
     assert tcp("all_reduce", 2 << 20, 8, eight_hosts)[0] == "halving_doubling"
     assert tcp("all_reduce", 4 << 20, 8, eight_on_one)[0] == "halving_doubling"
     assert tcp("all_reduce", 64 << 20, 4, two_hosts)[0] == "halving_doubling"
+    assert tcp("all_reduce", 64 << 20, 32, group_on("ab" * 16))[0] == "halving_doubling"  # not measured
     # every other collective: the same on one host and across hosts
     for collective in registry.TABLES:
         if collective not in ("broadcast", "reduce", "all_gather"):
