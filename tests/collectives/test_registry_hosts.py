@@ -43,7 +43,7 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
     assert tcp("reduce", 16 << 20, 4, one_host)[0] == "rabenseifner"
-    # all_gather: direct from 1 MiB gathered across hosts at up to 4 ranks (recursive doubling on one)
+    # all_gather: direct from 1 MiB gathered across hosts at 4 ranks (recursive doubling on one host)
     assert tcp("all_gather", 256 << 10, 4, two_hosts)[0] == "direct"
     assert tcp("all_gather", 256 << 10, 4, one_host)[0] == "recursive_doubling"
     assert tcp("all_gather", 64 << 10, 4, two_hosts)[0] == "recursive_doubling"
