@@ -1,6 +1,7 @@
-"""bench/collectives.py across emulated machines: one network namespace per rank, a rate limit on every link.
+"""bench/collectives.py across emulated machines: one network namespace per host, a rate limit on every link.
 
     sudo python bench/netem.py -n 4 --rate 1gbit -- --ops broadcast --algorithm all --sizes 64K,1M,16M --iters 5
+    sudo python bench/netem.py -n 2 --per-node 2 --shm on -- --ops all_reduce --algorithm all --sizes 1M,16M
 
 Loopback on one box is bound by the CPU of the kernel's copies, so it cannot show what a
 network-bound job sees: there, moving fewer bytes over the busiest link matters more than
@@ -12,9 +13,11 @@ the number of copies. This builds that network and runs the benchmark on it:
 * every link shaped in both directions with ``tc``: a token bucket at ``--rate`` (and
   ``--delay`` of netem latency when given) on the namespace's end (its sends) and on the
   bridge's end (its receives);
-* in each namespace ``python -m runtime.launch -n 1 --nnodes n --node-rank i`` of
-  bench/collectives.py with the arguments after ``--`` (TCP only, RINGWEAVE_SHM=0). Rank 0's
-  table and goals are printed; its JSON and plot go where bench/collectives.py puts them.
+* in each namespace ``python -m runtime.launch -n K --nnodes n --node-rank i`` of
+  bench/collectives.py with the arguments after ``--``: K = ``--per-node`` ranks per host
+  (default 1), which reach each other over the namespace's loopback, or over shared memory with
+  ``--shm on`` (default off: TCP only, RINGWEAVE_SHM=0). Rank 0's table and goals are printed;
+  its JSON and plot go where bench/collectives.py puts them.
 
 Needs root, ``ip`` (iproute2), ``tc`` and ``unshare``. Every namespace and link it made is
 deleted at the end, whatever happens. Not a test: nothing here asserts a speed.
@@ -99,18 +102,20 @@ def run(args, bench_args: list[str]) -> int:
     tag = f"{os.getpid() % 1000}"
     subnet = f"10.{random.randrange(100, 200)}.{random.randrange(1, 250)}"
     master, port = f"{subnet}.1", str(random.randrange(20000, 30000))
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), RINGWEAVE_SHM="0",
-               RINGWEAVE_SECRET="netem-" + os.urandom(8).hex())
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RINGWEAVE_SHM="1" if args.shm == "on" else "0", RINGWEAVE_SECRET="netem-" + os.urandom(8).hex())
     made: list = []
     procs = []
     logs = []  # every node but 0 writes into a file (a pipe nobody reads while we wait could fill and stall it)
     try:
         names = build(args.nproc, tag, subnet, args.rate, args.delay, made)
-        label = f"netem {args.nproc} namespaces, {args.rate}" + (f", +{args.delay}" if args.delay else "")
+        label = (f"netem {args.nproc} namespaces" + (f" x {args.per_node} ranks" if args.per_node > 1 else "")
+                 + f", {args.rate}" + (f", +{args.delay}" if args.delay else ""))
         for i, ns in enumerate(names):
-            job = [sys.executable, "-m", "runtime.launch", "-n", "1", "--nnodes", str(args.nproc), "--node-rank",
-                   str(i), "--master-addr", master, "--master-port", port, "--max-time-s", str(args.max_time_s),
-                   os.path.join(HERE, "collectives.py"), *bench_args, "--shm", "off", "--launched-by", label]
+            job = [sys.executable, "-m", "runtime.launch", "-n", str(args.per_node), "--nnodes", str(args.nproc),
+                   "--node-rank", str(i), "--master-addr", master, "--master-port", port,
+                   "--max-time-s", str(args.max_time_s), os.path.join(HERE, "collectives.py"), *bench_args,
+                   "--shm", args.shm, "--launched-by", label]
             inner = f"hostname rw-netem-{i} && exec {shlex.join(job)}"
             log = None if i == 0 else tempfile.TemporaryFile("w+")
             logs.append(log)
@@ -143,12 +148,18 @@ def main() -> None:
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="arguments after -- go to bench/collectives.py")
-    p.add_argument("-n", "--nproc", type=int, default=4, help="ranks, one namespace each (default 4)")
+    p.add_argument("-n", "--nproc", type=int, default=4, help="namespaces, the emulated hosts (default 4)")
+    p.add_argument("--per-node", type=int, default=1,
+                   help="ranks in each namespace (default 1); with more, ranks of one host share it")
+    p.add_argument("--shm", choices=("on", "off"), default="off",
+                   help="the shared-memory path among the ranks of one namespace (default off: TCP only)")
     p.add_argument("--rate", default="1gbit", help="every link's rate, each way, as tc spells it (default 1gbit)")
     p.add_argument("--delay", default=None,
                    help="netem latency added on every link end, e.g. 100us (needs the kernel's sch_netem)")
     p.add_argument("--max-time-s", type=int, default=1800, help="the job's limit (runtime.launch --max-time-s)")
     args = p.parse_args(argv[:split])
+    if args.nproc < 1 or args.per_node < 1:
+        p.error("need -n >= 1 and --per-node >= 1")
     why = why_not()
     if why:
         raise SystemExit(f"netem: {why}")

@@ -228,7 +228,14 @@ def first_tcp_rule(collective: str, nbytes: int, world: int, group=None) -> tupl
     Raises:
         ValueError: no such rule (not with the default tables: each ends with one that always applies).
     """
-    return _from_table(collective, nbytes, world, True, group is not None and spans_hosts(group))
+    key = (collective, nbytes, world, True, group is not None and spans_hosts(group))
+    chosen = _CHOSEN.get(key)
+    if chosen is None:  # the shm algorithms' fallback asks this on every call: memoised as choose() is
+        chosen = _from_table(*key)
+        if len(_CHOSEN) > 4096:
+            _CHOSEN.clear()
+        _CHOSEN[key] = chosen
+    return chosen
 
 
 # (collective, nbytes, world, shm ruled out) -> the table's choice. The rules are pure functions of

@@ -15,7 +15,8 @@ S_p = local rank p's data slot; x is cut into k chunks, chunk c owned by local r
 
 A node with one rank skips 1-3 and 5; a group on a single node is better served by
 all_reduce_shm (this file is what it falls back to when the group spans nodes). Without shared
-memory (``RINGWEAVE_SHM=0``) the whole group runs the TCP table's algorithm instead.
+memory (``RINGWEAVE_SHM=0``), and for arrays up to FLAT_MAX_NBYTES (64 KiB), the whole group runs
+the TCP table's algorithm instead.
 
 Worked example, 4 ranks, nodes A = {0, 2} and B = {1, 3}, rank g contributes [g] (sum)::
 
@@ -32,14 +33,22 @@ import numpy as np
 
 from collectives.shm import all_reduce_shm, common
 
+# Arrays up to this run the TCP table's algorithm over the whole group instead (recursive doubling
+# there): three phases, two of them waits on shared memory, cost more than the flat algorithm's
+# log2(n) rounds across hosts. 1 Gbit/s links, bench/netem.py --per-node K --shm on, medians,
+# flat recursive doubling / hierarchical: 2 hosts x 2 ranks 4 B 366 / 674 and 468 / 740 us,
+# 64 KiB 505 / 696 and 512 / 740 us, 256 KiB 3944 / 1727 us; 4 x 2: 64 KiB 1596 / 1944 us,
+# 256 KiB 9461 / 5199 us; 2 x 4: 16 KiB 1316 / 1531 us, 64 KiB 2451 / 2399 us (level).
+FLAT_MAX_NBYTES = 64 << 10
+
 
 async def run(comm, x: np.ndarray, op: str) -> None:
-    comm = common.Link(comm)
+    comm = comm if type(comm) is common.Link else common.Link(comm)  # all_reduce_shm's fallback: wrapped
     n = comm.size
     if n == 1:
         return
-    nodes = common.nodes_of(comm.group)
-    if not common.shm_enabled(comm.group) or all(len(members) == 1 for members in nodes):
+    nodes = None if x.nbytes <= FLAT_MAX_NBYTES else common.nodes_of(comm.group)
+    if nodes is None or not common.shm_enabled(comm.group) or all(len(members) == 1 for members in nodes):
         return await common.tcp_algorithm("all_reduce", x.nbytes, n, comm.group)(comm, x, op)
     index, local = next((i, m) for i, m in enumerate(nodes) if comm.rank in m)
     leaders = [members[0] for members in nodes]

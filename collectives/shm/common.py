@@ -37,14 +37,24 @@ def node_ids(group) -> list[str]:
 
 
 def nodes_of(group) -> list[list[int]]:
-    """The group ranks of each node, nodes in order of their lowest group rank.
+    """The group ranks of each node, nodes in order of their lowest group rank (the lists are
+    shared between calls: do not change them).
 
     >>> # nodes a, b, a, b  ->  [[0, 2], [1, 3]]
     """
+    nodes = getattr(group.runtime, "nodes", None)
+    known = getattr(group, "_shm_nodes_of", None)
+    if known is not None and known[0] is nodes:  # found once per group and list of nodes, as one_node
+        return known[1]
     order: dict[str, list[int]] = {}
     for r, node in enumerate(node_ids(group)):
         order.setdefault(node, []).append(r)
-    return list(order.values())
+    found = list(order.values())
+    try:
+        group._shm_nodes_of = (nodes, found)
+    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
+        pass
+    return found
 
 
 def shm_available(group) -> bool:

@@ -231,6 +231,28 @@ async def test_hierarchical_on_fake_nodes(ranks, n, transport):
         assert names == ([] if alone else [f"0d{1 + sorted(set(layout), key=layout.index).index(layout[r])}"])
 
 
+async def test_hierarchical_small_arrays_run_flat_over_tcp(ranks):
+    """Up to 64 KiB the hierarchical algorithm runs the TCP table's choice over the whole group
+    (no shared-memory phase); above it, each node's ranks meet in shared memory."""
+    small = (64 << 10) // 4  # float32: exactly 64 KiB
+
+    async def body(g):
+        g.runtime.nodes = list("ABAB")
+        x = contribution(g.rank, 4, small, np.float32, "sum")
+        await C.all_reduce(x, group=g, algorithm="hierarchical")
+        same(x, expected(4, small, np.float32, "sum"), "flat")
+        flat = sorted(shm.statistics(g))
+        x = contribution(g.rank, 4, small + 1, np.float32, "sum")
+        await C.all_reduce(x, group=g, algorithm="hierarchical")
+        same(x, expected(4, small + 1, np.float32, "sum"), "hierarchical")
+        return flat, sorted(shm.statistics(g))
+    results = await ranks(4, body, transport="tcp")
+    for r, (flat, after) in enumerate(results):
+        assert flat == [], (r, flat)
+        if SHM_ON:
+            assert after == [f"0d{1 + r % 2}"], (r, after)
+
+
 async def test_hierarchical_on_one_node_is_plain_shm(ranks):
     async def body(g):
         x = contribution(g.rank, 3, 50_000, np.float32, "sum")
