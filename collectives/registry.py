@@ -55,11 +55,14 @@ class Rule:
     """One row of a selection table: use ``algorithm`` when ``applies(nbytes, world)``, and,
     for a rule with ``hosts="several"``, only when the group spans more than one host (its
     messages cross a network; on one host TCP runs over loopback, where the kernel's copies,
-    not any link, bound the time, and the best algorithm can differ: registry notes)."""
+    not any link, bound the time, and the best algorithm can differ: registry notes).
+    ``hosts="spread"`` and ``"packed"`` narrow that to a layout (collectives.shm.common.
+    host_layout): every rank on a host of its own, or each host holding one contiguous run of
+    ranks, several on at least one (the launcher's layout with ``-n K`` per node)."""
     algorithm: str
     applies: Callable[[int, int], bool]
     why: str = ""
-    hosts: str = "any"  # "any" | "several"
+    hosts: str = "any"  # "any" | "several" | "spread" | "packed"
 
 
 def always(nbytes: int, world: int) -> bool:
@@ -90,10 +93,15 @@ TABLES: dict[str, list[Rule]] = {
              "across hosts at 8 ranks and more from 2 MiB gathered: at 8 ranks on 1 Gbit/s links faster than "
              "recursive doubling and direct at 2 and 4 MiB (4 MiB: 32-34 against 36-51 ms), level with direct "
              "at 16 MiB (bench/netem.py, figures below)", hosts="several"),
+        Rule("ring", lambda nbytes, world: nbytes * world >= 1 << 20,
+             "across hosts with several ranks per host, each host's ranks in one run (the launcher's "
+             "layout), from 1 MiB gathered: a block crosses between hosts once per host, not once per "
+             "rank; 1.3-2.4x faster than direct at 2x2, 2x4 and 4x2 ranks on 1 Gbit/s links "
+             "(bench/netem.py --per-node, figures below)", hosts="packed"),
         Rule("direct", lambda nbytes, world: world <= 8 and nbytes * world >= 1 << 20,
-             "across hosts from 1 MiB gathered: one message per peer; 10-15% faster than recursive "
-             "doubling at 1 MiB on 1 Gbit/s links at 4 ranks, three runs, and 0-30% at 8 ranks, three runs "
-             "(bench/netem.py, figures below)", hosts="several"),
+             "across hosts, one rank per host, from 1 MiB gathered: one message per peer; 10-15% faster "
+             "than recursive doubling at 1 MiB on 1 Gbit/s links at 4 ranks, three runs, and 0-30% at 8 "
+             "ranks, three runs (bench/netem.py, figures below)", hosts="spread"),
         Rule("recursive_doubling",
              lambda nbytes, world: world in (2, 4, 8) and nbytes * world <= (4 << 20 if world == 8 else 1 << 20),
              "log2(n) messages per rank instead of direct's n-1, straight into place: faster than direct "
@@ -154,7 +162,7 @@ TABLES: dict[str, list[Rule]] = {
 # others the first non-shm rule below. Figures: collectives/shm/__init__.py.
 from collectives import shm as _shm  # noqa: E402  (after the tables it extends)
 from runtime.shm import shm_usable as _shm_usable  # noqa: E402
-from collectives.shm.common import one_node as _one_node  # noqa: E402
+from collectives.shm.common import host_layout as _host_layout, one_node as _one_node  # noqa: E402
 
 for _collective, _algorithms in _shm.ALGORITHMS.items():
     ALGORITHMS[_collective].update(_algorithms)
@@ -193,11 +201,11 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
             raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         return override, fn
     shm_off = (group is not None and not getattr(group, "shm_enabled", True)) or not _shm_usable()
-    several = group is not None and spans_hosts(group)
-    key = (collective, nbytes, world, shm_off, several)
+    layout = _host_layout(group) if group is not None else "one"
+    key = (collective, nbytes, world, shm_off, layout)
     chosen = _CHOSEN.get(key)
     if chosen is None:
-        chosen = _from_table(collective, nbytes, world, shm_off, several)
+        chosen = _from_table(collective, nbytes, world, shm_off, layout)
         if len(_CHOSEN) > 4096:
             _CHOSEN.clear()
         _CHOSEN[key] = chosen
@@ -209,9 +217,12 @@ def spans_hosts(group) -> bool:
     return not _one_node(group)
 
 
-def _from_table(collective: str, nbytes: int, world: int, shm_off: bool, several: bool) -> tuple[str, Callable]:
+def _from_table(collective: str, nbytes: int, world: int, shm_off: bool, layout: str) -> tuple[str, Callable]:
+    """The first rule that applies; ``layout`` is the group's host_layout ("one" without a group)."""
     for rule in TABLES[collective]:
-        if (shm_off and rule.algorithm == "shm") or (rule.hosts == "several" and not several):
+        if shm_off and rule.algorithm == "shm":
+            continue
+        if rule.hosts != "any" and (layout == "one" if rule.hosts == "several" else layout != rule.hosts):
             continue
         if rule.applies(nbytes, world):
             return rule.algorithm, ALGORITHMS[collective][rule.algorithm]
@@ -228,7 +239,7 @@ def first_tcp_rule(collective: str, nbytes: int, world: int, group=None) -> tupl
     Raises:
         ValueError: no such rule (not with the default tables: each ends with one that always applies).
     """
-    key = (collective, nbytes, world, True, group is not None and spans_hosts(group))
+    key = (collective, nbytes, world, True, _host_layout(group) if group is not None else "one")
     chosen = _CHOSEN.get(key)
     if chosen is None:  # the shm algorithms' fallback asks this on every call: memoised as choose() is
         chosen = _from_table(*key)
@@ -765,6 +776,19 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # were within noise of each other at 1 and 4 MiB (14.5-16.8 and 54.8-59.7 ms) and ring was fastest at
 # 16 MiB (157 against 209-280 ms), the table's choice there already.
 #
+# all_gather with several ranks per host (session 8; bench/netem.py -n H --per-node K --shm off --rate
+# 1gbit -- --ops all_gather --algorithm all --sizes 256K,1M,4M,16M --iters 3, one run each; the
+# launcher's layout, host i holding ranks iK..iK+K-1; ms, gathered size, direct / recursive
+# doubling / ring):
+#   2 hosts x 2:  256 KiB 1.45 / 1.90 / 1.33; 1 MiB 7.9 / 9.4 / 5.3; 4 MiB 36.1 / 35.4 / 25.7; 16 MiB 142 / 170 / 108
+#   2 hosts x 4:  256 KiB 3.2 / 3.4 / 3.0;    1 MiB 16.7 / 19.2 / 7.3; 4 MiB 73.6 / 74.0 / 30.4; 16 MiB 288 / 324 / 130
+#   4 hosts x 2:  256 KiB 2.6 / 2.3 / 2.8;    1 MiB 12.3 / 14.6 / 7.0; 4 MiB 69.3 / 55.0 / 30.7; 16 MiB 235 / 244 / 126
+# (and 2 x 2 with shm on, the same fallback: 1 MiB 8.3 / 8.4 / 5.9, 16 MiB 141 / 162 / 111). Direct and
+# recursive doubling send every rank's block across the hosts' links once per remote rank; the
+# ring, with each host's ranks in one run, once per host. So from 1 MiB gathered the ring for
+# that layout (Rule.hosts = "packed"), and direct only with one rank per host ("spread", where
+# it was measured). Interleaved layouts (host a, b, a, b) keep the one-host rules: the ring would
+# cross the link at every step there, and they were not measured.#
 # The same emulation at 10 Gbit/s is not a multi-host regime: all the "hosts" share this box's 2
 # cores, and the collectives reach 0.3-0.7 GB/s busbw against the links' 1.25, so the CPU of the
 # copies bounds them as on loopback. (bench/netem.py -n N --rate 10gbit -- --ops broadcast,reduce

@@ -79,6 +79,30 @@ def one_node(group) -> bool:
     return one
 
 
+def host_layout(group) -> str:
+    """How the group's ranks sit on hosts (the same on every member; found once per group and list
+    of nodes, as :func:`one_node`): ``"one"`` (a single host), ``"spread"`` (every rank on a host
+    of its own), ``"packed"`` (several hosts, each holding one contiguous run of group ranks, at
+    least one of them more than one rank: the launcher's layout) or ``"mixed"`` (the rest)."""
+    nodes = getattr(group.runtime, "nodes", None)
+    known = getattr(group, "_shm_host_layout", None)
+    if known is not None and known[0] is nodes:
+        return known[1]
+    ids = node_ids(group)
+    runs = [ids[0]] if ids else []
+    for node in ids[1:]:
+        if node != runs[-1]:
+            runs.append(node)
+    hosts = len(set(ids))
+    layout = ("one" if hosts <= 1 else "spread" if hosts == len(ids)
+              else "packed" if len(runs) == hosts else "mixed")
+    try:
+        group._shm_host_layout = (nodes, layout)
+    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
+        pass
+    return layout
+
+
 def shm_enabled(group) -> bool:
     """:func:`shm_available` without the one-node condition (all_reduce_hierarchical's test)."""
     return bool(getattr(group, "shm_enabled", True)) and shm.shm_usable()

@@ -1,7 +1,7 @@
 """The selection table's rules for groups that span hosts (Rule.hosts == "several"): across
 hosts, where links bound the time, the broadcast takes the pipelined chain, the reduce
-Rabenseifner from 1 MiB, all_gather direct from 1 MiB gathered (ring from 2 MiB at 8 ranks and
-more) and all_reduce ring from 4 MiB at 8-16 ranks; one host's loopback keeps its own
+Rabenseifner from 1 MiB, all_gather direct from 1 MiB gathered with one rank per host (ring
+with several per host, and from 2 MiB at 8 ranks and more) and all_reduce ring from 4 MiB at 8-16 ranks; one host's loopback keeps its own
 choices (figures in collectives/registry.py's notes)."""
 
 from __future__ import annotations
@@ -43,10 +43,18 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
     assert tcp("reduce", 16 << 20, 4, one_host)[0] == "rabenseifner"
-    # all_gather: direct from 1 MiB gathered across hosts at 4 ranks (recursive doubling on one host)
-    assert tcp("all_gather", 256 << 10, 4, two_hosts)[0] == "direct"
+    # all_gather from 1 MiB gathered across hosts: direct with one rank per host, ring with each
+    # host's ranks in one run (the launcher's layout); interleaved ranks keep the one-host choice
+    four_hosts, packed = group_on("abcd"), group_on("aabb")
+    assert [common.host_layout(g) for g in (one_host, four_hosts, packed, two_hosts)] == \
+        ["one", "spread", "packed", "mixed"]
+    assert tcp("all_gather", 256 << 10, 4, four_hosts)[0] == "direct"
+    assert tcp("all_gather", 256 << 10, 4, packed)[0] == "ring"
+    assert tcp("all_gather", 256 << 10, 4, two_hosts)[0] == "recursive_doubling"
     assert tcp("all_gather", 256 << 10, 4, one_host)[0] == "recursive_doubling"
-    assert tcp("all_gather", 64 << 10, 4, two_hosts)[0] == "recursive_doubling"
+    assert tcp("all_gather", 64 << 10, 4, four_hosts)[0] == "recursive_doubling"
+    assert tcp("all_gather", 64 << 10, 4, packed)[0] == "recursive_doubling"
+    assert tcp("all_gather", 1 << 20, 8, group_on("aaaabbbb"))[0] == "ring"
     # ... and at 8 ranks direct from 1 MiB gathered, ring from 2 MiB (recursive doubling to 4 MiB on one)
     eight_hosts, eight_on_one = group_on("abcdefgh"), group_on("a" * 8)
     assert tcp("all_gather", 128 << 10, 8, eight_hosts)[0] == "direct"
