@@ -76,6 +76,12 @@ def _pow2(world: int) -> bool:
 
 TABLES: dict[str, list[Rule]] = {
     "all_reduce": [
+        Rule("ring", lambda nbytes, world: nbytes >= 256 << 10,
+             "across hosts with several ranks per host in runs (the launcher's layout), from 256 KiB: the "
+             "ring crosses between hosts twice a step, halving-doubling sends half the array across per "
+             "rank; 1.2-1.5x faster than halving-doubling at 2x2 ranks, 1.4-2.5x at 2x4 on 1 Gbit/s links "
+             "(bench/netem.py --per-node, figures below; with shared memory on, the hierarchical "
+             "algorithm serves these groups instead)", hosts="packed"),
         Rule("recursive_doubling", lambda nbytes, world: nbytes <= (256 << 10 if world <= 4 else 64 << 10),
              "latency-bound: log2(n) rounds of the whole (small) array; fastest to 256 KiB at 4 ranks"),
         Rule("ring", lambda nbytes, world: 8 <= world <= 16 and nbytes >= 4 << 20,
@@ -789,6 +795,15 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # that layout (Rule.hosts = "packed"), and direct only with one rank per host ("spread", where
 # it was measured). Interleaved layouts (host a, b, a, b) keep the one-host rules: the ring would
 # cross the link at every step there, and they were not measured.#
+# all_reduce with several ranks per host over TCP (shared memory off; the same runs' layout; one run
+# each, ms, halving-doubling / recursive doubling / ring):
+#   2 hosts x 2:  64 KiB 0.63 / 0.62 / 1.79; 256 KiB 3.4 / 4.0 / 2.9; 1 MiB 16.8 / 17.8 / 12.1;
+#                 4 MiB 76.2 / 74.5 / 51.5; 16 MiB 298 / 319 / 221
+#   2 hosts x 4:  64 KiB 2.2 / 1.6 / 4.8; 256 KiB 7.4 / 8.6 / 5.2; 1 MiB 34.6 / 37.8 / 14.1;
+#                 4 MiB 147 / 156 / 63; 16 MiB 599 / 650 / 251
+# Per host and direction the ring sends 2(n-1)/n of the array over the link, halving-doubling's
+# first reduce-scatter step and last all-gather step alone send K/2 arrays (K ranks per host). So
+# the ring from 256 KiB for that layout.#
 # The same emulation at 10 Gbit/s is not a multi-host regime: all the "hosts" share this box's 2
 # cores, and the collectives reach 0.3-0.7 GB/s busbw against the links' 1.25, so the CPU of the
 # copies bounds them as on loopback. (bench/netem.py -n N --rate 10gbit -- --ops broadcast,reduce

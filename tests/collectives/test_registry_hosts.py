@@ -1,7 +1,7 @@
 """The selection table's rules for groups that span hosts (Rule.hosts == "several"): across
 hosts, where links bound the time, the broadcast takes the pipelined chain, the reduce
 Rabenseifner from 1 MiB, all_gather direct from 1 MiB gathered with one rank per host (ring
-with several per host, and from 2 MiB at 8 ranks and more) and all_reduce ring from 4 MiB at 8-16 ranks; one host's loopback keeps its own
+with several per host, and from 2 MiB at 8 ranks and more) and all_reduce ring from 4 MiB at 8-16 ranks (from 256 KiB with several ranks per host); one host's loopback keeps its own
 choices (figures in collectives/registry.py's notes)."""
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("all_reduce", 4 << 20, 8, eight_on_one)[0] == "halving_doubling"
     assert tcp("all_reduce", 64 << 20, 4, two_hosts)[0] == "halving_doubling"
     assert tcp("all_reduce", 64 << 20, 32, group_on("ab" * 16))[0] == "halving_doubling"  # not measured
+    # ... and from 256 KiB with several ranks per host in runs (recursive doubling below)
+    assert tcp("all_reduce", 256 << 10, 4, group_on("aabb"))[0] == "ring"
+    assert tcp("all_reduce", 1 << 20, 8, group_on("aaaabbbb"))[0] == "ring"
+    assert tcp("all_reduce", 128 << 10, 4, group_on("aabb"))[0] == "recursive_doubling"
+    assert tcp("all_reduce", 1 << 20, 4, group_on("abcd"))[0] == "halving_doubling"
     # every other collective: the same on one host and across hosts
     for collective in registry.TABLES:
         if collective not in ("broadcast", "reduce", "all_gather"):
