@@ -123,6 +123,11 @@ TABLES: dict[str, list[Rule]] = {
     ],
     "reduce_scatter": [Rule("ring", always)],
     "broadcast": [
+        Rule("tree", lambda nbytes, world: 128 << 10 <= nbytes < 1 << 20,
+             "across hosts with several ranks per host in runs, 128 KiB to 1 MiB: the tree crosses "
+             "between hosts as seldom as the chain there, in fewer messages; at 256 KiB 1.74 / 1.91 ms "
+             "(2x2 ranks) and 1.38 / 1.95 ms (2x4) against the chain on 1 Gbit/s links (figures below)",
+             hosts="packed"),
         Rule("chain", lambda nbytes, world: nbytes >= (128 << 10 if world <= 8 else 512 << 10) and world <= 16,
              "across hosts: every link busy at once, a segment at a time; 2.0-4.6x faster than the tree from "
              "128 KiB at 4 and 8 ranks on 1 Gbit/s links, 2.0-4.0x from 512 KiB at 12 and 16 (bench/netem.py, "
@@ -134,10 +139,14 @@ TABLES: dict[str, list[Rule]] = {
         Rule("tree", always, "log2(n) rounds; the root sends log2(n) copies, not n-1"),
     ],
     "reduce": [
+        Rule("tree", always,
+             "across hosts with several ranks per host in runs: the tree sends one array between two "
+             "hosts, Rabenseifner's ring and gather more; level or faster at every size measured, 256 KiB "
+             "to 16 MiB at 2x2 and 2x4 ranks on 1 Gbit/s links (figures below)", hosts="packed"),
         Rule("rabenseifner", lambda nbytes, world: nbytes >= 1 << 20,
              "across hosts: the root's link carries (n-1)/n of the array instead of log2(n) whole ones; "
-             "1.4x faster than the tree at 1 MiB on 1 Gbit/s links at 4 ranks (bench/netem.py, figures "
-             "below)", hosts="several"),
+             "1.4x faster than the tree at 1 MiB on 1 Gbit/s links at 4 ranks, one rank per host "
+             "(bench/netem.py, figures below)", hosts="several"),
         Rule("rabenseifner", lambda nbytes, world: nbytes >= 16 << 20,
              "reduce-scatter then gather: the work spread over every rank; 5-10% faster than the tree at "
              "16 MiB at 4 and 8 ranks, level at 4 MiB (figures below); lengths not a multiple of n use the tree"),
@@ -804,6 +813,14 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # Per host and direction the ring sends 2(n-1)/n of the array over the link, halving-doubling's
 # first reduce-scatter step and last all-gather step alone send K/2 arrays (K ranks per host). So
 # the ring from 256 KiB for that layout.#
+# reduce and broadcast with several ranks per host (shared memory off; one run each, ms):
+#   reduce rabenseifner / tree, 2 hosts x 2: 256 KiB 2.25 / 1.60; 1 MiB 9.6 / 8.0; 4 MiB 42.2 / 35.5;
+#     16 MiB 176 / 170; 2 hosts x 4: 256 KiB 3.0 / 1.6; 1 MiB 10.4 / 10.4; 4 MiB 46.1 / 40.9; 16 MiB 193 / 186
+#   broadcast chain / tree, 2 hosts x 2: 256 KiB 1.91 / 1.74; 1 MiB 7.6 / 8.4; 4 MiB 34.2 / 36.1;
+#     16 MiB 142 / 146; 2 hosts x 4: 256 KiB 1.95 / 1.38; 1 MiB 9.0 / 9.1; 4 MiB 39.1 / 39.9; 16 MiB 145 / 157
+# With each host's ranks in one run the tree sends the array between two hosts once, as the chain
+# does, so the chain only wins from 1 MiB, where its pipeline pays; Rabenseifner's ring and gather
+# send more than that between hosts, so the tree there at every size (Rule.hosts = "packed").#
 # The same emulation at 10 Gbit/s is not a multi-host regime: all the "hosts" share this box's 2
 # cores, and the collectives reach 0.3-0.7 GB/s busbw against the links' 1.25, so the CPU of the
 # copies bounds them as on loopback. (bench/netem.py -n N --rate 10gbit -- --ops broadcast,reduce

@@ -43,6 +43,12 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
     assert tcp("reduce", 16 << 20, 4, one_host)[0] == "rabenseifner"
+    # ... with several ranks per host in runs: the tree at every size; broadcast's tree to 1 MiB
+    assert tcp("reduce", 1 << 20, 4, group_on("aabb"))[0] == "tree"
+    assert tcp("reduce", 64 << 20, 8, group_on("aaaabbbb"))[0] == "tree"
+    assert tcp("broadcast", 512 << 10, 4, group_on("aabb"))[0] == "tree"
+    assert tcp("broadcast", 1 << 20, 4, group_on("aabb"))[0] == "chain"
+    assert tcp("broadcast", 64 << 10, 4, group_on("aabb"))[0] == "flat"
     # all_gather from 1 MiB gathered across hosts: direct with one rank per host, ring with each
     # host's ranks in one run (the launcher's layout); interleaved ranks keep the one-host choice
     four_hosts, packed = group_on("abcd"), group_on("aabb")
