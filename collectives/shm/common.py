@@ -36,25 +36,35 @@ def node_ids(group) -> list[str]:
     return [nodes[g] for g in group.ranks]
 
 
+def _per_group(group, attr: str, work_out):
+    """``work_out(group)``, remembered on the group (as ``attr``) for as long as its runtime's
+    ``nodes`` list is the same object: that list is set once at start, except in tests."""
+    nodes = getattr(group.runtime, "nodes", None)
+    known = getattr(group, attr, None)
+    if known is not None and known[0] is nodes:
+        return known[1]
+    value = work_out(group)
+    try:
+        setattr(group, attr, (nodes, value))
+    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
+        pass
+    return value
+
+
 def nodes_of(group) -> list[list[int]]:
-    """The group ranks of each node, nodes in order of their lowest group rank (the lists are
-    shared between calls: do not change them).
+    """The group ranks of each node, nodes in order of their lowest group rank (found once per
+    group; the lists are shared between calls: do not change them).
 
     >>> # nodes a, b, a, b  ->  [[0, 2], [1, 3]]
     """
-    nodes = getattr(group.runtime, "nodes", None)
-    known = getattr(group, "_shm_nodes_of", None)
-    if known is not None and known[0] is nodes:  # found once per group and list of nodes, as one_node
-        return known[1]
+    return _per_group(group, "_shm_nodes_of", _nodes_of)
+
+
+def _nodes_of(group) -> list[list[int]]:
     order: dict[str, list[int]] = {}
     for r, node in enumerate(node_ids(group)):
         order.setdefault(node, []).append(r)
-    found = list(order.values())
-    try:
-        group._shm_nodes_of = (nodes, found)
-    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
-        pass
-    return found
+    return list(order.values())
 
 
 def shm_available(group) -> bool:
@@ -65,42 +75,26 @@ def shm_available(group) -> bool:
 
 
 def one_node(group) -> bool:
-    """Whether every member of ``group`` is on one node (found once per group and list of nodes
-    of its runtime: the runtime's ``nodes`` is set once at start, except in tests)."""
-    nodes = getattr(group.runtime, "nodes", None)
-    known = getattr(group, "_shm_one_node", None)
-    if known is not None and known[0] is nodes:
-        return known[1]
-    one = len(set(node_ids(group))) == 1
-    try:
-        group._shm_one_node = (nodes, one)
-    except AttributeError:  # pragma: no cover - a group type with slots: ask every time
-        pass
-    return one
+    """Whether every member of ``group`` is on one node (found once per group)."""
+    return _per_group(group, "_shm_one_node", lambda g: len(set(node_ids(g))) == 1)
 
 
 def host_layout(group) -> str:
-    """How the group's ranks sit on hosts (the same on every member; found once per group and list
-    of nodes, as :func:`one_node`): ``"one"`` (a single host), ``"spread"`` (every rank on a host
-    of its own), ``"packed"`` (several hosts, each holding one contiguous run of group ranks, at
-    least one of them more than one rank: the launcher's layout) or ``"mixed"`` (the rest)."""
-    nodes = getattr(group.runtime, "nodes", None)
-    known = getattr(group, "_shm_host_layout", None)
-    if known is not None and known[0] is nodes:
-        return known[1]
+    """How the group's ranks sit on hosts (the same on every member; found once per group):
+    ``"one"`` (a single host), ``"spread"`` (every rank on a host of its own), ``"packed"``
+    (several hosts, each holding one contiguous run of group ranks, at least one of them more than
+    one rank: the launcher's layout) or ``"mixed"`` (the rest)."""
+    return _per_group(group, "_shm_host_layout", _host_layout)
+
+
+def _host_layout(group) -> str:
     ids = node_ids(group)
     runs = [ids[0]] if ids else []
     for node in ids[1:]:
         if node != runs[-1]:
             runs.append(node)
     hosts = len(set(ids))
-    layout = ("one" if hosts <= 1 else "spread" if hosts == len(ids)
-              else "packed" if len(runs) == hosts else "mixed")
-    try:
-        group._shm_host_layout = (nodes, layout)
-    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
-        pass
-    return layout
+    return "one" if hosts <= 1 else "spread" if hosts == len(ids) else "packed" if len(runs) == hosts else "mixed"
 
 
 def shm_enabled(group) -> bool:
