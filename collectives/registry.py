@@ -79,7 +79,8 @@ TABLES: dict[str, list[Rule]] = {
         Rule("ring", lambda nbytes, world: nbytes >= 256 << 10,
              "across hosts with several ranks per host in runs (the launcher's layout), from 256 KiB: the "
              "ring crosses between hosts twice a step, halving-doubling sends half the array across per "
-             "rank; 1.2-1.5x faster than halving-doubling at 2x2 ranks, 1.4-2.5x at 2x4 on 1 Gbit/s links "
+             "rank; 1.2-1.5x faster than halving-doubling at 2x2 ranks, 1.2-2.5x at 2x4 on 1 Gbit/s links, two "
+             "runs "
              "(bench/netem.py --per-node, figures below; with shared memory on, the hierarchical "
              "algorithm serves these groups instead)", hosts="packed"),
         Rule("recursive_doubling", lambda nbytes, world: nbytes <= (256 << 10 if world <= 4 else 64 << 10),
@@ -804,8 +805,8 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 # that layout (Rule.hosts = "packed"), and direct only with one rank per host ("spread", where
 # it was measured). Interleaved layouts (host a, b, a, b) keep the one-host rules: the ring would
 # cross the link at every step there, and they were not measured.#
-# all_reduce with several ranks per host over TCP (shared memory off; the same runs' layout; one run
-# each, ms, halving-doubling / recursive doubling / ring):
+# all_reduce with several ranks per host over TCP (shared memory off; the same runs' layout; ms,
+# halving-doubling / recursive doubling / ring; a second run is below, with reduce's):
 #   2 hosts x 2:  64 KiB 0.63 / 0.62 / 1.79; 256 KiB 3.4 / 4.0 / 2.9; 1 MiB 16.8 / 17.8 / 12.1;
 #                 4 MiB 76.2 / 74.5 / 51.5; 16 MiB 298 / 319 / 221
 #   2 hosts x 4:  64 KiB 2.2 / 1.6 / 4.8; 256 KiB 7.4 / 8.6 / 5.2; 1 MiB 34.6 / 37.8 / 14.1;
@@ -818,6 +819,10 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 #     16 MiB 176 / 170; 2 hosts x 4: 256 KiB 3.0 / 1.6; 1 MiB 10.4 / 10.4; 4 MiB 46.1 / 40.9; 16 MiB 193 / 186
 #   broadcast chain / tree, 2 hosts x 2: 256 KiB 1.91 / 1.74; 1 MiB 7.6 / 8.4; 4 MiB 34.2 / 36.1;
 #     16 MiB 142 / 146; 2 hosts x 4: 256 KiB 1.95 / 1.38; 1 MiB 9.0 / 9.1; 4 MiB 39.1 / 39.9; 16 MiB 145 / 157
+# A second run (256 KiB, 1 MiB, 4 MiB): reduce 2.24 / 1.61, 9.2 / 8.0, 42.3 / 35.7 (2 x 2) and
+# 3.4 / 2.2, 10.7 / 9.9, 47.0 / 40.4 (2 x 4); broadcast 2.01 / 1.79, 7.6 / 8.6, 33.9 / 35.2 (2 x 2)
+# and 1.68 / 0.95, 8.5 / 7.9, 38.2 / 37.4 (2 x 4); all_reduce halving-doubling / ring 3.6 / 2.9,
+# 17.1 / 12.1, 75.7 / 53.8 (2 x 2) and 7.4 / 6.3, 34.4 / 14.0, 145.6 / 63.1 (2 x 4).
 # With each host's ranks in one run the tree sends the array between two hosts once, as the chain
 # does, so the chain only wins from 1 MiB, where its pipeline pays; Rabenseifner's ring and gather
 # send more than that between hosts, so the tree there at every size (Rule.hosts = "packed").#
