@@ -35,12 +35,16 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SETUP_TIMEOUT_S = 60  # one ip / tc command (each takes milliseconds)
 ROOT = os.path.dirname(HERE)
 
 
 def sh(*cmd: str) -> None:
     """Runs a set-up command; a failure stops the run with the command and its error."""
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"netem: `{' '.join(cmd)}` had not finished after {SETUP_TIMEOUT_S} s") from None
     if done.returncode != 0:
         raise SystemExit(f"netem: `{' '.join(cmd)}` failed: {done.stderr.strip()}")
 
@@ -95,7 +99,11 @@ def build(n: int, tag: str, subnet: str, rate: str, delay: str | None, made: lis
 def teardown(made: list) -> None:
     for kind, name in reversed(made):
         cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
-        subprocess.run(cmd, capture_output=True)
+        try:
+            subprocess.run(cmd, capture_output=True, timeout=SETUP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # go on: delete the rest; say what is left behind
+            print(f"netem: `{' '.join(cmd)}` had not finished after {SETUP_TIMEOUT_S} s; it may be left",
+                  file=sys.stderr)
 
 
 def run(args, bench_args: list[str]) -> int:

@@ -64,6 +64,12 @@ class Rule:
     why: str = ""
     hosts: str = "any"  # "any" | "several" | "spread" | "packed"
 
+    def fits(self, layout: str) -> bool:
+        """Whether the rule may apply to ranks laid out so on hosts (a host_layout)."""
+        if self.hosts == "any":
+            return True
+        return layout != "one" if self.hosts == "several" else layout == self.hosts
+
 
 def always(nbytes: int, world: int) -> bool:
     return True
@@ -178,7 +184,7 @@ TABLES: dict[str, list[Rule]] = {
 # others the first non-shm rule below. Figures: collectives/shm/__init__.py.
 from collectives import shm as _shm  # noqa: E402  (after the tables it extends)
 from runtime.shm import shm_usable as _shm_usable  # noqa: E402
-from collectives.shm.common import host_layout as _host_layout, one_node as _one_node  # noqa: E402
+from collectives.shm.common import host_layout as _host_layout  # noqa: E402
 
 for _collective, _algorithms in _shm.ALGORITHMS.items():
     ALGORITHMS[_collective].update(_algorithms)
@@ -217,7 +223,16 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
             raise ValueError(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         return override, fn
     shm_off = (group is not None and not getattr(group, "shm_enabled", True)) or not _shm_usable()
-    layout = _host_layout(group) if group is not None else "one"
+    return _chosen(collective, nbytes, world, shm_off, _host_layout(group) if group is not None else "one")
+
+
+def spans_hosts(group) -> bool:
+    """Whether the group's members are on more than one host (the same on every member)."""
+    return _host_layout(group) != "one"
+
+
+def _chosen(collective: str, nbytes: int, world: int, shm_off: bool, layout: str) -> tuple[str, Callable]:
+    """:func:`_from_table`, remembered (_CHOSEN)."""
     key = (collective, nbytes, world, shm_off, layout)
     chosen = _CHOSEN.get(key)
     if chosen is None:
@@ -228,41 +243,28 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
     return chosen
 
 
-def spans_hosts(group) -> bool:
-    """Whether the group's members are on more than one host (the same on every member)."""
-    return not _one_node(group)
-
-
 def _from_table(collective: str, nbytes: int, world: int, shm_off: bool, layout: str) -> tuple[str, Callable]:
     """The first rule that applies; ``layout`` is the group's host_layout ("one" without a group)."""
     for rule in TABLES[collective]:
-        if shm_off and rule.algorithm == "shm":
-            continue
-        if rule.hosts != "any" and (layout == "one" if rule.hosts == "several" else layout != rule.hosts):
+        if (shm_off and rule.algorithm == "shm") or not rule.fits(layout):
             continue
         if rule.applies(nbytes, world):
             return rule.algorithm, ALGORITHMS[collective][rule.algorithm]
     raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover
 
 
-def first_tcp_rule(collective: str, nbytes: int, world: int, group=None) -> tuple[str, Callable]:
+def first_tcp_rule(collective: str, nbytes: int, world: int, layout: str = "one") -> tuple[str, Callable]:
     """The algorithm (name, run function) of the first rule of ``collective``'s table that
     applies and is not the shared-memory one: the table's choice with shm ruled out, ignoring
     overrides. For calls that must run over TCP (compressed.py's sub-calls, whose order is not
     the order they run in) and for the shm algorithms' fallback (collectives/shm/common.py).
-    ``group``, when given, lets the rules for groups spanning hosts apply (without it: one host).
+    ``layout``: how the ranks that will run it sit on hosts (collectives.shm.common.host_layout;
+    default one host), which decides whether the rules with ``Rule.hosts`` apply.
 
     Raises:
         ValueError: no such rule (not with the default tables: each ends with one that always applies).
     """
-    key = (collective, nbytes, world, True, _host_layout(group) if group is not None else "one")
-    chosen = _CHOSEN.get(key)
-    if chosen is None:  # the shm algorithms' fallback asks this on every call: memoised as choose() is
-        chosen = _from_table(*key)
-        if len(_CHOSEN) > 4096:
-            _CHOSEN.clear()
-        _CHOSEN[key] = chosen
-    return chosen
+    return _chosen(collective, nbytes, world, True, layout)
 
 
 # (collective, nbytes, world, shm ruled out) -> the table's choice. The rules are pure functions of

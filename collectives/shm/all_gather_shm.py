@@ -31,7 +31,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
             np.copyto(out, x)
         return
     if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("all_gather", x.nbytes, n, comm.group)(comm, out, x)
+        return await common.tcp_algorithm("all_gather", x.nbytes, n, common.host_layout(comm.group))(comm, out, x)
     async with common.session(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, m, small) for p in range(n)]

@@ -49,7 +49,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         return
     nodes = None if x.nbytes <= FLAT_MAX_NBYTES else common.nodes_of(comm.group)
     if nodes is None or not common.shm_enabled(comm.group) or all(len(members) == 1 for members in nodes):
-        return await common.tcp_algorithm("all_reduce", x.nbytes, n, comm.group)(comm, x, op)
+        return await common.tcp_algorithm("all_reduce", x.nbytes, n, common.host_layout(comm.group))(comm, x, op)
     index, local = next((i, m) for i, m in enumerate(nodes) if comm.rank in m)
     leaders = [members[0] for members in nodes]
     k, p = len(local), local.index(comm.rank)
@@ -74,5 +74,6 @@ async def _across(comm, leaders: list[int], x: np.ndarray, op: str) -> None:
     """All_reduce among the leaders over TCP (nothing to do with one node)."""
     if len(leaders) > 1:
         sub = common.SubComm(comm, leaders)
-        # the leaders, one per host: the table's choice for a group across hosts
-        await common.tcp_algorithm("all_reduce", x.nbytes, len(leaders), comm.group)(sub, x, op)
+        # the leaders, one per host: the table's choice for ranks spread over hosts, whatever the
+        # layout of the whole group
+        await common.tcp_algorithm("all_reduce", x.nbytes, len(leaders), "spread")(sub, x, op)

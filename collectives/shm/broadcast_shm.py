@@ -29,7 +29,7 @@ async def run(comm, x: np.ndarray, root: int) -> None:
     if n == 1:
         return
     if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("broadcast", x.nbytes, n, comm.group)(comm, x, root)
+        return await common.tcp_algorithm("broadcast", x.nbytes, n, common.host_layout(comm.group))(comm, x, root)
     async with common.session(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         source = common.slot(dom, root, x.dtype, x.size, small)

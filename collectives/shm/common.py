@@ -253,9 +253,9 @@ class SubComm:
         await self.call.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)
 
 
-def tcp_algorithm(collective: str, nbytes: int, world: int, group):
-    """The run function the TCP table would choose for ``group`` (:func:`collectives.registry.
-    first_tcp_rule`; the group decides whether the rules for groups spanning hosts apply;
-    None: one host)."""
+def tcp_algorithm(collective: str, nbytes: int, world: int, layout: str):
+    """The run function the TCP table would choose for ``world`` ranks laid out on hosts as
+    ``layout`` (:func:`host_layout` of the ranks that run it; :func:`collectives.registry.
+    first_tcp_rule`)."""
     from collectives import registry  # here: registry imports collectives.shm
-    return registry.first_tcp_rule(collective, nbytes, world, group)[1]
+    return registry.first_tcp_rule(collective, nbytes, world, layout)[1]

@@ -25,7 +25,10 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     monkeypatch.setenv("RINGWEAVE_SHM", shm)
     two_hosts, one_host = group_on("abab"), group_on("aaaa")
     assert registry.spans_hosts(two_hosts) and not registry.spans_hosts(one_host)
-    tcp = registry.first_tcp_rule
+
+    def tcp(collective, nbytes, world, group=None):  # the TCP table's choice for a group's layout
+        return registry.first_tcp_rule(collective, nbytes, world, common.host_layout(group) if group else "one")
+
     assert tcp("broadcast", 128 << 10, 4, two_hosts)[0] == "chain"
     assert tcp("broadcast", 64 << 10, 4, two_hosts)[0] == "flat"       # below the chain's sizes
     assert tcp("broadcast", 16 << 20, 8, group_on("ab" * 4))[0] == "chain"
@@ -38,7 +41,7 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     # fallback for a group across hosts takes the TCP table with the group
     assert registry.choose("broadcast", 1 << 20, 4, group=two_hosts)[0] == ("chain" if shm == "0" else "shm")
     assert registry.choose("broadcast", 1 << 20, 4, group=one_host)[0] == ("tree" if shm == "0" else "shm")
-    assert common.tcp_algorithm("broadcast", 1 << 20, 4, two_hosts) is registry.ALGORITHMS["broadcast"]["chain"]
+    assert common.tcp_algorithm("broadcast", 1 << 20, 4, "mixed") is registry.ALGORITHMS["broadcast"]["chain"]
     # reduce: Rabenseifner from 1 MiB across hosts, from 16 MiB on one
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"

@@ -334,4 +334,4 @@ def test_sub_calls_use_the_tcp_table_whatever_the_shm_setting(monkeypatch, shm):
                                               ("all_gather", 1 << 20, 16): "ring"}.items():
         name, fn = registry.first_tcp_rule(collective, nbytes, world)
         assert (name, fn) == (want, registry.ALGORITHMS[collective][want])
-        assert common.tcp_algorithm(collective, nbytes, world, None) is fn  # no group: one host
+        assert common.tcp_algorithm(collective, nbytes, world, "one") is fn  # one host

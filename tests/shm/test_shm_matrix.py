@@ -253,6 +253,28 @@ async def test_hierarchical_small_arrays_run_flat_over_tcp(ranks):
             assert after == [f"0d{1 + r % 2}"], (r, after)
 
 
+@pytest.mark.skipif(not SHM_ON, reason="no usable /dev/shm: the hierarchical path runs flat")
+async def test_hierarchical_asks_the_table_for_each_part_by_its_layout(ranks, monkeypatch):
+    """A small array runs flat with the whole group's layout ("packed": hosts A A B B); the
+    leaders' all_reduce of a large one with theirs, one per host ("spread")."""
+    from collectives import registry
+    asked, first = [], registry.first_tcp_rule
+
+    def recording(collective, nbytes, world, layout="one"):
+        asked.append((collective, world, layout))
+        return first(collective, nbytes, world, layout)
+    monkeypatch.setattr(registry, "first_tcp_rule", recording)
+
+    async def body(g):
+        g.runtime.nodes = list("AABB")
+        for count in (16, 300_000):
+            x = contribution(g.rank, 4, count, np.float32, "sum")
+            await C.all_reduce(x, group=g, algorithm="hierarchical")
+            same(x, expected(4, count, np.float32, "sum"), f"rank {g.rank} count {count}")
+    await ranks(4, body, transport="tcp")
+    assert set(asked) == {("all_reduce", 4, "packed"), ("all_reduce", 2, "spread")}, asked
+
+
 async def test_hierarchical_on_one_node_is_plain_shm(ranks):
     async def body(g):
         x = contribution(g.rank, 3, 50_000, np.float32, "sum")
