@@ -133,7 +133,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from runtime import auth, jobfile, procs
-from runtime.errors import RingweaveError
+from runtime.errors import JobFileError, RingweaveError
 
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_TIMEOUT = 124
@@ -624,9 +624,12 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
             restart = 0
             while True:
                 if cfg.hosts_store:
-                    jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
-                                        "secret": secret, "restart": restart, "world_size": cfg.world_size,
-                                        "launcher_pid": os.getpid()})
+                    try:
+                        jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
+                                            "secret": secret, "restart": restart, "world_size": cfg.world_size,
+                                            "launcher_pid": os.getpid()})
+                    except JobFileError as exc:  # the job runs; only tools.status cannot find it
+                        console.say(f"warning: no job file for tools.status: {exc}")
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
                                  job=job, restart=restart, cores=cores, launcher_pid=os.getpid())
                         for local_rank in range(cfg.nproc)]
