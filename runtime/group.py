@@ -88,7 +88,8 @@ class Call:
     def waiting_on(self) -> set[int]:
         """Group ranks this call has a receive outstanding from (cancelled ones count: the
         deadline gave up on them, and the rank is still missing)."""
-        return {src for fut, (_, src) in self._outstanding.items() if not fut.done() or fut.cancelled()}
+        # list(): one step under the GIL, so tools.status may ask from the listener's thread
+        return {src for fut, (_, src) in list(self._outstanding.items()) if not fut.done() or fut.cancelled()}
 
     async def send(self, dst: int, buf) -> None:
         """Sends ``buf`` to group rank ``dst``; returns when ``buf`` may be reused."""
@@ -578,7 +579,7 @@ class Runtime:
         actor.add_lost_listener(self._on_peer_lost)
         actor.add_abort_listener(self._on_abort)
         actor.stray_listener = self._on_stray
-        actor.register("ringweave.status", self.status)
+        actor.register("ringweave.status", self.status, any_thread=True)
         actor.register("ringweave.call_of", self._call_of)
         self._closed = False
 
@@ -644,18 +645,22 @@ class Runtime:
         return group.call_of(seq) if group is not None and group.is_member else None
 
     def status(self) -> dict:
-        """What this rank is doing now: its calls in flight and how long each has waited."""
+        """What this rank is doing now: its calls in flight and how long each has waited.
+
+        Runs on the listener's thread when a tool asks (tools.status), while this loop goes on:
+        it only reads, and takes each dict it walks with one ``list()`` (atomic under the GIL)."""
         now = time.monotonic()
         calls = []
-        for g in self.groups.values():
-            for rec in g.calls.values():
+        groups = list(self.groups.values())
+        for g in groups:
+            for rec in list(g.calls.values()):
                 calls.append({"group": g.gid, "seq": rec.seq, "op": rec.fingerprint,
                               "waited_s": round(now - rec.started, 3),
                               "waiting_on": sorted(g.ranks[r] for r in rec.waiting_on)})
         return {"rank": self.rank, "calls": calls,
-                "seqs": [[g.gid, g._seq] for g in self.groups.values()],  # calls taken per group
+                "seqs": [[g.gid, g._seq] for g in groups],  # calls taken per group
                 "lost": sorted(self.actor.lost_peers()),
-                "failed_groups": {g.gid: repr(g.error) for g in self.groups.values() if g.error}}
+                "failed_groups": {g.gid: repr(g.error) for g in groups if g.error}}
 
     async def close(self) -> None:
         if self._closed:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -320,4 +321,6 @@ async def test_strangers_on_every_port_leave_the_job_running(tmp_path):
         log.close()
     text = (tmp_path / "job.log").read_text()
     assert code == 0, text[-3000:]
-    assert "refused a connection" in text and "dropped during the handshake" in text, text[-3000:]
+    # every listener logged its refusals (runtime/acceptor.py), the store's among them
+    assert re.search(r"rank \d: refused a connection", text) and re.search(r"store \S+: refused a connection", text), \
+        text[-3000:]
