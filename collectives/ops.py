@@ -77,6 +77,29 @@ def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
         raise ValueError(f"{name} has {a.size} elements (shape {a.shape}); expected {expected} ({why})")
 
 
+def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b: np.ndarray,
+                     own_block: int | None = None) -> None:
+    """Refuses two buffers of one call that share memory: an algorithm may write one while it
+    still reads the other, and the answer would be wrong on some ranks (silently). With
+    ``own_block``, ``b`` may be exactly block ``own_block`` of ``a`` (``a`` holds ``a.size //
+    b.size`` blocks of ``b.size`` elements): the in-place form, which every algorithm supports.
+
+    Raises:
+        ValueError: naming both arguments, where ``b`` lies in ``a`` and what is allowed.
+    """
+    if not np.may_share_memory(a, b):  # contiguous arrays: the bounds tell it exactly
+        return
+    a_start, b_start = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
+    if own_block is not None and b.nbytes and b_start == a_start + own_block * b.nbytes:
+        return
+    first = (b_start - a_start) // a.itemsize
+    allowed = (f"; the only overlap allowed is {b_name} = {a_name}'s block {own_block} exactly "
+               f"(elements {own_block * b.size}..{(own_block + 1) * b.size - 1}, in place)"
+               if own_block is not None else "")
+    raise ValueError(f"{collective}: {b_name} overlaps {a_name} (it starts at element {first} of {a_name} and has "
+                     f"{b.size} elements){allowed}; pass separate arrays")
+
+
 def check_root(name: str, root, size: int) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"{name}={root!r} is not a rank of this group (0..{size - 1})")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
 import os
 import sys
 import time
@@ -42,6 +44,25 @@ from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchErro
 log = logging.getLogger("ringweave.group")
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
 _live_runtimes = 0  # Runtimes made and not closed in this process (Call.sendrecv)
+
+def check_timeout(timeout, what: str = "timeout") -> float | None:
+    """``timeout`` as float seconds, or None (the runtime's default): every call checks it
+    first, before it takes a sequence number or sends a byte, so a bad value fails at once and
+    the same way on every rank and every path.
+
+    Raises:
+        TypeError: not a number (a bool or a str included), naming ``what`` and the value.
+        ValueError: not positive, or not finite (NaN, inf): every wait is bounded.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}")
+    t = float(timeout)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"{what} must be a positive, finite number of seconds or None, got {timeout!r}")
+    return t
+
 
 class Call:
     """One collective call on one group: the ``comm`` an algorithm talks through, and the
@@ -258,8 +279,11 @@ class ProcessGroup:
 
         Raises:
             CollectiveError (or the group's stored error): the group has failed.
-            ValueError: this rank is not a member.
+            ValueError: this rank is not a member, or ``timeout_s`` is not positive and finite.
+            TypeError: ``timeout_s`` is not a number.
         """
+        if timeout_s is not None:
+            timeout_s = check_timeout(timeout_s)
         if self.rank < 0:
             raise ValueError(f"rank {self.runtime.actor.rank} is not a member of group {self.gid} {self.ranks}")
         if self.error is not None:
@@ -602,9 +626,18 @@ class Runtime:
         world must call it, in the same order (non-members get ``rank == -1``).
 
         Raises:
-            ValueError: a rank out of range or given twice.
+            TypeError: ``ranks`` is not a sequence of ints (a float, a bool, a str among them).
+            ValueError: no rank, a rank out of range, or one given twice.
         """
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise TypeError(f"new_group: ranks must be a sequence of int ranks, got {type(ranks).__name__} {ranks!r}")
+        ranks = list(ranks)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+        if bad:
+            raise TypeError(f"new_group: ranks must be ints, got {bad[0]!r} ({type(bad[0]).__name__}) in {ranks!r}")
         ranks = [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError("new_group: ranks is empty; a group needs at least one rank")
         if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"new_group: ranks {ranks} must be distinct and within 0..{self.world_size - 1}")
         return self._add_group(ranks)
