@@ -66,9 +66,27 @@ def make_secret() -> str:
     return secrets.token_hex(32)
 
 
+_taken_secret: bytes | None = None  # what secret_from_env took out of os.environ
+
+
 def secret_from_env() -> bytes | None:
-    value = os.environ.get(SECRET_ENV, "")
-    return value.encode() if value else None
+    """The job's secret from ``RINGWEAVE_SECRET``, which is taken out of ``os.environ`` as it is
+    read: processes this one starts (data loaders, tools, anything) do not inherit it unless
+    given it (:func:`export_secret`). Later calls return the value taken, unless the variable
+    was set again."""
+    global _taken_secret
+    value = os.environ.pop(SECRET_ENV, "")
+    if value:
+        _taken_secret = value.encode()
+    return _taken_secret
+
+
+def export_secret(env: dict) -> dict:
+    """Puts the secret this process took (:func:`secret_from_env`) into ``env``, the environment
+    of a process that must join the job too (a nested launcher, say); returns ``env``."""
+    if _taken_secret:
+        env[SECRET_ENV] = _taken_secret.decode()
+    return env
 
 
 def is_loopback(host: str) -> bool:

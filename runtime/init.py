@@ -135,6 +135,9 @@ def die_with_launcher(env=None) -> bool:
     return True
 
 
+_initializing = 0  # init() calls under way that make the process's runtime (store=None)
+
+
 async def init(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                master_port: int | None = None, local_rank: int | None = None,
                local_world_size: int | None = None, secret: bytes | str | None = None,
@@ -142,13 +145,48 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     """Joins the job and returns this rank's :class:`Runtime` (``rt.world`` is the world group).
 
     Args override the environment. ``store`` may be any async Store shared by
-    all ranks (tests); then no server is hosted or contacted.
+    all ranks (tests); then no server is hosted or contacted. The secret is taken
+    out of ``os.environ`` (``auth.secret_from_env``): processes this rank starts
+    do not inherit it unless given it (``auth.export_secret``).
+
+    Once per process (like ``torch.distributed.init_process_group``): a second call while a
+    runtime made by ``init`` is open, or while another call is under way, raises at once (call
+    :func:`shutdown` first). With ``store=``, several runtimes may live in one process (tests,
+    runtime.testing), one per task.
 
     Raises:
-        RingweaveError: missing or inconsistent rank / size / port.
+        RingweaveError: missing or inconsistent rank / size / port; init() called again.
         ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
             the message names the address and the ranks missing.
     """
+    global _initializing
+    mine = _current.get()
+    if mine is not None and not mine._closed:
+        raise RingweaveError(f"init() was called again in this task while its runtime (rank {mine.rank} of "
+                             f"{mine.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
+    if store is None:
+        if _process_default is not None and not _process_default._closed:
+            rt = _process_default
+            raise RingweaveError(f"init() was called again while this process's runtime (rank {rt.rank} of "
+                                 f"{rt.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
+        if _initializing:
+            raise RingweaveError("init() was called again while an earlier call is still joining the job; "
+                                 "await that one (one runtime per process)")
+        _initializing += 1
+    try:
+        return await _join(rank, world_size, master_addr=master_addr, master_port=master_port,
+                           local_rank=local_rank, local_world_size=local_world_size, secret=secret, job=job,
+                           timeout_s=timeout_s, store=store)
+    finally:
+        if store is None:
+            _initializing -= 1
+
+
+async def _join(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
+                master_port: int | None = None, local_rank: int | None = None,
+                local_world_size: int | None = None, secret: bytes | str | None = None,
+                job: str | None = None, timeout_s: float | None = None, store=None) -> Runtime:
+    """What :func:`init` does once it has checked that it may."""
     global _process_default
     die_with_launcher()
     env = read_env()
