@@ -242,6 +242,9 @@ class Acceptor:
                     except Exception:  # a bug here must not stop the listener
                         log.exception("%s: accepting a connection failed", self.name)
                         sock.close()
+                    # sock_accept does not yield while connections wait in the backlog: let the
+                    # handshakes (and the dropped ones, which close their sockets) have their turn
+                    await asyncio.sleep(0)
         finally:
             for sock in self._handshaking.values():
                 sock.close()

@@ -79,7 +79,7 @@ log = logging.getLogger("ringweave.store")
 
 DEFAULT_MAX_VALUE_NBYTES = 64 * 1024**2  # 64 MiB per value
 DEFAULT_MAX_CLIENTS = 4096  # connections at once, handshaking ones included
-DEFAULT_MAX_HANDSHAKING = 512  # of those, in the handshake at once (a few KiB each before it authenticates)
+DEFAULT_MAX_HANDSHAKING = 256  # of those, in the handshake at once (a handshake takes ~1 ms: room for bursts)
 DEFAULT_MAX_WAITS_PER_CLIENT = 4096  # waiting get/wait calls per connection
 STREAM_LIMIT_NBYTES = 1024 * 1024  # StreamReader buffer before it pauses the socket
 
