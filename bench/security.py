@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import pwd
@@ -56,94 +55,34 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgpack
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tools/ is not an installed package
+sys.path.insert(0, str(REPO))  # tools/ and tests/ are not installed packages
 PY = sys.executable
 
-JOB = r'''
-import asyncio, os, sys, time
-import numpy as np
-import runtime
-import collectives as C
+from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402 - after the path
+from tests.security.netutil import squat_shm_names  # noqa: E402
 
-OUT, RANK, MODE = sys.argv[1], int(os.environ["RANK"]), sys.argv[2]
-with open(f"{OUT}/pid.{RANK}", "w") as f:
-    f.write(str(os.getpid()))
-
-
-def put(name, text):
-    with open(f"{OUT}/{name}.tmp", "w") as f:
-        f.write(text)
-    os.replace(f"{OUT}/{name}.tmp", f"{OUT}/{name}")
-
-
-async def main():
-    rt = await runtime.init()
-    n = rt.world_size
-    flag = np.zeros(1, np.int32)
-    sizes = [16, 2_000, 20_000, 200_000, 700_000, 2_000_000] if MODE == "grow" else [4096]
-    i = 0
-    while True:
-        count = sizes[min(i, len(sizes) - 1)]
-        x = np.full(count, RANK + 1, np.float64)
-        await C.all_reduce(x)
-        assert (x == n * (n + 1) / 2).all(), x[:4]
-        i += 1
-        if MODE != "tight":
-            put(f"iters.{RANK}", str(i))  # a file every iteration: a checkpoint needs descriptors too
-        if MODE != "tight" or i % 200 == 0:
-            flag[0] = 1 if os.path.exists(f"{OUT}/stop") else 0
-            await C.all_reduce(flag, op="max")
-            if flag[0]:
-                break
-        if MODE == "grow":
-            await asyncio.sleep(0.2)
-        elif MODE != "tight":
-            await asyncio.sleep(0.01)
-    put(f"iters.{RANK}", str(i))
-    await runtime.shutdown(rt)
-
-asyncio.run(main())
-'''
 
 
 # -- the job -----------------------------------------------------------------------------------
 
-class Job:
-    """A 4-rank job of JOB in ``mode``, run with the code of ``repo``."""
+class Job(LaunchedJob):
+    """A 4-rank job (tests/security/jobutil.py) in a temporary directory of its own, run with the
+    code of ``repo``; synchronous waits."""
 
     def __init__(self, repo: Path, mode: str, fd_limit: int | None = None, env: dict | None = None,
                  job_id: str | None = None):
-        self.dir = Path(tempfile.mkdtemp(prefix="rw-sec-"))
-        self.out = self.dir / "out"
-        self.out.mkdir()
-        (self.dir / "job.py").write_text(JOB)
-        self.id = job_id or f"sec-{secrets.token_hex(4)}"
-        self.log = open(self.dir / "job.log", "w")
-        env = dict(env if env is not None else os.environ)
-        env.pop("RINGWEAVE_SECRET", None)
-        env.update(PYTHONPATH=str(repo))
-
         def limit():
             if fd_limit:
                 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
                 resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, hard))
 
-        self.proc = subprocess.Popen([PY, "-m", "runtime.launch", "-n", "4", "--job-id", self.id, "--max-time-s",
-                                      "900", str(self.dir / "job.py"), str(self.out), mode],
-                                     cwd=str(repo), env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     preexec_fn=limit)
+        super().__init__(Path(tempfile.mkdtemp(prefix="rw-sec-")), 4, mode=mode, repo=repo, env=env,
+                         job_id=job_id, max_time_s=900, preexec_fn=limit)
+        self.proc = self.launcher
 
     def iters(self) -> dict[int, int]:
-        got = {}
-        for r in range(4):
-            try:
-                got[r] = int((self.out / f"iters.{r}").read_text())
-            except (OSError, ValueError):
-                pass
-        return got
+        return iters(self.out)
 
     def pid(self, rank: int) -> int:
         return int((self.out / f"pid.{rank}").read_text())
@@ -159,17 +98,7 @@ class Job:
         time.sleep(0.5)
 
     def stop(self, timeout_s: float = 60) -> int:
-        (self.out / "stop").write_text("")
-        try:
-            code = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        return code
-
-    def text(self) -> str:
-        return (self.dir / "job.log").read_text(errors="replace")
+        return self.stop_now(timeout_s)[0]
 
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -178,22 +107,6 @@ class Job:
 def job_info(job: str) -> dict:
     from runtime import jobfile
     return jobfile.find(job)
-
-
-async def rank_addresses(info: dict) -> dict[int, tuple[str, int]]:
-    from runtime.store import PrefixStore
-    from runtime.store_tcp import TCPStore
-    store = await TCPStore.connect(info["master_addr"], info["master_port"], secret=info["secret"].encode(),
-                                   job=info["job"], timeout_s=30, who={"tool": "bench"})
-    try:
-        prefixed = PrefixStore(f"restart/{info['restart']}", store)
-        out = {}
-        for r in range(info["world_size"]):
-            addr = msgpack.unpackb(await prefixed.get(f"addr/{r}", 30))
-            out[r] = (addr["host"], addr["port"])
-        return out
-    finally:
-        await store.close()
 
 
 def rss(pid: int) -> int:
@@ -317,45 +230,6 @@ def _connect_all(targets: list, n: int, hold_s: float, payload: bytes) -> dict:
     return asyncio.run(main())
 
 
-def _squat(prefix: str, ranks: int, min_log2: int) -> dict:
-    """As the attacker: for each name of the job created in /dev/shm, create the names that a
-    domain-wide part of it would give: every rank's control file and data slot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init1(os.O_NONBLOCK)
-    libc.inotify_add_watch(fd, b"/dev/shm", 0x100)
-    shape = re.compile(r"^(.*-g\d+d\d+-r)\d+-(ctl|v\d+)$")
-    seen, mine = [], set()
-    stop = time.monotonic() + 600
-    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        while time.monotonic() < stop:
-            select.select([fd], [], [], 0.1)
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            pos = 0
-            while pos < len(data):
-                n = struct.unpack_from("iIII", data, pos)[3]
-                name = data[pos + 16:pos + 16 + n].rstrip(b"\0").decode()
-                pos += 16 + n
-                m = shape.match(name) if name.startswith(prefix) and name not in mine else None
-                if m is None:
-                    continue
-                seen.append(name)
-                for r in range(ranks):
-                    for what in ["ctl"] + [f"v{k}" for k in range(min_log2, min_log2 + 12)]:
-                        guess = f"{m.group(1)}{r}-{what}"
-                        try:
-                            os.close(os.open(f"/dev/shm/{guess}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-                            mine.add(guess)
-                        except FileExistsError:
-                            pass
-    except KeyboardInterrupt:
-        pass
-    return {"seen": len(seen), "made": len(mine)}
-
-
 def _steal(d: str, job: str, secret_hint_s: float) -> dict:
     """As the attacker: make the job files' directory first, plant the launcher's temporary name,
     then read whatever appears there for ``secret_hint_s`` seconds."""
@@ -381,14 +255,20 @@ def _steal(d: str, job: str, secret_hint_s: float) -> dict:
 
 # -- the measurements ----------------------------------------------------------------------------
 
+def _ports_to_attack(job: Job) -> tuple[dict, dict, list, dict]:
+    """Once the job is warm: its file, its ranks' addresses, the ports attacked (the store's and
+    rank 1's) and the pids watched (the launcher's, which hosts the store, and rank 1's)."""
+    job.wait_running(iterations=50)
+    info = job_info(job.id)
+    ranks = asyncio.run(rank_addresses(info))
+    return info, ranks, [(info["master_addr"], info["master_port"]), ranks[1]], \
+        {"launcher": job.proc.pid, "rank 1": job.pid(1)}
+
+
 def flood(args) -> None:
     job = Job(args.repo, "steady", fd_limit=args.fd_limit)
     try:
-        job.wait_running(iterations=50)
-        info = job_info(job.id)
-        ranks = asyncio.run(rank_addresses(info))
-        targets = [(info["master_addr"], info["master_port"]), ranks[1]]
-        watch = {"launcher": job.proc.pid, "rank 1": job.pid(1)}
+        info, ranks, targets, watch = _ports_to_attack(job)
         before = job.iters()
         rss0 = {w: rss(p) for w, p in watch.items()}
         peak_fd = {w: fds(p) for w, p in watch.items()}
@@ -428,11 +308,7 @@ async def _ping_all(info: dict, ranks: dict) -> int:
 def prefixes(args) -> None:
     job = Job(args.repo, "steady")
     try:
-        job.wait_running(iterations=50)
-        info = job_info(job.id)
-        ranks = asyncio.run(rank_addresses(info))
-        targets = [(info["master_addr"], info["master_port"]), ranks[1]]
-        watch = {"launcher": job.proc.pid, "rank 1": job.pid(1)}
+        info, ranks, targets, watch = _ports_to_attack(job)
         time.sleep(1)
         rss0 = {w: rss(p) for w, p in watch.items()}
         peak = dict(rss0)
@@ -457,8 +333,9 @@ def prefixes(args) -> None:
 def squat(args) -> None:
     job_id = f"squat-{secrets.token_hex(4)}"
     prefix = "ringweave-" + re.sub(r"[^A-Za-z0-9._]", "_", job_id)[:80] + "-"
-    pid, r = as_nobody(_squat, prefix, 4, 16)
-    time.sleep(0.5)
+    pid, r = as_nobody(squat_shm_names, prefix, 4, 16)
+    while not os.path.exists(f"/dev/shm/{prefix}ready"):
+        time.sleep(0.05)
     job = Job(args.repo, "grow", job_id=job_id)
     try:
         time.sleep(args.hold_s)
@@ -512,7 +389,7 @@ def jobfile_attack(args) -> None:
         print(f"| jobfile after SIGKILL | {args.repo.name} | left behind: {left}; after the next launcher: "
               f"{path.exists()} |")
     finally:
-        killed.log.close()
+        killed._log.close()
         killed.cleanup()
         shutil.rmtree(shared, ignore_errors=True)
 

@@ -11,12 +11,8 @@ job failed with FileExistsError at its next data-slot growth.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import re
 import secrets
-import select
-import struct
 import time
 
 import numpy as np
@@ -25,53 +21,12 @@ import pytest
 import collectives as C
 from runtime import shm
 from runtime.errors import RingweaveError
-from tests.security.stranger import NOBODY, Stopped, Stranger, needs_root
+from tests.security.netutil import squat_shm_names
+from tests.security.stranger import NOBODY, Stranger, needs_root
 
 needs_shm = pytest.mark.skipif(not shm.shm_usable(), reason="no writable /dev/shm (or RINGWEAVE_SHM=0)")
 pytestmark = pytest.mark.timeout(60)
-_IN_CREATE = 0x100
-_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
 SIZES = [16, 2_000, 20_000, 200_000, 700_000, 2_000_000]  # float64 elements: the data slot grows 4 times
-
-
-def squat(prefix: str, ranks: int) -> dict:
-    """As the stranger: watch /dev/shm and, for each name of the job seen, create the names a
-    domain-wide token would give next. Returns what it saw and made once stopped."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init1(os.O_NONBLOCK)
-    if fd < 0 or libc.inotify_add_watch(fd, shm.SHM_DIR.encode(), _IN_CREATE) < 0:
-        raise OSError(ctypes.get_errno(), "inotify on /dev/shm")
-    shape = re.compile(r"^(.*-g\d+d\d+-r)\d+-(ctl|v\d+)$")
-    seen, mine = [], set()
-    with open(os.path.join(shm.SHM_DIR, prefix + "ready"), "w"):
-        pass
-    try:
-        while True:
-            select.select([fd], [], [], 0.1)
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            pos = 0
-            while pos < len(data):
-                _, _, _, n = _EVENT.unpack_from(data, pos)
-                name = data[pos + 16:pos + 16 + n].rstrip(b"\0").decode()
-                pos += 16 + n
-                m = shape.match(name) if name.startswith(prefix) and name not in mine else None
-                if m is None:
-                    continue
-                seen.append(name)
-                for r in range(ranks):
-                    for what in ["ctl"] + [f"v{k}" for k in range(shm.MIN_DATA_LOG2, shm.MIN_DATA_LOG2 + 10)]:
-                        guess = f"{m.group(1)}{r}-{what}"
-                        try:
-                            os.close(os.open(os.path.join(shm.SHM_DIR, guess), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-                                             0o644))
-                            mine.add(guess)
-                        except FileExistsError:
-                            pass
-    except Stopped:
-        return {"seen": seen, "made": len(mine)}
 
 
 def _remove_all(prefix: str) -> None:
@@ -95,7 +50,7 @@ async def test_names_squatted_by_another_user_do_not_stop_the_job(ranks, monkeyp
             await __import__("asyncio").sleep(0.1)  # time for the stranger to see the names and act
         return shm.statistics(g)["0d0"]["grows"]
 
-    stranger = Stranger(squat, prefix, 4).start()
+    stranger = Stranger(squat_shm_names, prefix, 4, shm.MIN_DATA_LOG2).start()
     try:
         deadline = time.monotonic() + 10
         while not os.path.exists(os.path.join(shm.SHM_DIR, prefix + "ready")):
@@ -105,7 +60,7 @@ async def test_names_squatted_by_another_user_do_not_stop_the_job(ranks, monkeyp
     finally:
         found = stranger.stop()
         _remove_all(prefix)
-    print(f"\n   the stranger saw {len(found['seen'])} names and made {found['made']} files")
+    print(f"\n   the stranger saw {found['seen']} names of the job and made {found['made']} files")
     assert found["seen"] and found["made"] > 0, found  # it did see the job's names and act on them
     assert grows == [4] * 4
 
