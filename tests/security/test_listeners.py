@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -29,7 +32,7 @@ from runtime import auth, jobfile, net, wire
 from runtime.store_tcp import StoreServer
 from runtime.testing import make_runtimes
 from tests.security.netutil import fd_count, prefix
-from tests.security.jobutil import LaunchedJob, iters, rank_addresses, wait_until
+from tests.security.jobutil import REPO, LaunchedJob, iters, rank_addresses, wait_until
 from tools.status import ask
 
 pytestmark = pytest.mark.timeout(90)
@@ -92,6 +95,49 @@ async def test_a_flood_of_idle_connections_with_few_descriptors_leaves_the_job_r
         code, text = await run.stop()
     assert code == 0, text[-3000:]
     assert "dropped the oldest connection in the handshake" in text, text[-3000:]
+
+
+EMFILE_RANK = r"""
+import asyncio, logging, os, resource, sys
+from runtime.actor import Actor
+logging.basicConfig(level=logging.WARNING)
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+async def main():
+    actor = Actor(0, 2, secret=b"emfile-secret", job="emfile")
+    _, port = await actor.listen("127.0.0.1", 0)
+    hog = []
+    try:
+        while True:
+            hog.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass  # EMFILE: every descriptor is taken
+    print(port, flush=True)
+    await asyncio.sleep(1.5)  # a tool connects meanwhile: accept fails, the listener backs off
+    for fd in hog:
+        os.close(fd)
+    await asyncio.to_thread(sys.stdin.readline)  # until the test is done
+    await actor.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_listener_out_of_descriptors_backs_off_and_keeps_listening(tmp_path):
+    """A rank whose process has no descriptor left: accept fails with EMFILE; the listener logs
+    it, backs off and, once descriptors are free again, the tool waiting in the backlog is
+    answered (before: the rank's accept task died at the first EMFILE; no one got in again)."""
+    (tmp_path / "rank.py").write_text(EMFILE_RANK)
+    rank = subprocess.Popen([sys.executable, str(tmp_path / "rank.py")], cwd=str(REPO), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        port = int(await asyncio.to_thread(rank.stdout.readline))
+        assert await ask("127.0.0.1", port, b"emfile-secret", "emfile", "ringweave.ping", timeout_s=10) == 0
+    finally:
+        _, err = await asyncio.to_thread(rank.communicate, "\n", 20)
+    assert "accept out of descriptors or memory" in err and "Too many open files" in err, err[-2000:]
 
 
 async def test_connections_that_send_only_a_prefix_allocate_little():
