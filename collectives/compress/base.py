@@ -106,6 +106,9 @@ class Codec(abc.ABC):
 
     def decode_add(self, payload: Payload, out) -> None:
         """``out += decode(payload)``, for gather-then-sum; ``out`` is float32."""
+        if is_device_array(out):
+            kernels.reduce_into(out, self.decode(payload, out.shape), "sum")
+            return
         out += self.decode(payload, out.shape)
 
     def residual_into(self, compensated, payload: Payload, error) -> None:
