@@ -7,7 +7,7 @@ a timed call is ``t0; call; cuda.synchronize(); t1`` (our functions synchronize 
 ``--repeat``. GB/s: reductions count 3 x nbytes of traffic, codecs the float32 bytes in (encode) or
 out (decode); "peak" is a device-to-device copy of the same bytes (2 x nbytes). Peers: CuPy's
 in-place ufuncs (``cupy.add(a, b, out=a)``, the issue's ``a += b``), its float16 cast, and
-``torch.topk`` of |x| where torch has CUDA. Goals (issue): ``reduce_into`` >= 0.8x CuPy's in-place
+``torch.topk`` of |x| where torch has CUDA. Goals: ``reduce_into`` >= 0.8x CuPy's in-place
 add, top-k encode >= 100 GB/s at 16M elements.
 
 Refuses to run without a GPU (bench/device.gpu_problem); under NUMBA_ENABLE_CUDASIM=1 it runs with
@@ -117,7 +117,7 @@ def run(n: int, repeat: int) -> None:
     for name, kw in [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"stochastic": True}), ("topk", {})]:
         ref, dev = get_codec(name, backend="numpy", **kw), get_codec(name, **kw)
         want, got = ref.encode(x), dev.encode(xd)
-        words = lambda w: w.view(np.uint16) if w.dtype.kind == "V" or w.dtype == np.float16 else w  # noqa: E731
+        words = lambda w: w.view(np.uint16) if w.dtype.kind == "V" or w.dtype == np.float16 else w
         assert all(bits_equal(words(w), g.copy_to_host()) for w, g in zip(want, got)), name
         assert bits_equal(dev.decode(got, n).copy_to_host(), ref.decode(want, n)), name
         label = name + (" stochastic" if kw else "")

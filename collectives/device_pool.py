@@ -130,7 +130,9 @@ class Pool:
 
 
 def _pinned(nbytes: int) -> np.ndarray:
-    from numba import cuda  # the device collectives import numba.cuda first; see collectives/device.py
+    from numba import (
+        cuda,  # the device collectives import numba.cuda first; see collectives/device.py
+    )
 
     return cuda.pinned_array(nbytes, np.uint8)
 

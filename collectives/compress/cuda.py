@@ -45,8 +45,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..kernels.cuda import MAX_BLOCKS, SIMULATOR, THREADS, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, grid
-from ..kernels.cuda import mul_rn
+from ..kernels.cuda import (MAX_BLOCKS, SIMULATOR, THREADS, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, grid,
+                            mul_rn)
 from .reference import GOLDEN, INT8_FLUSH, MIX1, MIX2
 
 _U64 = np.uint64

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-import collectives.kernels as kernels
+from collectives import kernels
 from collectives.kernels import cuda as kcuda
 from collectives.kernels import reference
 from tests.devarrays import to_device, to_host

@@ -24,8 +24,8 @@ import sys
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import numba.cuda.dispatcher as dispatcher  # noqa: E402
-from numba import cuda  # noqa: E402
+from numba import cuda
+from numba.cuda import dispatcher
 
 FLOAT_OPS = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.r[nzmp])?(?:\.ftz)?\.f(?:32|64))\b")
 
