@@ -118,9 +118,17 @@ class _Slots:
 
 
 async def _wait(stream) -> None:
-    """Until ``stream``'s queued work is done, without holding the event loop."""
-    if not kcuda.SIMULATOR:  # the simulator ran it all already
-        await asyncio.to_thread(stream.synchronize)
+    """Until ``stream``'s queued work is done, without holding the event loop: a worker thread
+    waits, in the caller's device context (numba's contexts are per thread)."""
+    if kcuda.SIMULATOR:  # the simulator ran it all already
+        return
+    device_id = cuda.get_current_device().id
+
+    def synchronize():
+        with cuda.gpus[device_id]:
+            stream.synchronize()
+
+    await asyncio.to_thread(synchronize)
 
 
 def _host(buf: np.ndarray, count: int, dtype) -> np.ndarray:
@@ -234,15 +242,17 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     return x
 
 
-async def _staged_all_reduce(xd, dtype, op, group, timeout, algorithm) -> None:
-    """The whole array down, the host all_reduce, back up (small arrays, or ``algorithm=``)."""
+async def _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, compression=None, key=None) -> None:
+    """The whole array down, the host all_reduce, back up (small arrays, ``algorithm=``, or a
+    compressed style with no device path)."""
     n = xd.size
     buf = PINNED.take(n * dtype.itemsize)
     try:
         host = _host(buf, n, _storage_dtype(dtype))
         if n:
             xd.copy_to_host(host)
-        await api.all_reduce(host.view(dtype), op=op, group=group, timeout=timeout, algorithm=algorithm)
+        await api.all_reduce(host.view(dtype), op=op, group=group, timeout=timeout, algorithm=algorithm,
+                             compression=compression, key=key)
         if n:
             xd.copy_to_device(host)
     finally:
@@ -387,8 +397,7 @@ async def _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, co
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
         await _shard_decode_sum(xd, codec, op=op, group=group, timeout=timeout, key=key)
         return
-    await _staged(xd, xd, dtype, lambda hx, _: api.all_reduce(  # everything else: on the host
-        hx, op=op, group=group, timeout=timeout, algorithm=algorithm, compression=codec, key=key))
+    await _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, codec, key)  # everything else: on the host
 
 
 def _payload_to_host(payload) -> tuple:

@@ -152,9 +152,12 @@ async def test_bad_arguments_are_refused_before_any_message(ranks):
     await ranks(2, body)
 
 
-@pytest.mark.parametrize("name", ["int8", "topk", "fp16", "int8+ef"])
+@pytest.mark.parametrize("name", ["int8", "topk", "fp16", "int8+ef", "fp16-ring"])
 async def test_compressed_all_reduce_on_device_uses_cuda_kernels_and_equals_host(ranks, name):
+    """shard style: the codecs' CUDA kernels; fp16's default ring style: staged, the host's."""
     ef = name.endswith("+ef")
+    style = "ring" if name.endswith("-ring") else "shard"
+    name = name.removesuffix("-ring")
 
     async def body(g):
         dev_codec = get_codec(name.removesuffix("+ef"), error_feedback=ef)
@@ -163,8 +166,8 @@ async def test_compressed_all_reduce_on_device_uses_cuda_kernels_and_equals_host
         for step in range(2):  # the second step carries the first one's residual
             x = np.random.default_rng(10 * g.rank + step).standard_normal(COMPRESSED_N).astype(np.float32)
             dev, host = cuda.to_device(x), x.copy()
-            await C.all_reduce(dev, op="avg", compression=dev_codec, key="w", algorithm="shard")
-            await C.all_reduce(host, op="avg", compression=host_codec, key="w", algorithm="shard")
+            await C.all_reduce(dev, op="avg", compression=dev_codec, key="w", algorithm=style)
+            await C.all_reduce(host, op="avg", compression=host_codec, key="w", algorithm=style)
             outs.append((dev.copy_to_host(), host))
         return outs
 
