@@ -79,25 +79,51 @@ def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
 
 def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b: np.ndarray,
                      own_block: int | None = None) -> None:
-    """Refuses two buffers of one call that share memory: an algorithm may write one while it
-    still reads the other, and the answer would be wrong on some ranks (silently). With
+    """Refuses two buffers of one call that share memory (host arrays, or device arrays: their
+    device addresses): an algorithm may write one while it still reads the other, and the answer
+    would be wrong on some ranks (silently). With
     ``own_block``, ``b`` may be exactly block ``own_block`` of ``a`` (``a`` holds ``a.size //
     b.size`` blocks of ``b.size`` elements): the in-place form, which every algorithm supports.
 
     Raises:
         ValueError: naming both arguments, where ``b`` lies in ``a`` and what is allowed.
     """
-    if not np.may_share_memory(a, b):  # contiguous arrays: the bounds tell it exactly
+    host_a, host_b = isinstance(a, np.ndarray), isinstance(b, np.ndarray)
+    if host_a and host_b:
+        if not np.may_share_memory(a, b):  # contiguous arrays: the bounds tell it exactly
+            return
+    elif host_a or host_b:
+        return  # one on the host, one on a device: apart
+    spans = _span(a), _span(b)
+    if None in spans:
         return
-    a_start, b_start = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
-    if own_block is not None and b.nbytes and b_start == a_start + own_block * b.nbytes:
+    (a_start, a_nbytes, itemsize), (b_start, b_nbytes, _) = spans
+    if b_start >= a_start + a_nbytes or a_start >= b_start + b_nbytes:
         return
-    first = (b_start - a_start) // a.itemsize
+    if own_block is not None and b_nbytes and b_start == a_start + own_block * b_nbytes:
+        return
+    first, count = (b_start - a_start) // itemsize, b_nbytes // itemsize
     allowed = (f"; the only overlap allowed is {b_name} = {a_name}'s block {own_block} exactly "
-               f"(elements {own_block * b.size}..{(own_block + 1) * b.size - 1}, in place)"
+               f"(elements {own_block * count}..{(own_block + 1) * count - 1}, in place)"
                if own_block is not None else "")
     raise ValueError(f"{collective}: {b_name} overlaps {a_name} (it starts at element {first} of {a_name} and has "
-                     f"{b.size} elements){allowed}; pass separate arrays")
+                     f"{count} elements){allowed}; pass separate arrays")
+
+
+def _span(a) -> tuple[int, int, int] | None:
+    """(first byte's address, bytes, item size) of a C-contiguous host or device array (the CUDA
+    simulator's: of the NumPy array it holds; a Bits16: of its words); None when it cannot tell."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0], a.nbytes, a.itemsize
+    try:
+        cai = a.__cuda_array_interface__
+    except AttributeError:
+        cai = None
+    if cai is not None:
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        return cai["data"][0], int(np.prod(cai["shape"], dtype=np.int64)) * itemsize, itemsize
+    inner = getattr(a, "_ary", None) if type(a).__name__ == "FakeCUDAArray" else getattr(a, "bits", None)
+    return _span(inner) if inner is not None else None
 
 
 def check_root(name: str, root, size: int) -> int:

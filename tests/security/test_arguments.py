@@ -94,6 +94,29 @@ async def test_reduce_scatter_and_all_to_all_refuse_any_overlap(ranks):
     assert await ranks(N, body) == [True] * N
 
 
+class FakeDeviceArray:
+    """What the overlap check reads of a device array: its __cuda_array_interface__."""
+
+    def __init__(self, address: int, n: int):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (address, False),
+                                         "strides": None, "version": 3}
+
+
+async def test_device_arrays_that_overlap_are_refused_before_the_device_path(ranks):
+    """Device all_gather and reduce_scatter are pipelined per segment (collectives/device.py):
+    their buffers are checked by device address, before anything is copied or sent."""
+    async def body(g):
+        base = 1 << 32
+        out = FakeDeviceArray(base, N * K)
+        with pytest.raises(ValueError, match="all_gather: x overlaps out"):
+            await C.all_gather(out, FakeDeviceArray(base + 4 * ((g.rank + 1) % N * K), K))
+        with pytest.raises(ValueError, match="reduce_scatter: out overlaps x"):
+            await C.reduce_scatter(FakeDeviceArray(base + 4, K), out)
+        return g._seq
+
+    assert await ranks(N, body) == [0] * N  # no call was opened
+
+
 BAD_TIMEOUTS = [(-1, ValueError), (0, ValueError), (math.nan, ValueError), (math.inf, ValueError),
                 ("5", TypeError), (True, TypeError), ([5], TypeError)]
 
