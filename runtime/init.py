@@ -36,6 +36,7 @@ import os
 import signal
 import socket
 import sys
+import weakref
 
 import msgpack
 
@@ -135,7 +136,8 @@ def die_with_launcher(env=None) -> bool:
     return True
 
 
-_initializing = 0  # init() calls under way that make the process's runtime (store=None)
+_JOINING = object()
+_by_loop: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # event loop -> its runtime, or _JOINING
 
 
 async def init(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
@@ -149,37 +151,42 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     out of ``os.environ`` (``auth.secret_from_env``): processes this rank starts
     do not inherit it unless given it (``auth.export_secret``).
 
-    Once per process (like ``torch.distributed.init_process_group``): a second call while a
-    runtime made by ``init`` is open, or while another call is under way, raises at once (call
-    :func:`shutdown` first). With ``store=``, several runtimes may live in one process (tests,
-    runtime.testing), one per task.
+    Once per event loop (like ``torch.distributed.init_process_group`` per process): a second
+    call while the runtime it made is open, or while another call is still joining, raises at
+    once (call :func:`shutdown` first). Threads with loops of their own (the blocking facade,
+    collectives/blocking.py) each have theirs; with ``store=``, one loop may hold several, one per
+    task (tests, runtime.testing).
 
     Raises:
         RingweaveError: missing or inconsistent rank / size / port; init() called again.
         ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
             the message names the address and the ranks missing.
     """
-    global _initializing
     mine = _current.get()
     if mine is not None and not mine._closed:
         raise RingweaveError(f"init() was called again in this task while its runtime (rank {mine.rank} of "
                              f"{mine.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
-    if store is None:
-        if _process_default is not None and not _process_default._closed:
-            rt = _process_default
-            raise RingweaveError(f"init() was called again while this process's runtime (rank {rt.rank} of "
-                                 f"{rt.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
-        if _initializing:
+    loop = asyncio.get_running_loop() if store is None else None  # store=: several per loop (tests)
+    if loop is not None:
+        held = _by_loop.get(loop)
+        if held is _JOINING:
             raise RingweaveError("init() was called again while an earlier call is still joining the job; "
-                                 "await that one (one runtime per process)")
-        _initializing += 1
+                                 "await that one (one runtime per event loop)")
+        if held is not None and not held._closed:
+            raise RingweaveError(f"init() was called again while this event loop's runtime (rank {held.rank} of "
+                                 f"{held.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
+        _by_loop[loop] = _JOINING
     try:
-        return await _join(rank, world_size, master_addr=master_addr, master_port=master_port,
-                           local_rank=local_rank, local_world_size=local_world_size, secret=secret, job=job,
-                           timeout_s=timeout_s, store=store)
-    finally:
-        if store is None:
-            _initializing -= 1
+        rt = await _join(rank, world_size, master_addr=master_addr, master_port=master_port,
+                         local_rank=local_rank, local_world_size=local_world_size, secret=secret, job=job,
+                         timeout_s=timeout_s, store=store)
+    except BaseException:
+        if loop is not None:
+            del _by_loop[loop]
+        raise
+    if loop is not None:
+        _by_loop[loop] = rt
+    return rt
 
 
 async def _join(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
