@@ -55,16 +55,19 @@ def _describe(dtype: str, shape) -> str:
 def _fits(x: np.ndarray, tag: int):
     """The check a receive into ``x`` runs on each message's header before taking it (the actor
     calls it with the header, the payload size and the sender's global rank)."""
-    mine = [x.dtype.name, list(x.shape)]
+    mine = (x.dtype.name, tuple(x.shape))
 
     def check(header: dict, nbytes: int, peer: int):
-        theirs = header.get("m")
-        if theirs is None:  # not from send(): sizes are still checked where the bytes land
+        meta = header.get("m")
+        if meta is None:  # not from send(): sizes are still checked where the bytes land
             return None
+        try:  # [dtype name, shape] (msgpack may hand the arrays back as tuples)
+            theirs = (str(meta[0]), tuple(int(d) for d in meta[1]))
+        except (TypeError, ValueError, IndexError):
+            theirs = ("?", ())
         if theirs != mine:
-            dtype, shape = theirs if isinstance(theirs, list) and len(theirs) == 2 else ("?", ())
             return MessageMismatchError(
-                f"rank {peer} sent {_describe(dtype, shape)} ({nbytes} bytes) under tag {tag}; the receive buffer "
+                f"rank {peer} sent {_describe(*theirs)} ({nbytes} bytes) under tag {tag}; the receive buffer "
                 f"is {_describe(*mine)} ({x.nbytes} bytes)")
         return None
     return check
