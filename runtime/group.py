@@ -19,7 +19,11 @@ rank raises, not only the pair that met.
 A group fails as a whole: after a mismatch, a lost peer or a timeout, the
 pending calls of the group and every later call raise the same error (as a
 communicator does after an NCCL abort): the group's message stream can no
-longer be trusted.
+longer be trusted. The rank that sees it tells every member (a timeout too: a
+rank that arrives after its peer gave up must not take the frames the peer
+sent before as a success). A peer that aborted (its goodbye names the
+exception its program raised, runtime/init.py ``abort``) fails every group it
+is in with that PeerAbortedError.
 
 Not here: the algorithms and the arrays (collectives/), the sockets (actor.py).
 """

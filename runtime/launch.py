@@ -77,6 +77,11 @@ Output
     Each line a rank writes to stdout (stderr) is written to the launcher's
     stdout (stderr) as ``[rank R] line``; a last line without a newline gets
     one at exit. The launcher's own messages go to stderr as ``[launch] ...``.
+    When a rank aborted the job (``runtime.abort``: its program raised, and it
+    recorded that in the store before telling its peers), a traceback another
+    rank writes afterwards is that failure's echo: it is written as its last
+    line plus ``(traceback of N lines not shown: ...)``. The failure report
+    names a traceback already printed by its last line instead of repeating it.
 
 Exit codes
     0        every rank exited 0
@@ -87,8 +92,10 @@ Exit codes
     2        bad arguments, or a secret was needed and not given
     1        the launcher itself failed (the store could not listen, a rank
              could not be spawned)
-    "First" is the rank whose exit the launcher saw first; ranks that die
-    after that, while being stopped, never change the code. On a failure the
+    "First" is the rank whose exit the launcher saw first, except that a rank
+    of this node that aborted the job is waited for (up to --grace-s) and
+    named instead: the ranks that fail because of it may exit before it does.
+    Ranks that die after that, while being stopped, never change the code. On a failure the
     launcher stops the others (SIGTERM to each group, --grace-s, then
     SIGKILL), then prints which rank failed, its code or signal name and its
     last lines. A signal to the launcher is forwarded to every rank's group
