@@ -55,9 +55,10 @@ def _free_port() -> int:
 
 
 def _run_threads(fns, names=None):
-    """Runs each of ``fns`` in a thread of its own; ``names``: the threads' names. Ranks that are
-    threads of one process name their threads alike across ranks, as the processes of a real job
-    do (a call's fingerprint carries its thread's name: collectives/blocking.py)."""
+    """Runs each of ``fns`` in a thread of its own, named ``names[i]`` (default: all "caller", one
+    thread per rank). Ranks that are threads of one process name their threads alike across
+    ranks, as the processes of a real job do (a call's fingerprint carries its thread's name:
+    collectives/blocking.py)."""
     errors, results = [], [None] * len(fns)
 
     def wrap(i, fn):
@@ -66,7 +67,7 @@ def _run_threads(fns, names=None):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(i, fn), name=names[i] if names else None)
+    threads = [threading.Thread(target=wrap, args=(i, fn), name=names[i] if names else "caller")
                for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
