@@ -21,7 +21,9 @@ pending calls of the group and every later call raise the same error (as a
 communicator does after an NCCL abort): the group's message stream can no
 longer be trusted. The rank that sees it tells every member (a timeout too: a
 rank that arrives after its peer gave up must not take the frames the peer
-sent before as a success). A peer that aborted (its goodbye names the
+sent before as a success; only a call that completes here at the very instant
+the peer's deadline passes can still succeed, and this rank's next call on the
+group then raises the peer's error). A peer that aborted (its goodbye names the
 exception its program raised, runtime/init.py ``abort``) fails every group it
 is in with that PeerAbortedError.
 

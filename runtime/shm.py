@@ -492,8 +492,9 @@ class Domain:
         if group.error is None:
             grank = group.ranks[self.members[p]]
             group.abort(CollectiveError(
-                f"rank {grank} left {call.fingerprint!r} (group {group.gid}, call #{call.seq}) before this rank "
-                f"mapped its shared memory ({path} is gone): its call failed there"))
+                f"{call.fingerprint!r} (group {group.gid}, call #{call.seq}): rank {grank}'s shared-memory segment "
+                f"{path} was gone when this rank came to map it, and no error came from rank {grank} within "
+                f"{LEFT_WAIT_S:g} s (its call failed without saying so, or something else removed the file)"))
         raise group.error
 
     async def _all_to_all(self, call) -> None:
