@@ -77,13 +77,14 @@ def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
         raise ValueError(f"{name} has {a.size} elements (shape {a.shape}); expected {expected} ({why})")
 
 
-def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b: np.ndarray,
-                     own_block: int | None = None) -> None:
+def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b: np.ndarray, *,
+                     own_block: int | None = None, own_offset: int | None = None) -> None:
     """Refuses two buffers of one call that share memory (host arrays, or device arrays: their
     device addresses): an algorithm may write one while it still reads the other, and the answer
     would be wrong on some ranks (silently). With
-    ``own_block``, ``b`` may be exactly block ``own_block`` of ``a`` (``a`` holds ``a.size //
-    b.size`` blocks of ``b.size`` elements): the in-place form, which every algorithm supports.
+    ``own_offset``, ``b`` may sit exactly at element ``own_offset`` of ``a``: the in-place form
+    (``b`` is this rank's block of ``a``), which every algorithm supports; ``own_block`` says
+    the same of equal blocks of ``b``'s length (``own_offset = own_block * len(b)``).
 
     Raises:
         ValueError: naming both arguments, where ``b`` lies in ``a`` and what is allowed.
@@ -98,14 +99,15 @@ def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b
     if None in spans:
         return
     (a_start, a_nbytes, itemsize), (b_start, b_nbytes, _) = spans
+    if own_block is not None:
+        own_offset = own_block * (b_nbytes // itemsize)
     if b_start >= a_start + a_nbytes or a_start >= b_start + b_nbytes:
         return
-    if own_block is not None and b_nbytes and b_start == a_start + own_block * b_nbytes:
+    if own_offset is not None and b_nbytes and b_start == a_start + own_offset * itemsize:
         return
     first, count = (b_start - a_start) // itemsize, b_nbytes // itemsize
-    allowed = (f"; the only overlap allowed is {b_name} = {a_name}'s block {own_block} exactly "
-               f"(elements {own_block * count}..{(own_block + 1) * count - 1}, in place)"
-               if own_block is not None else "")
+    allowed = (f"; the only overlap allowed is {b_name} = this rank's block of {a_name} exactly "
+               f"(elements {own_offset}..{own_offset + count - 1}, in place)" if own_offset is not None else "")
     raise ValueError(f"{collective}: {b_name} overlaps {a_name} (it starts at element {first} of {a_name} and has "
                      f"{count} elements){allowed}; pass separate arrays")
 

@@ -42,7 +42,8 @@ async def test_all_gather_refuses_x_inside_another_ranks_block(ranks, algo):
         other = (g.rank + 1) % N
         x = out[other * K:(other + 1) * K]
         x[:] = g.rank + 1
-        with pytest.raises(ValueError, match=f"the only overlap allowed is x = out's block {g.rank} exactly"):
+        with pytest.raises(ValueError, match=f"the only overlap allowed is x = this rank's block of out exactly "
+                                             f"\\(elements {g.rank * K}\\.\\.{g.rank * K + K - 1}"):
             await C.all_gather(out, x, algorithm=algo)
         shifted = g.rank * K + (1 if g.rank < N - 1 else -1)  # our own block, off by one element
         with pytest.raises(ValueError, match="overlaps"):
@@ -80,6 +81,30 @@ async def test_gather_and_scatter_refuse_overlap_but_their_in_place_form(ranks, 
     results = await ranks(N, body)
     assert results[0][0] == [r + 1 for r in range(N) for _ in range(K)]
     assert [r[1] for r in results] == [[10 * (p * K + i) for i in range(K)] for p in range(N)]
+
+
+async def test_v_variants_refuse_overlap_but_their_in_place_form(ranks):
+    """The count-per-rank collectives (collectives/uneven.py) follow the same rule, with the
+    blocks where the counts put them."""
+    counts = [2, 0, 3, 1]
+    offsets = [0, 2, 2, 5, 6]
+
+    async def body(g):
+        r = g.rank
+        out = np.zeros(6, np.int64)
+        mine = out[offsets[r]:offsets[r + 1]]
+        if counts[r]:  # a block of the right length, but not where the counts put ours
+            start = 0 if offsets[r] else 1
+            with pytest.raises(ValueError, match="all_gather_v: x overlaps out"):
+                await C.all_gather_v(out, out[start:start + counts[r]], counts)
+        mine[:] = r + 1
+        await C.all_gather_v(out, mine, counts)  # in place
+        with pytest.raises(ValueError, match="all_to_all_v: x overlaps out"):
+            await C.all_to_all_v(out, out, [1, 1, 2, 2], [1, 1, 2, 2])
+        return out.tolist()
+
+    want = [r + 1 for r in range(N) for _ in range(counts[r])]
+    assert await ranks(N, body) == [want] * N
 
 
 async def test_reduce_scatter_and_all_to_all_refuse_any_overlap(ranks):
@@ -139,6 +164,12 @@ def calls(g, timeout):
         "barrier": lambda: C.barrier(timeout=timeout),
         "send": lambda: C.send(x, peer, timeout=timeout),
         "recv": lambda: C.recv(x, peer, timeout=timeout),
+        "all_gather_v": lambda: C.all_gather_v(out, x[:K], [K] * g.size, timeout=timeout),
+        "all_to_all_v": lambda: C.all_to_all_v(out[:2], x[:2], [1] * g.size, [1] * g.size, timeout=timeout),
+        "gather_v": lambda: C.gather_v(out, x[:K], [K] * g.size, timeout=timeout),
+        "scatter_v": lambda: C.scatter_v(block, x[:g.size * K], [K] * g.size, timeout=timeout),
+        "broadcast_object": lambda: C.broadcast_object({"a": 1}, timeout=timeout),
+        "all_gather_object": lambda: C.all_gather_object(1, timeout=timeout),
         "all_reduce compressed": lambda: C.all_reduce(x, compression="fp16", timeout=timeout),
     }
 
