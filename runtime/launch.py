@@ -133,6 +133,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from runtime import auth, jobfile, procs
+from runtime import env as settings
 from runtime.errors import RingweaveError
 
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -591,14 +592,14 @@ def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
     from runtime import shm
-    job = envs[0].get("RINGWEAVE_JOB") if envs else None
+    job = settings.JOB.given(envs[0]) if envs else None
     return shm.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
     """The whole job: secret, store, attempts, restarts. Returns the exit code."""
     try:
-        secret = choose_secret(cfg, environ.get(auth.SECRET_ENV))
+        secret = choose_secret(cfg, settings.SECRET.get(environ))
     except ValueError as exc:
         console.say(f"error: {exc}")
         return EXIT_USAGE

@@ -80,7 +80,7 @@ def test_compare_gloo(tmp_path):
     assert len(table_rows(stdout)) == 10
     for r in data["rows"]:
         assert r["gloo"]["time_us"] > 0 and r["gloo"]["ratio"] > 0
-    assert any(c["peer"] == "gloo" for c in data["summary"]["checks"])
+    assert any(c["peer"] == "gloo" for c in data["summary"]["comparisons"])
     check_plot(stdout, png)
 
 

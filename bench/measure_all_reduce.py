@@ -1,6 +1,6 @@
 """Measures all_reduce per algorithm and size, to set the registry's default table.
 
-    python -m runtime.launch -n 4 tests/collectives/measure_all_reduce.py [--runs 20] [--max-mib 64] \
+    python -m runtime.launch -n 4 bench/measure_all_reduce.py [--runs 20] [--max-mib 64] \
         [--algos ring,halving_doubling,recursive_doubling] [--sizes 4,1024,...]
 
 Rank 0 prints one line per (size, algorithm): the median over ``--runs`` of
