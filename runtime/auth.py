@@ -82,7 +82,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_policy(secret: bytes | None, listen_host: str, what: str) -> None:
-    """The rule of DESIGN.md: no secret is allowed only when listening on loopback.
+    """The rule of docs/design.md ("Starting a job"): no secret is allowed only when listening on loopback.
 
     Raises:
         AuthenticationError: no secret and ``listen_host`` is not a loopback address.

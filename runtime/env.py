@@ -9,8 +9,8 @@ and its value wherever it is read, and the README's settings table is generated 
     python -m runtime.env --readme         # rewrite README.md's settings table from the declarations
     python -m runtime.env --markdown       # print that table
 
-Adding a setting is one line in the table below,
-``NAME = declare("RINGWEAVE_NAME", parser, "default", "when", "what it does")``, then
+Adding a setting is one declaration in the table below (``_`` is :func:`declare`),
+``NAME = _("RINGWEAVE_NAME", parser, "default", "when", "what it does")``, then
 ``python -m runtime.env --readme``. The default is written as the variable's text would be (None:
 unset), and parsed like it. An empty or blank value counts as unset.
 

@@ -132,8 +132,8 @@ class Call:
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
         returning to the event loop, the first ``spin_s`` of it (``RINGWEAVE_SPIN_US``, default
         50) re-reading the socket with ``sched_yield`` between reads instead of sleeping. That
-        skips the loop's wake-up, the sink callbacks and the receive's future (figures at the
-        end of collectives/registry.py). Only while the runtime is the process's only one:
+        skips the loop's wake-up, the sink callbacks and the receive's future
+        (bench/results/transport.md#the-small-message-path). Only while the runtime is the process's only one:
         ranks run as tasks of one loop (runtime.testing) would wait on a peer that cannot run
         until the wait is over. Anything else (another
         frame first, a mismatch, a lost peer, no frame in time) goes to the normal path,

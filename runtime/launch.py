@@ -42,7 +42,7 @@ The secret
     launcher's environment (the same on every node); without it the launcher
     refuses to start (exit 2). A single node without it makes a fresh secret
     (``auth.make_secret()``). Several nodes on loopback without it run
-    unauthenticated, as DESIGN.md allows.
+    unauthenticated, as docs/design.md ("Starting a job") allows.
 
 Environment of every rank (the names torchrun uses, plus ours)::
 

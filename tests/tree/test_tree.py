@@ -48,9 +48,9 @@ def pointers() -> list[tuple[str, Path, str | None]]:
         rel = str(path.relative_to(ROOT))
         for m in POINTER.finditer(text):
             found.append((rel, RESULTS / m.group(1), m.group(2)))
-        if path.parent == RESULTS:  # links between the entries: "transport.md#...", "(#...)"
+        if path.parent in (RESULTS, ROOT / "docs"):  # links between pages: "transport.md#...", "(#...)"
             for m in LOCAL.finditer(text):
-                target = RESULTS / m.group(1) if m.group(1) else path
+                target = path.parent / m.group(1) if m.group(1) else path
                 found.append((rel, target, m.group(2) or m.group(3)))
     return found
 
