@@ -119,7 +119,7 @@ def test_a_bad_value_never_breaks_an_import_and_python_m_runtime_env_shows_it():
     value made `import collectives` fail with a bare ValueError."""
     bad = {"RINGWEAVE_SHM_STREAM_MIN": "lots", "RINGWEAVE_SHM_SPIN": "x", "RINGWEAVE_ALGO_BROADCAST": "tree",
            "RINGWEAVE_NOT_A_SETTING": "1"}
-    imported = run_python("-c", "import collectives, trainer", **bad)
+    imported = run_python("-c", "import collectives.api, collectives.registry, trainer", **bad)
     assert imported.returncode == 0, imported.stderr
     shown = run_python("-m", "runtime.env", **bad)
     assert shown.returncode == 1 and not shown.stderr, shown.stderr
