@@ -17,14 +17,21 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
-import runtime
-from collectives import api, registry
-from collectives.shm import all_reduce_shm, common
-from runtime import env, shm
+# bench/collectives.py is named like the package: with this folder first on sys.path, "import
+# collectives" would import it. Put the repository root there instead.
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+
+import runtime  # noqa: E402
+from collectives import api, registry  # noqa: E402
+from collectives.shm import all_reduce_shm, common  # noqa: E402
+from runtime import env, shm  # noqa: E402
 
 
 def copy_gbs() -> float:

@@ -140,3 +140,18 @@ def test_the_summary_compares_without_goals():
     assert {c["op"] for c in out["comparisons"]} == {"all_reduce", "broadcast", "barrier"}
     for word in ("goal", "PASS", "FAIL", ">=", "issue"):
         assert word not in text, word
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("script, args, row", [
+    ("shm_all_reduce.py", ["--sizes", "4,65536", "--reps", "2", "--spins", "0,5"], "shm/spin5"),
+    ("measure_all_reduce.py", ["--max-mib", "0.01", "--runs", "3"], "recursive_doubling"),
+])
+def test_the_all_reduce_measurements_run_as_written(script, args, row):
+    """The scripts behind bench/results/shm.md and all_reduce.md's first table run from bench/
+    (named like the package, bench/collectives.py must not shadow it) and print their rows."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "2", str(ROOT / "bench" / script), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert row in proc.stdout
