@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -e ".[test,cuda,plot]"
+	$(BIN)/python -m pip install -e ".[test,cuda,ptx,plot]"
 	touch $(STAMP)
 
 # The main job: 4 ranks train the default model on digits through the launcher.

@@ -6,6 +6,7 @@ optionally beside torch.distributed's Gloo backend and OpenMPI (mpi4py) measured
     python bench/collectives.py -n 4 --compare mpi                   # + OpenMPI (shared memory), under mpirun
     python bench/collectives.py -n 4 --compare gloo,mpi --mpi-btl tcp
     python bench/collectives.py -n 2 --ops all_reduce --sizes 4,4096,1M --algorithm all --iters 50
+    python bench/collectives.py -n 4 --device cuda --compare gloo --ops all_reduce --sizes 4K,1M,16M,64M
 
 Launch. Without RANK in the environment the script re-launches itself through the project's
 launcher (``python -m runtime.launch -n N bench/collectives.py ...``). With ``--compare mpi`` it
@@ -684,6 +685,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=os.path.join("bench", "out", "collectives.json"))
     p.add_argument("--plot", default=os.path.join("bench", "out", "collectives.png"), help="PNG path; '' for none")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: device arrays (numba, CuPy) against Gloo on torch CUDA tensors (bench/device.py); "
+                        "refuses to run without a GPU")
     p.add_argument("--launched-by", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -757,8 +761,18 @@ def main() -> None:
     args = parse_args(argv)
     if args.shm != "env":
         os.environ["RINGWEAVE_SHM"] = "0" if args.shm == "off" else "1"  # inherited by every rank
+    if args.device == "cuda":
+        from bench import device
+        problem = device.gpu_problem()
+        if problem:
+            print(f"--device cuda: {problem}", file=sys.stderr)
+            raise SystemExit(2)
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         raise SystemExit(relaunch(args, argv))
+    if args.device == "cuda":
+        from bench import device
+        device.run(args)
+        return
     if args.no_uvloop:
         asyncio.run(rank_main(args))
         return

@@ -64,7 +64,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
 
 
 def _on_device(a) -> bool:
-    """A device array: all_reduce, all_gather and broadcast take them (collectives/device.py);
+    """A device array: all_reduce, all_gather, reduce_scatter and broadcast take them (collectives/device.py);
     the other calls want NumPy arrays. A NumPy array is answered without the attribute probe
     (bench/results/runtime.md#the-device-array-probe)."""
     return type(a) is not np.ndarray and is_device_array(a)
@@ -175,6 +175,9 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
         await reduce_scatter(out, x, op="sum")
         # Rank 0: out = [3 6]     Rank 1: out = [9 12]
     """
+    if _on_device(out) or _on_device(x):  # collectives/device.py
+        from collectives import device
+        return await device.reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)

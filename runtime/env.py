@@ -269,12 +269,23 @@ RESTART = _("RINGWEAVE_RESTART", count, "0", "init",
             "how many times the job has restarted; store keys go under restart/N (the launcher sets it)")
 LAUNCHER_PID = _("RINGWEAVE_LAUNCHER_PID", count, None, "init",
                  "the launcher's pid: the rank dies with it, and takes the variable out (the launcher sets it)")
+PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", number("MiB", lambda v: v >= 0, "must be 0 or more MiB"), "256",
+                "each pool", "page-locked host memory the device collectives keep for staging, in MiB; "
+                "beyond it a call stages through temporary pageable memory")
+DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more"), "4096",
+                   "each call", "bytes per pipelined segment of a device collective, in KiB")
+DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", number("KiB", lambda v: v >= 0, "must be 0 or more KiB"),
+                       "256", "each call", "a device all_reduce up to this size is staged whole and reduced on the "
+                       "host, larger ones fold on the device (0: always fold)")
 del _
 
 DEFAULT_TIMEOUT_S: float = TIMEOUT.get({})
 DEFAULT_MISMATCH_CHECK_S: float = MISMATCH_CHECK.get({})
 DEFAULT_INLINE_WAIT_US: float = INLINE_WAIT.get({})
 DEFAULT_SPIN_US: float = SPIN.get({})
+DEFAULT_PINNED_POOL_MIB: float = PINNED_POOL.get({})
+DEFAULT_DEVICE_SEGMENT_KIB: float = DEVICE_SEGMENT.get({})
+DEFAULT_DEVICE_HOST_REDUCE_KIB: float = DEVICE_HOST_REDUCE.get({})
 
 
 def timeout_s() -> float:
@@ -295,6 +306,21 @@ def inline_wait_s() -> float:
 def spin_s() -> float:
     """``RINGWEAVE_SPIN_US`` as it is now, in seconds (TCPConnection.recv_now)."""
     return SPIN.get() / 1e6
+
+
+def pinned_pool_bytes() -> int:
+    """``RINGWEAVE_PINNED_POOL_MIB`` in bytes: the device collectives' staging pool (collectives/device_pool.py)."""
+    return int(PINNED_POOL.get() * (1 << 20))
+
+
+def device_segment_bytes() -> int:
+    """``RINGWEAVE_DEVICE_SEGMENT_KIB`` in bytes: one pipelined segment of a device collective (collectives/device.py)."""
+    return int(DEVICE_SEGMENT.get() * 1024)
+
+
+def device_host_reduce_bytes() -> int:
+    """``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` in bytes: the largest device all_reduce reduced on the host."""
+    return int(DEVICE_HOST_REDUCE.get() * 1024)
 
 
 # -- python -m runtime.env -----------------------------------------------------------------------------
