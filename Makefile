@@ -24,8 +24,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(BIN)/python bench/p2p.py
-	$(BIN)/python bench/collectives.py
+	$(BIN)/python bench/p2p.py --out-dir bench/out
+	$(BIN)/python bench/collectives.py --out-dir bench/out
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

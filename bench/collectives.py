@@ -47,8 +47,9 @@ one size that is also the busbw ratio). The comparison summary uses the rows of 
 the default table picks (what a user gets): per op and peer, the smallest and the median ratio.
 
 Output (rank 0): one line per row as it is measured, then the comparison; JSON to ``--json``
-(default bench/out/collectives.json) and a PNG of busbw against size to ``--plot``
-(bench/out/collectives.png; skipped with a message when matplotlib is missing). The memory
+(default ``--out-dir``/collectives.json; without ``--out-dir``, the current directory) and a PNG of
+busbw against size to ``--plot`` (collectives.png beside it; skipped with a message when matplotlib is
+missing); both paths are printed. The memory
 reference, printed before the comparison, is a one-core NumPy copy of 64 MiB (bytes copied per second),
 measured by rank 0 while the others wait, and all ranks copying at once (sum of their rates). It is
 measured after the rows: measured first, it slowed the rows that followed it.
@@ -79,7 +80,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
 from bench.common import (MiB, Table, busbw_factor, copy_bandwidth, fmt_bytes, gbps, parse_sizes,  # noqa: E402
-                          plot_busbw, stats, write_json)
+                          out_path, plot_busbw, stats, write_json)
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
        "barrier"]
@@ -682,14 +683,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shm", default="env", choices=["env", "on", "off"],
                    help="ringweave's same-host shared-memory path: off sets RINGWEAVE_SHM=0 (the TCP path), "
                         "on sets it to 1, env (default) leaves the environment alone")
-    p.add_argument("--json", default=os.path.join("bench", "out", "collectives.json"))
-    p.add_argument("--plot", default=os.path.join("bench", "out", "collectives.png"), help="PNG path; '' for none")
+    p.add_argument("--out-dir", default=None,
+                   help="directory for collectives.json and collectives.png (default: the current directory)")
+    p.add_argument("--json", default=None, help="JSON path (default: OUT_DIR/collectives.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/collectives.png); '' for none")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: device arrays (numba, CuPy) against Gloo on torch CUDA tensors (bench/device.py); "
                         "refuses to run without a GPU")
     p.add_argument("--launched-by", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.json = args.json or out_path(args.out_dir, "collectives.json")
+    args.plot = out_path(args.out_dir, "collectives.png") if args.plot is None else args.plot
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in args.ops if o not in OPS]
     if bad:

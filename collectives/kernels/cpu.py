@@ -7,9 +7,9 @@ tasks of one process); the TCP algorithms reduce on the calling thread, where a
 hand-off was no faster (bench/results/kernels.md#worker-thread-hand-off).
 
 Compilation is lazy per dtype on first use (one kernel serves the four ops), and
-cached on disk (``cache=True``, in ``__pycache__``): loading is far cheaper than
-compiling (bench/results/kernels.md#compilation). :func:`warmup` compiles (or loads)
-them all up front, e.g. once per rank at start-up, so the first all_reduce is not slow.
+cached on disk (``cache=True``, in the user's cache folder: jitcache.py): loading is far cheaper
+than compiling (bench/results/kernels.md#compilation). :func:`warmup` compiles (or loads) them all
+up front, e.g. once per rank at start-up, so the first all_reduce is not slow.
 
 Deliberately not here: threading inside a kernel (``parallel=True``). These
 kernels are memory-bound, and with several ranks per host the cores are already
@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit
 
 from . import reference
+from . import jitcache  # noqa: F401  (before the first @njit: the disk cache goes to the user's cache folder)
 from .halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
 
 _JIT = dict(nogil=True, cache=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from . import jitcache  # noqa: F401  (before the first @njit: the disk cache goes to the user's cache folder)
 
 _U32 = np.uint32
 
