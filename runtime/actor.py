@@ -73,8 +73,8 @@ class _BufferPool:
 
     In a pipelined collective a neighbour that runs ahead sends segments before
     we post their receives; a fresh 1 MiB ``bytearray`` per such frame costs
-    zero-filling and page faults (measured: a third of a 64 MiB ring
-    all_reduce's CPU time), so buffers of 64 KiB and up are kept by size class
+    zero-filling and page faults (bench/results/runtime.md#early-frames), so
+    buffers of 64 KiB and up are kept by size class
     (powers of two) and reused, up to ``cap_nbytes`` in total.
     """
 

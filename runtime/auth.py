@@ -33,19 +33,18 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
 import secrets
 import socket
 from typing import Any, Awaitable, Callable
 
 import msgpack
 
-from runtime import net, wire
+from runtime import env, net, wire
 from runtime.errors import AuthenticationError, BadFrameError, ConnectError
 
 log = logging.getLogger("ringweave.auth")
 
-SECRET_ENV = "RINGWEAVE_SECRET"
+SECRET_ENV = env.SECRET.name
 HANDSHAKE_TIMEOUT_S = 10.0
 
 SCHEMA: wire.Schema = {
@@ -75,18 +74,18 @@ def secret_from_env() -> bytes | None:
     given it (:func:`export_secret`). Later calls return the value taken, unless the variable
     was set again."""
     global _taken_secret
-    value = os.environ.pop(SECRET_ENV, "")
+    value = env.SECRET.pop()
     if value:
         _taken_secret = value.encode()
     return _taken_secret
 
 
-def export_secret(env: dict) -> dict:
-    """Puts the secret this process took (:func:`secret_from_env`) into ``env``, the environment
-    of a process that must join the job too (a nested launcher, say); returns ``env``."""
+def export_secret(environ: dict) -> dict:
+    """Puts the secret this process took (:func:`secret_from_env`) into ``environ``, the
+    environment of a process that must join the job too (a nested launcher, say); returns it."""
     if _taken_secret:
-        env[SECRET_ENV] = _taken_secret.decode()
-    return env
+        environ[SECRET_ENV] = _taken_secret.decode()
+    return environ
 
 
 def is_loopback(host: str) -> bool:
@@ -109,7 +108,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_policy(secret: bytes | None, listen_host: str, what: str) -> None:
-    """The rule of DESIGN.md: no secret is allowed only when listening on loopback.
+    """The rule of docs/design.md ("Starting a job"): no secret is allowed only when listening on loopback.
 
     Raises:
         AuthenticationError: no secret and ``listen_host`` is not a loopback address.

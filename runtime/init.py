@@ -44,6 +44,7 @@ import msgpack
 from runtime import auth
 from runtime.actor import Actor
 from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
+from runtime import env as settings
 from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
@@ -85,9 +86,9 @@ def read_env(env=None) -> dict:
             break
     out["master_addr"] = env.get("MASTER_ADDR") or "127.0.0.1"
     out["master_port"] = _int_env("MASTER_PORT", env)
-    out["restart"] = _int_env("RINGWEAVE_RESTART", env) or 0
-    out["job"] = env.get("RINGWEAVE_JOB") or "ringweave"
-    out["store_hosted"] = env.get("RINGWEAVE_STORE_HOSTED") == "1"
+    out["restart"] = settings.RESTART.get(env)
+    out["job"] = settings.JOB.get(env)
+    out["store_hosted"] = settings.STORE_HOSTED.get(env)
     return out
 
 
@@ -103,8 +104,8 @@ def node_id() -> str:
 
 def _advertised_host(master_addr: str) -> str:
     """The address of this host that the master can reach (RINGWEAVE_HOST overrides)."""
-    if os.environ.get("RINGWEAVE_HOST"):
-        return os.environ["RINGWEAVE_HOST"]
+    if settings.HOST.get():
+        return settings.HOST.get()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent for UDP connect
@@ -123,7 +124,7 @@ def die_with_launcher(env=None) -> bool:
     the rank (a worker, a nested job) that inherited it would find its parent is not that
     pid and SIGTERM itself at its own init."""
     env = os.environ if env is None else env
-    pid = env.pop("RINGWEAVE_LAUNCHER_PID", None)
+    pid = settings.LAUNCHER_PID.pop(env)
     if not pid or not sys.platform.startswith("linux"):
         return False
     try:
