@@ -56,6 +56,7 @@ import numpy as np
 from numba import cuda
 
 from collectives import api, compressed, ops
+from collectives.compress.wire import pack_all, split, unpack
 from collectives.device_pool import DEVICE, PINNED
 from collectives.kernels import cuda as kcuda
 from collectives.kernels import is_device_array
@@ -390,8 +391,8 @@ async def _staged(xd, od, dtype, host_call) -> None:
 async def _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, compression, key) -> None:
     # as compressed.all_reduce: a warm-up step's codec (top-k's warmup_steps), counting the call
     codec = compressed.codec_at(compressed.resolve(compression), key, advance=xd.size > 0)
-    _, inner = compressed._split(codec)
-    style = compressed._style(codec, algorithm) if inner.reduction != "sum" else None
+    _, inner = split(codec)
+    style = compressed.style_of(codec, algorithm) if inner.reduction != "sum" else None
     if style == "shard" and dtype == np.float32 and xd.size:
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
@@ -412,7 +413,7 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
     """collectives.compressed.shard_decode_sum with the codec maths on the device (same steps)."""
     from collectives.compress import cuda as ccuda
 
-    ef, inner = compressed._split(codec)
+    ef, inner = split(codec)
     W, n = group.size, flat.size
     chunk = -(-n // W)
     y = ef.compensate(flat, key=key) if ef is not None else flat  # (n,) device float32
@@ -425,13 +426,13 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         for j, p in enumerate(payloads):
             inner.residual_into(segs[j], p, err[j * chunk:(j + 1) * chunk])
         ef.errors[key].reshape(n).copy_to_device(err[:n])
-    layout, nb, send = compressed._pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
-    a2a_call, a2a, ag_call, ag = compressed._open_shard_calls(group, send, nb, timeout)
+    layout, nb, send = pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
+    a2a_call, a2a, ag_call, ag = compressed.open_shard_calls(group, send, nb, timeout)
     recv = np.empty(W * nb, np.uint8)
     await group.run(a2a_call, a2a, recv, send)
     acc = ccuda.zeros(chunk)
     for j in range(W):  # decode-add on the device, in rank order
-        inner.decode_add(_payload_to_device(compressed._unpack(recv[j * nb:(j + 1) * nb], layout)), acc)
+        inner.decode_add(_payload_to_device(unpack(recv[j * nb:(j + 1) * nb], layout)), acc)
     if op == "avg":  # a division, like the host path, for the same bits
         kcuda.fold_into(acc, acc, 1, "sum", W)
     if ef is not None:
@@ -440,11 +441,11 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    _, _, mine = compressed._pack_all([_payload_to_host(mine_payload)])
+    _, _, mine = pack_all([_payload_to_host(mine_payload)])
     gathered = np.empty(W * nb, np.uint8)
     await group.run(ag_call, ag, gathered, mine)
     for j in range(W):
-        dec = inner.decode(_payload_to_device(compressed._unpack(gathered[j * nb:(j + 1) * nb], layout)), chunk)
+        dec = inner.decode(_payload_to_device(unpack(gathered[j * nb:(j + 1) * nb], layout)), chunk)
         lo, hi = j * chunk, min(n, (j + 1) * chunk)
         if hi > lo:
             flat[lo:hi].copy_to_device(dec[:hi - lo])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import SubComm
 from collectives.shm import all_reduce_shm, common
 
 # Arrays up to this run the TCP table's algorithm over the whole group instead (recursive doubling
@@ -40,7 +41,6 @@ FLAT_MAX_NBYTES = 64 << 10
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
-    comm = comm if type(comm) is common.Link else common.Link(comm)  # all_reduce_shm's fallback: wrapped
     n = comm.size
     if n == 1:
         return
@@ -53,7 +53,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if k == 1:  # alone on my node: only the leaders' all_reduce
         await _across(comm, leaders, x, op)
         return
-    async with common.session(comm, local, 1 + index) as dom:  # index 0 is the flat domain's
+    async with common.DomainCall(comm, local, 1 + index) as dom:  # index 0 is the flat domain's
         slots, chunk = await all_reduce_shm.scatter_reduce(comm, dom, x, op, p, k)  # 1.-2. over the node
         others = [c for c in range(k) if c != p]
         if p == 0:
@@ -70,7 +70,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
 async def _across(comm, leaders: list[int], x: np.ndarray, op: str) -> None:
     """All_reduce among the leaders over TCP (nothing to do with one node)."""
     if len(leaders) > 1:
-        sub = common.SubComm(comm, leaders)
+        sub = SubComm(comm, leaders)
         # the leaders, one per host: the table's choice for ranks spread over hosts, whatever the
         # layout of the whole group
         await common.tcp_algorithm("all_reduce", x.nbytes, len(leaders), "spread")(sub, x, op)

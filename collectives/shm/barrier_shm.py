@@ -16,13 +16,12 @@ from runtime import shm
 
 
 async def run(comm) -> None:
-    comm = common.Link(comm)
     n = comm.size
     if n == 1:
         return
     if not common.shm_available(comm.group):
         return await common.tcp_algorithm("barrier", 0, n, common.host_layout(comm.group))(comm)
-    dom = shm.domain(comm.group, None)  # common.session written out (all_reduce_shm's small path)
+    dom = shm.domain(comm.group, None)  # common.DomainCall written out (all_reduce_shm's small path)
     if not dom.try_begin(comm):
         await dom.begin(comm)
     ok = False

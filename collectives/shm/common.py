@@ -1,6 +1,6 @@
-"""What the shared-memory algorithms share: who is on which node, the per-call session on a
-domain, array views of the slots, running big copies and reductions off the event loop, a
-sub-communicator over a subset of a call's ranks, and the TCP fallback.
+"""What the shared-memory algorithms share: who is on which node, one call on a domain
+(:class:`DomainCall`), array views of the slots, running big copies and reductions off the event
+loop, and the TCP fallback.
 
 Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
 """
@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 
+from collectives.comm import Comm
 from collectives.shm import kernels
 from runtime import env, shm
 
@@ -98,40 +99,16 @@ def shm_enabled(group) -> bool:
     return bool(getattr(group, "shm_enabled", True)) and shm.shm_usable()
 
 
-class Link:
-    """The call behind an algorithm's ``comm``: its group, sequence number and fingerprint (from
-    the :class:`runtime.group.Call`), and its messages (``send``, ``irecv`` and ``sendrecv``,
-    forwarded to ``comm``, so whatever a caller wrapped around them still applies). ``comm`` is
-    the Call itself (what collectives/api.py hands algorithms), a wrapper that offers it as
-    ``comm.call`` (SubComm), or one whose bound ``send`` belongs to it."""
-
-    def __init__(self, comm):
-        call = getattr(comm, "call", None)  # api's wrapper first: the usual case
-        if call is None:
-            call = comm if hasattr(comm, "group") else comm.send.__self__
-        self.comm = comm
-        self.group = call.group
-        self.seq = call.seq
-        self.fingerprint = call.fingerprint
-        self.rank = comm.rank
-        self.size = comm.size
-        self.send = comm.send
-        self.irecv = comm.irecv
-        self.sendrecv = comm.sendrecv
-
-    async def recv_into(self, src: int, buf) -> None:
-        await self.irecv(src, buf)
-
-
-class session:
-    """``async with session(comm, members, index) as dom``: one call on the domain of ``members``
-    (group ranks, this rank among them). Takes the domain's lock (calls run in sequence order),
-    sets the domain up on first use, enters the call; on success posts EXIT. On failure the
-    domain is closed (the group is failed anyway). A class, not a generator: it runs per call."""
+class DomainCall:
+    """``async with DomainCall(comm, members, index) as dom``: one call on the shared-memory domain
+    of ``members`` (group ranks, this rank among them). Takes the domain's lock (calls run in
+    sequence order), sets the domain up on first use, enters the call; on success posts EXIT. On
+    failure the domain is closed (the group is failed anyway). A class, not a generator: it runs
+    per call."""
 
     __slots__ = ("comm", "dom")
 
-    def __init__(self, comm, members: list[int], index: int = 0):
+    def __init__(self, comm: Comm, members: list[int], index: int = 0):
         self.comm = comm
         self.dom = shm.domain(comm.group, members, index)
 
@@ -214,33 +191,6 @@ def streams(nbytes: int) -> bool:
     from ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB). At 1 MiB the plain copy wins while the caches hold the
     data and loses less than it gains back when they do not (bench/results/shm.md#streaming-copies)."""
     return nbytes >= env.SHM_STREAM_MIN.get()
-
-
-class SubComm:
-    """The ranks ``members`` (group ranks) of a call, renumbered 0..len-1, so an existing TCP
-    algorithm can run among them (e.g. one leader per node). Messages are the call's own (same
-    tag and fingerprint), so they are matched in order and checked like any other."""
-
-    def __init__(self, call, members: list[int]):
-        self.call = call
-        self.members = list(members)
-        self.rank = self.members.index(call.rank)
-        self.size = len(self.members)
-        self.group = call.group
-        self.seq = call.seq
-        self.fingerprint = call.fingerprint
-
-    async def send(self, dst: int, buf) -> None:
-        await self.call.send(self.members[dst], buf)
-
-    def irecv(self, src: int, buf):
-        return self.call.irecv(self.members[src], buf)
-
-    async def recv_into(self, src: int, buf) -> None:
-        await self.call.recv_into(self.members[src], buf)
-
-    async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf) -> None:
-        await self.call.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)
 
 
 def tcp_algorithm(collective: str, nbytes: int, world: int, layout: str):
