@@ -27,6 +27,6 @@ def __getattr__(name):
     where = _FROM.get(name)
     if where is None:
         raise AttributeError(f"module 'collectives' has no attribute {name!r}")
-    import importlib
+    import importlib  # lazy: keeps `import collectives` free of any import but the first use's
     value = globals()[name] = getattr(importlib.import_module(f"collectives.{where}"), name)  # loaded once
     return value

@@ -72,7 +72,8 @@ flight together on one group (the api's ordering contract). The second call
 therefore runs after calls with later numbers may have started, which the
 TCP algorithms allow (frames are matched by call) but the shared-memory ones
 do not (a rank's calls enter a domain in the order they run): the sub-calls
-use the TCP table's algorithm (:func:`_start`). Compression is for slow
+take the table's choice without shared memory, for the group's hosts (its rules
+for groups that span hosts included; :func:`_start`). Compression is for slow
 networks; on one machine the uncompressed shm all_reduce is the faster choice.
 
 Not here: the codecs' maths (collectives/compress), device arrays (device.py),
@@ -83,10 +84,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives import host, ops
 from collectives.compress import PowerSGDCodec, get_codec
 from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
 from collectives.compress.wire import layout_nbytes, message_nbytes, pack_all, split, unpack
+from collectives.core import group_of, open_call
 
 STYLES = ("shard", "gather", "ring", "phases")
 # fp16/bf16 by the ring: the same bytes as shard in about half the time (shard encodes all n and
@@ -172,17 +175,16 @@ async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeo
     Raises:
         ValueError: another op, an unknown style. TypeError: a non-float array.
     """
-    from collectives import api, ops
     codec = resolve(codec)
     ops.check_array("x", x)
     _check_op_dtype("all_reduce", op, x)
     if split(codec)[1].reduction == "sum":  # the identity codec
-        return await api.all_reduce(x, op=op, group=group, timeout=timeout)
+        return await host.all_reduce(x, op, group, timeout, None)
     style = style_of(codec, algorithm)
-    group = api._group(group)
+    group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await api.all_reduce(x, op=op, group=group, timeout=timeout)
+        return await host.all_reduce(x, op, group, timeout, None)
     if style == "phases":
         await powersgd_phases([x], codec, op=op, group=group, timeout=timeout, key=key)
     else:
@@ -225,16 +227,15 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
             block (powersgd: low-rank all_reduces of whole matrices).
         TypeError: a non-float array.
     """
-    from collectives import api, ops
     codec = resolve(codec)
     _check_op_dtype("reduce_scatter", op, x)
     check_blockwise(codec)
     if split(codec)[1].reduction == "sum":  # the identity codec
-        return await api.reduce_scatter(out, x, op=op, group=group, timeout=timeout)
-    group = api._group(group)
+        return await host.reduce_scatter(out, x, op, group, timeout, None)
+    group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await api.reduce_scatter(out, x, op=op, group=group, timeout=timeout)
+        return await host.reduce_scatter(out, x, op, group, timeout, None)
     ef, inner = split(codec)
     W, m = group.size, out.size
     payloads = _encode_shards(ef, inner, ops.flat(x), key, W, m)  # block j -> rank j (no padding: x is W m)
@@ -278,11 +279,9 @@ def reduce_scatter_wire_nbytes(codec, count: int, world: int) -> int:
 
 
 def _start(group, collective: str, nbytes: int, timeout, **fp):
-    """Opens a sub-call (takes its sequence number now) on the TCP table's algorithm
-    (``registry.first_tcp_rule``: the table without its shared-memory rule; see the module docstring)."""
-    from collectives import api, registry
-    name, _ = registry.first_tcp_rule(collective, nbytes, group.size)
-    return api._start(group, collective, nbytes, name, timeout, **fp)
+    """Opens a sub-call (takes its sequence number now) on the table's algorithm without shared
+    memory (``registry.choose(subcall=True)``: see the module docstring)."""
+    return open_call(group, collective, nbytes, None, timeout, subcall=True, **fp)
 
 
 def open_shard_calls(group, send: np.ndarray, nb: int, timeout):
@@ -323,9 +322,8 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
     the float32 sum of my shard come from ``ops.scratch_pool``, kept across calls
     (fresh arrays of that size cost a page fault per 4 KiB on every call).
     """
-    from collectives import api, ops
     ef, inner = split(codec)
-    group = api._group(group)
+    group = group_of(group)
     W, n = group.size, flat.size
     chunk = -(-n // W)
     payloads = _encode_shards(ef, inner, flat, key, W, chunk)  # shard j -> rank j
@@ -404,9 +402,8 @@ async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=
         payloads: r0 enc(x0), r1 enc(x1)  -> both hold [enc(x0), enc(x1)]
         both: out = dec(enc(x0)) + dec(enc(x1))
     """
-    from collectives import api
     ef, inner = split(codec)
-    group = api._group(group)
+    group = group_of(group)
     W, n = group.size, flat.size
     y = _compensated(ef, inner, flat, key)
     payload = inner.encode(y)
@@ -424,9 +421,8 @@ async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=
 
 async def cast_ring(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
     """fp16 / bf16: the table's all_reduce on the 16-bit array (float32 adds, rounded every step)."""
-    from collectives import api, ops
     ef, inner = split(codec)
-    group = api._group(group)
+    group = group_of(group)
     y = _compensated(ef, inner, flat, key)
     (h,) = payload = inner.encode(y)
     if ef is not None:
@@ -450,11 +446,10 @@ async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, 
     all_reduce(avg) of [Q_1 .. Q_k] (the warm start for the next step);
     M_i = P_i Q_i^T. State per ``(key, i)``.
     """
-    from collectives import api
     ef, inner = split(codec)
     if not isinstance(inner, PowerSGDCodec):
         raise TypeError(f"powersgd_phases needs a PowerSGDCodec, got {inner!r}")
-    group = api._group(group)
+    group = group_of(group)
     W, r = group.size, inner.rank
     mats, plain = [], []  # indices of the arrays compressed / riding uncompressed
     for i, a in enumerate(arrays):

@@ -48,7 +48,8 @@ from runtime import env as settings
 from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
-from runtime.store import PrefixStore
+from runtime.store import MemoryStore, PrefixStore
+from runtime.store_tcp import StoreServer, TCPStore
 
 log = logging.getLogger("ringweave.init")
 
@@ -225,8 +226,6 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
     if store is None:
         if world_size > 1 and master_port is None:
             raise RingweaveError("MASTER_PORT is not set: rank 0's store address is needed for WORLD_SIZE > 1")
-        from runtime.store import MemoryStore
-        from runtime.store_tcp import StoreServer, TCPStore
         if world_size == 1 and master_port is None:
             store = MemoryStore(timeout_s)
         else:
@@ -275,8 +274,7 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
             await server.close()
         raise
     rt = Runtime(actor, prefixed, timeout_s=timeout_s, local_rank=local_rank or 0,
-                 local_world_size=local_world_size or 1)
-    rt.nodes = nodes
+                 local_world_size=local_world_size or 1, nodes=nodes)
     if not shm_everywhere:
         rt.shm_enabled = False
         if shm_usable():

@@ -471,7 +471,7 @@ class PrefixStore(Store):
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A fresh event loop for a thread we own: uvloop where installed, else asyncio's."""
     try:
-        import uvloop
+        import uvloop  # lazy: an optional dependency (Linux only)
     except ImportError:  # pragma: no cover - uvloop is a Linux dependency
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()

@@ -69,10 +69,10 @@ def _module(name: str):
     if name == "numpy":
         return reference
     if name == "numba":
-        from . import cpu
+        from . import cpu  # lazy: numba, compiled or loaded from its cache at first use
 
         return cpu
-    from . import cuda
+    from . import cuda  # lazy: numba.cuda, for device arrays only
 
     return cuda
 

@@ -1,5 +1,5 @@
 """Shared-memory all_reduce: one copy in, a parallel reduce-scatter by reading the peers' slots,
-one copy out. For groups whose ranks are all on one node (else the hierarchical algorithm or TCP).
+one copy out. For groups whose ranks are all on one host (registry.NEEDS).
 
 How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped by everyone):
 
@@ -48,9 +48,6 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     n = comm.size
     if n == 1:
         return
-    if not common.shm_available(comm.group):  # every rank decides the same
-        from collectives.shm import all_reduce_hierarchical
-        return await all_reduce_hierarchical.run(comm, x, op)
     if x.nbytes <= shm.SMALL_NBYTES:  # DomainCall, written out: this path is all overhead
         dom = shm.domain(comm.group, None)
         if not dom.try_begin(comm):

@@ -11,7 +11,6 @@ Signature: ``await run(comm)`` like collectives/barrier_dissemination.py.
 
 from __future__ import annotations
 
-from collectives.shm import common
 from runtime import shm
 
 
@@ -19,8 +18,6 @@ async def run(comm) -> None:
     n = comm.size
     if n == 1:
         return
-    if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("barrier", 0, n, common.host_layout(comm.group))(comm)
     dom = shm.domain(comm.group, None)  # common.DomainCall written out (all_reduce_shm's small path)
     if not dom.try_begin(comm):
         await dom.begin(comm)

@@ -1,8 +1,8 @@
-"""What the shared-memory algorithms share: who is on which node, one call on a domain
-(:class:`DomainCall`), array views of the slots, running big copies and reductions off the event
-loop, and the TCP fallback.
+"""What the shared-memory algorithms share: one call on a domain (:class:`DomainCall`), array
+views of the slots, running big copies and reductions off the event loop.
 
-Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
+Not here: segments and waiting (runtime/shm.py), the algorithms (one file each), where they may
+run (collectives/registry.py ``NEEDS``; the hosts: ``ProcessGroup.topology``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from collectives.comm import Comm
 from collectives.shm import kernels
 from runtime import env, shm
 
+__all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "DomainCall", "claim_slot", "copy_pairs", "data_view",
+           "off_loop", "slot", "small_view", "small_views", "streams"]
+
 # Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
 # and NumPy copies release the GIL) when the peers are tasks of this same process
 # (runtime.testing): then the other ranks keep running on the other core meanwhile.
@@ -22,81 +25,6 @@ OFFLOAD_MIN_NBYTES = 4 << 20
 # When every peer is a process of its own, they run inline: each hand-off waits to be scheduled
 # twice on an oversubscribed machine (bench/results/shm.md#worker-threads).
 OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
-
-
-def node_ids(group) -> list[str]:
-    """The node id of every group rank. Runtimes made by ``runtime.testing`` have no
-    ``nodes``: their ranks are tasks of this one process, hence on one node."""
-    nodes = getattr(group.runtime, "nodes", None)
-    if nodes is None:
-        return ["local"] * group.size
-    return [nodes[g] for g in group.ranks]
-
-
-def _per_group(group, attr: str, work_out):
-    """``work_out(group)``, remembered on the group (as ``attr``) for as long as its runtime's
-    ``nodes`` list is the same object: that list is set once at start, except in tests."""
-    nodes = getattr(group.runtime, "nodes", None)
-    known = getattr(group, attr, None)
-    if known is not None and known[0] is nodes:
-        return known[1]
-    value = work_out(group)
-    try:
-        setattr(group, attr, (nodes, value))
-    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
-        pass
-    return value
-
-
-def nodes_of(group) -> list[list[int]]:
-    """The group ranks of each node, nodes in order of their lowest group rank (found once per
-    group; the lists are shared between calls: do not change them).
-
-    >>> # nodes a, b, a, b  ->  [[0, 2], [1, 3]]
-    """
-    return _per_group(group, "_shm_nodes_of", _nodes_of)
-
-
-def _nodes_of(group) -> list[list[int]]:
-    order: dict[str, list[int]] = {}
-    for r, node in enumerate(node_ids(group)):
-        order.setdefault(node, []).append(r)
-    return list(order.values())
-
-
-def shm_available(group) -> bool:
-    """True when every member of ``group`` is on one node, ``RINGWEAVE_SHM`` is not ``"0"``,
-    the group's ``shm_enabled`` attribute (a communicator option) is not False, and /dev/shm
-    is writable. The same on every rank of the group (given the same environment)."""
-    return shm_enabled(group) and one_node(group)
-
-
-def one_node(group) -> bool:
-    """Whether every member of ``group`` is on one node (found once per group)."""
-    return _per_group(group, "_shm_one_node", lambda g: len(set(node_ids(g))) == 1)
-
-
-def host_layout(group) -> str:
-    """How the group's ranks sit on hosts (the same on every member; found once per group):
-    ``"one"`` (a single host), ``"spread"`` (every rank on a host of its own), ``"packed"``
-    (several hosts, each holding one contiguous run of group ranks, at least one of them more than
-    one rank: the launcher's layout) or ``"mixed"`` (the rest)."""
-    return _per_group(group, "_shm_host_layout", _host_layout)
-
-
-def _host_layout(group) -> str:
-    ids = node_ids(group)
-    runs = [ids[0]] if ids else []
-    for node in ids[1:]:
-        if node != runs[-1]:
-            runs.append(node)
-    hosts = len(set(ids))
-    return "one" if hosts <= 1 else "spread" if hosts == len(ids) else "packed" if len(runs) == hosts else "mixed"
-
-
-def shm_enabled(group) -> bool:
-    """:func:`shm_available` without the one-node condition (all_reduce_hierarchical's test)."""
-    return bool(getattr(group, "shm_enabled", True)) and shm.shm_usable()
 
 
 class DomainCall:
@@ -191,11 +119,3 @@ def streams(nbytes: int) -> bool:
     from ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB). At 1 MiB the plain copy wins while the caches hold the
     data and loses less than it gains back when they do not (bench/results/shm.md#streaming-copies)."""
     return nbytes >= env.SHM_STREAM_MIN.get()
-
-
-def tcp_algorithm(collective: str, nbytes: int, world: int, layout: str):
-    """The run function the TCP table would choose for ``world`` ranks laid out on hosts as
-    ``layout`` (:func:`host_layout` of the ranks that run it; :func:`collectives.registry.
-    first_tcp_rule`)."""
-    from collectives import registry  # here: registry imports collectives.shm
-    return registry.first_tcp_rule(collective, nbytes, world, layout)[1]

@@ -29,8 +29,6 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
     if n == 1:
         np.copyto(out, x)
         return
-    if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("reduce_scatter", x.nbytes, n, common.host_layout(comm.group))(comm, out, x, op)
     async with common.DomainCall(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, x.size, small).reshape(n, m) for p in range(n)]
