@@ -18,6 +18,7 @@ rank 0 writes one metadata file that describes the global layout::
       "optimizer": "adamw", "master_dtype": "float32",
       "scaler": {"scale": 65536.0, "good_steps": 40},
       "extra": {"epoch": 1, "batch": 12},            # the loop's position in the data
+      "model": {"kind": "gpt", "config": {...}},     # model.spec() when the model has one (trainer.sample)
       "units": [{"index": 0, "numel": 17152,
                  "params": [{"name": "0.weight", "shape": [64, 256], "offset": 0}, ...]}, ...],
       "arrays": {"unit0.param": {"numel": 17152, "dtype": "float32",
@@ -66,7 +67,7 @@ import numpy as np
 from trainer.precision import resolve_dtype
 
 __all__ = ["CheckpointError", "save", "load", "latest", "list_checkpoints", "read_metadata",
-           "read_full_params", "export_npz", "export_npz_from_checkpoint"]
+           "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint"]
 
 FORMAT, VERSION = "ringweave-checkpoint", 1
 METADATA = "metadata.json"
@@ -140,7 +141,8 @@ def _write_pieces(state: dict, tmp: Path, rank: int) -> dict:
     return pieces
 
 
-def _metadata(state: dict, model_units, tmp: Path, world: int, extra: dict | None) -> dict:
+def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None) -> dict:
+    model_units = model.units
     arrays: dict[str, dict] = {}
     for r in range(world):
         index = json.loads((tmp / f"rank{r:05d}" / "index.json").read_text())
@@ -158,7 +160,8 @@ def _metadata(state: dict, model_units, tmp: Path, world: int, extra: dict | Non
     return {"format": FORMAT, "version": VERSION, "step": int(state["step"]), "optim_step": int(state["optim_step"]),
             "strategy": state["strategy"], "world_size": world, "optimizer": state["optimizer"],
             "master_dtype": state["master_dtype"], "scaler": state["scaler"], "extra": extra or {},
-            "created_unix_s": time.time(), "units": units, "arrays": arrays}
+            "created_unix_s": time.time(), "units": units, "arrays": arrays,
+            "model": model.spec() if hasattr(model, "spec") else None}
 
 
 async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3) -> Path:
@@ -217,7 +220,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     commit = np.zeros(1, dtype=np.float64)
     if rank == 0:
         try:
-            meta = _metadata(state, strategy.model.units, tmp, world, extra)
+            meta = _metadata(state, strategy.model, tmp, world, extra)
             _write_durable(tmp / METADATA, lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again: replace it
@@ -336,6 +339,19 @@ def load(strategy, path) -> dict:
     strategy.load_state_dict({**want, "shards": shards, "step": meta["step"], "optim_step": meta["optim_step"],
                               "scaler": meta["scaler"]})
     return meta
+
+
+def read_unit_params(path) -> tuple[list[np.ndarray], dict]:
+    """Every unit's unpadded flat parameters, from the files alone, and the metadata
+    (its "model" rebuilds the model: trainer.sample)."""
+    meta = read_metadata(path)
+    ckpt = Path(meta["path"])
+    flats = []
+    for unit in meta["units"]:
+        name = f"unit{unit['index']}.param"
+        entry = meta["arrays"][name]
+        flats.append(_read_range(ckpt, name, entry, 0, unit["numel"], resolve_dtype(entry["dtype"])))
+    return flats, meta
 
 
 def read_full_params(path) -> dict[str, np.ndarray]:
