@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from trainer.nn import Context
 from trainer.optim import AdamW, WarmupCosine

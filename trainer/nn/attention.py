@@ -22,8 +22,9 @@ Shapes: B batch, T sequence, C = n_embd, H = n_head, hs = C / H, G = B H.
         dq = ds k,  dk = ds^T q                                # (B, H, T, hs)
         dx = qkv^T(merge [dq | dk | dv])
 
-The softmax and its backward run as one Numba pass per row (trainer/nn/kernels.py)
-with kernel="numba", or as the NumPy reference below with kernel="numpy".
+The softmax and its backward run as Numba passes around NumPy's in-place exp
+(trainer/nn/kernels.py) with kernel="fast", or as the NumPy reference below with
+kernel="reference".
 
 Decoding: `forward_cached(params, x_new, kv)` appends the new positions' keys and
 values to a `KVCache` and attends over everything cached, so each generated token
@@ -50,13 +51,11 @@ __all__ = ["CausalSelfAttention", "KVCache", "attention_forward", "attention_bac
 # ---- the core: reference and dispatch ----------------------------------------------
 
 
-def causal_softmax(s: np.ndarray, scale: float, kernel: str = "numba") -> np.ndarray:
+def causal_softmax(s: np.ndarray, scale: float, kernel: str = "fast") -> np.ndarray:
     """p = softmax over the last axis of scale * s, query i seeing keys j <= i + Tk - Tq.  s (..., Tq, Tk)."""
     Tq, Tk = s.shape[-2:]
-    if kernel == "numba" and kernels.use_numba(s):
-        p = np.empty_like(s)
-        kernels.causal_softmax_forward(s.reshape(-1, Tq, Tk), scale, p.reshape(-1, Tq, Tk))
-        return p
+    if kernel == "fast" and kernels.use_fast(s):
+        return kernels.causal_softmax_forward(s.reshape(-1, Tq, Tk), scale).reshape(s.shape)
     z = scale * s  # (..., Tq, Tk)
     z[..., np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)] = -np.inf  # the future
     z -= z.max(axis=-1, keepdims=True)  # stability: every row sees at least its own key
@@ -64,17 +63,17 @@ def causal_softmax(s: np.ndarray, scale: float, kernel: str = "numba") -> np.nda
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def causal_softmax_backward(p: np.ndarray, dp: np.ndarray, scale: float, kernel: str = "numba") -> np.ndarray:
+def causal_softmax_backward(p: np.ndarray, dp: np.ndarray, scale: float, kernel: str = "fast") -> np.ndarray:
     """ds = scale p (dp - sum_j p dp): the gradient with respect to s (zero above the diagonal, where p is)."""
     Tq, Tk = p.shape[-2:]
-    if kernel == "numba" and kernels.use_numba(p, dp) and p.dtype == dp.dtype:
+    if kernel == "fast" and kernels.use_fast(p, dp) and p.dtype == dp.dtype:
         ds = np.empty_like(p)
         kernels.causal_softmax_backward(p.reshape(-1, Tq, Tk), dp.reshape(-1, Tq, Tk), scale, ds.reshape(-1, Tq, Tk))
         return ds
     return scale * p * (dp - (p * dp).sum(axis=-1, keepdims=True))
 
 
-def attention_forward(q, k, v, *, dropout: Dropout | None = None, ctx=None, kernel: str = "numba"):
+def attention_forward(q, k, v, *, dropout: Dropout | None = None, ctx=None, kernel: str = "fast"):
     """y = dropout(causal_softmax(q k^T / sqrt(hs))) v.  q (..., Tq, hs), k, v (..., Tk, hs).
 
     Returns (y (..., Tq, hs), cache)."""
@@ -89,7 +88,7 @@ def attention_forward(q, k, v, *, dropout: Dropout | None = None, ctx=None, kern
     return y, (q, k, v, p, mask, scale)
 
 
-def attention_backward(dy, cache, *, kernel: str = "numba"):
+def attention_backward(dy, cache, *, kernel: str = "fast"):
     """(dq, dk, dv) of attention_forward, each the shape of its input."""
     q, k, v, p, mask, scale = cache
     pd = p if mask is None else p * mask
@@ -133,7 +132,7 @@ class CausalSelfAttention(Container):
     """
 
     def __init__(self, n_embd: int, n_head: int, *, dropout: float = 0.0, bias: bool = True,
-                 init_std: float | None = 0.02, proj_init_std: float | None = None, kernel: str = "numba") -> None:
+                 init_std: float | None = 0.02, proj_init_std: float | None = None, kernel: str = "fast") -> None:
         if n_head <= 0 or n_embd <= 0 or n_embd % n_head:
             raise ValueError(f"n_embd must be a positive multiple of n_head, got n_embd={n_embd} n_head={n_head}")
         self.n_embd, self.n_head, self.head_size = n_embd, n_head, n_embd // n_head

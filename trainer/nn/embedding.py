@@ -8,8 +8,8 @@ What it is: two layers of the layer protocol (trainer/nn/layers.py).
     PositionalEmbedding(T, C)  forward:  y[b, t] = x[b, t] + P[t]          # x, y (B, T', C), T' <= T
                                backward: dP[t] += sum_b dy[b, t];  dx = dy
 
-The scatter-add runs as `np.add.at` (kernel="numpy", the reference) or a Numba loop
-(kernel="numba", trainer/nn/kernels.py); which is faster is measured in
+The scatter-add runs as `np.add.at` (kernel="reference") or a Numba loop
+(kernel="fast", trainer/nn/kernels.py); which is faster is measured in
 bench/results/trainer.md. Neither layer is weight-decayed (nanoGPT's and DeepSpeed's
 groups). Init: N(0, 0.02^2), as GPT-2.
 
@@ -30,7 +30,7 @@ __all__ = ["Embedding", "PositionalEmbedding"]
 class Embedding(Layer):
     """Token embedding W (num_embeddings, dim); see the module docstring."""
 
-    def __init__(self, num_embeddings: int, dim: int, *, init_std: float = 0.02, kernel: str = "numba") -> None:
+    def __init__(self, num_embeddings: int, dim: int, *, init_std: float = 0.02, kernel: str = "fast") -> None:
         if num_embeddings <= 0 or dim <= 0:
             raise ValueError(f"Embedding sizes must be > 0, got num_embeddings={num_embeddings} dim={dim}")
         self.num_embeddings, self.dim, self.init_std = num_embeddings, dim, init_std
@@ -59,7 +59,7 @@ class Embedding(Layer):
         idx = cache.reshape(-1)  # (N,)
         d2 = dout.reshape(-1, self.dim)  # (N, C)
         dw = grads["weight"]  # (V, C)
-        if self.kernel == "numba" and kernels.use_numba(d2, dw) and d2.dtype == dw.dtype:
+        if self.kernel == "fast" and kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
             kernels.embedding_backward(np.ascontiguousarray(idx, dtype=np.int64), d2, dw)
         else:
             np.add.at(dw, idx, d2)

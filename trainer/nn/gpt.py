@@ -65,7 +65,7 @@ class GPTConfig:
     dropout: float = 0.0  # embedding, attention and residual dropout
     bias: bool = True  # biases in the Linear layers and LayerNorms' shift (LayerNorm always has one)
     gelu: str = "tanh"  # "tanh" (GPT-2's approximation) | "none" (exact erf, torch's default)
-    kernel: str = "numba"  # "numba" fused kernels | "numpy" references
+    kernel: str = "fast"  # "fast" (trainer/nn/kernels.py) | "reference" (the readable NumPy)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -86,7 +86,7 @@ class MLP(Container):
     """The block's feed-forward part: fc Linear(C, 4C) -> GELU -> proj Linear(4C, C) -> dropout."""
 
     def __init__(self, n_embd: int, hidden: int, *, gelu: str = "tanh", dropout: float = 0.0, bias: bool = True,
-                 init_std: float | None = 0.02, proj_init_std: float | None = None, kernel: str = "numba") -> None:
+                 init_std: float | None = 0.02, proj_init_std: float | None = None, kernel: str = "fast") -> None:
         self.children = [
             ("fc", Linear(n_embd, hidden, bias, init_std=init_std)),
             ("act", GELU(gelu, kernel=kernel)),

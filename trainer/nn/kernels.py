@@ -1,32 +1,46 @@
-"""Numba kernels for the layers where NumPy makes extra passes over memory.
+"""The fast path of the layers where NumPy makes extra passes: Numba loops, NumPy's SIMD exp and tanh.
 
-What it is: the fast path of LayerNorm, GELU (tanh and erf), the causal softmax of
-attention, the embedding's scatter-add and the softmax cross-entropy. Each kernel
-computes what the NumPy reference in the layer's file computes (trainer/nn/layers.py,
-attention.py, embedding.py, loss.py: the readable versions stay there, beside the
-math), in one or two passes instead of NumPy's five to eight temporaries. They agree
-with the reference to rounding (float64: relative 1e-12 in tests/trainer), not bit
-for bit: a loop sums in another order than NumPy's pairwise sums.
+What it is: the kernels behind `kernel="fast"` (the default) of LayerNorm, GELU,
+the causal softmax of attention, the embedding's scatter-add and the softmax
+cross-entropy. Each computes what the NumPy reference in the layer's file
+computes (trainer/nn/layers.py, attention.py, embedding.py, loss.py: the readable
+versions stay there, beside the math, and run with `kernel="reference"`), with
+fewer passes over memory and no temporaries. They agree with the reference to
+rounding (float64: relative 1e-12 in tests/trainer), not bit for bit: a loop sums
+in another order than NumPy's pairwise sums.
+
+Why the split between Numba and NumPy: this Numba has no vector math library
+(`numba.config.USING_SVML` is False), so `math.exp` / `math.tanh` inside a loop
+run one element at a time, while NumPy's `np.exp` / `np.tanh` are SIMD. Measured
+on one core (bench/results/trainer.md): a fused Numba softmax over (128, 64, 64)
+took 1.33 ms, NumPy in place 1.18 ms, and Numba passes around an in-place np.exp
+0.56 ms; a fused Numba tanh-GELU over 1M float32 took 20 ms, NumPy's
+reference 2.0 ms, Numba arithmetic around np.tanh 0.5 ms. So every transcendental
+runs in NumPy, in place, and the arithmetic passes around it (max, shift, sums,
+normalisation, the polynomial, the backward) in Numba, one pass each.
 
     layernorm_forward(x (N, C), w, b, eps, out, mean (N,), rstd (N,))
     layernorm_backward(dout, x, mean, rstd, w, dx, dw (C,) float64 +=, db (C,) float64 +=)
-    gelu_forward(x, out, exact) / gelu_backward(x, dout, dx, exact)      # flat, exact: erf form
-    causal_softmax_forward(s (G, Tq, Tk), scale, p)    # query i sees keys j <= i + Tk - Tq
-    causal_softmax_backward(p, dp, scale, ds)          # ds = scale * p (dp - sum_j p dp)
-    embedding_backward(idx (N,), dout (N, C), dw (V, C))                 # dw[idx[n]] += dout[n]
-    cross_entropy_forward_backward(logits (N, K), y (N,), weight, dlogits) -> sum_n l_n
+    gelu_tanh_forward(x) -> (out, t)           # t = tanh(c (x + a x^3)), kept for the backward
+    gelu_tanh_backward(x, t, dout) -> dx
+    gelu_erf_forward(x) -> (out, cdf) / gelu_erf_backward(x, cdf, dout) -> dx
+    causal_softmax_forward(s (G, Tq, Tk), scale) -> p     # query i sees keys j <= i + Tk - Tq
+    causal_softmax_backward(p, dp, scale, ds)             # ds = scale p (dp - sum_j p dp)
+    embedding_backward(idx (N,), dout (N, C), dw (V, C))  # dw[idx[n]] += dout[n]
+    cross_entropy_forward_backward(logits (N, K), y (N,), weight) -> (sum_n l_n, dlogits)
 
-Statistics (means, variances, sums of the softmax) are accumulated in float64 whatever
-the array dtype; results are stored in the arrays' dtype. Every kernel is
-`@njit(nogil=True)`: the strategies run the model on a thread beside the event loop,
-and a kernel that holds no GIL lets the loop move collectives meanwhile.
+Statistics (means, variances, sums of the softmax) are accumulated in float64
+whatever the array dtype; results are stored in the arrays' dtype. Every Numba
+kernel is `@njit(nogil=True)`: the strategies run the model on a thread beside the
+event loop, and a kernel that holds no GIL lets the loop move collectives meanwhile
+(NumPy's ufuncs release it too).
 
-Dispatch: a layer calls these when `use_numba(*arrays)` holds (float32 / float64, C
-contiguous where the kernel needs it), else its NumPy reference (float16 activations,
-odd strides). Compiled lazily per dtype on first use and cached on disk (cache=True).
+Dispatch: a layer takes this path when `use_fast(*arrays)` holds (float32 / float64,
+C contiguous), else its reference (float16 activations, odd strides). Compiled
+lazily per dtype on first use and cached on disk (cache=True).
 
-What it is not: no threading inside a kernel (several ranks already share the cores),
-no matmuls (NumPy's BLAS does those).
+What it is not: no threading inside a kernel (several ranks already share the
+cores), no matmuls (NumPy's BLAS does those).
 """
 
 from __future__ import annotations
@@ -37,20 +51,20 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "use_numba", "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
-    "causal_softmax_forward", "causal_softmax_backward", "embedding_backward",
-    "cross_entropy_forward_backward",
+    "use_fast", "layernorm_forward", "layernorm_backward", "gelu_tanh_forward", "gelu_tanh_backward",
+    "gelu_erf_forward", "gelu_erf_backward", "causal_softmax_forward", "causal_softmax_backward",
+    "embedding_backward", "cross_entropy_forward_backward",
 ]
 
 _JIT = dict(nogil=True, cache=True)
 _FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608...
-_GELU_A = 0.044715
+GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608...
+GELU_A = 0.044715
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def use_numba(*arrays: np.ndarray) -> bool:
+def use_fast(*arrays: np.ndarray) -> bool:
     """True when every array is float32 / float64 and C-contiguous (what the kernels take)."""
     return all(a.dtype in _FAST_DTYPES and a.flags.c_contiguous for a in arrays)
 
@@ -105,55 +119,124 @@ def layernorm_backward(dout, x, mean, rstd, w, dx, dw, db):  # pragma: no cover 
 
 
 @njit(**_JIT)
-def gelu_forward(x, out, exact):  # pragma: no cover - compiled
-    """exact: 0.5 x (1 + erf(x / sqrt 2)); else 0.5 x (1 + tanh(c (x + a x^3)))."""
+def _gelu_tanh_inner(x, u):  # pragma: no cover - compiled
+    """u = c (x + a x^3), flat."""
     for k in range(x.shape[0]):
         v = x[k]
-        if exact:
-            out[k] = 0.5 * v * (1.0 + math.erf(v * _INV_SQRT2))
-        else:
-            out[k] = 0.5 * v * (1.0 + math.tanh(_GELU_C * (v + _GELU_A * v * v * v)))
+        u[k] = GELU_C * (v + GELU_A * v * v * v)
 
 
 @njit(**_JIT)
-def gelu_backward(x, dout, dx, exact):  # pragma: no cover - compiled
-    """dx = dout * d gelu / dx (the formulas of trainer.nn.layers.GELU)."""
+def _gelu_out(x, t, out):  # pragma: no cover - compiled
+    """out = 0.5 x (1 + t), flat (t: tanh of the inner, or erf(x / sqrt 2))."""
     for k in range(x.shape[0]):
-        v = x[k]
-        if exact:
-            local = 0.5 * (1.0 + math.erf(v * _INV_SQRT2)) + v * _INV_SQRT_2PI * math.exp(-0.5 * v * v)
-        else:
-            t = math.tanh(_GELU_C * (v + _GELU_A * v * v * v))
-            local = 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * v * v)
-        dx[k] = dout[k] * local
+        out[k] = 0.5 * x[k] * (1.0 + t[k])
+
+
+@njit(**_JIT)
+def _gelu_tanh_backward(x, t, dout, dx):  # pragma: no cover - compiled
+    """dx = dout (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)), flat."""
+    for k in range(x.shape[0]):
+        v, tk = x[k], t[k]
+        dx[k] = dout[k] * (0.5 * (1.0 + tk) + 0.5 * v * (1.0 - tk * tk) * GELU_C * (1.0 + 3.0 * GELU_A * v * v))
+
+
+def gelu_tanh_forward(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(0.5 x (1 + t), t) with t = tanh(c (x + a x^3)): Numba, np.tanh in place, Numba."""
+    flat = x.reshape(-1)
+    t = np.empty_like(flat)
+    _gelu_tanh_inner(flat, t)
+    np.tanh(t, out=t)
+    out = np.empty_like(flat)
+    _gelu_out(flat, t, out)
+    return out.reshape(x.shape), t.reshape(x.shape)
+
+
+def gelu_tanh_backward(x: np.ndarray, t: np.ndarray, dout: np.ndarray) -> np.ndarray:
+    dout = np.ascontiguousarray(dout, dtype=x.dtype)
+    dx = np.empty_like(dout)
+    _gelu_tanh_backward(x.reshape(-1), t.reshape(-1), dout.reshape(-1), dx.reshape(-1))
+    return dx
+
+
+@njit(**_JIT)
+def _erf_half(x, out):  # pragma: no cover - compiled
+    """out = erf(x / sqrt 2), flat (libm's erf, one element at a time: NumPy has no erf)."""
+    for k in range(x.shape[0]):
+        out[k] = math.erf(x[k] * _INV_SQRT2)
+
+
+@njit(**_JIT)
+def _gelu_erf_backward(x, e, dout, dx):  # pragma: no cover - compiled
+    """dx = dout (Phi(x) + x phi(x)), with e = erf(x / sqrt 2), e2 = exp(-x^2 / 2) given in dx."""
+    for k in range(x.shape[0]):
+        dx[k] = dout[k] * (0.5 * (1.0 + e[k]) + x[k] * _INV_SQRT_2PI * dx[k])
+
+
+def gelu_erf_forward(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(0.5 x (1 + erf(x / sqrt 2)), erf(x / sqrt 2))."""
+    flat = x.reshape(-1)
+    e = np.empty_like(flat)
+    _erf_half(flat, e)
+    out = np.empty_like(flat)
+    _gelu_out(flat, e, out)
+    return out.reshape(x.shape), e.reshape(x.shape)
+
+
+def gelu_erf_backward(x: np.ndarray, e: np.ndarray, dout: np.ndarray) -> np.ndarray:
+    flat = x.reshape(-1)
+    dx = flat * flat  # exp(-x^2 / 2), in place
+    dx *= -0.5
+    np.exp(dx, out=dx)
+    _gelu_erf_backward(flat, e.reshape(-1), np.ascontiguousarray(dout, dtype=x.dtype).reshape(-1), dx)
+    return dx.reshape(x.shape)
 
 
 # ---- causal softmax (attention) -------------------------------------------------
 
 
 @njit(**_JIT)
-def causal_softmax_forward(s, scale, p):  # pragma: no cover - compiled
-    """p[g, i, j] = softmax_j(scale s[g, i, :i + off + 1]) for j <= i + off, else 0; off = Tk - Tq."""
+def _softmax_shift(s, scale, z):  # pragma: no cover - compiled
+    """z[g, i, j] = scale s - max_{j' <= last} scale s for j <= last = i + Tk - Tq, else -inf."""
     G, Tq, Tk = s.shape
     off = Tk - Tq
     for g in range(G):
         for i in range(Tq):
-            last = i + off  # the last key this query sees
+            last = i + off
             m = -np.inf
             for j in range(last + 1):
                 v = scale * s[g, i, j]
                 if v > m:
                     m = v
+            for j in range(last + 1):
+                z[g, i, j] = scale * s[g, i, j] - m
+            for j in range(last + 1, Tk):
+                z[g, i, j] = -np.inf
+
+
+@njit(**_JIT)
+def _softmax_normalize(e):  # pragma: no cover - compiled
+    """e[g, i, :] /= sum over the visible keys (the rest is exp(-inf) = 0 already)."""
+    G, Tq, Tk = e.shape
+    off = Tk - Tq
+    for g in range(G):
+        for i in range(Tq):
+            last = i + off
             total = 0.0
             for j in range(last + 1):
-                e = math.exp(scale * s[g, i, j] - m)
-                p[g, i, j] = e
-                total += e
+                total += e[g, i, j]
             inv = 1.0 / total
             for j in range(last + 1):
-                p[g, i, j] *= inv
-            for j in range(last + 1, Tk):
-                p[g, i, j] = 0.0
+                e[g, i, j] *= inv
+
+
+def causal_softmax_forward(s: np.ndarray, scale: float) -> np.ndarray:
+    """p = causal softmax of scale * s over the last axis, s (G, Tq, Tk): shift, np.exp in place, normalise."""
+    p = np.empty_like(s)
+    _softmax_shift(s, scale, p)
+    np.exp(p, out=p)
+    _softmax_normalize(p)
+    return p
 
 
 @njit(**_JIT)
@@ -190,25 +273,42 @@ def embedding_backward(idx, dout, dw):  # pragma: no cover - compiled
 
 
 @njit(**_JIT)
-def cross_entropy_forward_backward(logits, y, weight, dlogits):  # pragma: no cover - compiled
-    """Returns sum_n -log softmax(logits_n)[y_n] (unweighted) and writes
-    dlogits_n = weight * (softmax(logits_n) - onehot(y_n)), in one pass of reads per row."""
+def _ce_shift(logits, z, maxes):  # pragma: no cover - compiled
+    """z = logits - max per row; maxes (N,) float64."""
     N, K = logits.shape
-    total = 0.0
     for n in range(N):
         m = -np.inf
         for k in range(K):
             if logits[n, k] > m:
                 m = logits[n, k]
+        maxes[n] = m
+        for k in range(K):
+            z[n, k] = logits[n, k] - m
+
+
+@njit(**_JIT)
+def _ce_finish(logits, y, maxes, e, weight):  # pragma: no cover - compiled
+    """e = exp(z) in, weight (softmax - onehot) out; returns sum_n (log sum_k e - z[y_n])."""
+    N, K = e.shape
+    total = 0.0
+    for n in range(N):
         s = 0.0
         for k in range(K):
-            e = math.exp(logits[n, k] - m)
-            dlogits[n, k] = e
-            s += e
+            s += e[n, k]
+        t = y[n]
+        total += math.log(s) - (logits[n, t] - maxes[n])
         inv = weight / s
         for k in range(K):
-            dlogits[n, k] *= inv
-        t = y[n]
-        dlogits[n, t] -= weight
-        total += math.log(s) - (logits[n, t] - m)
+            e[n, k] *= inv
+        e[n, t] -= weight
     return total
+
+
+def cross_entropy_forward_backward(logits: np.ndarray, y: np.ndarray, weight: float) -> tuple[float, np.ndarray]:
+    """(sum_n -log softmax(logits_n)[y_n], weight (softmax - onehot)): shift, np.exp in place, finish."""
+    d = np.empty_like(logits)  # (N, K)
+    maxes = np.empty(len(logits))  # (N,)
+    _ce_shift(logits, d, maxes)
+    np.exp(d, out=d)
+    total = _ce_finish(logits, np.ascontiguousarray(y, dtype=np.int64), maxes, d, weight)
+    return float(total), d

@@ -29,9 +29,9 @@ Containers: `Container` holds named children (parameter names "<child>.<name>",
 torch style) and `Sequential` runs numbered ones in order; `trainer.nn.gpt`
 builds the transformer block from them.
 
-Kernels: LayerNorm and GELU take `kernel="numba"` (default: the fused kernels of
-trainer/nn/kernels.py for float32/float64, NumPy otherwise) or `kernel="numpy"`
-(the reference written here, always).
+Kernels: LayerNorm and GELU take `kernel="fast"` (default: trainer/nn/kernels.py,
+Numba passes around NumPy's in-place SIMD exp/tanh, for float32/float64 arrays;
+the reference otherwise) or `kernel="reference"` (the NumPy written here, always).
 
 Inputs are (N, C) or (..., C): leading dimensions are flattened by the layers
 that need it. What it is not: no autograd, no parameter storage, no device
@@ -51,7 +51,7 @@ from trainer.nn.context import Context
 __all__ = ["Layer", "Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Container", "Sequential", "KERNELS",
            "check_kernel"]
 
-KERNELS = ("numba", "numpy")
+KERNELS = ("fast", "reference")
 
 
 def check_kernel(kernel: str) -> str:
@@ -157,8 +157,7 @@ class ReLU(Layer):
         return np.where(cache, dout, 0).astype(dout.dtype, copy=False)
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608...
-_GELU_A = 0.044715
+_GELU_C, _GELU_A = kernels.GELU_C, kernels.GELU_A  # sqrt(2 / pi), 0.044715
 
 
 class GELU(Layer):
@@ -175,17 +174,19 @@ class GELU(Layer):
 
     FORMS = ("tanh", "none")
 
-    def __init__(self, approximate: str = "tanh", *, kernel: str = "numba") -> None:
+    def __init__(self, approximate: str = "tanh", *, kernel: str = "fast") -> None:
         if approximate not in self.FORMS:
             raise ValueError(f"GELU approximate must be one of {self.FORMS}, got {approximate!r}")
         self.approximate, self.kernel = approximate, check_kernel(kernel)
         self.exact = approximate == "none"
 
     def forward(self, params, x, ctx):
-        if self.kernel == "numba" and kernels.use_numba(x):
-            out = np.empty_like(x)
-            kernels.gelu_forward(x.reshape(-1), out.reshape(-1), self.exact)
-            return out, (x, None)
+        if self.kernel == "fast" and kernels.use_fast(x):
+            if self.exact:
+                out, e = kernels.gelu_erf_forward(x)
+                return out, (x, e, "fast")
+            out, t = kernels.gelu_tanh_forward(x)
+            return out, (x, t, "fast")
         if self.exact:
             cdf = 0.5 * (1.0 + _erf(x * _INV_SQRT2))
             return x * cdf, (x, cdf)
@@ -193,12 +194,13 @@ class GELU(Layer):
         return 0.5 * x * (1.0 + t), (x, t)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
-        x, t = cache
-        if t is None:  # the kernel's forward kept only x
-            dout = np.ascontiguousarray(dout, dtype=np.result_type(x, dout))
-            dx = np.empty_like(dout)
-            kernels.gelu_backward(x.reshape(-1), dout.reshape(-1), dx.reshape(-1), self.exact)
-            return dx
+        if len(cache) == 3:  # the fast path: t is tanh(u), or erf(x / sqrt 2) for the exact form
+            x, t, _ = cache
+            if dout.dtype == x.dtype:
+                return (kernels.gelu_erf_backward if self.exact else kernels.gelu_tanh_backward)(x, t, dout)
+            t = 0.5 * (1.0 + t) if self.exact else t  # the reference's cache: Phi(x), or tanh(u)
+        else:
+            x, t = cache
         if self.exact:
             local = t + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)  # t is Phi(x) here
         else:
@@ -230,7 +232,7 @@ class LayerNorm(Layer):
     the caller's array (no copy), and recomputes xhat in its one backward pass.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, kernel: str = "numba") -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, kernel: str = "fast") -> None:
         if dim <= 0:
             raise ValueError(f"LayerNorm dim must be > 0, got {dim}")
         self.dim, self.eps, self.kernel = dim, eps, check_kernel(kernel)
@@ -244,7 +246,7 @@ class LayerNorm(Layer):
 
     def forward(self, params, x, ctx):
         w, b = params["weight"], params["bias"]
-        if self.kernel == "numba" and x.dtype == np.result_type(x, w) and kernels.use_numba(x, w, b):
+        if self.kernel == "fast" and x.dtype == np.result_type(x, w) and kernels.use_fast(x, w, b):
             x2 = x.reshape(-1, self.dim)  # (N, C), a view
             out = np.empty_like(x2)
             mean, rstd = np.empty(len(x2), np.float64), np.empty(len(x2), np.float64)  # (N,)

@@ -126,13 +126,14 @@ class CrossEntropyLoss(Loss):
     out (N, T, K), target (N, T)  l_n = (1/T) sum_t -log softmax(out_nt)[y_nt]
     loss = sum_n l_n / D;  dout_nt = dloss (softmax(out_nt) - onehot(y_nt)) / (T D)
 
-    kernel="numba": forward_backward runs one fused kernel (trainer/nn/kernels.py) for
-    float32/float64 logits; "numpy": the functions above. The metrics are computed in float64.
+    kernel="fast": forward_backward runs trainer/nn/kernels.py's (Numba passes around an
+    in-place np.exp) for float32/float64 logits; "reference": the functions above. The
+    metrics are computed in float64.
     """
 
-    def __init__(self, kernel: str = "numba") -> None:
-        if kernel not in ("numba", "numpy"):
-            raise ValueError(f"kernel must be 'numba' or 'numpy', got {kernel!r}")
+    def __init__(self, kernel: str = "fast") -> None:
+        if kernel not in ("fast", "reference"):
+            raise ValueError(f"kernel must be 'fast' or 'reference', got {kernel!r}")
         self.kernel = kernel
 
     @staticmethod
@@ -156,13 +157,12 @@ class CrossEntropyLoss(Loss):
 
     def forward_backward(self, out, target, denominator=None, dloss=1.0):
         logits, y, T = self._flatten(out, target)
-        if self.kernel != "numba" or not kernels.use_numba(logits):
+        if self.kernel != "fast" or not kernels.use_fast(logits):
             return super().forward_backward(out, target, denominator, dloss)
         _check(logits, y, 1.0)
         denom = _denominator(out.shape[0], denominator) * T
-        dlogits = np.empty_like(logits)  # (N*T, K)
-        total = kernels.cross_entropy_forward_backward(logits, y, dloss / denom, dlogits)
-        return float(total) / denom, dlogits.reshape(out.shape)
+        total, dlogits = kernels.cross_entropy_forward_backward(logits, y, dloss / denom)  # (N*T, K)
+        return total / denom, dlogits.reshape(out.shape)
 
     def metrics(self, out, target):
         logits, y, T = self._flatten(np.asarray(out, dtype=np.float64), target)

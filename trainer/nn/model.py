@@ -328,7 +328,7 @@ def mlp(
     pad_to: int = 1,
     dtype=np.float32,
     gelu: str = "tanh",
-    kernel: str = "numba",
+    kernel: str = "fast",
     loss: Loss | None = None,
 ) -> Model:
     """An MLP with one unit per hidden block and the head as the last unit.
