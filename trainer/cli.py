@@ -54,7 +54,7 @@ DTYPE_CHOICES = ("float32", "float16", "bfloat16", "float64")
 MODELS = ("mlp", "gpt")
 # defaults that depend on the model: (mlp, gpt)
 MODEL_DEFAULTS = {
-    "epochs": (5, 6),
+    "epochs": (5, 8),
     "batch_size": (64, 64),  # rows (mlp), windows of block_size tokens (gpt)
     "lr": (2e-3, 2e-3),
     "eval_train": (True, False),  # a GPT's training set is 420 KB of windows: the step losses say enough
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backward (same gradients, less memory; the run summary shows the activation peak)")
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--epochs", type=_non_negative_int, default=None, help="default 5 (mlp), 6 (gpt)")
+    g.add_argument("--epochs", type=_non_negative_int, default=None, help="default 5 (mlp), 8 (gpt)")
     g.add_argument("--batch-size", type=_positive_int, default=None, metavar="G",
                    help="global micro-batch size, all ranks together: rows (mlp) or windows (gpt); default 64")
     g.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default 2e-3)")

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpt_flags_and_their_defaults():
     args = parse_args(["--model", "gpt"])
-    assert (args.epochs, args.batch_size, args.lr, args.eval_train, args.eval_batch_size) == (6, 64, 2e-3, False, 64)
+    assert (args.epochs, args.batch_size, args.lr, args.eval_train, args.eval_batch_size) == (8, 64, 2e-3, False, 64)
     assert (args.n_layer, args.n_head, args.n_embd, args.block_size, args.gelu) == (4, 4, 128, 64, "tanh")
     assert parse_args([]).eval_train and parse_args([]).epochs == 5  # the MLP's stay
     args = parse_args(["--model", "gpt", "--n-layer", "2", "--n-embd", "12", "--n-head", "3", "--block-size", "8",

@@ -6,8 +6,9 @@ How it works:
                broadcast (as torch DDP does), so replicas start bit-identical.
     buckets:   units are grouped in the order their gradients complete
                (model.grad_ready_order(): last unit first) into buckets of
-               at most bucket_cap_mb of gradient bytes (a unit larger than the cap gets
-               its own bucket). Each bucket is one flat buffer in reduce_dtype, and every
+               at most bucket_cap_mb of gradient bytes, the first of at most 1 MiB as
+               torch DDP's (so the first gradients ready leave early even when the whole
+               model fits one bucket); a unit larger than the cap gets its own bucket. Each bucket is one flat buffer in reduce_dtype, and every
                unit's gradient buffer is a VIEW into it (torch DDP's
                gradient_as_bucket_view), so "bucket_copy_in" and "bucket_copy_out" are
                free and the collective works on the gradients themselves.
@@ -41,7 +42,9 @@ import numpy as np
 from trainer.precision import cast_to
 from trainer.sharding.data_parallel import DataParallelStrategy
 
-__all__ = ["Bucket", "plan_buckets", "DDPStrategy"]
+__all__ = ["Bucket", "plan_buckets", "DDPStrategy", "FIRST_BUCKET_NBYTES"]
+
+FIRST_BUCKET_NBYTES = 1 << 20  # torch DDP's _DEFAULT_FIRST_BUCKET_BYTES: the first gradients travel early
 
 
 class Bucket:
@@ -60,14 +63,18 @@ class Bucket:
             offset += sizes[i]
 
 
-def plan_buckets(sizes_nbytes: list[int], cap_nbytes: int, order: list[int] | None = None) -> list[list[int]]:
-    """Units grouped in completion `order` (default: highest index first) with at most cap bytes each.
+def plan_buckets(sizes_nbytes: list[int], cap_nbytes: int, order: list[int] | None = None,
+                 first_cap_nbytes: int | None = None) -> list[list[int]]:
+    """Units grouped in completion `order` (default: highest index first) with at most cap bytes each
+    (the first bucket at most `first_cap_nbytes`, default the cap).
 
-    plan_buckets([4, 4, 4], 8) == [[2, 1], [0]]; a unit above the cap is alone.
+    plan_buckets([4, 4, 4], 8) == [[2, 1], [0]]; plan_buckets([4, 4, 4], 8, first_cap_nbytes=4) ==
+    [[2], [1, 0]]; a unit above the cap is alone.
     """
     buckets, current, used = [], [], 0
     for i in (reversed(range(len(sizes_nbytes))) if order is None else order):
-        if current and used + sizes_nbytes[i] > cap_nbytes:
+        cap = cap_nbytes if buckets or first_cap_nbytes is None else min(cap_nbytes, first_cap_nbytes)
+        if current and used + sizes_nbytes[i] > cap:
             buckets.append(current)
             current, used = [], 0
         current.append(i)
@@ -90,7 +97,8 @@ class DDPStrategy(DataParallelStrategy):
         self.compute = [cast_to(m, self.param_dtype) for m in full] if self.separate else self.master
         sizes = self.lengths
         cap = max(1, int(self.config.bucket_cap_mb * 2**20))
-        plan = plan_buckets([s * self.reduce_dtype.itemsize for s in sizes], cap, self.model.grad_ready_order())
+        plan = plan_buckets([s * self.reduce_dtype.itemsize for s in sizes], cap, self.model.grad_ready_order(),
+                            FIRST_BUCKET_NBYTES)
         self.buckets = [Bucket(ids, sizes, self.reduce_dtype) for ids in plan]  # in launch order
         self.grads: list[np.ndarray] = [None] * len(self.units)
         self._bucket_of: dict[int, Bucket] = {b.ready_after: b for b in self.buckets}
