@@ -4,6 +4,7 @@
     python bench/trainer.py --compare torch                  # + torch DDP on Gloo, same model, same run
     python bench/trainer.py --model gpt --compare torch      # the default GPT; + torch DDP and FSDP on Gloo
     python bench/trainer.py --model gpt --profile            # one process: where the step's compute goes
+    python bench/trainer.py --model gpt --interleave --repeat 10   # one process: ours and torch, turn by turn
     python bench/trainer.py --strategies ddp,fsdp --ranks 2,4 --steps 10 --quick
     python bench/trainer.py --strategies zero2 --ranks 4 --compression none,int8 --repeat 3   # rows zero2, zero2+int8
 
@@ -26,7 +27,11 @@ model is the same architecture written as nanoGPT writes it (explicit causal sof
 tanh, the head tied to the embedding), run by torch DDP and by torch FSDP2 (`fully_shard`
 per block and on the root, the ZeRO-3 of torch) on Gloo, one thread per rank.
 
-Warm-up steps (not timed), then a barrier, `--steps` timed steps, a barrier.
+Warm-up steps (not timed), then a barrier, `--steps` timed steps, a barrier. Every worker,
+ours and torch's, first calls trainer.allocator.retain_freed_memory() (as `python -m
+trainer` does): without it glibc returns a step's freed activations to the kernel and the
+next step page-faults them back, which cost ringweave ~50 ms and torch ~12 ms of system
+time per GPT step.
 
 Per configuration (rank 0 prints one table row, all ranks' figures go to JSON):
 
@@ -321,6 +326,10 @@ def _worker_torch(args) -> dict:
 def worker_main(args) -> int:
     from threadpoolctl import threadpool_limits
 
+    from trainer.allocator import retain_freed_memory
+
+    retain_freed_memory()  # as python -m trainer does; torch's workers too (their page faults fall as well)
+
     with threadpool_limits(limits=1, user_api="blas"):
         if args.strategy in TORCH_STRATEGIES:
             result = _worker_torch(args)
@@ -333,6 +342,78 @@ def worker_main(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
+    return 0
+
+
+# ---- --interleave: ringweave and torch in one process, round by round -----------
+
+
+def interleave_main(args) -> int:
+    """One process, one BLAS thread: ringweave's ddp (the strategy at world size 1, its compute thread
+    included) and torch's plain model take turns, `--steps` steps each per round, for `--repeat` rounds;
+    each round's ratio is taken between two runs seconds apart, so a busy machine slows both alike."""
+    import statistics
+
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from runtime.testing import run_ranks
+    from trainer.sharding import make_strategy
+    from trainer.sharding.base import TrainConfig
+
+    from trainer.allocator import retain_freed_memory
+
+    retain_freed_memory()  # for both: the process's malloc, as python -m trainer sets it
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    module, loss_fn = _torch_model(args)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+    [(x, y, offset, size)] = _batches(args, 0, 1)[0]
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    per_sample = args.block_size if args.model == "gpt" else 1
+
+    def torch_step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(module(tx), ty)
+        loss.backward()
+        opt.step()
+
+    async def body(group):
+        strategy = make_strategy("ddp", _ringweave_model(args), TrainConfig(lr=1e-3, total_steps=1), group)
+        await strategy.setup()
+        try:
+            for _ in range(args.warmup):
+                await strategy.train_step([(x, y, offset, size)])
+                torch_step()
+            rows = []
+            for _ in range(args.repeat):
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                for _ in range(args.steps):
+                    await strategy.train_step([(x, y, offset, size)])
+                ours, ours_cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                for _ in range(args.steps):
+                    torch_step()
+                theirs, theirs_cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+                rows.append((ours, theirs, ours_cpu, theirs_cpu, os.getloadavg()[0]))
+            return rows
+        finally:
+            strategy.close()
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        [rows] = asyncio.run(run_ranks(1, body, timeout_s=3600))
+    tokens = args.steps * args.batch * per_sample
+    print(f"# {args.model}, 1 rank, batch {args.batch}, {args.steps} steps per turn, {args.repeat} rounds, 1 thread: "
+          f"ringweave ddp (the strategy, compute thread included) and torch (plain module + AdamW) alternate")
+    print(f"{'round':>5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} {'ours cpu ms':>12} {'torch cpu ms':>13} "
+          f"{'load':>5}")
+    for k, (ours, theirs, oc, tc, load) in enumerate(rows):
+        print(f"{k:>5} {tokens / ours:11.0f} {tokens / theirs:12.0f} {theirs / ours:6.2f} "
+              f"{1e3 * oc / args.steps:12.1f} {1e3 * tc / args.steps:13.1f} {load:5.1f}")
+    ratios = [theirs / ours for ours, theirs, *_ in rows]
+    cpu = [tc / oc for _, _, oc, tc, _ in rows]
+    print(f"median ratio of tokens/s (ours / torch) {statistics.median(ratios):.2f}x (goal >= 0.8x), "
+          f"of CPU time per step (torch / ours) {statistics.median(cpu):.2f}x")
     return 0
 
 
@@ -615,6 +696,8 @@ def main(argv=None) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="one process: where the step's compute goes (cProfile, grouped); no launcher")
+    p.add_argument("--interleave", action="store_true",
+                   help="one process: ringweave ddp at world size 1 and torch alternate, --repeat rounds")
     p.add_argument("--quick", action="store_true", help="a 1M-parameter model and 5 steps (a smoke run)")
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
@@ -641,6 +724,8 @@ def main(argv=None) -> int:
         return worker_main(args)
     if args.profile:
         return profile_main(args)
+    if args.interleave:
+        return interleave_main(args)
     return driver_main(args)
 
 

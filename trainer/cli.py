@@ -40,6 +40,7 @@ import sys
 import numpy as np
 
 import runtime
+from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
 from trainer.nn import GPT, GPTConfig, mlp
@@ -289,6 +290,7 @@ def describe(args: argparse.Namespace, data, model, world_size: int, steps: int)
 
 
 async def run(args: argparse.Namespace) -> int:
+    retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
     rt = await runtime.init()
     strategy = None
     try:
