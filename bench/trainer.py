@@ -451,8 +451,11 @@ def profile_main(args) -> int:
 
     from threadpoolctl import threadpool_limits
 
+    from trainer.allocator import retain_freed_memory
     from trainer.nn import Context, gpt, layers
     from trainer.optim import AdamW
+
+    retain_freed_memory()  # as python -m trainer does
 
     owners = {}  # (file, first line) of a layer's forward/backward -> its class
     for cls in (layers.Linear, layers.LayerNorm, layers.GELU, gpt._TiedHead):
