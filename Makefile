@@ -11,20 +11,21 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -e ".[test,cuda,plot]"
+	$(BIN)/python -m pip install -e ".[test,cuda,ptx,plot]"
 	touch $(STAMP)
 
 # The main job: 4 ranks train the default model on digits through the launcher.
 demo: $(STAMP)
 	$(BIN)/python -m runtime.launch -n 4 -m trainer
 
-# The whole test suite (what CI runs).
+# The whole test suite (what CI runs): lint (pyproject.toml [tool.ruff]), then every test.
 test: $(STAMP)
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(BIN)/python bench/p2p.py
-	$(BIN)/python bench/collectives.py
+	$(BIN)/python bench/p2p.py --out-dir bench/out
+	$(BIN)/python bench/collectives.py --out-dir bench/out
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

@@ -5,6 +5,7 @@
     python bench/trainer.py --model gpt --compare torch      # the default GPT; + torch DDP and FSDP on Gloo
     python bench/trainer.py --model gpt --profile            # one process: where the step's compute goes
     python bench/trainer.py --model gpt --interleave --repeat 10   # one process: ours and torch, turn by turn
+    python bench/trainer.py --model gpt --page-faults        # what glibc's malloc defaults cost a step
     python bench/trainer.py --strategies ddp,fsdp --ranks 2,4 --steps 10 --quick
     python bench/trainer.py --strategies zero2 --ranks 4 --compression none,int8 --repeat 3   # rows zero2, zero2+int8
 
@@ -51,7 +52,7 @@ Napkin math for 1 rank: 6 x 8.7M x 256 = 13 GFLOP per step; at ~40 GFLOP/s
 on one AVX2 core, ~0.33 s per step, ~780 samples/s. DDP at N ranks sends
 2 (N-1)/N x 35 MB per step per rank.
 
-Goals, printed as ratios, never asserted: MLP: at 2 ranks >= 1.7x the samples/s of
+Targets, printed as ratios, never asserted: MLP: at 2 ranks >= 1.7x the samples/s of
 1 rank; exposed < 30% of comm for ddp and fsdp; at 4 ranks >= 0.9x torch DDP's
 samples/s. GPT: at 1 rank >= 0.8x torch's tokens/s; at 4 ranks fsdp >= 1.0x torch FSDP
 and torch DDP.
@@ -72,7 +73,7 @@ Noise: other processes on a 2-core machine only ever slow a run down, so
 `--repeat N` runs each configuration N times and reports the fastest (all
 N figures go to JSON); every row shows the 1-minute load average before it.
 
-Output: the table on stdout, JSON in bench/out/trainer.json (or --out).
+Output: the table on stdout, JSON in trainer.json under --out-dir (default: the current directory), or --out.
 """
 
 from __future__ import annotations
@@ -417,6 +418,85 @@ def interleave_main(args) -> int:
     return 0
 
 
+# ---- --page-faults: what glibc's defaults cost a step --------------------------
+
+
+def page_faults_worker(args) -> int:
+    """One process: `--steps` steps of ours (the strategy at world size 1) or torch's, with or without
+    retain_freed_memory(); prints user and system ms and minor faults per step as JSON."""
+    import resource
+
+    from threadpoolctl import threadpool_limits
+
+    framework, retain = args.page_faults_worker.split(":")
+    if retain == "1":
+        from trainer.allocator import retain_freed_memory
+
+        retain_freed_memory()
+    [(x, y, offset, size)] = _batches(args, 0, 1)[0]
+    if framework == "torch":
+        import torch
+
+        torch.set_num_threads(1)
+        module, loss_fn = _torch_model(args)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+        async def steps(n):
+            for _ in range(n):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(module(tx), ty).backward()
+                opt.step()
+    else:
+        from runtime.testing import run_ranks
+        from trainer.sharding import make_strategy
+        from trainer.sharding.base import TrainConfig
+
+        state = {}
+
+        async def steps(n):
+            async def body(group):
+                if "strategy" not in state:
+                    state["strategy"] = make_strategy("ddp", _ringweave_model(args), TrainConfig(total_steps=1), group)
+                    await state["strategy"].setup()
+                for _ in range(n):
+                    await state["strategy"].train_step([(x, y, offset, size)])
+            await run_ranks(1, body)
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        asyncio.run(steps(args.warmup))
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        asyncio.run(steps(args.steps))
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+    n = args.steps
+    print(json.dumps(dict(user_ms=1e3 * (r1.ru_utime - r0.ru_utime) / n, sys_ms=1e3 * (r1.ru_stime - r0.ru_stime) / n,
+                          minflt=(r1.ru_minflt - r0.ru_minflt) / n)))
+    return 0
+
+
+def page_faults_main(args) -> int:
+    """Ours and torch's, each with glibc's defaults and with retain_freed_memory(), each in a fresh process."""
+    print(f"# {args.model}, batch {args.batch}, {args.warmup} warm-up + {args.steps} steps, one process each, "
+          f"1 thread; ours through the ddp strategy at world size 1 (its compute thread allocates); load "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'framework':<10} {'malloc':<22} {'user ms/step':>12} {'sys ms/step':>12} {'minor faults/step':>18}")
+    for framework in ("ringweave", "torch"):
+        for retain in ("0", "1"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--page-faults-worker", f"{framework}:{retain}",
+                   "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd",
+                   str(args.n_embd), "--block-size", str(args.block_size)]
+            proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout_s,
+                                  env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+            if proc.returncode:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                return 1
+            r = json.loads(proc.stdout.splitlines()[-1])
+            label = "retain_freed_memory()" if retain == "1" else "glibc defaults"
+            print(f"{framework:<10} {label:<22} {r['user_ms']:12.1f} {r['sys_ms']:12.1f} {r['minflt']:18.0f}")
+    return 0
+
+
 # ---- --profile: where one process's step goes ---------------------------------
 
 
@@ -663,7 +743,7 @@ def driver_main(args) -> int:
     print()
     for line in (gpt_goals(results) if args.model == "gpt" else goals(results)):
         print(line)
-    out = args.out or os.path.join(_HERE, "out", "trainer.json")
+    out = args.out or os.path.abspath(os.path.join(args.out_dir or os.getcwd(), "trainer.json"))  # not the source tree
     os.makedirs(os.path.dirname(out), exist_ok=True)
     shape = (dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
              if args.model == "gpt" else dict(in_dim=args.in_dim, width=args.width, depth=args.depth,
@@ -701,13 +781,18 @@ def main(argv=None) -> int:
                    help="one process: where the step's compute goes (cProfile, grouped); no launcher")
     p.add_argument("--interleave", action="store_true",
                    help="one process: ringweave ddp at world size 1 and torch alternate, --repeat rounds")
+    p.add_argument("--page-faults", action="store_true",
+                   help="user / system time and page faults per step, ours and torch's, with and without "
+                        "trainer.allocator.retain_freed_memory()")
+    p.add_argument("--page-faults-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="a 1M-parameter model and 5 steps (a smoke run)")
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
     p.add_argument("--compression", default="none",
                    help="gradient codecs, comma-separated, each a row: e.g. none,int8 or int8+ef (TrainConfig."
                         "compression; the worker: one codec)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out-dir", default=None, help="directory for trainer.json (default: the current directory)")
+    p.add_argument("--out", default=None, help="JSON path (default: OUT_DIR/trainer.json)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
@@ -725,6 +810,10 @@ def main(argv=None) -> int:
         args.n_layer, args.n_embd, args.block_size = 2, 64, 32
     if args.worker:
         return worker_main(args)
+    if args.page_faults_worker:
+        return page_faults_worker(args)
+    if args.page_faults:
+        return page_faults_main(args)
     if args.profile:
         return profile_main(args)
     if args.interleave:

@@ -46,6 +46,23 @@ class PeerLostError(RingweaveError):
         self.rank = rank
 
 
+class PeerAbortedError(PeerLostError):
+    """A peer rank left the job because its program raised: it told every peer
+    (``runtime.abort``, a communicator or runtime left by an exception) before
+    closing, so the others fail at once instead of waiting for a timeout.
+
+    Attributes:
+        rank: the global rank that aborted.
+        exc_type: the name of the exception it raised, e.g. ``"ValueError"``.
+        reason: that exception's message.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, exc_type: str = "", reason: str = ""):
+        super().__init__(message, rank)
+        self.exc_type = exc_type
+        self.reason = reason
+
+
 class PeerTimeoutError(RingweaveError, TimeoutError):
     """A point-to-point send or receive of an actor did not complete in time.
 
@@ -109,6 +126,12 @@ class CollectiveMismatchError(CollectiveError):
     calls and both ranks."""
 
 
+class MessageMismatchError(CollectiveMismatchError, ValueError):
+    """A point-to-point message does not fit the receive that took it: the sender's dtype or
+    shape differs from the receive buffer's. Raised by the receive before a byte of the
+    message lands in the buffer; the message names both."""
+
+
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A collective did not finish in time. The message names the ranks that
     had not delivered what this rank was waiting for.
@@ -122,3 +145,11 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         super().__init__(message)
         self.missing = list(missing or [])
         self.absent = list(absent or [])
+
+
+# -- settings ----------------------------------------------------------------
+
+
+class SettingError(RingweaveError, ValueError):
+    """A ``RINGWEAVE_*`` environment variable holds a value its parser refuses (runtime/env.py).
+    The message names the variable, its value and what it must be."""

@@ -5,7 +5,8 @@ Three implementations of one contract (``reference.py`` states it):
 * ``reference`` -- plain NumPy, the definition.
 * ``cpu`` -- Numba ``@njit(nogil=True)``, bit-identical to the reference.
 * ``cuda`` -- numba.cuda, for device arrays (imported only when one shows up,
-  so that ``NUMBA_ENABLE_CUDASIM`` can still be set by then).
+  so that ``NUMBA_ENABLE_CUDASIM`` can still be set by then); bfloat16 device
+  arrays are ``cuda.Bits16`` (uint16 words with the logical dtype beside).
 
 Choosing a backend, first match wins:
 
@@ -19,22 +20,23 @@ Nothing here communicates; the collectives call these between receives.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from runtime import env
 
 from . import reference
 from .reference import DTYPES, OPS
 
 BACKENDS = ("numpy", "numba", "cuda")
-ENV_VAR = "RINGWEAVE_KERNELS"
+ENV_VAR = env.KERNELS.name
 
 __all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "is_device_array", "reduce_into", "scale_into"]
 
 
 def is_device_array(a) -> bool:
-    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects."""
-    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
+    """True for numba device arrays (real or simulated), ``__cuda_array_interface__`` objects
+    and ``cuda.Bits16`` (16-bit words with their logical dtype)."""
+    return type(a).__name__ in ("FakeCUDAArray", "Bits16") or hasattr(a, "__cuda_array_interface__")
 
 
 def choose_backend(*arrays, backend: str | None = None) -> str:
@@ -49,9 +51,7 @@ def choose_backend(*arrays, backend: str | None = None) -> str:
         kinds = ", ".join(f"{type(a).__name__} ({'device' if d else 'host'})" for a, d in zip(arrays, on_device))
         raise TypeError(f"mixing device and host arrays: {kinds}; copy explicitly first")
     if backend is None and not any(on_device):
-        backend = os.environ.get(ENV_VAR) or None
-        if backend is not None and backend not in ("numpy", "numba"):
-            raise ValueError(f"{ENV_VAR} must be 'numpy' or 'numba', got {backend!r}")
+        backend = env.KERNELS.get()  # SettingError (a ValueError) unless numpy or numba
     if backend is None:
         if any(on_device):
             return "cuda"
