@@ -3,14 +3,12 @@
 What it is: `retain_freed_memory()`, which sets glibc's M_MMAP_THRESHOLD to its maximum
 (32 MiB), M_TRIM_THRESHOLD to 2 GiB and M_ARENA_MAX to 1 through `mallopt` (the
 strategies' compute thread would otherwise allocate from an arena of its own, whose
-64 MiB heaps go back to the kernel when they empty, thresholds or not). By default glibc hands an
-array of more than 128 KiB to its own `mmap` and returns it to the kernel when it is
-freed, so every training step maps its activations afresh and the kernel zeroes each
-page on first touch: 25,000 minor page faults and 50-60 ms of system time per step of
-the default GPT (batch 64 x 64 tokens, ~220 ms of user time), a fifth of the step's CPU.
+64 MiB heaps go back to the kernel when they empty, thresholds or not). By default glibc
+hands an array of more than 128 KiB to its own `mmap` and returns it to the kernel when
+it is freed, so every training step maps its activations afresh and the kernel zeroes
+each page on first touch: about a fifth of a GPT step's CPU went to those page faults.
 With the thresholds raised, freed activations stay in malloc's heap for the next step
-(measured through a strategy at world size 1: 15,000-18,000 faults and 30-60 ms of system
-time per step before, 0-50 faults and 2-4 ms after; bench/results/trainer.md). The resident set
+(bench/results/trainer.md#malloc-page-faults-of-a-steps-activations). The resident set
 then stays at its peak between steps, as with torch's or jemalloc's caching.
 
 `python -m trainer` calls it at start; a program of its own may too. It changes the

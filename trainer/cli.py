@@ -15,8 +15,9 @@ with half an epoch of warm-up and cosine decay, global batch 64, 5 epochs) reach
 >= 95% validation accuracy under every strategy; the figures are in the
 commit that set them. Defaults, GPT (`--model gpt`: 4 blocks, 4 heads, width
 128, block size 64, GELU tanh, byte tokens of the Python docs, AdamW at 2e-3,
-global batch 64 windows; bench/results/trainer-gpt-loss.md has the loss each
-strategy reaches and the time). Flags whose default depends on the model say so.
+global batch 64 windows, 8 epochs; the loss each strategy reaches and the time:
+bench/results/gpt.md#the-default-gpt-at-4-ranks-every-strategy-loss-time-a-sample).
+Flags whose default depends on the model say so.
 
 BLAS threads: each rank limits BLAS to `--blas-threads` threads (default 1)
 with threadpoolctl, whatever OPENBLAS_NUM_THREADS says. The default model's
