@@ -8,9 +8,11 @@ It finds the job through the file its launcher keeps (runtime/jobfile.py),
 reads every rank's address from the store, connects to each rank as an
 authenticated tool (the job's secret; tools may call only ``ringweave.*``
 handlers) and prints each rank's collective calls in flight: the operation,
-how long it has waited and which ranks it is waiting on. A rank that does not
-answer within ``--timeout-s`` is reported as not answering (stopped,
-busy in native code without the GIL, or dead).
+how long it has waited and which ranks it is waiting on. A rank answers from
+its listener's own thread (runtime/acceptor.py), so a rank whose event loop is
+busy (a tight loop of collectives, a long computation) still answers at once;
+one that does not answer within ``--timeout-s`` is reported as not answering
+(stopped, holding the GIL in native code, or dead).
 
 Example, a job whose rank 2 was stopped with SIGSTOP::
 
@@ -31,7 +33,7 @@ import msgpack
 
 from runtime import auth, jobfile, wire
 from runtime.actor import SCHEMA as _ACTOR_SCHEMA
-from runtime.errors import RingweaveError
+from runtime.errors import JobFileError, RingweaveError
 from runtime.launch import attempt_prefix
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         info = jobfile.find(args.job)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, JobFileError) as exc:  # JobFileError: the directory is not safely ours
         print(exc, file=sys.stderr)
         return 1
     statuses = asyncio.run(collect(info, args.timeout_s))

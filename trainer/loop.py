@@ -513,16 +513,18 @@ async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_
 
 
 async def _load_checkpoint(directory: str, strategy: Strategy, run: dict) -> dict | None:
-    """Loads the newest checkpoint into `strategy`; returns the loop's position, or None if there is none.
+    """Loads the newest checkpoint that loads on every rank into `strategy` (an older one when the
+    newest is damaged: trainer.checkpoint.load_newest_valid); returns the loop's position, or None
+    if there is none.
 
     Raises:
         ValueError: the checkpoint was not written by `fit`, or by a run whose batching
             (data size, global batch, accumulation, seed) differs, so skipping the
             consumed batches would not continue the same run.
     """
-    if checkpoint.latest(directory) is None:
+    meta = await checkpoint.load_newest_valid(strategy, directory)  # a damaged newest: the one before
+    if meta is None:
         return None
-    meta = checkpoint.load(strategy, directory)
     loop = (meta.get("extra") or {}).get("loop")
     if loop is None:
         raise ValueError(f"{meta['path']} was not written by trainer.loop.fit (no loop position in its "
