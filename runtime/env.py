@@ -11,6 +11,7 @@ POSIX) with the name encoded once: ~0.1 us. Same answers as ``os.environ.get``: 
 from __future__ import annotations
 
 import os
+import signal
 
 _data = getattr(os.environ, "_data", None)
 _encode = getattr(os.environ, "encodekey", None)
@@ -105,3 +106,73 @@ def _number(name: str, default: float, unit: str, ok, must: str) -> float:
     if not ok(value):
         raise ValueError(f"{name}={raw!r}: {must}")
     return value
+
+
+WATCH_PARENT_ENV_VAR = "RINGWEAVE_WATCH_PARENT"
+
+
+def watch_parent() -> bool:
+    """Whether each rank of a multi-rank job exits when its launcher (its parent process) dies
+    (runtime/lifeline.py): ``RINGWEAVE_WATCH_PARENT`` as it is now; on unless it is ``0``.
+
+    Raises:
+        ValueError: the variable is neither 0 nor 1; the message names it and its value.
+    """
+    raw = (get(WATCH_PARENT_ENV_VAR) or "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{WATCH_PARENT_ENV_VAR}={raw!r}: must be 1 (watch the launcher, the default) or 0")
+    return raw != "0"
+
+
+PREEMPT_SIGNALS_ENV_VAR = "RINGWEAVE_PREEMPT_SIGNALS"
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")  # scancel and preemption; sbatch --signal=USR1@T, mpirun forwards it
+PREEMPT_EXIT_CODE_ENV_VAR = "RINGWEAVE_PREEMPT_EXIT_CODE"
+
+
+def preempt_signals() -> tuple[str, ...]:
+    """The signals that make a training run checkpoint at a step all ranks agree on and exit
+    (trainer/preempt.py), as names like "SIGUSR1": ``RINGWEAVE_PREEMPT_SIGNALS`` as it is now,
+    a comma-separated list of names (``TERM,USR1``, ``SIGUSR2``) or numbers; ``none``: none;
+    unset or empty: SIGTERM and SIGUSR1.
+
+    Raises:
+        ValueError: an entry that names no signal; the message names the variable and its value.
+    """
+    raw = (get(PREEMPT_SIGNALS_ENV_VAR) or "").strip()
+    if not raw:
+        return DEFAULT_PREEMPT_SIGNALS
+    if raw.lower() == "none":
+        return ()
+    names = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        try:
+            sig = signal.Signals(int(item)) if item.isdigit() else signal.Signals[
+                item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()]
+        except (KeyError, ValueError):
+            raise ValueError(f"{PREEMPT_SIGNALS_ENV_VAR}={raw!r}: {item!r} is not a signal") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{PREEMPT_SIGNALS_ENV_VAR}={raw!r}: {sig.name} cannot be caught")
+        names.append(sig.name)
+    return tuple(names)
+
+
+def preempt_exit_code(signum: int) -> int:
+    """The exit code of a run that checkpointed because of signal ``signum``:
+    ``RINGWEAVE_PREEMPT_EXIT_CODE`` as it is now (e.g. a code slurm.conf's RequeueExit lists),
+    else 128 + signum, what a shell, srun and mpirun report for that signal (143 for SIGTERM,
+    138 for SIGUSR1).
+
+    Raises:
+        ValueError: the variable is not an integer in 1..255.
+    """
+    raw = (get(PREEMPT_EXIT_CODE_ENV_VAR) or "").strip()
+    if not raw:
+        return 128 + signum
+    try:
+        code = int(raw)
+    except ValueError:
+        raise ValueError(f"{PREEMPT_EXIT_CODE_ENV_VAR}={raw!r} is not an integer") from None
+    if not 1 <= code <= 255:
+        raise ValueError(f"{PREEMPT_EXIT_CODE_ENV_VAR}={raw!r}: an exit code must be in 1..255 (0 would read as "
+                         f"success)")
+    return code

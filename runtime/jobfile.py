@@ -21,6 +21,11 @@ def job_dir() -> str:
     return os.path.join(base, f"ringweave-{os.getuid()}")
 
 
+def path(job: str) -> str:
+    """Where the file of job ``job`` is (whether or not it exists)."""
+    return os.path.join(job_dir(), f"{job}.json")
+
+
 def write(job: str, info: dict) -> str:
     """Writes (atomically, 0600) and returns the job file's path."""
     d = job_dir()

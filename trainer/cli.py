@@ -210,6 +210,7 @@ async def run(args: argparse.Namespace) -> int:
     import runtime
     from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
     from trainer.nn import mlp
+    from trainer.preempt import Preempted, Preemption
     from trainer.sharding import make_strategy
 
     rt = await runtime.init()
@@ -241,10 +242,18 @@ async def run(args: argparse.Namespace) -> int:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
-        history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
-                            callbacks=callbacks, checkpoint_dir=args.checkpoint_dir, keep_last=args.keep_last,
-                            resume=args.resume, log_every=0 if args.quiet else args.log_every,
-                            checkpoint_every=args.checkpoint_every, eval_train=args.eval_train, group=world)
+        try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
+            with Preemption(enabled=bool(args.checkpoint_dir)):
+                history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
+                                    callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
+                                    keep_last=args.keep_last, resume=args.resume,
+                                    log_every=0 if args.quiet else args.log_every,
+                                    checkpoint_every=args.checkpoint_every, eval_train=args.eval_train, group=world)
+        except Preempted as exc:
+            if world.rank == 0:
+                print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
+                      flush=True)
+            return exc.exit_code
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

@@ -55,6 +55,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from trainer import preempt
 from trainer.data import iter_local_batches, num_global_batches, split_bounds
 from trainer.sharding.base import Strategy, StepResult, TrainConfig
 
@@ -463,6 +464,8 @@ async def fit(
                 stop = True
             if checkpoint_dir and checkpoint_every and state.step % checkpoint_every == 0 and k + 1 < steps_total:
                 await save(epoch, k + 1, dict(sums))
+            # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py)
+            await preempt.at_step_boundary(group, (lambda: save(epoch, k + 1, dict(sums))) if checkpoint_dir else None)
             if stop:
                 break
 

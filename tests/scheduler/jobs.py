@@ -1,0 +1,111 @@
+"""Helpers for the tests that run real jobs (our launcher, srun, sbatch, mpirun): the small
+training run they share, comparing two runs bit for bit, waiting on output, processes.
+The README's recipes are read from README.md itself (:func:`recipe`), so what the tests run
+is what the README shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+VENV_BIN = str(Path(sys.executable).parent)  # `python` on PATH is this interpreter (the recipes say `python`)
+
+# Long enough (3 epochs of 150 steps) that a signal sent after the first progress lines lands
+# mid-training on a loaded machine, small enough to run in about a second of compute.
+TRAIN_ARGS = ["--data", "synthetic", "--size", "6000", "--width", "32", "--epochs", "3", "--batch-size", "32",
+              "--log-every", "10", "--no-eval-train"]
+SIGNAL_AFTER = "epoch 1/3 step 20/150"  # the progress line after which the tests signal a run
+FINAL_STEP = "step-00000450"
+
+
+def recipe(name: str) -> str:
+    """The indented block that follows ``<!-- recipe: NAME -->`` in README.md, dedented."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(rf"<!-- recipe: {re.escape(name)} -->\n\n((?:    .*\n|\n)+)", text)
+    assert m, f"README.md has no recipe {name!r}"
+    lines = m.group(1).rstrip("\n").split("\n")
+    return "\n".join(line[4:] for line in lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
+    """Polls ``predicate()`` until it returns something true; AssertionError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(poll_s)
+
+
+def text_of(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def kill_all(pids) -> list[int]:
+    """SIGKILLs those of ``pids`` still alive (processes a test started); returns them."""
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def probe_reports(text: str) -> list[dict]:
+    """The JSON objects tests/scheduler/probe.py printed, by rank (launchers may run lines together)."""
+    decoder, found = json.JSONDecoder(), []
+    for m in re.finditer(r'\{"rank"', text):
+        try:
+            found.append(decoder.raw_decode(text, m.start())[0])
+        except json.JSONDecodeError:
+            continue
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def load_run(json_path: Path, checkpoint_dir: Path) -> dict:
+    """What must be equal between two runs: each epoch's losses and accuracy (exact floats)
+    and every array of the final checkpoint (bytes)."""
+    history = json.loads(json_path.read_text())["history"]
+    epochs = [{k: e[k] for k in ("epoch", "train_loss", "val_loss", "val_acc", "skipped_steps")}
+              for e in history["epochs"]]
+    final = checkpoint_dir / FINAL_STEP
+    arrays = {str(p.relative_to(final)): np.load(p) for p in sorted(final.rglob("*.npy"))}
+    assert arrays, f"no arrays in {final}"
+    return {"epochs": epochs, "arrays": arrays}
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    assert a["epochs"] == b["epochs"]
+    assert a["arrays"].keys() == b["arrays"].keys()
+    for name, x in a["arrays"].items():
+        y = b["arrays"][name]
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f"{name} differs"
