@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 VENV_BIN = str(Path(sys.executable).parent)  # `python` on PATH is this interpreter (the recipes say `python`)
 
-# Long enough (3 epochs of 150 steps) that a signal sent after the first progress lines lands
+# Long enough (3 epochs of 100 steps) that a signal sent after the first progress lines lands
 # mid-training on a loaded machine, small enough to run in about a second of compute.
-TRAIN_ARGS = ["--data", "synthetic", "--size", "6000", "--width", "32", "--epochs", "3", "--batch-size", "32",
+TRAIN_ARGS = ["--data", "synthetic", "--size", "4000", "--width", "32", "--epochs", "3", "--batch-size", "32",
               "--log-every", "10", "--no-eval-train"]
-SIGNAL_AFTER = "epoch 1/3 step 20/150"  # the progress line after which the tests signal a run
-FINAL_STEP = "step-00000450"
+SIGNAL_AFTER = "epoch 1/3 step 10/100"  # the progress line after which the tests signal a run
+FINAL_STEP = "step-00000300"
 
 
 def recipe(name: str) -> str:

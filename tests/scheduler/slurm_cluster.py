@@ -25,6 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from runtime.scheduler import THREAD_VARS
 from tests.scheduler.jobs import VENV_BIN, alive, free_port, kill_all
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -55,8 +56,9 @@ class SlurmCluster:
     @property
     def env(self) -> dict:
         """os.environ with this cluster's SLURM_CONF and this interpreter's bin first on PATH
-        (so `python` in a job is the test's Python)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        (so `python` in a job is the test's Python), without variables of other jobs or threads."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in THREAD_VARS}
         return dict(env, SLURM_CONF=str(self.conf), PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")
 
     def run(self, cmd, timeout: float = 60, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -117,7 +119,9 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
             "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/builtin", "ReturnToService=2", "SlurmdParameters=config_overrides",
+            # a requeued job becomes eligible after cred_expire; the scheduler looks every sched_interval s
+            "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=1",
+            "ReturnToService=2", "SlurmdParameters=config_overrides",
             "KillWait=10", "InactiveLimit=0", "MinJobAge=600", "MailProg=/bin/true",
         ]
         for node, port in nodes.items():

@@ -31,6 +31,8 @@ def clean_env(monkeypatch):
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RINGWEAVE_WATCH_PARENT", "0")
+    for name in scheduler.THREAD_VARS:  # set: init leaves them (and this process's BLAS) alone
+        monkeypatch.setenv(name, os.environ.get(name) or "1")
     monkeypatch.setenv("RINGWEAVE_TIMEOUT_S", "20")  # the old behaviour (a wait) fails in 20 s, not 300
     return monkeypatch
 

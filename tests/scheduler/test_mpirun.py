@@ -42,7 +42,7 @@ def mpi_env():
 def test_train_mpi_sh_stopped_by_usr1_and_run_again_equals_an_uninterrupted_run(mpi_env, tmp_path, reference_run):
     script, log, ckpt = tmp_path / "train-mpi.sh", tmp_path / "run.log", tmp_path / "ckpt"
     script.write_text(recipe("mpirun"))
-    cmd = ["bash", str(script), "-np", "4", "--oversubscribe", "--", *TRAIN_ARGS, "--checkpoint-dir", str(ckpt),
+    cmd = ["bash", str(script), "-np", "2", "--", *TRAIN_ARGS, "--checkpoint-dir", str(ckpt),
            "--json", str(tmp_path / "run.json")]
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env, stdout=out, stderr=subprocess.STDOUT)
@@ -59,7 +59,7 @@ def test_train_mpi_sh_stopped_by_usr1_and_run_again_equals_an_uninterrupted_run(
     again = subprocess.run(cmd, cwd=tmp_path, env=mpi_env, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resumed from" in again.stderr
-    assert_same_run(reference_run(4), load_run(tmp_path / "run.json", ckpt))
+    assert_same_run(reference_run(2), load_run(tmp_path / "run.json", ckpt))
 
 
 def test_two_nodes_the_store_is_hosted_on_mpiruns_host_whatever_rank_runs_there(mpi_env, tmp_path):

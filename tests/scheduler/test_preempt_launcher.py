@@ -1,5 +1,5 @@
-"""Preemption under our launcher: a signal that reaches ONE rank mid-training makes every rank
-checkpoint at the same step and exit 128 + signal; --resume then ends exactly where a run that
+"""Preemption under our launcher: SIGTERM that reaches ONE rank mid-training makes every rank
+checkpoint at the same step and exit 143 (128 + SIGTERM); --resume then ends exactly where a run that
 was never stopped ends (losses and every parameter and optimizer array, bit for bit)."""
 
 import os
@@ -31,15 +31,15 @@ def test_a_signal_to_one_rank_checkpoints_all_and_the_resumed_run_equals_an_unin
             wait_for(lambda: SIGNAL_AFTER in text_of(log), 120, "training to start")
             ranks = _children(job.pid)
             assert len(ranks) == 2
-            os.kill(ranks[-1], signal.SIGUSR1)  # one rank only: the others learn it at the step boundary
-            assert job.wait(timeout=120) == 128 + signal.SIGUSR1, text_of(log)[-3000:]
+            os.kill(ranks[-1], signal.SIGTERM)  # one rank only: the others learn it at the step boundary
+            assert job.wait(timeout=120) == 128 + signal.SIGTERM, text_of(log)[-3000:]
         finally:
             if job.poll() is None:
                 job.kill()
                 job.wait()
     stopped_at = sorted(p.name for p in ckpt.glob("step-*"))
     assert stopped_at and stopped_at[-1] < FINAL_STEP, f"not stopped mid-training: {stopped_at}"
-    assert "stopped by SIGUSR1" in text_of(log)
+    assert "stopped by SIGTERM" in text_of(log)
     resumed = subprocess.run(cmd + ["--resume", "--json", str(tmp_path / "resumed.json")], cwd=ROOT,
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

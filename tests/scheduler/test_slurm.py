@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.scheduler.jobs import FINAL_STEP, ROOT, SIGNAL_AFTER, TRAIN_ARGS, alive, assert_same_run, kill_all, \
+from tests.scheduler.jobs import FINAL_STEP, ROOT, TRAIN_ARGS, alive, assert_same_run, kill_all, \
     load_run, probe_reports, recipe, text_of, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,15 +29,18 @@ def test_srun_n4_runs_the_main_job_as_four_ranks(slurm, tmp_path, reference_run)
 
 
 def test_sbatch_preempted_by_usr1_requeues_and_resumes_to_the_uninterrupted_result(slurm, tmp_path, reference_run):
-    """The README's sbatch script: SIGUSR1 to the job's tasks mid-training (what --signal=USR1@120
-    sends before the time limit) -> every rank checkpoints, srun exits 138, the script requeues
-    the job, and its second run resumes and ends bit for bit where an uninterrupted run ends."""
+    """The README's sbatch script (submitted with --ntasks=2, which wins over its #SBATCH line):
+    SIGUSR1 to the job's tasks mid-training (what --signal=USR1@120 sends before the time limit)
+    -> every rank checkpoints, srun exits 138, the script requeues the job, and its second run
+    resumes and ends bit for bit where an uninterrupted run ends."""
     script, out = tmp_path / "train.sbatch", tmp_path / "job.out"
     script.write_text(recipe("sbatch"))
     ckpt = tmp_path / "ckpt"
-    job = slurm.run(["sbatch", "--parsable", "-o", str(out), "-D", str(tmp_path), str(script), *TRAIN_ARGS,
-                     "--checkpoint-dir", str(ckpt), "--json", str(tmp_path / "run.json")]).stdout.strip()
-    wait_for(lambda: SIGNAL_AFTER in text_of(out), 120, f"job {job} to train\n{text_of(out)[-2000:]}")
+    job = slurm.run(["sbatch", "--parsable", "--ntasks=2", "-o", str(out), "-D", str(tmp_path), str(script),
+                     *TRAIN_ARGS, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20",
+                     "--json", str(tmp_path / "run.json")]).stdout.strip()
+    # srun holds the tasks' output back a while; the first periodic checkpoint says training is under way
+    wait_for(lambda: (ckpt / "step-00000020").exists(), 120, f"job {job} to train\n{text_of(out)[-2000:]}")
     slurm.run(["scancel", "--signal=USR1", job])
     info = slurm.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 180)
     log = text_of(out)
@@ -45,7 +48,31 @@ def test_sbatch_preempted_by_usr1_requeues_and_resumes_to_the_uninterrupted_resu
     assert "stopped by SIGUSR1 at a step boundary every rank agreed on, checkpoint saved; exit code 138" in log
     assert "resumed from" in log
     assert (ckpt / FINAL_STEP).is_dir()
-    assert_same_run(reference_run(4), load_run(tmp_path / "run.json", ckpt))
+    assert_same_run(reference_run(2), load_run(tmp_path / "run.json", ckpt))
+
+
+def test_scancel_saves_a_checkpoint_before_the_job_ends(slurm, tmp_path):
+    """scancel sends the tasks SIGTERM (SIGKILL KillWait seconds later): the ranks agree on a step,
+    save it, and exit 143 instead of dying with whatever they had saved before."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "srun.out"
+    with open(log, "w") as f:
+        srun = subprocess.Popen(["srun", "-n", "2", "python", "-m", "trainer", *TRAIN_ARGS, "--checkpoint-dir",
+                                 str(ckpt), "--checkpoint-every", "20"], env=slurm.env, cwd=tmp_path, stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (ckpt / "step-00000020").exists(), 120, f"training\n{text_of(log)[-2000:]}")
+        job = slurm.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+        assert len(job) == 1
+        slurm.run(["scancel", job[0]])
+        srun.wait(timeout=120)
+    finally:
+        if srun.poll() is None:
+            srun.kill()
+            srun.wait()
+    assert "stopped by SIGTERM at a step boundary every rank agreed on, checkpoint saved; exit code 143" in \
+        text_of(log), text_of(log)[-3000:]
+    saved = sorted(p.name for p in ckpt.glob("step-*"))
+    assert "step-00000020" < saved[-1] < FINAL_STEP, saved
 
 
 def test_two_nodes_with_uneven_tasks_find_the_first_node_local_sizes_and_threads(slurm, tmp_path):
