@@ -6,14 +6,18 @@ signal ``sbatch --signal=USR1@60`` names before the time limit; Open MPI's mpiru
 forwards SIGUSR1 to its ranks. The signal reaches some ranks or all of them, each at
 its own moment, while they are anywhere in a step. So:
 
-1. While a :class:`Preemption` is entered (``with Preemption(): await fit(...)``), a
-   handler for each of its signals (``RINGWEAVE_PREEMPT_SIGNALS``, default SIGTERM and
-   SIGUSR1) only notes the signal's number. A second signal while one is pending
-   takes the default action (a user's second Ctrl-\\ or kill still kills).
-2. At every step boundary the training loop calls :func:`at_step_boundary`: one
-   all_reduce (max) of a 4-byte flag, the number of the signal this rank has noted,
-   0 if none. Every rank gets the same answer, so all stop after the same step, even a
-   rank that got no signal. Nothing is entered: no collective at all.
+1. While a :class:`Preemption` is entered (``async with Preemption(): await fit(...)``),
+   a handler for each of its signals (``RINGWEAVE_PREEMPT_SIGNALS``, default SIGTERM and
+   SIGUSR1) only notes the signal's number. A second signal while one is pending takes
+   the default action (a user's second kill still kills).
+2. At every step boundary the training loop calls :func:`at_step_boundary`. Each rank
+   contributes the number of the signal it has noted (0 if none) to an all_reduce (max)
+   of one int32 over the whole job, on a group of its own, started at boundary k and
+   awaited at boundary k + 1: it runs during step k + 1, so a step waits for it only
+   when the step is shorter than the all_reduce. Every rank reads the same answer at the
+   same boundary, so all stop after the same step, even a rank that got no signal (one
+   step after the signal reached the first rank, at the latest two). Outside a scope:
+   no collective at all.
 3. If the answer is not 0: the loop's checkpoint is saved (collective and atomic,
    trainer/checkpoint.py: it is committed when ``save`` returns on any rank) and every
    rank raises :class:`Preempted`, whose ``exit_code`` is 128 + the signal (143 for
@@ -23,11 +27,11 @@ its own moment, while they are anywhere in a step. So:
    ``--resume`` continues from the checkpoint, with the same losses and parameters as a
    run that was never stopped.
 
-The per-step cost is that all_reduce of one int32 (bench/results/preempt.md). Handlers
-are installed only from the main thread (Python's rule); elsewhere the scope warns and
-catches nothing. A rank whose launcher died (runtime/lifeline.py sends it SIGTERM) is not
-asked to checkpoint: the signal takes its default action, since the rank's peers and
-store may be gone with the launcher.
+Per step this costs the hook's bookkeeping and one 4-byte all_reduce that overlaps the
+step (bench/results/preempt.md). Handlers are installed only from the main thread
+(Python's rule); elsewhere the scope warns and catches nothing. A rank whose launcher
+died (runtime/lifeline.py sends it SIGTERM) is not asked to checkpoint: the signal takes
+its default action, since the rank's peers and store may be gone with the launcher.
 
 What it is not: no checkpoint outside step boundaries (a signal during evaluation is
 acted on at the next step, or not at all when the run ends first), no requeueing (the
@@ -36,6 +40,7 @@ scheduler and the batch script do that), no signals other than those configured.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -81,8 +86,9 @@ class Preemption:
     ``RINGWEAVE_PREEMPT_SIGNALS``; ``enabled=False`` makes a scope that catches nothing
     (so callers need not branch). Scopes do not nest: entering a second raises.
 
-    Call order: ``__enter__ -> [signal]* -> __exit__`` (handlers are restored on exit,
-    whatever ends the scope).
+    Call order: ``__aenter__ -> [signal | at_step_boundary]* -> __aexit__``. On exit the
+    handlers are restored, whatever ends the scope, and the agreement still in flight is
+    awaited (the scope ended normally: every rank has one) or cancelled (an error).
     """
 
     def __init__(self, signals: tuple[str, ...] | None = None, *, enabled: bool = True):
@@ -90,8 +96,11 @@ class Preemption:
         self.enabled = enabled and bool(self.signals)
         self.received = 0  # the first signal noted, 0 if none
         self._previous: dict[signal.Signals, object] = {}
+        self._group = None  # the job-wide group of the agreement, made at the first boundary
+        self._flag = np.zeros(1, dtype=np.int32)  # (1,) in place: this rank's signal, then the job's max
+        self._pending: asyncio.Future | None = None  # the agreement started at the last boundary
 
-    def __enter__(self) -> "Preemption":
+    async def __aenter__(self) -> "Preemption":
         global _active
         if not self.enabled:
             return self
@@ -106,13 +115,21 @@ class Preemption:
         _active = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
         global _active
         if _active is self:
             _active = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if exc_type is None:
+            await pending
+        else:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
 
     def _note(self, signum: int, frame) -> None:
         """The handler: note the signal; default action for a second one, or when the launcher died."""
@@ -122,6 +139,29 @@ class Preemption:
             return
         self.received = signum
 
+    async def agreed(self, group) -> int:
+        """The signal the job agreed on at this boundary (0: none), from the all_reduce started
+        at the last one; starts the next. ``group``: any group of the job (None: one process)."""
+        if group is None or group.runtime.world_size == 1:
+            return self.received
+        if self._group is None:  # every rank of the job is at its first boundary: all make it alike
+            world = group.runtime.world
+            self._group = world.new_group(world.ranks)
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            await pending
+            if self._flag[0]:
+                return int(self._flag[0])
+        self._flag[0] = self.received
+        self._pending = asyncio.ensure_future(_all_reduce_max(self._flag, self._group))
+        return 0
+
+
+async def _all_reduce_max(flag: np.ndarray, group) -> None:
+    import collectives  # local, as in trainer.loop: the trainer imports without the collectives package
+
+    await collectives.all_reduce(flag, op="max", group=group)
+
 
 def active() -> Preemption | None:
     """The entered scope of this process, or None."""
@@ -129,11 +169,12 @@ def active() -> Preemption | None:
 
 
 async def at_step_boundary(group, save: Callable[[], Awaitable[None]] | None) -> None:
-    """The training loop's hook after each optimizer step (all ranks call it at every step).
+    """The training loop's hook after each optimizer step (every rank of the job calls it at
+    every step; ``group`` is the loop's, the agreement spans its whole job).
 
-    Without an entered scope: returns at once, no collective. With one: agrees with the
-    other ranks of ``group`` whether any of them noted a signal; if so, awaits ``save()``
-    (None: nothing to save) and raises :class:`Preempted` on every rank.
+    Without an entered scope: returns at once, no collective. With one: if the job agreed
+    that some rank noted a signal, awaits ``save()`` (None: nothing to save) and raises
+    :class:`Preempted` on every rank.
 
     Raises:
         Preempted: a signal was noted on some rank.
@@ -142,12 +183,7 @@ async def at_step_boundary(group, save: Callable[[], Awaitable[None]] | None) ->
     scope = _active
     if scope is None:
         return
-    flag = np.array([scope.received], dtype=np.int32)
-    if group is not None and group.size > 1:
-        import collectives  # local, as in trainer.loop: the trainer imports without the collectives package
-
-        await collectives.all_reduce(flag, op="max", group=group)
-    signum = int(flag[0])
+    signum = await scope.agreed(group)
     if not signum:
         return
     if save is not None:
