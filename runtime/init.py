@@ -72,7 +72,8 @@ def read_env(env=None) -> dict:
             "local_world_size": p.local_world_size, "master_addr": p.master_addr,
             "master_addr_source": p.master_addr_source, "master_port": p.master_port,
             "master_port_source": p.master_port_source,
-            "master_port_derived": p.master_port is not None and p.master_port_source != "MASTER_PORT", "restart": p.restart, "job": p.job or "ringweave",
+            "master_port_derived": p.master_port is not None and p.master_port_source != "MASTER_PORT",
+            "restart": p.restart, "job": p.job or "ringweave",
             "store_hosted": env.get("RINGWEAVE_STORE_HOSTED") == "1",
             "hosts_store": p.hosts_store, "launcher": p.launcher, "problem": p.problem,
             "threads": scheduler.thread_settings(p, env), "nodelist": p.nodelist}

@@ -277,8 +277,8 @@ def _openmpi(env: Mapping[str, str], cores: int) -> Placement:
         else:
             on_hnp = env.get("OMPI_MCA_orte_local_daemon_uri", "").split(";")[0].endswith(".0")
             fields.update(master_addr=hnp, hosts_store=on_hnp and local_rank == 0,
-                          master_addr_source=f"mpirun's host, from OMPI_MCA_orte_hnp_uri "
-                                             f"(the store is hosted by the first rank there)")
+                          master_addr_source="mpirun's host, from OMPI_MCA_orte_hnp_uri "
+                                             "(the store is hosted by the first rank there)")
     if jobid is not None:
         fields.update(master_port=derived_port(jobid), job=f"mpi-{jobid}",
                       master_port_source=f"the Open MPI job id {jobid}: {PORT_BASE} + id mod {PORT_SPAN}")

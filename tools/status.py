@@ -8,7 +8,8 @@
 
 It finds the job through the file its launcher keeps (runtime/jobfile.py), or
 through its store (tools/locate.py: flags, or the environment as a rank reads it;
-the secret from --secret-file or RINGWEAVE_SECRET), reads every rank's address from the store, connects to each rank as an
+the secret from --secret-file or RINGWEAVE_SECRET), reads every rank's address
+from the store, connects to each rank as an
 authenticated tool (the job's secret; tools may call only ``ringweave.*``
 handlers) and prints each rank's collective calls in flight: the operation,
 how long it has waited and which ranks it is waiting on. A rank that does not

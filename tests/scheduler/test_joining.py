@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 
 import pytest
