@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,6 +90,47 @@ def probe_reports(text: str) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return sorted(found, key=lambda r: r["rank"])
+
+
+def assert_ranks_die_with(cmd: list[str], log: Path, ranks: int, **popen) -> int:
+    """Starts ``cmd`` (a launcher of ``ranks`` probe.py --wait ranks), SIGKILLs it once they are
+    all in the job, and asserts they all exit within 20 s. Returns the launcher's pid."""
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
+    pids = []
+    try:
+        wait_for(lambda: text_of(log).count("ready") == ranks, 120, f"the ranks\n{text_of(log)}")
+        pids = [r["pid"] for r in probe_reports(text_of(log))]
+        launcher.kill()
+        launcher.wait(timeout=30)
+        wait_for(lambda: not any(alive(p) for p in pids), 20, "the ranks to exit after their launcher died")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        left = kill_all(pids)
+    assert not left
+    return launcher.pid
+
+
+def run_until_signalled(cmd: list[str], log: Path, send, expected_code: int, **popen) -> list[str]:
+    """Runs a training job ``cmd`` until SIGNAL_AFTER shows in ``log``, calls ``send(process)``,
+    and asserts the job exits with ``expected_code`` having saved a checkpoint before its last
+    step. Returns the checkpoints' names (the ``--checkpoint-dir`` after ``cmd``'s flag)."""
+    ckpt = Path(cmd[cmd.index("--checkpoint-dir") + 1])
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
+        try:
+            wait_for(lambda: SIGNAL_AFTER in text_of(log), 120, f"training to start\n{text_of(log)[-2000:]}")
+            send(job)
+            assert job.wait(timeout=120) == expected_code, text_of(log)[-3000:]
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    stopped_at = sorted(p.name for p in ckpt.glob("step-*"))
+    assert stopped_at and stopped_at[-1] < FINAL_STEP, f"not stopped mid-training: {stopped_at}"
+    return stopped_at
 
 
 def load_run(json_path: Path, checkpoint_dir: Path) -> dict:

@@ -5,7 +5,6 @@ and a rank whose launcher dies exits (whatever the launcher is)."""
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import textwrap
@@ -15,7 +14,7 @@ import pytest
 import runtime
 from runtime import net, scheduler
 from runtime.errors import ConnectError, RingweaveError
-from tests.scheduler.jobs import PYTHON, ROOT, alive, free_port, kill_all, probe_reports, text_of, wait_for
+from tests.scheduler.jobs import PYTHON, ROOT, assert_ranks_die_with, free_port, text_of
 
 pytestmark = pytest.mark.timeout(60)
 NO_SUCH_HOST = "ringweave-no-such-host.invalid"
@@ -130,20 +129,6 @@ def test_ranks_exit_within_seconds_of_any_sigkilled_launcher(tmp_path):
     script, log = tmp_path / "launcher.py", tmp_path / "run.log"
     script.write_text(LAUNCHER)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "RINGWEAVE_", "MASTER_"))}
-    with open(log, "w") as out:
-        launcher = subprocess.Popen([PYTHON, str(script), str(free_port()), str(ROOT / "tests/scheduler/probe.py")],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    pids = []
-    try:
-        wait_for(lambda: text_of(log).count("ready") == 2, 60, f"the ranks\n{text_of(log)}")
-        pids = [r["pid"] for r in probe_reports(text_of(log))]
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=30)
-        wait_for(lambda: not any(alive(p) for p in pids), 20, "the ranks to exit after their launcher died")
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        left = kill_all(pids)
-    assert not left
-    assert text_of(log).count(f"its launcher (pid {launcher.pid}, python) is gone; exiting") == 2
+    pid = assert_ranks_die_with([PYTHON, str(script), str(free_port()), str(ROOT / "tests/scheduler/probe.py")], log,
+                                2, cwd=ROOT, env=env)
+    assert text_of(log).count(f"its launcher (pid {pid}, python) is gone; exiting") == 2

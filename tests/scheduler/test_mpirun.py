@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from tests.scheduler.jobs import FINAL_STEP, ROOT, SIGNAL_AFTER, TRAIN_ARGS, VENV_BIN, alive, assert_same_run, \
-    kill_all, load_run, probe_reports, recipe, text_of, wait_for
+from tests.scheduler.jobs import ROOT, TRAIN_ARGS, VENV_BIN, assert_ranks_die_with, assert_same_run, load_run, \
+    probe_reports, recipe, run_until_signalled
 
 pytestmark = pytest.mark.timeout(300)
 PROBE = str(ROOT / "tests" / "scheduler" / "probe.py")
@@ -44,18 +44,9 @@ def test_train_mpi_sh_stopped_by_usr1_and_run_again_equals_an_uninterrupted_run(
     script.write_text(recipe("mpirun"))
     cmd = ["bash", str(script), "-np", "2", "--", *TRAIN_ARGS, "--checkpoint-dir", str(ckpt),
            "--json", str(tmp_path / "run.json")]
-    with open(log, "w") as out:
-        job = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: SIGNAL_AFTER in text_of(log), 120, f"training to start\n{text_of(log)[-2000:]}")
-            job.send_signal(signal.SIGUSR1)  # the script exec'd mpirun, which forwards SIGUSR1 to every rank
-            assert job.wait(timeout=120) == 128 + signal.SIGUSR1, text_of(log)[-3000:]
-        finally:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    stopped_at = sorted(p.name for p in ckpt.glob("step-*"))
-    assert stopped_at and stopped_at[-1] < FINAL_STEP, f"not stopped mid-training: {stopped_at}"
+    # the script exec'd mpirun, which forwards SIGUSR1 to every rank
+    run_until_signalled(cmd, log, lambda job: job.send_signal(signal.SIGUSR1), 128 + signal.SIGUSR1,
+                        cwd=tmp_path, env=mpi_env)
     again = subprocess.run(cmd, cwd=tmp_path, env=mpi_env, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resumed from" in again.stderr
@@ -88,20 +79,5 @@ def test_two_nodes_the_store_is_hosted_on_mpiruns_host_whatever_rank_runs_there(
 
 
 def test_ranks_exit_within_seconds_of_a_sigkilled_mpirun(mpi_env, tmp_path):
-    log = tmp_path / "run.log"
-    with open(log, "w") as out:
-        mpirun = subprocess.Popen(["mpirun", "-np", "2", "python", PROBE, "--wait"], cwd=tmp_path, env=mpi_env,
-                                  stdout=out, stderr=subprocess.STDOUT)
-    pids = []
-    try:
-        wait_for(lambda: text_of(log).count("ready") == 2, 120, f"the ranks\n{text_of(log)}")
-        pids = [r["pid"] for r in probe_reports(text_of(log))]
-        mpirun.kill()
-        mpirun.wait(timeout=30)
-        wait_for(lambda: not any(alive(p) for p in pids), 20, "the ranks to exit after mpirun died")
-    finally:
-        if mpirun.poll() is None:
-            mpirun.kill()
-            mpirun.wait()
-        left = kill_all(pids)
-    assert not left
+    assert_ranks_die_with(["mpirun", "-np", "2", "python", PROBE, "--wait"], tmp_path / "run.log", 2, cwd=tmp_path,
+                          env=mpi_env)
