@@ -22,6 +22,10 @@ machine two BLAS threads made the single-process main job 2.4x slower
 (18.4 s against 7.6 s from start to exit, load average ~11). Give more
 threads to wide synthetic models on an idle machine.
 
+Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make
+every rank save a checkpoint after the same step and exit 128 + the signal
+(trainer/preempt.py); --resume continues from it.
+
 What it is not: no config files (flags only), no model zoo (the MLP builder).
 """
 
