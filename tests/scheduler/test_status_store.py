@@ -35,7 +35,8 @@ def test_status_finds_ranks_started_by_hand_through_their_store(tmp_path):
         assert by_flags.returncode == 0, by_flags.stderr
         assert [s["rank"] for s in json.loads(by_flags.stdout)] == [0, 1]
         secret_file = tmp_path / "secret"
-        secret_file.write_text(secret + "\n")
+        with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as f:
+            f.write(secret + "\n")
         by_file = status("--master-addr", "127.0.0.1", "--master-port", str(port), "--job", "by-hand",
                          "--secret-file", str(secret_file))
         assert by_file.returncode == 0 and [s["rank"] for s in json.loads(by_file.stdout)] == [0, 1], by_file.stderr
