@@ -176,3 +176,19 @@ def preempt_exit_code(signum: int) -> int:
         raise ValueError(f"{PREEMPT_EXIT_CODE_ENV_VAR}={raw!r}: an exit code must be in 1..255 (0 would read as "
                          f"success)")
     return code
+
+
+PREEMPT_CHECK_ENV_VAR = "RINGWEAVE_PREEMPT_CHECK_S"
+DEFAULT_PREEMPT_CHECK_S = 1.0  # see trainer/preempt.py: a signal waits this and a step; a check costs 0.1-5 ms
+
+
+def preempt_check_s(default: float = DEFAULT_PREEMPT_CHECK_S) -> float:
+    """About how often the ranks of a training run agree on whether a preemption signal came
+    (trainer/preempt.py), in seconds: ``RINGWEAVE_PREEMPT_CHECK_S`` as it is now, ``default``
+    when unset or empty; 0: at every step.
+
+    Raises:
+        ValueError: the variable is not a number >= 0; the message names it and its value.
+    """
+    return _number(PREEMPT_CHECK_ENV_VAR, default, "seconds", lambda v: v >= 0,
+                   "the interval must be 0 (every step) or more seconds")

@@ -247,7 +247,7 @@ async def run(args: argparse.Namespace) -> int:
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
         try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
-            async with Preemption(enabled=bool(args.checkpoint_dir)):
+            with Preemption(enabled=bool(args.checkpoint_dir)):
                 history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
                                     callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
                                     keep_last=args.keep_last, resume=args.resume,

@@ -6,19 +6,20 @@ signal ``sbatch --signal=USR1@60`` names before the time limit; Open MPI's mpiru
 forwards SIGUSR1 to its ranks. The signal reaches some ranks or all of them, each at
 its own moment, while they are anywhere in a step. So:
 
-1. While a :class:`Preemption` is entered (``async with Preemption(): await fit(...)``),
-   a handler for each of its signals (``RINGWEAVE_PREEMPT_SIGNALS``, default SIGTERM and
+1. While a :class:`Preemption` is entered (``with Preemption(): await fit(...)``), a
+   handler for each of its signals (``RINGWEAVE_PREEMPT_SIGNALS``, default SIGTERM and
    SIGUSR1) only notes the signal's number. A second signal while one is pending takes
    the default action (a user's second kill still kills).
-2. At every step boundary the training loop calls :func:`at_step_boundary`. Each rank
-   contributes the number of the signal it has noted (0 if none) to an all_reduce (max)
-   of one int32 over the whole job, on a group of its own, started at boundary k and
-   awaited at boundary k + 1: it runs during step k + 1, so a step waits for it only
-   when the step is shorter than the all_reduce. Every rank reads the same answer at the
-   same boundary, so all stop after the same step, even a rank that got no signal (one
-   step after the signal reached the first rank, at the latest two). Outside a scope:
-   no collective at all.
-3. If the answer is not 0: the loop's checkpoint is saved (collective and atomic,
+2. The training loop calls :func:`at_step_boundary` after every step. About once a
+   second (``RINGWEAVE_PREEMPT_CHECK_S``, default 1; 0: every step) every rank takes part in an all_reduce (max) over
+   the whole job of two int64: the signal it has noted (0 if none) and its mean step
+   time since the last such check. Which boundaries check is itself agreed: each check
+   sets the next one ``check_s / slowest mean step time`` steps later (at least 1),
+   from the same reduced numbers on every rank. So all ranks read the same answer at
+   the same boundary and all stop after the same step, even a rank that got no signal,
+   within about a second and a step of the signal. Between checks the hook counts down;
+   outside a scope it returns at once: no collective at all.
+3. If the answer holds a signal: the loop's checkpoint is saved (collective and atomic,
    trainer/checkpoint.py: it is committed when ``save`` returns on any rank) and every
    rank raises :class:`Preempted`, whose ``exit_code`` is 128 + the signal (143 for
    SIGTERM, 138 for SIGUSR1, what srun, mpirun and shells report for a process that
@@ -27,11 +28,13 @@ its own moment, while they are anywhere in a step. So:
    ``--resume`` continues from the checkpoint, with the same losses and parameters as a
    run that was never stopped.
 
-Per step this costs the hook's bookkeeping and one 4-byte all_reduce that overlaps the
-step (bench/results/preempt.md). Handlers are installed only from the main thread
-(Python's rule); elsewhere the scope warns and catches nothing. A rank whose launcher
-died (runtime/lifeline.py sends it SIGTERM) is not asked to checkpoint: the signal takes
-its default action, since the rank's peers and store may be gone with the launcher.
+Why not an all_reduce at every step: on this project's 2-core machine with 4 ranks an
+extra collective per step, even one that overlaps the next step on a group of its own,
+made a 5 ms step 10-13% slower (bench/results/preempt.md); once a second it is noise.
+Handlers are installed only from the main thread (Python's rule); elsewhere the scope
+warns and catches nothing. A rank whose launcher died (runtime/lifeline.py sends it
+SIGTERM) is not asked to checkpoint: the signal takes its default action, since the
+rank's peers and store may be gone with the launcher.
 
 What it is not: no checkpoint outside step boundaries (a signal during evaluation is
 acted on at the next step, or not at all when the run ends first), no requeueing (the
@@ -40,11 +43,11 @@ scheduler and the batch script do that), no signals other than those configured.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import threading
+import time
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -82,25 +85,28 @@ class Preempted(Exception):
 class Preemption:
     """The scope in which preemption signals are caught (see the module docstring).
 
-    ``Preemption(signals=("SIGTERM", "SIGUSR1"))``; ``signals=None`` reads
-    ``RINGWEAVE_PREEMPT_SIGNALS``; ``enabled=False`` makes a scope that catches nothing
-    (so callers need not branch). Scopes do not nest: entering a second raises.
+    ``Preemption(signals=("SIGTERM", "SIGUSR1"), check_s=1.0)``; ``signals=None`` reads
+    ``RINGWEAVE_PREEMPT_SIGNALS``, ``check_s=None`` ``RINGWEAVE_PREEMPT_CHECK_S`` (0: agree
+    at every step); ``enabled=False`` makes a scope that catches nothing (so callers need
+    not branch). Scopes do not nest: entering a second raises.
 
-    Call order: ``__aenter__ -> [signal | at_step_boundary]* -> __aexit__``. On exit the
-    handlers are restored, whatever ends the scope, and the agreement still in flight is
-    awaited (the scope ended normally: every rank has one) or cancelled (an error).
+    Call order: ``__enter__ -> [signal | at_step_boundary]* -> __exit__`` (the handlers
+    are restored on exit, whatever ends the scope).
     """
 
-    def __init__(self, signals: tuple[str, ...] | None = None, *, enabled: bool = True):
+    def __init__(self, signals: tuple[str, ...] | None = None, *, enabled: bool = True,
+                 check_s: float | None = None):
         self.signals = tuple(signal.Signals[s] for s in (rwenv.preempt_signals() if signals is None else signals))
         self.enabled = enabled and bool(self.signals)
+        self.check_s = rwenv.preempt_check_s() if check_s is None else check_s  # about this often, e.g. 1.0
         self.received = 0  # the first signal noted, 0 if none
         self._previous: dict[signal.Signals, object] = {}
-        self._group = None  # the job-wide group of the agreement, made at the first boundary
-        self._flag = np.zeros(1, dtype=np.int32)  # (1,) in place: this rank's signal, then the job's max
-        self._pending: asyncio.Future | None = None  # the agreement started at the last boundary
+        self._countdown = 0  # boundaries to pass before the next check (0: check at the next one)
+        self._since = time.monotonic()  # when the last check was (or the scope began)
+        self._steps = 0  # boundaries since then
+        self._flag = np.zeros(2, dtype=np.int64)  # (signal, mean step time in us); in place: the job's max
 
-    async def __aenter__(self) -> "Preemption":
+    def __enter__(self) -> "Preemption":
         global _active
         if not self.enabled:
             return self
@@ -112,24 +118,17 @@ class Preemption:
             raise RuntimeError("a Preemption scope is already entered in this process")
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._note)
+        self._since = time.monotonic()
         _active = self
         return self
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, *exc) -> None:
         global _active
         if _active is self:
             _active = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        if exc_type is None:
-            await pending
-        else:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
 
     def _note(self, signum: int, frame) -> None:
         """The handler: note the signal; default action for a second one, or when the launcher died."""
@@ -140,27 +139,25 @@ class Preemption:
         self.received = signum
 
     async def agreed(self, group) -> int:
-        """The signal the job agreed on at this boundary (0: none), from the all_reduce started
-        at the last one; starts the next. ``group``: any group of the job (None: one process)."""
+        """At a step boundary: the signal the job agreed on (0: none, or not a checking boundary).
+        ``group``: any group of the job (its world takes part; None: one process)."""
+        self._steps += 1
         if group is None or group.runtime.world_size == 1:
             return self.received
-        if self._group is None:  # every rank of the job is at its first boundary: all make it alike
-            world = group.runtime.world
-            self._group = world.new_group(world.ranks)
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            await pending
-            if self._flag[0]:
-                return int(self._flag[0])
+        if self._countdown > 0:
+            self._countdown -= 1
+            return 0
+        now = time.monotonic()
         self._flag[0] = self.received
-        self._pending = asyncio.ensure_future(_all_reduce_max(self._flag, self._group))
+        self._flag[1] = max(1, int((now - self._since) / self._steps * 1e6))
+        import collectives  # local, as in trainer.loop: the trainer imports without the collectives package
+
+        await collectives.all_reduce(self._flag, op="max", group=group.runtime.world)
+        if self._flag[0]:
+            return int(self._flag[0])
+        self._countdown = max(1, int(self.check_s * 1e6 // int(self._flag[1]))) - 1
+        self._since, self._steps = now, 0
         return 0
-
-
-async def _all_reduce_max(flag: np.ndarray, group) -> None:
-    import collectives  # local, as in trainer.loop: the trainer imports without the collectives package
-
-    await collectives.all_reduce(flag, op="max", group=group)
 
 
 def active() -> Preemption | None:
@@ -172,9 +169,9 @@ async def at_step_boundary(group, save: Callable[[], Awaitable[None]] | None) ->
     """The training loop's hook after each optimizer step (every rank of the job calls it at
     every step; ``group`` is the loop's, the agreement spans its whole job).
 
-    Without an entered scope: returns at once, no collective. With one: if the job agreed
-    that some rank noted a signal, awaits ``save()`` (None: nothing to save) and raises
-    :class:`Preempted` on every rank.
+    Without an entered scope: returns at once, no collective. With one: at a checking
+    boundary, if the job agreed that some rank noted a signal, awaits ``save()`` (None:
+    nothing to save) and raises :class:`Preempted` on every rank.
 
     Raises:
         Preempted: a signal was noted on some rank.

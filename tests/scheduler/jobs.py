@@ -27,6 +27,9 @@ TRAIN_ARGS = ["--data", "synthetic", "--size", "4000", "--width", "32", "--epoch
               "--log-every", "10", "--no-eval-train"]
 SIGNAL_AFTER = "epoch 1/3 step 10/100"  # the progress line after which the tests signal a run
 FINAL_STEP = "step-00000300"
+# The ranks agree on a signal every 50 ms instead of every second, so that these short runs act
+# on it well before their end (about 10 steps later; the default cadence is the same code).
+PREEMPT_ENV = {"RINGWEAVE_PREEMPT_CHECK_S": "0.05"}
 
 
 def recipe(name: str) -> str:

@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from tests.scheduler.jobs import ROOT, TRAIN_ARGS, VENV_BIN, assert_ranks_die_with, assert_same_run, load_run, \
-    probe_reports, recipe, run_until_signalled
+from tests.scheduler.jobs import PREEMPT_ENV, ROOT, TRAIN_ARGS, VENV_BIN, assert_ranks_die_with, assert_same_run, \
+    load_run, probe_reports, recipe, run_until_signalled
 
 pytestmark = pytest.mark.timeout(300)
 PROBE = str(ROOT / "tests" / "scheduler" / "probe.py")
@@ -35,7 +35,7 @@ def mpi_env():
         pytest.skip(missing)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
     # As the README says: root must allow mpirun to run as root.
-    return dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    return dict(env, **PREEMPT_ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                 PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")
 
 

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from tests.scheduler.jobs import PYTHON, ROOT, TRAIN_ARGS, assert_same_run, load_run, run_until_signalled, text_of
+from tests.scheduler.jobs import PREEMPT_ENV, PYTHON, ROOT, TRAIN_ARGS, assert_same_run, load_run, \
+    run_until_signalled, text_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,10 +29,11 @@ def test_a_signal_to_one_rank_checkpoints_all_and_the_resumed_run_equals_an_unin
         assert len(ranks) == 2
         os.kill(ranks[-1], signal.SIGTERM)
 
+    env = dict(os.environ, **PREEMPT_ENV)
     stopped_at = run_until_signalled(cmd + ["--json", str(tmp_path / "stopped.json")], log, one_rank,
-                                     128 + signal.SIGTERM, cwd=ROOT)
+                                     128 + signal.SIGTERM, cwd=ROOT, env=env)
     assert "stopped by SIGTERM" in text_of(log)
-    resumed = subprocess.run(cmd + ["--resume", "--json", str(tmp_path / "resumed.json")], cwd=ROOT,
+    resumed = subprocess.run(cmd + ["--resume", "--json", str(tmp_path / "resumed.json")], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"optimizer step {int(stopped_at[-1].split('-')[1])})" in resumed.stderr

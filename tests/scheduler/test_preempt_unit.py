@@ -1,6 +1,7 @@
 """trainer/preempt.py in one process: the scope's handlers, what the hook does with a noted
 signal, the exit codes, and the settings that choose the signals."""
 
+import asyncio
 import os
 import signal
 
@@ -18,7 +19,7 @@ async def test_a_noted_signal_saves_and_raises_with_128_plus_the_signal(monkeypa
     async def save():
         saved.append(True)
 
-    async with preempt.Preemption(("SIGTERM", "SIGUSR1")) as scope:
+    with preempt.Preemption(("SIGTERM", "SIGUSR1")) as scope:
         assert preempt.active() is scope and signal.getsignal(signal.SIGUSR1) == scope._note
         await preempt.at_step_boundary(None, save)  # nothing noted: nothing happens
         assert saved == []
@@ -34,16 +35,16 @@ async def test_a_noted_signal_saves_and_raises_with_128_plus_the_signal(monkeypa
 async def test_outside_a_scope_or_disabled_the_hook_does_nothing_and_no_handler_is_installed():
     before = signal.getsignal(signal.SIGTERM)
     await preempt.at_step_boundary(None, None)
-    async with preempt.Preemption(enabled=False):
+    with preempt.Preemption(enabled=False):
         assert preempt.active() is None and signal.getsignal(signal.SIGTERM) == before
-    async with preempt.Preemption(signals=()):
+    with preempt.Preemption(signals=()):
         assert preempt.active() is None
 
 
 async def test_scopes_do_not_nest():
-    async with preempt.Preemption(("SIGUSR2",)):
+    with preempt.Preemption(("SIGUSR2",)):
         with pytest.raises(RuntimeError, match="already entered"):
-            async with preempt.Preemption(("SIGUSR2",)):
+            with preempt.Preemption(("SIGUSR2",)):
                 pass
 
 
@@ -69,3 +70,29 @@ def test_the_signals_and_the_exit_code_settings(monkeypatch):
     monkeypatch.setenv(env.WATCH_PARENT_ENV_VAR, "no")
     with pytest.raises(ValueError, match=env.WATCH_PARENT_ENV_VAR):
         env.watch_parent()
+
+
+async def test_ranks_with_different_step_times_check_at_the_same_boundaries_and_stop_together(ranks):
+    """The agreement's cadence (check_s / the slowest mean step) is decided from reduced numbers,
+    so it is the same on every rank; a signal noted on one rank stops all after the same step."""
+    async def body(world):
+        scope = preempt.Preemption(("SIGUSR2",), check_s=0.03)  # one per rank: ranks share this process
+        checks, stopped_at = [], None
+        for step in range(60):
+            await asyncio.sleep(0.001 * (1 + 3 * world.rank))  # rank r's steps take (1 + 3r) ms
+            if world.rank == 1 and step == 25:
+                scope.received = signal.SIGUSR2  # as the handler would
+            countdown = scope._countdown
+            signum = await scope.agreed(world)
+            if countdown == 0:
+                checks.append(step)
+            if signum:
+                stopped_at = (step, signum)
+                break
+        return checks, stopped_at
+
+    results = await ranks(4, body)
+    assert all(r == results[0] for r in results), results
+    checks, (step, signum) = results[0]
+    assert signum == signal.SIGUSR2 and 25 <= step and step == checks[-1]
+    assert 3 <= len(checks) < 30  # some boundaries were skipped, and ranks still agreed

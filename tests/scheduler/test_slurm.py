@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.scheduler.jobs import FINAL_STEP, ROOT, TRAIN_ARGS, alive, assert_same_run, kill_all, \
+from tests.scheduler.jobs import FINAL_STEP, PREEMPT_ENV, ROOT, TRAIN_ARGS, alive, assert_same_run, kill_all, \
     load_run, probe_reports, recipe, text_of, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,7 +38,7 @@ def test_sbatch_preempted_by_usr1_requeues_and_resumes_to_the_uninterrupted_resu
     ckpt = tmp_path / "ckpt"
     job = slurm.run(["sbatch", "--parsable", "--ntasks=2", "-o", str(out), "-D", str(tmp_path), str(script),
                      *TRAIN_ARGS, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20",
-                     "--json", str(tmp_path / "run.json")]).stdout.strip()
+                     "--json", str(tmp_path / "run.json")], env=dict(slurm.env, **PREEMPT_ENV)).stdout.strip()
     # srun holds the tasks' output back a while; the first periodic checkpoint says training is under way
     wait_for(lambda: (ckpt / "step-00000020").exists(), 120, f"job {job} to train\n{text_of(out)[-2000:]}")
     slurm.run(["scancel", "--signal=USR1", job])
@@ -57,7 +57,8 @@ def test_scancel_saves_a_checkpoint_before_the_job_ends(slurm, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "srun.out"
     with open(log, "w") as f:
         srun = subprocess.Popen(["srun", "-n", "2", "python", "-m", "trainer", *TRAIN_ARGS, "--checkpoint-dir",
-                                 str(ckpt), "--checkpoint-every", "20"], env=slurm.env, cwd=tmp_path, stdout=f,
+                                 str(ckpt), "--checkpoint-every", "20"], env=dict(slurm.env, **PREEMPT_ENV),
+                                cwd=tmp_path, stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: (ckpt / "step-00000020").exists(), 120, f"training\n{text_of(log)[-2000:]}")
