@@ -6,7 +6,7 @@ on alone. ``runtime.init`` calls :func:`watch_parent` in every rank of a multi-r
 a daemon thread then reads ``getppid()`` every :data:`POLL_S` seconds, and when it
 changes (the parent has died) it says so on stderr and sends this process SIGTERM, then
 SIGKILL if the process is still there :data:`GRACE_S` seconds later (user code that
-catches SIGTERM and carries on).
+catches SIGTERM and carries on). An exit hook ends the thread when the interpreter exits.
 
 Why a thread and not only PR_SET_PDEATHSIG (runtime/init.die_with_launcher arms that
 for our own launcher): the kernel sends that signal when the *thread* that forked us
@@ -22,6 +22,7 @@ a step's tasks itself when srun dies.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -33,6 +34,8 @@ GRACE_S = 5.0  # after SIGTERM, the process has this long before SIGKILL
 _lock = threading.Lock()
 _watched: int | None = None  # the parent pid being watched
 _gone = threading.Event()
+_stop = threading.Event()  # set at interpreter exit: the watcher ends before the interpreter does
+_thread: threading.Thread | None = None
 
 
 def launcher_gone() -> bool:
@@ -51,7 +54,7 @@ def parent_name(pid: int) -> str:
 def watch_parent(who: str, poll_s: float = POLL_S) -> bool:
     """Starts the watcher once per process (later calls do nothing); ``who`` names this
     process in the message, e.g. "rank 3". Returns whether the parent is watched."""
-    global _watched
+    global _watched, _thread
     ppid = os.getppid()
     with _lock:
         if _watched is not None:
@@ -59,15 +62,24 @@ def watch_parent(who: str, poll_s: float = POLL_S) -> bool:
         if ppid <= 1:
             return False
         _watched = ppid
-    name = parent_name(ppid)
-    threading.Thread(target=_watch, args=(ppid, name, who, poll_s), name="ringweave-lifeline", daemon=True).start()
+        _thread = threading.Thread(target=_watch, args=(ppid, parent_name(ppid), who, poll_s),
+                                   name="ringweave-lifeline", daemon=True)
+        _thread.start()
+        atexit.register(_stop_watching)
     return True
 
 
+def _stop_watching() -> None:
+    """At exit: the watcher ends (within a poll), so no thread of ours outlives the interpreter's hooks."""
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=2 * POLL_S)
+
+
 def _watch(ppid: int, name: str, who: str, poll_s: float) -> None:
-    stop = threading.Event()  # never set: the thread lives as long as the process
     while os.getppid() == ppid:
-        stop.wait(poll_s)
+        if _stop.wait(poll_s):
+            return
     _gone.set()
     try:
         sys.stderr.write(f"ringweave: {who}: its launcher (pid {ppid}, {name}) is gone; exiting\n")
@@ -75,5 +87,5 @@ def _watch(ppid: int, name: str, who: str, poll_s: float) -> None:
     except (OSError, ValueError):  # stderr closed or broken with the launcher
         pass
     os.kill(os.getpid(), signal.SIGTERM)
-    stop.wait(GRACE_S)
-    os.kill(os.getpid(), signal.SIGKILL)
+    if not _stop.wait(GRACE_S):  # still running: user code caught SIGTERM and carried on
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -78,8 +78,8 @@ async def test_a_taken_store_port_is_an_error_naming_the_port_and_where_it_came_
                             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
                             "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_NUM_NODES": "1"}.items():
             clean_env.setenv(name, value)
-        with pytest.raises(RingweaveError, match=f"port {port} \\(SLURM_JOB_ID={job}: 15000 \\+ id mod 10000\\) is "
-                                                 f"already in use"):
+        with pytest.raises(ConnectError, match=f"port {port} \\(from SLURM_JOB_ID={job}: 15000 \\+ id mod 10000\\) "
+                                               f"is in use"):
             await asyncio.wait_for(runtime.init(), 10)
 
 
@@ -131,4 +131,5 @@ def test_ranks_exit_within_seconds_of_any_sigkilled_launcher(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "RINGWEAVE_", "MASTER_"))}
     pid = assert_ranks_die_with([PYTHON, str(script), str(free_port()), str(ROOT / "tests/scheduler/probe.py")], log,
                                 2, cwd=ROOT, env=env)
-    assert text_of(log).count(f"its launcher (pid {pid}, python) is gone; exiting") == 2
+    # the first rank to notice says so and exits; the other may notice, or lose its peer first
+    assert f"its launcher (pid {pid}, python) is gone; exiting" in text_of(log)
