@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m runtime.launch -n 4 -m trainer
 
-# The whole test suite (what CI runs).
+# The whole test suite (what CI runs): lint (pyproject.toml [tool.ruff]), then every test.
 test: $(STAMP)
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # SLURM (slurmctld, slurmd, munge, the client commands) and Open MPI's mpirun, from Debian's

@@ -20,7 +20,7 @@ Two measurements, each against its peer in the same run:
    ``RINGWEAVE_PREEMPT_SIGNALS=none``, alternating: training milliseconds per step
    (history's train_time_s / steps); whole runs apart, so only large effects show.
 
-Rank 0 prints a markdown table; record it in bench/results/preempt.md.
+Rank 0 prints a markdown table; record it in bench/results/preempt.md (command, machine, date).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ Napkin math for 1 rank: 6 x 8.7M x 256 = 13 GFLOP per step; at ~40 GFLOP/s
 on one AVX2 core, ~0.33 s per step, ~780 samples/s. DDP at N ranks sends
 2 (N-1)/N x 35 MB per step per rank.
 
-Goals from the issue, printed as ratios, never asserted: at 2 ranks >= 1.7x
+Targets, printed as ratios, never asserted: at 2 ranks >= 1.7x
 the samples/s of 1 rank; exposed < 30% of comm for ddp and fsdp; at 4 ranks
 >= 0.9x torch DDP's samples/s.
 

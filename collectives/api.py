@@ -55,7 +55,6 @@ Not here: the blocking facade (blocking.py), point-to-point (p2p.py), counts per
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from collectives import ops, registry
@@ -70,7 +69,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
 def _on_device(a) -> bool:
     """A device array: all_reduce, all_gather, reduce_scatter and broadcast take them (collectives/device.py);
     the other calls want NumPy arrays. A NumPy array is answered without the attribute probe
-    (a failed ``hasattr``: ~0.5 us per host call, timeit on this machine)."""
+    (bench/results/runtime.md#the-device-array-probe)."""
     return type(a) is not np.ndarray and is_device_array(a)
 
 
@@ -112,10 +111,10 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
         await all_reduce(x, op="sum")
         # Rank 0: [4. 6.]   Rank 1: [4. 6.]
     """
-    if _on_device(x):  # collectives/device.py (compression issue): staged through the host
+    if _on_device(x):  # collectives/device.py: staged through the host
         from collectives import device
         return await device.all_reduce(x, op, group, timeout, algorithm, compression, key)
-    if compression is not None:  # collectives/compressed.py (compression issue)
+    if compression is not None:  # collectives/compressed.py
         from collectives import compressed
         return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
                                            algorithm=algorithm, key=key)

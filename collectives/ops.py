@@ -10,8 +10,9 @@
 * buffers: arrays as flat 1-D views and as byte memoryviews for the transport;
 * reductions: ``avg`` is ``sum`` then a division by the group size
   (:func:`finish_avg`; integer dtypes round toward minus infinity, as
-  ``torch.div(rounding_mode="floor")``: -7 // 2 == -4), and large reductions
-  run on a worker thread (:func:`reduce_async`).
+  ``torch.div(rounding_mode="floor")``: -7 // 2 == -4); :func:`reduce_now`
+  reduces on the calling thread (a worker thread was no faster:
+  bench/results/kernels.md#worker-thread-hand-off).
 
 Not here: messages (the algorithm files), choosing algorithms (registry.py),
 the kernels themselves (collectives/kernels).
@@ -19,21 +20,15 @@ the kernels themselves (collectives/kernels).
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
-from collectives.kernels import ENV_VAR as KERNELS_ENV_VAR, divide_into, reduce_into
+from collectives.kernels import divide_into, reduce_into
 from collectives.kernels.cpu import OP_CODES, reduce_native
 from runtime import env
 from collectives.kernels.reference import DTYPES
 
 OPS = ("sum", "avg", "prod", "min", "max")
 DTYPE_NAMES = tuple(str(d) for d in DTYPES)
-
-# Reductions of at least this many bytes run on a worker thread (asyncio.to_thread),
-# so the event loop keeps moving bytes meanwhile. Measured in registry.py's notes.
-OFFLOAD_MIN_NBYTES = 1 << 62  # off by default: see the measurement in registry.py
 
 
 def check_op(op) -> str:
@@ -93,7 +88,7 @@ def fingerprint(collective: str, *, op: str | None = None, dtype=None, count: in
     """
     key = (collective, op, dtype, count, root, algo)
     fp = _FINGERPRINTS.get(key)
-    if fp is None:  # formatting a dtype costs ~15 us; calls repeat, so remember them
+    if fp is None:  # calls repeat: remember them (bench/results/runtime.md#formatting-a-fingerprint)
         if len(_FINGERPRINTS) > 4096:
             _FINGERPRINTS.clear()
         fp = _FINGERPRINTS[key] = (
@@ -157,12 +152,10 @@ class Fold:
         return 2 * new + 1 if new < self.rem else new + self.rem
 
 
-# Native dtypes go straight to the Numba kernel that collectives.kernels.reduce_into would
-# pick: its dispatcher's checks (which an algorithm's own arrays do not need) cost ~10-20 us,
-# as much as the message itself for tiny all_reduces. The NumPy ufunc under np.errstate, used
-# before, cost 2.0 us for a 4 B sum; the kernel costs 0.26 us (0.27 vs 1.6 us at 1 KiB, 1.5 vs
-# 2.8 us at 64 KiB; timeit, this box). float16/bfloat16, and RINGWEAVE_KERNELS=numpy, take the
-# dispatcher.
+# Native dtypes go straight to the Numba kernel that collectives.kernels.reduce_into would pick,
+# without the dispatcher's checks, which an algorithm's own arrays do not need and which cost as much
+# as the message itself for tiny all_reduces (bench/results/kernels.md#native-dispatch).
+# float16/bfloat16, and RINGWEAVE_KERNELS=numpy, take the dispatcher.
 _NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
 
 
@@ -171,18 +164,10 @@ def reduce_now(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     length, C-contiguous, as the algorithms' arrays are)."""
     if not dst.size:
         return
-    if dst.dtype in _NATIVE and env.get(KERNELS_ENV_VAR) != "numpy":  # that override still applies
+    if dst.dtype in _NATIVE and env.KERNELS.get() != "numpy":  # that override still applies
         reduce_native(OP_CODES[op], dst, src)
     else:
         reduce_into(dst, src, op)
-
-
-async def reduce_async(dst: np.ndarray, src: np.ndarray, op: str) -> None:
-    """``dst = dst <op> src``; on a worker thread when large (the kernel releases the GIL)."""
-    if dst.nbytes >= OFFLOAD_MIN_NBYTES:
-        await asyncio.to_thread(reduce_into, dst, src, op)
-    else:
-        reduce_now(dst, src, op)
 
 
 def finish_avg(x: np.ndarray, op: str, size: int) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -69,8 +68,8 @@ class _BufferPool:
 
     In a pipelined collective a neighbour that runs ahead sends segments before
     we post their receives; a fresh 1 MiB ``bytearray`` per such frame costs
-    zero-filling and page faults (measured: a third of a 64 MiB ring
-    all_reduce's CPU time), so buffers of 64 KiB and up are kept by size class
+    zero-filling and page faults (bench/results/runtime.md#early-frames), so
+    buffers of 64 KiB and up are kept by size class
     (powers of two) and reused, up to ``cap_nbytes`` in total.
     """
 

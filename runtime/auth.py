@@ -27,19 +27,18 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
 import secrets
 import socket
 from typing import Any, Awaitable, Callable
 
 import msgpack
 
-from runtime import net, wire
+from runtime import env, net, wire
 from runtime.errors import AuthenticationError, BadFrameError, ConnectError
 
 log = logging.getLogger("ringweave.auth")
 
-SECRET_ENV = "RINGWEAVE_SECRET"
+SECRET_ENV = env.SECRET.name
 HANDSHAKE_TIMEOUT_S = 10.0
 
 SCHEMA: wire.Schema = {
@@ -59,7 +58,7 @@ def make_secret() -> str:
 
 
 def secret_from_env() -> bytes | None:
-    value = os.environ.get(SECRET_ENV, "")
+    value = env.SECRET.get()
     return value.encode() if value else None
 
 
@@ -83,7 +82,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_policy(secret: bytes | None, listen_host: str, what: str) -> None:
-    """The rule of DESIGN.md: no secret is allowed only when listening on loopback.
+    """The rule of docs/design.md ("Starting a job"): no secret is allowed only when listening on loopback.
 
     Raises:
         AuthenticationError: no secret and ``listen_host`` is not a loopback address.

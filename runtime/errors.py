@@ -145,3 +145,11 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         super().__init__(message)
         self.missing = list(missing or [])
         self.absent = list(absent or [])
+
+
+# -- settings ----------------------------------------------------------------
+
+
+class SettingError(RingweaveError, ValueError):
+    """A ``RINGWEAVE_*`` environment variable holds a value its parser refuses (runtime/env.py).
+    The message names the variable, its value and what it must be."""

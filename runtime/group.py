@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import sys
 import time
 
@@ -145,8 +144,8 @@ class Call:
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
         returning to the event loop, the first ``spin_s`` of it (``RINGWEAVE_SPIN_US``, default
         50) re-reading the socket with ``sched_yield`` between reads instead of sleeping. That
-        skips the loop's wake-up, the sink callbacks and the receive's future (figures at the
-        end of collectives/registry.py). Only while the runtime is the process's only one:
+        skips the loop's wake-up, the sink callbacks and the receive's future
+        (bench/results/transport.md#the-small-message-path). Only while the runtime is the process's only one:
         ranks run as tasks of one loop (runtime.testing) would wait on a peer that cannot run
         until the wait is over. Anything else (another
         frame first, a mismatch, a lost peer, no frame in time) goes to the normal path,
@@ -515,8 +514,8 @@ class Watchdog:
     cancels the task of every call past its deadline (``expired`` then tells group.run that the
     cancellation was the deadline's), and starts the mismatch check of every call in flight for
     ``check_s`` (ProcessGroup.check_stalled; again after 2, 4, .. 64 x check_s more).
-    ``asyncio.timeout`` per call did the deadlines with a timer of its own, ~5 us per call warm
-    (a tenth of a small shared-memory all_reduce's CPU here): this one timer fires about once
+    ``asyncio.timeout`` per call did the deadlines with a timer of its own, a cost per call
+    (bench/results/runtime.md#one-timer-for-the-deadlines): this one timer fires about once
     per ``check_s`` (1 s) while calls are in flight, and looks only at those. A wait that blocks
     the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
     it, so the timer gets to run."""
@@ -530,7 +529,7 @@ class Watchdog:
 
     def watch(self, call: Call) -> None:
         # The loop through the task: asyncio.get_running_loop() and current_task() each make a
-        # getpid system call (CPython's fork check), ~1 us apiece on this VM.
+        # getpid system call (CPython's fork check; bench/results/runtime.md#the-loop-through-the-task).
         call.task = task = asyncio.current_task()
         call.loop = loop = task.get_loop() if task is not None else asyncio.get_running_loop()
         if call.timeout_s is None and not self.check_s:
@@ -598,7 +597,7 @@ class Runtime:
             timeout_s = env.timeout_s()
         self.actor = actor
         actor.default_timeout_s = timeout_s  # one deadline for collectives and point-to-point alike
-        self.tracer = Tracer(actor.rank, trace_dir or os.environ.get("RINGWEAVE_TRACE") or None)
+        self.tracer = Tracer(actor.rank, trace_dir or env.TRACE.get())
         self.store = store
         self.timeout_s = timeout_s
         self.local_rank = local_rank

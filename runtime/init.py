@@ -47,7 +47,8 @@ import msgpack
 from runtime import auth, lifeline, scheduler
 from runtime.actor import Actor
 from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
-from runtime.env import timeout_s as env_timeout_s, watch_parent as env_watch_parent
+from runtime import env as settings
+from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
 from runtime.store import PrefixStore
@@ -74,7 +75,7 @@ def read_env(env=None) -> dict:
             "master_port_source": p.master_port_source,
             "master_port_derived": p.master_port is not None and p.master_port_source != "MASTER_PORT",
             "restart": p.restart, "job": p.job or "ringweave",
-            "store_hosted": env.get("RINGWEAVE_STORE_HOSTED") == "1",
+            "store_hosted": settings.STORE_HOSTED.get(env),
             "hosts_store": p.hosts_store, "launcher": p.launcher, "problem": p.problem,
             "threads": scheduler.thread_settings(p, env), "nodelist": p.nodelist}
 
@@ -82,17 +83,17 @@ def read_env(env=None) -> dict:
 JOB_INFO_KEY = "job/info"  # {world_size, restart}, set by rank 0 outside the restart prefix
 
 
-def _limit_threads(settings: dict[str, str]) -> None:
+def _limit_threads(thread_vars: dict[str, str]) -> None:
     """Sets the thread variables the launcher implies (scheduler.thread_settings) for what
     loads later, and limits BLAS / OpenMP pools that numpy and friends loaded already."""
-    for name, value in settings.items():
+    for name, value in thread_vars.items():
         os.environ[name] = value
-    if not settings or threadpool_limits is None:
+    if not thread_vars or threadpool_limits is None:
         return
-    count = int(next(iter(settings.values())))
-    if "OPENBLAS_NUM_THREADS" in settings and "MKL_NUM_THREADS" in settings:
+    count = int(next(iter(thread_vars.values())))
+    if "OPENBLAS_NUM_THREADS" in thread_vars and "MKL_NUM_THREADS" in thread_vars:
         threadpool_limits(limits=count, user_api="blas")
-    if "OMP_NUM_THREADS" in settings:
+    if "OMP_NUM_THREADS" in thread_vars:
         threadpool_limits(limits=count, user_api="openmp")
 
 
@@ -141,8 +142,8 @@ def node_id() -> str:
 
 def _advertised_host(master_addr: str) -> str:
     """The address of this host that the master can reach (RINGWEAVE_HOST overrides)."""
-    if os.environ.get("RINGWEAVE_HOST"):
-        return os.environ["RINGWEAVE_HOST"]
+    if settings.HOST.get():
+        return settings.HOST.get()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent for UDP connect
@@ -161,7 +162,7 @@ def die_with_launcher(env=None) -> bool:
     the rank (a worker, a nested job) that inherited it would find its parent is not that
     pid and SIGTERM itself at its own init."""
     env = os.environ if env is None else env
-    pid = env.pop("RINGWEAVE_LAUNCHER_PID", None)
+    pid = settings.LAUNCHER_PID.pop(env)
     if not pid or not sys.platform.startswith("linux"):
         return False
     try:
@@ -222,7 +223,7 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     own_store = store is None
     if store is None:  # a process of a real job (not ranks sharing a store in one process)
         _limit_threads(env["threads"])
-        if world_size > 1 and env_watch_parent():
+        if world_size > 1 and settings.WATCH_PARENT.get():
             lifeline.watch_parent(f"rank {rank}")
         if world_size > 1 and master_port is None:
             raise RingweaveError("MASTER_PORT is not set: rank 0's store address is needed for WORLD_SIZE > 1")

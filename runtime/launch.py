@@ -42,7 +42,7 @@ The secret
     launcher's environment (the same on every node); without it the launcher
     refuses to start (exit 2). A single node without it makes a fresh secret
     (``auth.make_secret()``). Several nodes on loopback without it run
-    unauthenticated, as DESIGN.md allows.
+    unauthenticated, as docs/design.md ("Starting a job") allows.
 
 Environment of every rank (the names torchrun uses, plus ours)::
 
@@ -144,6 +144,7 @@ from typing import Callable, Mapping, Sequence
 import msgpack
 
 from runtime import auth, jobfile, procs
+from runtime import env as settings
 from runtime.errors import RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.scheduler import THREAD_VARS, usable_cores
@@ -672,14 +673,14 @@ def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
     from runtime import shm
-    job = envs[0].get("RINGWEAVE_JOB") if envs else None
+    job = settings.JOB.given(envs[0]) if envs else None
     return shm.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
     """The whole job: secret, store, attempts, restarts. Returns the exit code."""
     try:
-        secret = choose_secret(cfg, environ.get(auth.SECRET_ENV))
+        secret = choose_secret(cfg, settings.SECRET.get(environ))
     except ValueError as exc:
         console.say(f"error: {exc}")
         return EXIT_USAGE

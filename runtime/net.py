@@ -11,14 +11,14 @@ Not here: framing (wire.py), authentication (auth.py), transports (transport.py)
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
 import time
 
+from runtime import env
 from runtime.errors import ConnectError
 
-SOCKET_BUFFER_NBYTES = 4 * 1024 * 1024  # bigger kernel buffers: fewer wake-ups for large arrays
+SOCKET_BUFFER_NBYTES = env.SOCKET_BUFFER.get({})  # bigger kernel buffers: fewer wake-ups for large arrays
 # getaddrinfo answers that no retry can change (EAI_AGAIN, a DNS server that did not answer, is retried)
 PERMANENT_DNS_ERRORS = frozenset(getattr(socket, name) for name in (
     "EAI_NONAME", "EAI_FAIL", "EAI_NODATA", "EAI_SERVICE", "EAI_FAMILY", "EAI_ADDRFAMILY") if hasattr(socket, name))
@@ -28,7 +28,7 @@ def tune(sock: socket.socket) -> None:
     """TCP_NODELAY (small messages leave at once) and large kernel buffers."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    nbytes = int(os.environ.get("RINGWEAVE_SOCKET_BUFFER", SOCKET_BUFFER_NBYTES))
+    nbytes = env.SOCKET_BUFFER.get()
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if nbytes > 0 else ():
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)

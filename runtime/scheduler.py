@@ -56,6 +56,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping
 
+from runtime import env as settings
 from runtime.errors import RingweaveError
 
 PORT_BASE = 15000  # derived store ports: below Linux's ephemeral range (32768+), which outgoing connections take
@@ -231,12 +232,12 @@ def _overrides(env: Mapping[str, str], p: Placement) -> Placement:
             f"127.0.0.1, is right on one node only)"))
     if _int(env, "MASTER_PORT") is not None:
         fields.update(master_port=_int(env, "MASTER_PORT"), master_port_source="MASTER_PORT")
-    if env.get("RINGWEAVE_STORE_HOSTED") == "1":
+    if settings.STORE_HOSTED.get(env):
         fields["hosts_store"] = False
-    if env.get("RINGWEAVE_JOB"):
-        fields["job"] = env["RINGWEAVE_JOB"]
-    if _int(env, "RINGWEAVE_RESTART") is not None:
-        fields["restart"] = _int(env, "RINGWEAVE_RESTART")
+    if settings.JOB.given(env) is not None:
+        fields["job"] = settings.JOB.get(env)
+    if settings.RESTART.given(env) is not None:
+        fields["restart"] = settings.RESTART.get(env)
     return _replace(p, **fields)
 
 

@@ -43,7 +43,7 @@ Synchronisation
     Waiting (for all others, or for one member):
 
     1. read the sequence words; done if reached;
-    2. spin briefly: ``os.sched_yield()`` and re-read, :data:`SPIN_YIELDS` times (on an
+    2. spin briefly: ``os.sched_yield()`` and re-read, ``RINGWEAVE_SHM_SPIN`` times (on an
        oversubscribed machine the yield hands the core to a rank that has work);
     3. read the doorbell (``rung``), publish the want word (with ``rung``), fence, re-read the
        words; if still not reached, ``FUTEX_WAIT(doorbell, rung, SLICE_S)`` in the calling
@@ -56,7 +56,7 @@ Synchronisation
        peers' processes (``kill(pid, 0)``) and their fingerprints.
 
     So a dead peer is seen within about one slice (its TCP connections close and its pid stops
-    existing: ~0.1 s measured), and a wait ends at most one slice after its deadline.
+    existing), and a wait ends at most one slice after its deadline.
 
     The thread blocks, so the event loop's other tasks wait for up to one slice (5 ms) at a time
     while a shared-memory collective waits for a slow peer (like a blocking MPI call): a thread
@@ -66,26 +66,18 @@ Synchronisation
     would block that peer, so those waits are cooperative: ``await asyncio.sleep(0)`` between
     reads, then 0.5 ms sleeps.
 
-    Why this and not others (4 ranks on this 2-core machine, shared with other jobs, so every
-    figure is noisy; tests/shm/bench_allreduce.py): a futex ping-pong between two processes
-    round-trips in 20-65 us; the first version (each waiter slept on each peer's word in turn,
-    every post a FUTEX_WAKE) cost ~340 us of CPU per 4 B all_reduce per rank; publishing wants
-    and ringing only satisfied ones brought it to ~190 us (wall 1.0-1.1 ms with the machine's
-    load at 9, against 1.5 ms for the TCP path in the same run). Spinning 0, 5, 20 or 100 yields
-    before sleeping changed the wall time by less than the noise (5 is the default; 20+ cost
-    more CPU). An eventfd doorbell would need fd passing between processes; a TCP doorbell costs
-    a frame and a loop iteration per post.
+    Why this and not others (bench/results/shm.md#waiting-and-waking): sleeping on each peer's
+    word in turn, every post a FUTEX_WAKE, cost more CPU than publishing wants and ringing only
+    satisfied ones; spinning longer before sleeping changed the wall time by less than the noise
+    and cost more CPU (``RINGWEAVE_SHM_SPIN``). An eventfd doorbell would need fd passing between
+    processes; a TCP doorbell costs a frame and a loop iteration per post.
 
-    Later (quiet machine): a 4 B all_reduce is CPU-bound, not wait-bound. Four ranks on two cores
-    run it in ~2x one rank's CPU (back to back: 254 us wall for 125 us of CPU per rank at first,
-    70 us for 35 us after the per-call Python was cut, 62 us for 30 us once the small calls stopped
-    posting EXIT, see :meth:`Domain.end`), and a bare-bones version of the same
-    protocol (mmap, words, sched_yield spin; no framework) takes 32-35 us: the waiting itself is
-    cheap (``python bench/floor.py -n 4 --modes ringweave-shm,bare-shm``: 59-62 vs 35 us, 30 vs
-    16-17 us of CPU per rank, in two runs). Spinning on a time budget (50 us to 5 ms of sched_yield before the futex) changed
-    nothing measurable. The hot path therefore avoids work rather than waits: ``try_begin`` /
-    ``arrived`` answer without a coroutine when nothing has to wait, and the sequence arithmetic
-    is written out inline.
+    A small all_reduce is CPU-bound, not wait-bound: a bare-bones version of the same protocol
+    (mmap, words, sched_yield spin; no framework) is cheap beside ours, and spinning on a time
+    budget changed nothing measurable (bench/results/shm.md#a-small-call-is-cpu-bound; the small
+    calls post no EXIT, see :meth:`Domain.end`). The hot path therefore avoids work rather than
+    waits: ``try_begin`` / ``arrived`` answer without a coroutine when nothing has to wait, and the
+    sequence arithmetic is written out inline.
 
 Fingerprints
     Shared-memory collectives send no TCP message, so a mismatch would not be seen by the
@@ -127,7 +119,7 @@ log = logging.getLogger("ringweave.shm")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ringweave-"
-ENV_SWITCH = "RINGWEAVE_SHM"  # "0" turns the shared-memory path off
+ENV_SWITCH = env.SHM.name  # "0" turns the shared-memory path off
 
 HEADER_NBYTES = 4096
 SMALL_NBYTES = 64 * 1024  # one small slot; the control file holds two after the header
@@ -146,7 +138,6 @@ _FP_MAX = _FP_NBYTES - 12
 
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
-SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "5"))  # sched_yield spins before sleeping
 LEFT_WAIT_S = 2.0  # Domain._attach: a member whose name is gone tells its error within its answer budget (1 s)
 SLICE_S = 0.005  # one futex sleep: the event loop's other tasks get a turn at least this often
                  # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
@@ -207,7 +198,7 @@ def remove_job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[
 
 def shm_usable(directory: str = SHM_DIR) -> bool:
     """True when ``RINGWEAVE_SHM`` is not ``"0"`` and ``directory`` is a writable directory."""
-    if env.get(ENV_SWITCH) == "0":
+    if not env.SHM.get():
         return False
     ok = _usable_dirs.get(directory)
     if ok is None:  # checked once per directory and process
@@ -241,7 +232,7 @@ _fence_arg = ctypes.byref(_fence_lock)
 
 def fence() -> None:
     """A full memory barrier: glibc's pthread_spin_trylock is one ``lock cmpxchg`` on x86-64,
-    executed whether or not the (never released) lock is free. ~0.3 us through ctypes."""
+    executed whether or not the (never released) lock is free (bench/results/runtime.md#the-memory-fence)."""
     _fence_fn(_fence_arg)
 
 
@@ -416,7 +407,7 @@ class Domain:
             PeerLostError, CollectiveMismatchError, CollectiveTimeoutError: from the messages.
             OSError: /dev/shm could not be written.
         """
-        job = os.environ.get("RINGWEAVE_JOB") or getattr(self.group.runtime.actor, "_job", None) or "ringweave"
+        job = env.JOB.given() or getattr(self.group.runtime.actor, "_job", None) or "ringweave"
         if self.rank == 0:  # the lowest member chooses a token, so two jobs with one name never collide
             token = secrets.token_hex(4).encode()
             for p in range(1, self.size):
@@ -727,7 +718,7 @@ class Domain:
                 idle += 1
                 await asyncio.sleep(0 if idle < 200 else 0.0005)
             return
-        for _ in range(SPIN_YIELDS):  # a short spin that gives the core away
+        for _ in range(env.SHM_SPIN.get()):  # a short spin that gives the core away (bench/results/shm.md#waiting-and-waking)
             os.sched_yield()
             if done():
                 self.statistics_["spins"] += 1

@@ -18,9 +18,9 @@ BLAS threads: each rank limits BLAS to `--blas-threads` threads (default 1)
 with threadpoolctl, whatever OPENBLAS_NUM_THREADS says. The default model's
 matmuls (batch 64 x 256) gain nothing from a second thread, the strategies
 already run the model on a thread beside the event loop, and on a busy 2-core
-machine two BLAS threads made the single-process main job 2.4x slower
-(18.4 s against 7.6 s from start to exit, load average ~11). Give more
-threads to wide synthetic models on an idle machine.
+machine two BLAS threads made the single-process main job slower
+(bench/results/trainer.md#blas-threads). Give more threads to wide synthetic
+models on an idle machine.
 
 Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make
 every rank save a checkpoint after the same step and exit 128 + the signal
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
                    help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, "
-                        "1.56%%, then the ratio, in equal stages); default two epochs (measured: topk 1%%+ef "
-                        "under AdamW within 1 point of uncompressed), 0 for none")
+                        "1.56%%, then the ratio, in equal stages); default two epochs "
+                        "(bench/results/trainer.md#compression-warm-up), 0 for none")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="zero3/fsdp: keep gathered parameters from forward to backward")

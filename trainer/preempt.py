@@ -28,9 +28,10 @@ its own moment, while they are anywhere in a step. So:
    ``--resume`` continues from the checkpoint, with the same losses and parameters as a
    run that was never stopped.
 
-Why not an all_reduce at every step: a check costs 0.18 ms at 4 ranks on this project's 2-core
-machine when it is quiet and 4.3 ms when other test suites load it (bench/results/preempt.md),
-up to most of a short step; once a second it is 0.02-0.4% of the time.
+Why not an all_reduce at every step: a check costs 0.18 ms at 4 ranks on this project's
+2-core machine when it is quiet and 4.3 ms when other jobs load it, up to most of a short
+step; once a second it is 0.02-0.4% of the time
+(bench/results/preempt.md#a-check-and-the-steps-between).
 
 Handlers are installed only from the main thread (Python's rule); elsewhere the scope
 warns and catches nothing. A rank whose launcher died (runtime/lifeline.py sends it
@@ -97,9 +98,9 @@ class Preemption:
 
     def __init__(self, signals: tuple[str, ...] | None = None, *, enabled: bool = True,
                  check_s: float | None = None):
-        self.signals = tuple(signal.Signals[s] for s in (rwenv.preempt_signals() if signals is None else signals))
+        self.signals = tuple(signal.Signals[s] for s in (rwenv.PREEMPT_SIGNALS.get() if signals is None else signals))
         self.enabled = enabled and bool(self.signals)
-        self.check_s = rwenv.preempt_check_s() if check_s is None else check_s  # about this often, e.g. 1.0
+        self.check_s = rwenv.PREEMPT_CHECK.get() if check_s is None else check_s  # about this often, e.g. 1.0
         self.received = 0  # the first signal noted, 0 if none
         self._previous: dict[signal.Signals, object] = {}
         self._countdown = 0  # boundaries to pass before the next check (0: check at the next one)

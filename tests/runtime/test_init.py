@@ -72,7 +72,7 @@ def test_a_job_through_the_launcher_authenticates_and_exchanges(tmp_path):
     script.write_text(textwrap.dedent("""
         import asyncio, os, numpy as np, runtime
         async def main():
-            assert os.environ["RINGWEAVE_SECRET"]          # the launcher made a secret
+            assert os.environ["RINGWEAVE_SECRET"]          # the launcher's contract: it made a secret
             rt = await runtime.init()
             w = rt.world
             right, left = (w.rank + 1) % w.size, (w.rank - 1) % w.size

@@ -8,11 +8,12 @@ import signal
 import pytest
 
 from runtime import env
+from runtime.errors import SettingError
 from trainer import preempt
 
 
 async def test_a_noted_signal_saves_and_raises_with_128_plus_the_signal(monkeypatch):
-    monkeypatch.delenv(env.PREEMPT_EXIT_CODE_ENV_VAR, raising=False)
+    monkeypatch.delenv(env.PREEMPT_EXIT_CODE.name, raising=False)
     before = signal.getsignal(signal.SIGUSR1)
     saved = []
 
@@ -49,27 +50,25 @@ async def test_scopes_do_not_nest():
 
 
 def test_the_signals_and_the_exit_code_settings(monkeypatch):
-    monkeypatch.delenv(env.PREEMPT_SIGNALS_ENV_VAR, raising=False)
-    assert env.preempt_signals() == ("SIGTERM", "SIGUSR1")
-    monkeypatch.setenv(env.PREEMPT_SIGNALS_ENV_VAR, "usr2, SIGTERM,10")
-    assert env.preempt_signals() == ("SIGUSR2", "SIGTERM", "SIGUSR1")
-    monkeypatch.setenv(env.PREEMPT_SIGNALS_ENV_VAR, "none")
-    assert env.preempt_signals() == ()
+    signals, code = env.PREEMPT_SIGNALS, env.PREEMPT_EXIT_CODE
+    monkeypatch.delenv(signals.name, raising=False)
+    assert signals.get() == ("SIGTERM", "SIGUSR1")
+    monkeypatch.setenv(signals.name, "usr2, SIGTERM,10")
+    assert signals.get() == ("SIGUSR2", "SIGTERM", "SIGUSR1")
+    monkeypatch.setenv(signals.name, "none")
+    assert signals.get() == ()
     for bad in ("USR3", "KILL"):
-        monkeypatch.setenv(env.PREEMPT_SIGNALS_ENV_VAR, bad)
-        with pytest.raises(ValueError, match=env.PREEMPT_SIGNALS_ENV_VAR):
-            env.preempt_signals()
-    monkeypatch.delenv(env.PREEMPT_EXIT_CODE_ENV_VAR, raising=False)
+        monkeypatch.setenv(signals.name, bad)
+        with pytest.raises(SettingError, match=signals.name):
+            signals.get()
+    monkeypatch.delenv(code.name, raising=False)
     assert env.preempt_exit_code(signal.SIGTERM) == 143
-    monkeypatch.setenv(env.PREEMPT_EXIT_CODE_ENV_VAR, "75")
+    monkeypatch.setenv(code.name, "75")
     assert env.preempt_exit_code(signal.SIGTERM) == 75
     for bad in ("0", "256", "x"):
-        monkeypatch.setenv(env.PREEMPT_EXIT_CODE_ENV_VAR, bad)
-        with pytest.raises(ValueError, match=env.PREEMPT_EXIT_CODE_ENV_VAR):
+        monkeypatch.setenv(code.name, bad)
+        with pytest.raises(SettingError, match=code.name):
             env.preempt_exit_code(signal.SIGTERM)
-    monkeypatch.setenv(env.WATCH_PARENT_ENV_VAR, "no")
-    with pytest.raises(ValueError, match=env.WATCH_PARENT_ENV_VAR):
-        env.watch_parent()
 
 
 async def test_ranks_with_different_step_times_check_at_the_same_boundaries_and_stop_together(ranks):

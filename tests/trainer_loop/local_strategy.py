@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from trainer.nn import Context
 from trainer.nn.loss import cross_entropy_forward
 from trainer.optim import AdamW, WarmupCosine

@@ -138,7 +138,7 @@ class GELU(Layer):
     """
 
     def forward(self, params, x, ctx):
-        t = np.tanh(_GELU_C * (x + _GELU_A * (x * x * x)))  # x*x*x: np.power(x, 3) is 60x slower here
+        t = np.tanh(_GELU_C * (x + _GELU_A * (x * x * x)))  # x*x*x, not np.power: bench/results/trainer.md#gelu-cube
         return 0.5 * x * (1.0 + t), (x, t)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
