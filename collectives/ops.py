@@ -72,6 +72,57 @@ def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
         raise ValueError(f"{name} has {a.size} elements (shape {a.shape}); expected {expected} ({why})")
 
 
+def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b: np.ndarray, *,
+                     own_block: int | None = None, own_offset: int | None = None) -> None:
+    """Refuses two buffers of one call that share memory (host arrays, or device arrays: their
+    device addresses): an algorithm may write one while it still reads the other, and the answer
+    would be wrong on some ranks (silently). With
+    ``own_offset``, ``b`` may sit exactly at element ``own_offset`` of ``a``: the in-place form
+    (``b`` is this rank's block of ``a``), which every algorithm supports; ``own_block`` says
+    the same of equal blocks of ``b``'s length (``own_offset = own_block * len(b)``).
+
+    Raises:
+        ValueError: naming both arguments, where ``b`` lies in ``a`` and what is allowed.
+    """
+    host_a, host_b = isinstance(a, np.ndarray), isinstance(b, np.ndarray)
+    if host_a and host_b:
+        if not np.may_share_memory(a, b):  # contiguous arrays: the bounds tell it exactly
+            return
+    elif host_a or host_b:
+        return  # one on the host, one on a device: apart
+    spans = _span(a), _span(b)
+    if None in spans:
+        return
+    (a_start, a_nbytes, itemsize), (b_start, b_nbytes, _) = spans
+    if own_block is not None:
+        own_offset = own_block * (b_nbytes // itemsize)
+    if b_start >= a_start + a_nbytes or a_start >= b_start + b_nbytes:
+        return
+    if own_offset is not None and b_nbytes and b_start == a_start + own_offset * itemsize:
+        return
+    first, count = (b_start - a_start) // itemsize, b_nbytes // itemsize
+    allowed = (f"; the only overlap allowed is {b_name} = this rank's block of {a_name} exactly "
+               f"(elements {own_offset}..{own_offset + count - 1}, in place)" if own_offset is not None else "")
+    raise ValueError(f"{collective}: {b_name} overlaps {a_name} (it starts at element {first} of {a_name} and has "
+                     f"{count} elements){allowed}; pass separate arrays")
+
+
+def _span(a) -> tuple[int, int, int] | None:
+    """(first byte's address, bytes, item size) of a C-contiguous host or device array (the CUDA
+    simulator's: of the NumPy array it holds; a Bits16: of its words); None when it cannot tell."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0], a.nbytes, a.itemsize
+    try:
+        cai = a.__cuda_array_interface__
+    except AttributeError:
+        cai = None
+    if cai is not None:
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        return cai["data"][0], int(np.prod(cai["shape"], dtype=np.int64)) * itemsize, itemsize
+    inner = getattr(a, "_ary", None) if type(a).__name__ == "FakeCUDAArray" else getattr(a, "bits", None)
+    return _span(inner) if inner is not None else None
+
+
 def check_root(name: str, root, size: int) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"{name}={root!r} is not a rank of this group (0..{size - 1})")

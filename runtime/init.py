@@ -41,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import weakref
 
 import msgpack
 
@@ -176,6 +177,10 @@ def die_with_launcher(env=None) -> bool:
     return True
 
 
+_JOINING = object()
+_by_loop: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # event loop -> its runtime, or _JOINING
+
+
 async def init(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                master_port: int | None = None, local_rank: int | None = None,
                local_world_size: int | None = None, secret: bytes | str | None = None,
@@ -183,13 +188,53 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     """Joins the job and returns this rank's :class:`Runtime` (``rt.world`` is the world group).
 
     Args override the environment. ``store`` may be any async Store shared by
-    all ranks (tests); then no server is hosted or contacted.
+    all ranks (tests); then no server is hosted or contacted. The secret is taken
+    out of ``os.environ`` (``auth.secret_from_env``): processes this rank starts
+    do not inherit it unless given it (``auth.export_secret``).
+
+    Once per event loop (like ``torch.distributed.init_process_group`` per process): a second
+    call while the runtime it made is open, or while another call is still joining, raises at
+    once (call :func:`shutdown` first). Threads with loops of their own (the blocking facade,
+    collectives/blocking.py) each have theirs; with ``store=``, one loop may hold several, one per
+    task (tests, runtime.testing).
 
     Raises:
-        RingweaveError: missing or inconsistent rank / size / port.
+        RingweaveError: missing or inconsistent rank / size / port; init() called again.
         ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
             the message names the address and the ranks missing.
     """
+    mine = _current.get()
+    if mine is not None and not mine._closed:
+        raise RingweaveError(f"init() was called again in this task while its runtime (rank {mine.rank} of "
+                             f"{mine.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
+    loop = asyncio.get_running_loop() if store is None else None  # store=: several per loop (tests)
+    if loop is not None:
+        held = _by_loop.get(loop)
+        if held is _JOINING:
+            raise RingweaveError("init() was called again while an earlier call is still joining the job; "
+                                 "await that one (one runtime per event loop)")
+        if held is not None and not held._closed:
+            raise RingweaveError(f"init() was called again while this event loop's runtime (rank {held.rank} of "
+                                 f"{held.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
+        _by_loop[loop] = _JOINING
+    try:
+        rt = await _join(rank, world_size, master_addr=master_addr, master_port=master_port,
+                         local_rank=local_rank, local_world_size=local_world_size, secret=secret, job=job,
+                         timeout_s=timeout_s, store=store)
+    except BaseException:
+        if loop is not None:
+            del _by_loop[loop]
+        raise
+    if loop is not None:
+        _by_loop[loop] = rt
+    return rt
+
+
+async def _join(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
+                master_port: int | None = None, local_rank: int | None = None,
+                local_world_size: int | None = None, secret: bytes | str | None = None,
+                job: str | None = None, timeout_s: float | None = None, store=None) -> Runtime:
+    """What :func:`init` does once it has checked that it may."""
     global _process_default
     die_with_launcher()
     env = read_env()

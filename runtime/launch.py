@@ -27,6 +27,8 @@ Options (everything after the script or module name goes to the ranks)::
     --timeout-s T            every wait in the runtime times out after T s (sets
                              RINGWEAVE_TIMEOUT_S for the ranks; default: the runtime's own)
     --max-time-s T           wall-clock limit of the whole job; past it, stop all, exit 124
+    --force                  start more than max(64, 4 x usable cores) ranks on this node
+                             (without it such an -n is refused: a typo must not fork thousands)
     -m, --module             the target is a module name (python -m), not a script path
 
 The store
@@ -145,7 +147,7 @@ import msgpack
 
 from runtime import auth, jobfile, procs
 from runtime import env as settings
-from runtime.errors import RingweaveError, WouldBlock
+from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.scheduler import THREAD_VARS, usable_cores
 
@@ -174,6 +176,7 @@ class LaunchConfig:
     timeout_s: float | None = None   # runtime wait timeout for the ranks, e.g. 60
     max_time_s: float | None = None  # wall-clock limit of the job, e.g. 3600
     tail_lines: int = 20
+    force: bool = False              # -n past nproc_bound() is allowed
 
     @property
     def world_size(self) -> int:
@@ -223,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-time-s", type=float, default=None, metavar="T",
                    help="wall-clock limit of the whole job in seconds; past it every rank is stopped and "
                         "the launcher exits 124")
+    p.add_argument("--force", action="store_true",
+                   help="allow -n beyond max(64, 4 x usable cores) ranks on this node (without it such an "
+                        "-n is refused: a typo must not fork thousands)")
     p.add_argument("-m", "--module", action="store_true",
                    help="the target is a module name, run as python -m TARGET")
     p.add_argument("target", help="script path, or module name with -m")
@@ -242,15 +248,28 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         nproc=ns.nproc, target=ns.target, args=tuple(ns.args), module=ns.module,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, job_id=ns.job_id, max_restarts=ns.max_restarts,
-        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s)
-    check_config(cfg)
+        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s, force=ns.force)
+    check_config(cfg, nproc_bound(usable_cores()))
     return cfg
 
 
-def check_config(cfg: LaunchConfig) -> None:
-    """Raises ValueError naming the first option that does not make a job."""
+NPROC_PER_CORE = 4  # ranks per usable core that -n may ask for without --force
+MIN_NPROC_BOUND = 64  # ... and at least this many, however few the cores
+
+
+def nproc_bound(cores: int) -> int:
+    """The most ranks per node -n may ask for without --force."""
+    return max(MIN_NPROC_BOUND, NPROC_PER_CORE * cores)
+
+
+def check_config(cfg: LaunchConfig, max_nproc: int | None = None) -> None:
+    """Raises ValueError naming the first option that does not make a job; ``max_nproc``: the
+    bound on -n without --force (:func:`nproc_bound`)."""
     if cfg.nproc < 1:
         raise ValueError(f"-n must be at least 1, got {cfg.nproc}")
+    if max_nproc is not None and cfg.nproc > max_nproc and not cfg.force:
+        raise ValueError(f"-n {cfg.nproc} would start more than {max_nproc} ranks on this node "
+                         f"(max({MIN_NPROC_BOUND}, {NPROC_PER_CORE} per usable core)); pass --force if that is meant")
     if cfg.nnodes < 1:
         raise ValueError(f"--nnodes must be at least 1, got {cfg.nnodes}")
     if not 0 <= cfg.node_rank < cfg.nnodes:
@@ -710,9 +729,12 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
             restart = 0
             while True:
                 if cfg.hosts_store:
-                    jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
-                                        "secret": secret, "restart": restart, "world_size": cfg.world_size,
-                                        "launcher_pid": os.getpid()})
+                    try:
+                        jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
+                                            "secret": secret, "restart": restart, "world_size": cfg.world_size,
+                                            "launcher_pid": os.getpid()})
+                    except JobFileError as exc:  # the job runs; only tools.status cannot find it
+                        console.say(f"warning: no job file for tools.status: {exc}")
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
                                  job=job, restart=restart, cores=cores, launcher_pid=os.getpid())
                         for local_rank in range(cfg.nproc)]

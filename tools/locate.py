@@ -19,8 +19,6 @@ Not here: asking the ranks anything (tools/status.py).
 
 from __future__ import annotations
 
-import os
-
 import msgpack
 
 from runtime import auth, jobfile
@@ -55,8 +53,12 @@ async def locate(args, timeout_s: float, env=None) -> dict:
     """
     placed = read_env(env)
     if args.master_addr is None and args.master_port is None:
-        named = args.job and os.path.exists(jobfile.path(args.job))
-        if named or placed["master_port"] is None:
+        if args.job:
+            try:
+                return jobfile.find(args.job)
+            except FileNotFoundError:  # not a job of our launcher here: maybe the environment names its store
+                pass
+        if placed["master_port"] is None:
             try:
                 return jobfile.find(args.job)
             except FileNotFoundError as exc:

@@ -12,9 +12,11 @@ the secret from --secret-file or RINGWEAVE_SECRET), reads every rank's address
 from the store, connects to each rank as an
 authenticated tool (the job's secret; tools may call only ``ringweave.*``
 handlers) and prints each rank's collective calls in flight: the operation,
-how long it has waited and which ranks it is waiting on. A rank that does not
-answer within ``--timeout-s`` is reported as not answering (stopped,
-busy in native code without the GIL, or dead).
+how long it has waited and which ranks it is waiting on. A rank answers from
+its listener's own thread (runtime/acceptor.py), so a rank whose event loop is
+busy (a tight loop of collectives, a long computation) still answers at once;
+one that does not answer within ``--timeout-s`` is reported as not answering
+(stopped, holding the GIL in native code, or dead).
 
 Example, a job whose rank 2 was stopped with SIGSTOP::
 
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         info = asyncio.run(locate.locate(args, args.timeout_s))
-    except (FileNotFoundError, RingweaveError, OSError) as exc:
+    except (FileNotFoundError, RingweaveError, OSError) as exc:  # JobFileError (a RingweaveError): not safely ours
         print(exc, file=sys.stderr)
         return 1
     statuses = asyncio.run(collect(info, args.timeout_s))

@@ -539,7 +539,9 @@ async def _save_checkpoint(directory: str, strategy: Strategy, group, meta: dict
 
 
 async def _load_checkpoint(directory: str, strategy: Strategy, group, run: dict) -> dict | None:
-    """Loads the newest checkpoint into `strategy`; returns the loop's position, or None if there is none.
+    """Loads the newest checkpoint that loads on every rank into `strategy` (an older one when the
+    newest is damaged: trainer.checkpoint.load_newest_valid); returns the loop's position, or None
+    if there is none.
 
     Raises:
         ValueError: the checkpoint was not written by `fit`, or by a run whose batching
@@ -548,9 +550,9 @@ async def _load_checkpoint(directory: str, strategy: Strategy, group, run: dict)
     """
     from trainer import checkpoint
 
-    if checkpoint.latest(directory) is None:
+    meta = await checkpoint.load_newest_valid(strategy, directory)  # a damaged newest: the one before
+    if meta is None:
         return None
-    meta = checkpoint.load(strategy, directory)
     loop = (meta.get("extra") or {}).get("loop")
     if loop is None:
         raise ValueError(f"{meta['path']} was not written by trainer.loop.fit (no loop position in its "
