@@ -27,6 +27,10 @@ machine two BLAS threads made the single-process main job slower
 (bench/results/trainer.md#blas-threads). Give more threads to wide synthetic
 models on an idle machine.
 
+Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make
+every rank save a checkpoint after the same step and exit 128 + the signal
+(trainer/preempt.py); --resume continues from it.
+
 What it is not: no config files (flags only), no model zoo (the MLP and the GPT).
 """
 
@@ -45,6 +49,7 @@ from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
 from trainer.nn import GPT, GPTConfig, mlp
+from trainer.preempt import Preempted, Preemption
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
 from trainer.text import load_text_split
@@ -315,11 +320,19 @@ async def run(args: argparse.Namespace) -> int:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
-        history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
-                            callbacks=callbacks, checkpoint_dir=args.checkpoint_dir, keep_last=args.keep_last,
-                            resume=args.resume, log_every=0 if args.quiet else args.log_every,
-                            checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
-                            eval_batch_size=args.eval_batch_size, group=world)
+        try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
+            with Preemption(enabled=bool(args.checkpoint_dir)):
+                history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
+                                    callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
+                                    keep_last=args.keep_last, resume=args.resume,
+                                    log_every=0 if args.quiet else args.log_every,
+                                    checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
+                                    eval_batch_size=args.eval_batch_size, group=world)
+        except Preempted as exc:
+            if world.rank == 0:
+                print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
+                      flush=True)
+            return exc.exit_code
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

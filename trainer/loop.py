@@ -72,7 +72,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from trainer import checkpoint
+from trainer import checkpoint, preempt
 from trainer.callbacks import Callback, EarlyStopping, LoopState, StopAtAccuracy
 from trainer.data import iter_local_batches, num_global_batches, split_bounds
 from trainer.history import EpochStats, History, RankStats, format_bytes, format_summary
@@ -364,6 +364,9 @@ class _Run:
         every = self.options.checkpoint_every
         if self.options.checkpoint_dir and every and self.state.step % every == 0 and k < self.steps_total:
             await self.save(epoch, k, EpochSums(**asdict(self.sums)))
+        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py)
+        save = (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
+        await preempt.at_step_boundary(self.group, save)
         return self.stop
 
     async def _evaluate(self, dataset) -> dict[str, float]:
