@@ -18,6 +18,7 @@ rank 0 writes one metadata file that describes the global layout::
       "optimizer": "adamw", "master_dtype": "float32",
       "scaler": {"scale": 65536.0, "good_steps": 40},
       "extra": {"epoch": 1, "batch": 12},            # the loop's position in the data
+      "model": {"kind": "gpt", "config": {...}},     # model.spec() when the model has one (trainer.sample)
       "units": [{"index": 0, "numel": 17152,
                  "params": [{"name": "0.weight", "shape": [64, 256], "offset": 0}, ...]}, ...],
       "arrays": {"unit0.param": {"numel": 17152, "dtype": "float32",
@@ -73,7 +74,7 @@ from trainer.precision import resolve_dtype
 log = logging.getLogger("ringweave.checkpoint")
 
 __all__ = ["CheckpointError", "save", "load", "load_newest_valid", "latest", "list_checkpoints", "read_metadata",
-           "read_full_params", "export_npz", "export_npz_from_checkpoint"]
+           "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint"]
 
 FORMAT, VERSION = "ringweave-checkpoint", 1
 METADATA = "metadata.json"
@@ -147,7 +148,8 @@ def _write_pieces(state: dict, tmp: Path, rank: int) -> dict:
     return pieces
 
 
-def _metadata(state: dict, model_units, tmp: Path, world: int, extra: dict | None) -> dict:
+def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None) -> dict:
+    model_units = model.units
     arrays: dict[str, dict] = {}
     for r in range(world):
         index = json.loads((tmp / f"rank{r:05d}" / "index.json").read_text())
@@ -165,7 +167,8 @@ def _metadata(state: dict, model_units, tmp: Path, world: int, extra: dict | Non
     return {"format": FORMAT, "version": VERSION, "step": int(state["step"]), "optim_step": int(state["optim_step"]),
             "strategy": state["strategy"], "world_size": world, "optimizer": state["optimizer"],
             "master_dtype": state["master_dtype"], "scaler": state["scaler"], "extra": extra or {},
-            "created_unix_s": time.time(), "units": units, "arrays": arrays}
+            "created_unix_s": time.time(), "units": units, "arrays": arrays,
+            "model": model.spec() if hasattr(model, "spec") else None}
 
 
 async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3) -> Path:
@@ -224,7 +227,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     commit = np.zeros(1, dtype=np.float64)
     if rank == 0:
         try:
-            meta = _metadata(state, strategy.model.units, tmp, world, extra)
+            meta = _metadata(state, strategy.model, tmp, world, extra)
             _write_durable(tmp / METADATA, lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again: replace it
@@ -373,6 +376,19 @@ async def load_newest_valid(strategy, root) -> dict | None:
     if found:
         raise CheckpointError(f"none of the {len(found)} checkpoints in {root} could be loaded: {'; '.join(skipped)}")
     return None
+
+
+def read_unit_params(path) -> tuple[list[np.ndarray], dict]:
+    """Every unit's unpadded flat parameters, from the files alone, and the metadata
+    (its "model" rebuilds the model: trainer.sample)."""
+    meta = read_metadata(path)
+    ckpt = Path(meta["path"])
+    flats = []
+    for unit in meta["units"]:
+        name = f"unit{unit['index']}.param"
+        entry = meta["arrays"][name]
+        flats.append(_read_range(ckpt, name, entry, 0, unit["numel"], resolve_dtype(entry["dtype"])))
+    return flats, meta
 
 
 def read_full_params(path) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
-"""The strategies' one door to collectives/: counted, timed, and callable from the compute thread.
+"""AccountedCollectives: the strategies' one door to collectives/, counted, timed, and callable
+from the compute thread.
 
-What it is: `Comm` wraps the four collectives a strategy uses (all_reduce,
+What it is: `AccountedCollectives` wraps the four collectives a strategy uses (all_reduce,
 all_gather, reduce_scatter, broadcast) with
 
 * accounting: bytes this rank sends, estimated with the ring algorithm's
@@ -33,6 +34,8 @@ from typing import Any, Awaitable
 
 import numpy as np
 
+__all__ = ["AccountedCollectives"]
+
 
 def _collectives():
     import collectives  # local: the strategies import without it, e.g. for memory maths
@@ -40,9 +43,9 @@ def _collectives():
     return collectives
 
 
-class Comm:
-    """Collectives on one group, accounted. Loop-thread methods are ``async``;
-    ``launch``/``wait`` are for the compute thread."""
+class AccountedCollectives:
+    """Collectives on one group, accounted (bytes sent, time in flight, time waited on).
+    Loop-thread methods are ``async``; ``launch``/``wait`` are for the compute thread."""
 
     def __init__(self, group, *, codec=None, timeout_s: float | None = None):
         self.group = group
