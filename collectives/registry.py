@@ -207,8 +207,11 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
     algorithms = ALGORITHMS.get(collective)
     if algorithms is None:
         raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
-    topology = group.topology if group is not None else None
-    layout = topology.layout if topology is not None else "one"
+    if group is None:
+        layout, hosts = "one", 1
+    else:
+        topology = group.topology
+        layout, hosts = topology.layout, topology.hosts
     shm = not subcall and (group is None or group.shm_enabled) and shm_usable()
     from_env = override is None and not subcall
     if from_env:
@@ -221,29 +224,28 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
             raise error(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
         need = NEEDS.get(override)
         if need is None or need(shm, layout):
-            return override, _parts(collective, override, fn, nbytes, topology)
-    return _chosen(collective, nbytes, world, shm, layout, topology)
+            return override, _parts(collective, override, fn, nbytes, hosts)
+    return _chosen(collective, nbytes, world, shm, layout, hosts)
 
 
-def _parts(collective: str, name: str, fn: Callable, nbytes: int, topology) -> Callable:
+def _parts(collective: str, name: str, fn: Callable, nbytes: int, hosts: int) -> Callable:
     """``fn``, given the parts the table chooses for it: the hierarchical all_reduce gets its
     leaders' all_reduce (one rank per host, "spread", over TCP) as ``across``."""
     if name != "hierarchical":
         return fn
-    hosts = topology.hosts if topology is not None else 1
-    return functools.partial(fn, across=_chosen(collective, nbytes, hosts, False, "spread", None)[1])
+    return functools.partial(fn, across=_chosen(collective, nbytes, hosts, False, "spread", hosts)[1])
 
 
-def _chosen(collective: str, nbytes: int, world: int, shm: bool, layout: str, topology) -> tuple[str, Callable]:
-    """The table's choice (the first rule that can run, fits and applies), remembered (_CHOSEN)."""
-    hosts = topology.hosts if topology is not None else 1
+def _chosen(collective: str, nbytes: int, world: int, shm: bool, layout: str, hosts: int) -> tuple[str, Callable]:
+    """The table's choice (the first rule that can run, fits and applies) for ranks on ``hosts``
+    hosts laid out as ``layout``, remembered (_CHOSEN)."""
     key = (collective, nbytes, world, shm, layout, hosts)
     chosen = _CHOSEN.get(key)
     if chosen is None:
         for rule in TABLES[collective]:
             need = NEEDS.get(rule.algorithm)
             if (need is None or need(shm, layout)) and rule.fits(layout) and rule.applies(nbytes, world):
-                fn = _parts(collective, rule.algorithm, ALGORITHMS[collective][rule.algorithm], nbytes, topology)
+                fn = _parts(collective, rule.algorithm, ALGORITHMS[collective][rule.algorithm], nbytes, hosts)
                 chosen = rule.algorithm, fn
                 break
         else:  # pragma: no cover - every table ends with a rule that always applies

@@ -33,6 +33,7 @@ class HostTopology:
     node_ids: tuple[str, ...]  # the node id of each rank, e.g. ("a", "b", "a", "b")
     nodes: tuple[tuple[int, ...], ...]  # the ranks of each node, nodes in order of their lowest rank
     layout: str  # one of LAYOUTS
+    hosts: int  # how many hosts the ranks are on (len(nodes)): read at every call's choice
 
     @classmethod
     def of(cls, node_ids) -> "HostTopology":
@@ -46,12 +47,7 @@ class HostTopology:
         hosts = len(order)
         layout = ("one" if hosts <= 1 else "spread" if hosts == len(ids) else "packed" if runs == hosts
                   else "mixed")
-        return cls(ids, tuple(tuple(ranks) for ranks in order.values()), layout)
-
-    @property
-    def hosts(self) -> int:
-        """How many hosts the ranks are on."""
-        return len(self.nodes)
+        return cls(ids, tuple(tuple(ranks) for ranks in order.values()), layout, hosts)
 
     @property
     def one_host(self) -> bool:
