@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -e ".[test,cuda,plot]"
+	$(BIN)/python -m pip install -e ".[test,cuda,ptx,plot]"
 	touch $(STAMP)
 
 # The main job: 4 ranks train the default model on digits through the launcher.
@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(BIN)/python bench/p2p.py
-	$(BIN)/python bench/collectives.py
+	$(BIN)/python bench/p2p.py --out-dir bench/out
+	$(BIN)/python bench/collectives.py --out-dir bench/out
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

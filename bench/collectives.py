@@ -6,6 +6,7 @@ optionally beside torch.distributed's Gloo backend and OpenMPI (mpi4py) measured
     python bench/collectives.py -n 4 --compare mpi                   # + OpenMPI (shared memory), under mpirun
     python bench/collectives.py -n 4 --compare gloo,mpi --mpi-btl tcp
     python bench/collectives.py -n 2 --ops all_reduce --sizes 4,4096,1M --algorithm all --iters 50
+    python bench/collectives.py -n 4 --device cuda --compare gloo --ops all_reduce --sizes 4K,1M,16M,64M
 
 Launch. Without RANK in the environment the script re-launches itself through the project's
 launcher (``python -m runtime.launch -n N bench/collectives.py ...``). With ``--compare mpi`` it
@@ -46,8 +47,9 @@ one size that is also the busbw ratio). The goal summary (issues 3 and 6) uses t
 the algorithm the default table picks.
 
 Output (rank 0): one line per row as it is measured, then the goals; JSON to ``--json``
-(default bench/out/collectives.json) and a PNG of busbw against size to ``--plot``
-(bench/out/collectives.png; skipped with a message when matplotlib is missing). The memory
+(default ``--out-dir``/collectives.json; without ``--out-dir``, the current directory) and a PNG of
+busbw against size to ``--plot`` (collectives.png beside it; skipped with a message when matplotlib is
+missing); both paths are printed. The memory
 reference, printed before the goals, is a one-core NumPy copy of 64 MiB (bytes copied per second),
 measured by rank 0 while the others wait, and all ranks copying at once (sum of their rates). It is
 measured after the rows: measured first, it slowed the rows that followed it.
@@ -78,7 +80,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
 from bench.common import (MiB, Table, busbw_factor, copy_bandwidth, fmt_bytes, gbps, parse_sizes,  # noqa: E402
-                          plot_busbw, stats, write_json)
+                          out_path, plot_busbw, stats, write_json)
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
        "barrier"]
@@ -699,11 +701,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shm", default="env", choices=["env", "on", "off"],
                    help="ringweave's same-host shared-memory path: off sets RINGWEAVE_SHM=0 (the TCP path, "
                         "issue 3's goals), on sets it to 1, env (default) leaves the environment alone")
-    p.add_argument("--json", default=os.path.join("bench", "out", "collectives.json"))
-    p.add_argument("--plot", default=os.path.join("bench", "out", "collectives.png"), help="PNG path; '' for none")
+    p.add_argument("--out-dir", default=None,
+                   help="directory for collectives.json and collectives.png (default: the current directory)")
+    p.add_argument("--json", default=None, help="JSON path (default: OUT_DIR/collectives.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/collectives.png); '' for none")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: device arrays (numba, CuPy) against Gloo on torch CUDA tensors (bench/device.py); "
+                        "refuses to run without a GPU")
     p.add_argument("--launched-by", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.json = args.json or out_path(args.out_dir, "collectives.json")
+    args.plot = out_path(args.out_dir, "collectives.png") if args.plot is None else args.plot
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in args.ops if o not in OPS]
     if bad:
@@ -775,8 +784,18 @@ def main() -> None:
     args = parse_args(argv)
     if args.shm != "env":
         os.environ["RINGWEAVE_SHM"] = "0" if args.shm == "off" else "1"  # inherited by every rank
+    if args.device == "cuda":
+        from bench import device
+        problem = device.gpu_problem()
+        if problem:
+            print(f"--device cuda: {problem}", file=sys.stderr)
+            raise SystemExit(2)
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         raise SystemExit(relaunch(args, argv))
+    if args.device == "cuda":
+        from bench import device
+        device.run(args)
+        return
     if args.no_uvloop:
         asyncio.run(rank_main(args))
         return

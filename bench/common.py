@@ -165,6 +165,12 @@ class Table:
         return line
 
 
+def out_path(out_dir: str | None, name: str) -> str:
+    """Where a result file goes: under ``out_dir`` (``--out-dir``, the user's) or else the current
+    directory, never the source tree; absolute, so the script can say where it went."""
+    return os.path.abspath(os.path.join(out_dir or os.getcwd(), name))
+
+
 def write_json(path: str, obj) -> None:
     """Writes ``obj`` as indented JSON, creating the folder; NaN becomes null.
     An empty ``path`` writes nothing."""

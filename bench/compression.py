@@ -122,6 +122,7 @@ async def bench(args) -> list[dict]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": g.size, "shm": args.shm, "load_avg": os.getloadavg(), "rows": rows}, f, indent=1)
+            print(f"wrote {os.path.abspath(args.json)}")
     return rows
 
 

@@ -3,6 +3,7 @@
     python bench/kernels.py                 # 16M float32 elements (64 MB), best of 3
     python bench/kernels.py --n 1000000 --repeat 5
     python bench/kernels.py --offload       # also: when to move a reduction off the event loop
+    python bench/kernels.py --device cuda --repeat 5   # numba.cuda kernels vs CuPy (bench/kernels_device.py)
 
 Each variant is validated against the NumPy reference (bit-exact, NaN == NaN)
 before it is timed; the first call (compile /
@@ -169,7 +170,17 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16 << 20, help="elements, e.g. 16777216")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--offload", action="store_true", help="also measure the off-thread threshold")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the numba.cuda kernels against CuPy / torch (bench/kernels_device.py)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        from bench.device import gpu_problem
+        problem = gpu_problem()
+        if problem:
+            raise SystemExit(f"--device cuda: {problem}")
+        from bench import kernels_device
+        kernels_device.run(args.n, args.repeat)
+        return
     t0 = time.perf_counter()
     warm = cpu.warmup()
     print(f"kernels.cpu.warmup(): {warm:.2f} s (from the on-disk cache if it is warm); "

@@ -1,7 +1,7 @@
 """Point-to-point throughput and latency between two ranks, beside a plain socket.
 
     python bench/p2p.py                      # launches itself with 2 ranks
-    python bench/p2p.py --max-mib 16 --iters 10 --json bench/out/p2p.json
+    python bench/p2p.py --max-mib 16 --iters 10 --out-dir bench/out      # writes bench/out/p2p.json
 
 Both measurements are ping-pong between the same two processes in the same run:
 rank 0 sends ``size`` bytes, rank 1 receives them into a preallocated buffer
@@ -135,6 +135,7 @@ async def rank_main(args) -> None:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"loop": type(asyncio.get_running_loop()).__module__, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
     await runtime.shutdown()
 
 
@@ -142,9 +143,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-mib", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", default="bench/out/p2p.json")
+    p.add_argument("--out-dir", default=None, help="directory for p2p.json (default: the current directory)")
+    p.add_argument("--json", default=None, help="JSON path (default: OUT_DIR/p2p.json); '' for none")
     p.add_argument("--no-uvloop", action="store_true")
     args = p.parse_args()
+    if args.json is None:  # never the source tree: where the user says, else here
+        args.json = os.path.abspath(os.path.join(args.out_dir or os.getcwd(), "p2p.json"))
     if "RANK" not in os.environ:
         cmd = [sys.executable, "-m", "runtime.launch", "-n", "2", __file__, *sys.argv[1:]]
         raise SystemExit(subprocess.call(cmd))

@@ -67,7 +67,7 @@ Noise: other processes on a 2-core machine only ever slow a run down, so
 `--repeat N` runs each configuration N times and reports the fastest (all
 N figures go to JSON); every row shows the 1-minute load average before it.
 
-Output: the table on stdout, JSON in bench/out/trainer.json (or --out).
+Output: the table on stdout, JSON in trainer.json under --out-dir (default: the current directory), or --out.
 """
 
 from __future__ import annotations
@@ -579,7 +579,7 @@ def driver_main(args) -> int:
     print()
     for line in (gpt_goals(results) if args.model == "gpt" else goals(results)):
         print(line)
-    out = args.out or os.path.join(_HERE, "out", "trainer.json")
+    out = args.out or os.path.abspath(os.path.join(args.out_dir or os.getcwd(), "trainer.json"))  # not the source tree
     os.makedirs(os.path.dirname(out), exist_ok=True)
     shape = (dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
              if args.model == "gpt" else dict(in_dim=args.in_dim, width=args.width, depth=args.depth,
@@ -621,7 +621,8 @@ def main(argv=None) -> int:
     p.add_argument("--compression", default="none",
                    help="gradient codecs, comma-separated, each a row: e.g. none,int8 or int8+ef (TrainConfig."
                         "compression; the worker: one codec)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out-dir", default=None, help="directory for trainer.json (default: the current directory)")
+    p.add_argument("--out", default=None, help="JSON path (default: OUT_DIR/trainer.json)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", default=None, help=argparse.SUPPRESS)

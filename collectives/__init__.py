@@ -2,24 +2,31 @@
 
     import collectives as C
     await C.all_reduce(x, op="sum")            # async, in place
+    await C.all_gather_v(out, x, counts)       # a count per rank (uneven.py)
+    value = await C.broadcast_object(obj)      # small Python values, msgpack (objects.py)
+    src = await C.recv(x, src=None)            # point to point, from any rank (p2p.py)
     comm = C.Communicator.from_env()           # blocking, for code that is not asyncio
 
 Names are loaded on first use, so importing a subpackage (collectives.kernels)
 does not pull in the rest.
 """
 
-_API = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
-        "all_to_all", "barrier", "send", "recv")
+_FROM = {  # public name -> the module that defines it
+    **dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+                     "all_to_all", "barrier"), "api"),
+    **dict.fromkeys(("send", "recv"), "p2p"),
+    **dict.fromkeys(("all_gather_v", "all_to_all_v", "gather_v", "scatter_v"), "uneven"),
+    **dict.fromkeys(("broadcast_object", "all_gather_object", "gather_object", "scatter_object"), "objects"),
+    **dict.fromkeys(("Communicator", "Handle"), "blocking"),
+}
 
-__all__ = list(_API) + ["Communicator", "Handle"]
+__all__ = list(_FROM)
 
 
 def __getattr__(name):
-    if name in _API:
-        from collectives import api as module
-    elif name in ("Communicator", "Handle"):
-        from collectives import blocking as module
-    else:
+    where = _FROM.get(name)
+    if where is None:
         raise AttributeError(f"module 'collectives' has no attribute {name!r}")
-    value = globals()[name] = getattr(module, name)  # loaded once: later lookups skip this function
+    import importlib
+    value = globals()[name] = getattr(importlib.import_module(f"collectives.{where}"), name)  # loaded once
     return value

@@ -10,12 +10,14 @@
     await C.scatter(out, x, src=0)                  # x only needed on src
     await C.all_to_all(out, x)
     await C.barrier()
-    await C.send(x, dst=1, tag=7); await C.recv(x, src=0, tag=7)
+    await C.send(x, dst=1, tag=7); await C.recv(x, src=0, tag=7)   # (p2p.py; recv returns the source)
 
 Common keyword arguments:
 
 * ``group``: a ``runtime.group.ProcessGroup``; default the world of the
-  calling task's runtime (``runtime.current().world``).
+  calling task's runtime (``runtime.current().world``). ``src``, ``dst`` and
+  ``root`` are **group ranks** (0..group.size-1), not world ranks:
+  ``group.group_rank(world_rank)`` maps one to the other.
 * ``timeout``: seconds; default the runtime's (``RINGWEAVE_TIMEOUT_S``, 300).
   A call that runs out raises ``CollectiveTimeoutError`` naming the ranks not
   heard from, and the group fails (every later call raises too).
@@ -46,19 +48,19 @@ Contract of every call:
   (a rank died or left), ``CollectiveTimeoutError``; after any of them the
   group is failed and every later call on it raises the same error.
 
-Not here: the blocking facade (blocking.py), algorithms (one file each),
-selection (registry.py), checks and fingerprints (ops.py).
+Not here: the blocking facade (blocking.py), point-to-point (p2p.py), counts per rank
+(uneven.py), Python values (objects.py), algorithms (one file each), selection
+(registry.py), checks and fingerprints (ops.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 
 from collectives import ops, registry
 from collectives.kernels import is_device_array
-from runtime.errors import CollectiveTimeoutError
+from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
 from runtime.init import current as current_runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
@@ -66,7 +68,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
 
 
 def _on_device(a) -> bool:
-    """A device array: all_reduce, all_gather and broadcast take them (collectives/device.py);
+    """A device array: all_reduce, all_gather, reduce_scatter and broadcast take them (collectives/device.py);
     the other calls want NumPy arrays. A NumPy array is answered without the attribute probe
     (a failed ``hasattr``: ~0.5 us per host call, timeit on this machine)."""
     return type(a) is not np.ndarray and is_device_array(a)
@@ -177,6 +179,9 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
         await reduce_scatter(out, x, op="sum")
         # Rank 0: out = [3 6]     Rank 1: out = [9 12]
     """
+    if _on_device(out) or _on_device(x):  # collectives/device.py
+        from collectives import device
+        return await device.reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
@@ -339,74 +344,3 @@ async def barrier(group=None, timeout: float | None = None, algorithm: str | Non
     group = _group(group)
     call, fn = _start(group, "barrier", 0, algorithm, timeout)
     await group.run(call, fn)
-
-
-def _p2p_tag(group, tag) -> tuple:
-    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
-        raise TypeError(f"tag must be an int, got {type(tag).__name__} {tag!r}")
-    return ("p2p", group.gid, int(tag))
-
-
-def _peer(group, name: str, peer) -> int:
-    peer = ops.check_root(name, peer, group.size)
-    if peer == group.rank:
-        raise ValueError(f"{name}={peer} is this rank itself")
-    if group.error is not None:
-        raise group.error
-    return group.ranks[peer]
-
-
-async def _p2p(group, start, verb: str, peer: int, tag, timeout: float | None) -> None:
-    """Runs one point-to-point transfer, ``start(timeout_s)`` (the actor's send or recv_into,
-    which keep the deadline themselves), within ``timeout`` (default the runtime's); running out
-    raises CollectiveTimeoutError naming the transfer and the peer. (An outer asyncio.timeout
-    used to wrap the actor's own default deadline: a timeout longer than the runtime's still
-    ended at the runtime's, reported as the longer one.)"""
-    timeout = group.runtime.timeout_s if timeout is None else timeout
-    try:
-        await start(timeout)
-    except TimeoutError:
-        hint = ""
-        if verb == "recv from":  # the usual cause: the sender used another tag
-            kept = {t[2]: v for t, v in group.runtime.actor.kept_from(peer).items()
-                    if isinstance(t, tuple) and t[:2] == ("p2p", group.gid)}
-            if kept:
-                hint = "; waiting unreceived from it: " + ", ".join(
-                    f"{frames} message(s), {nbytes} bytes, under tag {t}"
-                    for t, (frames, nbytes) in sorted(kept.items()))
-        raise CollectiveTimeoutError(f"rank {group.runtime.rank}: {verb} rank {peer} (tag {tag}) timed out after "
-                                     f"{timeout:.1f} s{hint}", missing=[peer]) from None
-
-
-async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float | None = None) -> None:
-    """Sends ``x`` to group rank ``dst`` under ``tag``; returns when ``x`` may be reused.
-
-    Point to point: messages from one rank to another with one tag are
-    received in the order sent. Sizes are checked at the receiver (a different
-    length raises ValueError there); dtypes are not carried.
-
-    Example (2 ranks)::
-
-        # Rank 0: await send(np.array([1, 2]), dst=1)
-        # Rank 1: x = np.empty(2, np.int64); await recv(x, src=0)   -> x = [1 2]
-    """
-    group = _group(group)
-    ops.check_array("x", x, writeable=False)
-    key, peer = _p2p_tag(group, tag), _peer(group, "dst", dst)
-    actor, payload = group.runtime.actor, ops.as_bytes(x)
-    await _p2p(group, lambda t: actor.send(peer, key, payload, timeout_s=t), "send to", peer, tag, timeout)
-
-
-async def recv(x: np.ndarray, src: int, tag: int = 0, group=None, timeout: float | None = None) -> np.ndarray:
-    """Receives into ``x`` what group rank ``src`` sent under ``tag``; returns ``x``.
-
-    Raises:
-        ValueError: the message has a different byte length than ``x``.
-        PeerLostError: ``src`` went away. CollectiveTimeoutError: nothing came in time.
-    """
-    group = _group(group)
-    ops.check_array("x", x)
-    key, peer = _p2p_tag(group, tag), _peer(group, "src", src)
-    actor, buf = group.runtime.actor, ops.as_bytes(x)
-    await _p2p(group, lambda t: actor.recv_into(peer, key, buf, timeout_s=t), "recv from", peer, tag, timeout)
-    return x

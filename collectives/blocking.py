@@ -18,19 +18,29 @@ done, plus a ``<name>_async`` twin that returns a :class:`Handle` at once.
 Arrays passed to an ``*_async`` call belong to the collective until its handle
 is done.
 
-Threads: any number of threads may call one communicator. Calls are issued to
-the loop in the order they are made; as in the async API, every rank must
-issue the calls of one group in the same order, so threads that run
-collectives concurrently should each use their own group (``new_group``), or
-agree on an order among themselves.
+Threads: any number of threads may call one communicator, and calls are issued
+to the loop in the order they are made. The calls of one group are matched
+across ranks in the order each rank issues them, so two threads that share a
+group could pair one thread's array with the other thread's on another rank.
+That can never pass silently: every call carries the name of the thread that
+made it (``threading.current_thread().name``) in its fingerprint, and ranks
+whose calls at the same point of a group came from differently named threads
+all raise ``CollectiveMismatchError`` naming both (the group then fails). The
+rule: a group is called from one thread, or from several in an order every
+rank keeps (a lock and a turn), with threads named alike on every rank; threads
+that run collectives at the same time each use their own group (``new_group``).
 
 Life cycle (grammar)::
 
-    Communicator(...) | Communicator.from_env() -> (call | call_async -> wait)* -> close -> end
+    Communicator(...) | Communicator.from_env() -> (call | call_async -> wait)* -> close | abort -> end
 
-``close()`` (also on leaving a ``with`` block) waits, bounded, for every rank
-to arrive at shutdown, closes the runtime and joins the loop thread; later
-calls raise ``ClosedError``.
+``close()`` (also on leaving a ``with`` block normally) waits, bounded, for
+every rank to arrive at shutdown, closes the runtime and joins the loop
+thread; later calls raise ``ClosedError``. Leaving a ``with`` block by an
+exception calls ``abort(exc)`` instead: no waiting, and every peer raises
+``PeerAbortedError`` naming this rank and the exception at once. A
+communicator never closed is closed at interpreter exit (aborted when an
+uncaught exception ends the program), before the interpreter is torn down.
 
 Not here: the calls themselves (api.py), joining a job (runtime/init.py).
 """
@@ -38,13 +48,17 @@ Not here: the calls themselves (api.py), joining a job (runtime/init.py).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import functools
+import sys
 import threading
 
 import runtime
-from collectives import api
+from collectives import api, objects, uneven
 from runtime.errors import ClosedError
+from runtime.group import issuing_thread
+from runtime.init import abort_reason
 from runtime.store import LoopThread
 
 
@@ -76,11 +90,28 @@ class Handle:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"{self._what} not done after {timeout} s (still running)") from None
 
+    async def wait_async(self):
+        """Awaits the collective from any asyncio event loop (``await handle`` does the same);
+        returns its result or raises what it raised. Cancelling the await does not cancel
+        the collective."""
+        return await asyncio.shield(asyncio.wrap_future(self._future))
+
+    def __await__(self):
+        return self.wait_async().__await__()
+
     def __repr__(self) -> str:
         return f"Handle({self._what}, done={self.done()})"
 
 
-_CALLS = tuple(api.__all__)  # every public call of api.py
+# every public call, async there and blocking here: name -> the async function
+_CALLS = {name: getattr(module, name) for module in (api, objects, uneven) for name in module.__all__}
+_open: set["Communicator"] = set()  # not closed yet: closed at interpreter exit (_close_at_exit)
+
+
+async def _issued_by(thread: str, fn, args, kw):
+    """Runs ``await fn(*args, **kw)`` as issued by ``thread``: its fingerprint carries the name."""
+    issuing_thread.set(thread)
+    return await fn(*args, **kw)
 
 
 class Communicator:
@@ -114,6 +145,7 @@ class Communicator:
         self.rank = self._rt.rank
         self.world_size = self._rt.world_size
         self.world = self._rt.world
+        _open.add(self)
 
     @classmethod
     def from_env(cls, **kw) -> "Communicator":
@@ -134,7 +166,7 @@ class Communicator:
     def _coro(self, name: str, args, kw):
         if kw.get("group") is None:  # the world of *this* runtime (several may share a process)
             kw["group"] = self._rt.world
-        return getattr(api, name)(*args, **kw)
+        return _issued_by(threading.current_thread().name[:64], _CALLS[name], args, kw)
 
     def _submit(self, coro) -> concurrent.futures.Future:
         with self._lock:  # issue order = call order, and never onto a closed loop
@@ -161,41 +193,74 @@ class Communicator:
 
     def close(self, timeout: float = 30.0) -> None:
         """Leaves the job (waits up to ``timeout`` for the other ranks) and stops the loop thread. Idempotent."""
+        self._leave(runtime.shutdown(self._rt, timeout, exc=None), timeout + 5)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Leaves the job at once because of ``exc`` (``runtime.abort``): every peer raises
+        ``PeerAbortedError`` naming this rank and ``exc``'s type and message, in whatever it
+        waits on, and nobody waits for a timeout. Stops the loop thread. Idempotent."""
+        self._leave(runtime.abort(exc, self._rt), 10.0)
+
+    def _leave(self, coro, timeout: float) -> None:
         with self._lock:
             if self._closed:
+                coro.close()
                 return
             self._closed = True
+        _open.discard(self)
         try:
-            fut = asyncio.run_coroutine_threadsafe(runtime.shutdown(self._rt, timeout), self._thread.loop)
-            fut.result(timeout + 5)
+            asyncio.run_coroutine_threadsafe(coro, self._thread.loop).result(timeout)
         finally:
             self._thread.close()
 
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        reason = abort_reason(exc)
+        if reason is None:
+            self.close()
+        else:
+            self.abort(reason)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, closed={self._closed})"
 
 
+@atexit.register
+def _close_at_exit() -> None:
+    """Leaves the job for every communicator the program did not close, while the interpreter
+    is still whole (runtime/store.py LoopThread says why that matters): aborts when an uncaught
+    exception is ending the program (``sys.last_value``, set before exit hooks run), else
+    closes as ``close()`` does."""
+    uncaught = abort_reason(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+    for comm in list(_open):
+        try:
+            if uncaught is not None:
+                comm.abort(uncaught)
+            else:
+                comm.close()
+        except Exception as exc:  # one communicator's failure must not keep the others open
+            print(f"ringweave: rank {comm.rank}: leaving the job at exit failed: {exc!r}", file=sys.stderr)
+
+
 def _blocking(name: str):
-    fn = getattr(api, name)
+    fn = _CALLS[name]
 
     @functools.wraps(fn)
     def call(self, *args, **kw):
         return self._submit_sync(self._coro(name, args, kw))
-    call.__doc__ = f"Blocking :func:`collectives.api.{name}` (same arguments; ``group`` defaults to the world)."
+    call.__doc__ = f"Blocking :func:`{fn.__module__}.{name}` (same arguments; ``group`` defaults to the world)."
     return call
 
 
 def _nonblocking(name: str):
+    fn = _CALLS[name]
+
     def call(self, *args, **kw) -> Handle:
         return Handle(self._submit(self._coro(name, args, kw)), name)
     call.__name__ = f"{name}_async"
-    call.__doc__ = (f"Starts :func:`collectives.api.{name}` and returns a :class:`Handle` at once "
+    call.__doc__ = (f"Starts :func:`{fn.__module__}.{name}` and returns a :class:`Handle` at once "
                     "(same arguments; the arrays belong to the call until the handle is done).")
     return call
 

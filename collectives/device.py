@@ -1,232 +1,403 @@
-"""Collectives on device arrays (``__cuda_array_interface__``, numba device arrays).
+"""Collectives on device arrays: numba device arrays, CuPy arrays, torch CUDA tensors, anything
+with ``__cuda_array_interface__`` (bfloat16: ``collectives.kernels.cuda.as_bfloat16(words)``).
 
-The transport moves host bytes, so every device collective stages through host
-buffers: ``copy_to_host`` into a reusable staging buffer (pinned where numba
-offers it, plain NumPy otherwise), the host algorithm, ``copy_to_device`` back.
-The device is synchronized before any staged byte reaches the transport (the
-copies are synchronous on the default stream, and :func:`to_host` also calls
-``cuda.synchronize()``, so kernels queued on other streams are done too).
+The transport moves host bytes, so a device collective stages through page-locked host buffers
+(collectives/device_pool.py: kept across calls, bounded by bytes) and reduces on the device.
 
-What runs where:
+Pipelining: the array is cut into segments of ``RINGWEAVE_DEVICE_SEGMENT_KIB`` (default 4 MiB;
+a multiple of the group size in elements). Each segment goes through its stages on a CUDA stream
+of its own, and up to ``DEPTH`` segments are in flight, so segment s+1's device-to-host copy, s's
+network exchange and s-1's host-to-device copy and fold overlap. Per segment, all_reduce of W
+ranks, segment [lo, hi) cut into W blocks of ``block`` elements (the last padded)::
 
-* ``all_reduce`` (no codec): reduce on the DEVICE. The array is cut into W
-  blocks; all_to_all of the staged blocks gives rank j every rank's block j;
-  they are copied up and folded on the device with ``collectives.kernels.reduce_into``
-  (the CUDA kernels), in rank order; the reduced block is staged down and
-  all_gathered, and the whole result copied up. Wire bytes: a ring
-  all_reduce's. ``avg`` divides on the host (the kernels' floor rule for ints).
+    D2H   x[lo:hi] -> host A                          (stream; the loop waits in a worker thread)
+    net   all_to_all A -> B: B holds every rank's copy of MY block
+    H2D   B -> device scratch; fold the W blocks in rank order (kernels.cuda.fold_into; avg divides)
+    D2H   my reduced block -> host A
+    net   all_gather A -> B: every rank's reduced block
+    H2D   B -> x[lo:hi]
 
-      Rank 0 / rank 1 of 2, x = [1 2 3 4] / [10 20 30 40] (device):
-      all_to_all (host):  r0 holds [1 2], [10 20]   r1 holds [3 4], [30 40]
-      device fold:        r0 [11 22]                r1 [33 44]
-      all_gather (host):  both [11 22 33 44] -> copied to the device
+    Rank 0 / rank 1 of 2, one segment, x = [1 2 3 4] / [10 20 30 40] (device):
+    all_to_all (host):  r0 holds [1 2], [10 20]   r1 holds [3 4], [30 40]
+    device fold:        r0 [11 22]                r1 [33 44]
+    all_gather (host):  both [11 22 33 44] -> copied to the device
 
-* ``all_reduce(compression=codec)``, shard style (the default of int8 and
-  topk, and fp16/bf16 with algorithm="shard"; collectives/compressed.py says
-  what it computes): encode,
-  residuals, decode and decode-sum run on the device with the codecs' CUDA
-  kernels; only payloads are staged. Other styles (gather, ring, powersgd,
-  which has no CUDA path) stage the whole array and run the host version.
-* ``all_gather``, ``broadcast``: stage, host algorithm, copy back (nothing to reduce).
+Wire bytes are a ring all_reduce's. reduce_scatter is the first half (the fold writes straight
+into ``out``), all_gather the second, broadcast one network step per segment. All sub-calls are
+opened, in order, before the first wait (api's ordering contract), on the TCP table's algorithms
+(the shared-memory ones need calls to run in the order they were opened; see compressed.py).
 
-The simulator (NUMBA_ENABLE_CUDASIM=1) runs all of this on the CPU, which is
-how tests/compressed/test_device.py checks it. Not tuned: one staging copy per
-step, default stream, no overlap of copies with the transport.
+A small all_reduce (at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB``, default 256 KiB), or one with
+``algorithm=`` named, is staged whole: one copy down, the host all_reduce (the registry's choice,
+shared memory included), one copy up. The kernels' contract makes host and device reductions give
+the same bits per step (reference.py); the order of steps is the algorithm's, as on the host.
+
+Stream semantics: a call first waits for all work queued on the device (``cuda.synchronize()``;
+a ``__cuda_array_interface__`` v3 producer stream is synchronized by numba as well), so the
+caller's kernels on any stream that wrote the input are done; its own copies and kernels run on
+streams it creates; it returns after all of them are done, so the result may be read on any stream
+at once. In torch terms: like a Gloo collective on CUDA tensors followed by ``wait()``. The call
+does not take a ``stream=`` argument: it neither waits on nor leaves work in the caller's stream.
+
+``all_reduce(compression=codec)``, shard style (the default of int8 and topk, and fp16/bf16 with
+``algorithm="shard"``): encode, residuals, decode and decode-sum on the device with the codecs'
+CUDA kernels; only payloads are staged. Other styles (gather, ring, powersgd) stage the whole array
+and run the host version, as does ``reduce_scatter(compression=...)``.
+
+The simulator (NUMBA_ENABLE_CUDASIM=1) runs all of this on the CPU (tests/compressed/gpu_device_cases.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import numpy as np
+from numba import cuda
 
-from collectives.kernels import is_device_array  # re-exported: the one test of what a device array is
+from collectives import api, compressed, ops
+from collectives.device_pool import DEVICE, PINNED
+from collectives.kernels import cuda as kcuda
+from collectives.kernels import is_device_array
+from runtime import env
 
-__all__ = ["POOL", "StagingPool", "all_gather", "all_reduce", "broadcast", "is_device_array", "to_device",
-           "to_host"]
+__all__ = ["DEPTH", "all_gather", "all_reduce", "broadcast", "is_device_array", "reduce_scatter", "segments"]
 
-
-def _cuda():
-    from numba import cuda
-    return cuda
-
-
-def _dev(a):
-    from collectives.kernels.cuda import as_device
-    return as_device(a)
+DEPTH = 3  # segments in flight: one copying down, one on the network, one copying up and folding
 
 
-# ---- staging ----------------------------------------------------------------------------------
+# ---- arrays and segments --------------------------------------------------------------------------
 
-class StagingPool:
-    """Reusable host buffers (pinned when numba can pin, plain NumPy otherwise).
 
-    ``take`` hands out a buffer no other call holds (concurrent calls, and ranks run as tasks of
-    one process, each get their own); ``give`` returns it for reuse. Buffers are kept by dtype
-    and grown on demand; at most ``keep`` free ones per dtype are kept.
-    """
+def _flat(name: str, a):
+    """(1-D numba device array of ``a``'s storage, logical dtype), checked."""
+    try:
+        flat, dtype = kcuda.storage(a)
+    except ValueError:
+        raise ValueError(f"{name} must be a C-contiguous device array") from None
+    if dtype not in ops.DTYPES:
+        raise TypeError(f"{name} has dtype {dtype}; supported: {', '.join(ops.DTYPE_NAMES)}")
+    return flat, dtype
 
-    def __init__(self, keep: int = 8):
-        self.keep = keep
-        self._free: dict[np.dtype, list[np.ndarray]] = {}
 
-    def take(self, n: int, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        free = self._free.setdefault(dtype, [])
-        for i, buf in enumerate(free):
-            if buf.size >= n:
-                return free.pop(i)[:n]
+def segments(n: int, itemsize: int, world: int, segment_bytes: int | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) element ranges that cut ``n`` elements into pipelined segments: each
+    ``segment_bytes`` (``RINGWEAVE_DEVICE_SEGMENT_KIB``) rounded down to a multiple of ``world``
+    elements, at least ``world``; one empty segment for n == 0 (the calls still run, so a rank
+    whose length differs gets a mismatch error rather than a hang)."""
+    segment_bytes = env.device_segment_bytes() if segment_bytes is None else segment_bytes
+    step = max(world, segment_bytes // itemsize // world * world)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
+
+
+@dataclasses.dataclass
+class _Slot:
+    """What one segment in flight holds: a stream, two host buffers, device scratch (raw bytes)."""
+
+    stream: object
+    a: np.ndarray
+    b: np.ndarray
+    d: object
+
+
+class _Slots:
+    """``depth`` slots for a call's segments, each sized for the largest; taken in segment order."""
+
+    def __init__(self, depth: int, host_bytes: int, device_bytes: int):
+        self.all = [_Slot(cuda.stream(), PINNED.take(host_bytes), PINNED.take(host_bytes),
+                          DEVICE.take(device_bytes) if device_bytes else None) for _ in range(depth)]  # fmt: skip
+        self.free: asyncio.Queue = asyncio.Queue()
+        for slot in self.all:
+            self.free.put_nowait(slot)
+
+    def release(self) -> None:
+        for slot in self.all:
+            PINNED.give(slot.a, slot.b)
+            if slot.d is not None:
+                DEVICE.give(slot.d)
+
+
+async def _wait(stream) -> None:
+    """Until ``stream``'s queued work is done, without holding the event loop: a worker thread
+    waits, in the caller's device context (numba's contexts are per thread)."""
+    if kcuda.SIMULATOR:  # the simulator ran it all already
+        return
+    device_id = cuda.get_current_device().id
+
+    def synchronize():
+        with cuda.gpus[device_id]:
+            stream.synchronize()
+
+    await asyncio.to_thread(synchronize)
+
+
+def _host(buf: np.ndarray, count: int, dtype) -> np.ndarray:
+    """The first ``count`` elements of raw host bytes ``buf`` as ``dtype``."""
+    dtype = np.dtype(dtype)
+    return buf[:count * dtype.itemsize].view(dtype)
+
+
+def _dev(buf, count: int, dtype):
+    return buf[:count * np.dtype(dtype).itemsize].view(dtype)
+
+
+async def _pipeline(segs, slots: _Slots, step) -> None:
+    """Runs ``step(index, slot)`` for every segment, each holding a slot while it runs (at most
+    ``len(slots.all)`` at once, in segment order); the first error cancels the rest."""
+
+    async def one(i):
+        slot = await slots.free.get()
         try:
-            return _cuda().pinned_array(max(n, 1), dtype)[:n]
-        except Exception:  # no driver support for pinning: pageable memory works too
-            return np.empty(max(n, 1), dtype)[:n]
+            await step(i, slot)
+        finally:
+            slots.free.put_nowait(slot)
 
-    def give(self, *bufs: np.ndarray) -> None:
-        for buf in bufs:
-            base = buf.base if isinstance(buf.base, np.ndarray) else buf
-            free = self._free.setdefault(base.dtype, [])
-            if len(free) < self.keep:
-                free.append(base.reshape(-1))
-
-
-POOL = StagingPool()
-
-
-def to_host(dev, host: np.ndarray) -> np.ndarray:
-    """Device -> host into ``host``; synchronizes the device first, so the bytes are final."""
-    cuda = _cuda()
-    cuda.synchronize()
-    if dev.size:
-        _dev(dev).reshape(dev.size).copy_to_host(host.reshape(-1))
-    return host
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(len(segs)):
+                tg.create_task(one(i))
+    except BaseExceptionGroup as group_error:  # the caller gets the typed error, as from any collective
+        first = group_error
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    finally:
+        for slot in slots.all:  # nothing of ours is left queued when the buffers go back
+            slot.stream.synchronize()
+        slots.release()
 
 
-def to_device(host: np.ndarray, dev) -> None:
-    """Host -> device, in place on ``dev`` (same number of elements)."""
-    if dev.size:
-        _dev(dev).reshape(dev.size).copy_to_device(np.ascontiguousarray(host).reshape(-1))
-    _cuda().synchronize()
+def _open(group, collective: str, nbytes: int, algorithm, timeout, nsegs: int, **fp):
+    """A segment's sub-call: the registry's choice (``algorithm`` honoured) when the call has one
+    segment, else the TCP table's (calls of a pipeline run out of the order they were opened)."""
+    if nsegs == 1:
+        return api._start(group, collective, nbytes, algorithm, timeout, **fp)
+    return compressed._start(group, collective, nbytes, timeout, **fp)
 
 
-def _check(name: str, x) -> None:
-    x = _dev(x)
-    if not x.is_c_contiguous():
-        raise ValueError(f"{name} must be a C-contiguous device array, got shape {x.shape}")
-    from collectives.ops import DTYPE_NAMES, DTYPES
-    if np.dtype(x.dtype) not in DTYPES:
-        raise TypeError(f"{name} has dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+def _whole(collective: str, op, n: int) -> str:
+    """What a segment's sub-call carries of the whole call in its fingerprint (the ``op`` field):
+    ranks whose collective, op or length differ then fail with a mismatch, even where their
+    segments happen to agree (37 and 38 elements over 3 ranks are both 3 blocks of 13)."""
+    return f"device-{collective}:{op or '-'}:n={n}"
 
 
-# ---- collectives ------------------------------------------------------------------------------
+def _storage_dtype(dtype) -> np.dtype:
+    return np.dtype(np.uint16) if dtype in kcuda.reference.HALF_DTYPES else np.dtype(dtype)
+
+
+# ---- all_reduce ----------------------------------------------------------------------------------
+
 
 async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=None, compression=None, key=None):
     """See the module docstring; ``x`` a device array, in place; returns ``x``."""
-    from collectives import api, compressed, ops
-    _check("x", x)
+    xd, dtype = _flat("x", x)
     ops.check_op(op)
     group = api._group(group)
+    cuda.synchronize()  # the caller's work on every stream is done (module docstring)
     if compression is not None:
-        # as compressed.all_reduce: a warm-up step's codec (top-k's warmup_steps), counting the call
-        codec = compressed.codec_at(compressed.resolve(compression), key, advance=x.size > 0)
-        _, inner = compressed._split(codec)
-        style = compressed._style(codec, algorithm) if inner.reduction != "sum" else None
-        if style == "shard" and np.dtype(x.dtype) == np.float32 and x.size:
-            if op not in ("sum", "avg"):
-                raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
-            await _shard_decode_sum(_dev(x).reshape(x.size), codec, op=op, group=group, timeout=timeout, key=key)
-            return x
-        host = POOL.take(x.size, x.dtype)  # everything else: on the host
-        try:
-            to_host(x, host)
-            await api.all_reduce(host.reshape(x.shape), op=op, group=group, timeout=timeout, algorithm=algorithm,
-                                 compression=codec, key=key)
-            to_device(host, x)
-        finally:
-            POOL.give(host)
+        await _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, compression, key)
         return x
-    if algorithm is not None:
-        raise ValueError(f"device all_reduce has one algorithm (all_to_all, device fold, all_gather); "
-                         f"got algorithm={algorithm!r}")
-    chunk = -(-x.size // group.size)
-    dtype = np.dtype(x.dtype)
-    send, recv, out = (POOL.take(group.size * chunk, dtype) for _ in range(3))
-    mine = POOL.take(chunk, dtype)
-    try:
-        await _fold_on_device(x, op, group, timeout, send, recv, mine, out)
-    finally:
-        POOL.give(send, recv, mine, out)
+    if algorithm is not None or dtype.itemsize * xd.size <= env.device_host_reduce_bytes():
+        await _staged_all_reduce(xd, dtype, op, group, timeout, algorithm)
+        return x
+    W, n, sdt = group.size, xd.size, _storage_dtype(dtype)
+    segs = segments(n, dtype.itemsize, W)
+    blocks = [-(-(hi - lo) // W) for lo, hi in segs]
+    whole = _whole("all_reduce", op, n)
+    calls = []
+    for block in blocks:  # every sequence number before the first wait
+        a2a = compressed._start(group, "all_to_all", W * block * dtype.itemsize, timeout, dtype=dtype,
+                                count=W * block, op=whole)  # fmt: skip
+        ag = compressed._start(group, "all_gather", block * dtype.itemsize, timeout, dtype=dtype, count=block,
+                               op=whole)  # fmt: skip
+        calls.append((a2a, ag))
+    kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
+    most = max(blocks) * dtype.itemsize
+    slots = _Slots(min(DEPTH, len(segs)), W * most, (W + 1) * most)
+
+    async def step(i, slot):
+        (lo, hi), block, ((a2a_call, a2a), (ag_call, ag)) = segs[i], blocks[i], calls[i]
+        s, m = slot.stream, hi - lo
+        send = _host(slot.a, W * block, sdt)
+        if m:
+            xd[lo:hi].copy_to_host(send[:m], stream=s)  # D2H
+        send[m:] = 0  # padding: reduced, then dropped
+        await _wait(s)
+        recv = _host(slot.b, W * block, sdt)
+        await group.run(a2a_call, a2a, recv.view(dtype), send.view(dtype))  # recv block j: rank j's of mine
+        scratch = _dev(slot.d, (W + 1) * block, sdt)
+        blocks_d, mine_d = scratch[:W * block], scratch[W * block:]
+        if block:
+            blocks_d.copy_to_device(recv, stream=s)  # H2D, then the fold on the same stream
+            kcuda.fold_into(mine_d, blocks_d, W, kop, divisor, logical_dtype=dtype, stream=s, sync=False)
+            mine_d.copy_to_host(send[:block], stream=s)  # D2H of my reduced block
+        await _wait(s)
+        await group.run(ag_call, ag, recv.view(dtype), send[:block].view(dtype))  # every rank's reduced block
+        if m:
+            xd[lo:hi].copy_to_device(recv[:m], stream=s)  # H2D; waited for before the slot is reused
+        await _wait(s)
+
+    await _pipeline(segs, slots, step)
     return x
 
 
-async def _fold_on_device(x, op, group, timeout, send, recv, mine, out) -> None:
-    from collectives import compressed, ops
-    from collectives.kernels import reduce_into
-    W, n, dtype = group.size, x.size, np.dtype(x.dtype)
-    chunk = -(-n // W)
-    to_host(x, send[:n])
-    send[n:] = 0  # padding: reduced and dropped
-    a2a_call, a2a = compressed._start(group, "all_to_all", send.nbytes, timeout, dtype=dtype, count=send.size)
-    ag_call, ag = compressed._start(group, "all_gather", chunk * dtype.itemsize, timeout, dtype=dtype, count=chunk)
-    await group.run(a2a_call, a2a, recv, send)  # block j: rank j's block of my chunk
-    cuda = _cuda()
-    acc = cuda.to_device(recv[:chunk])
-    for j in range(1, W):  # device fold, rank order
-        reduce_into(acc, cuda.to_device(recv[j * chunk:(j + 1) * chunk]), ops.kernel_op(op))
-    to_host(acc, mine)
-    await group.run(ag_call, ag, out, mine)
-    ops.finish_avg(out, op, W)
-    to_device(out[:n], x)
+async def _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, compression=None, key=None) -> None:
+    """The whole array down, the host all_reduce, back up (small arrays, ``algorithm=``, or a
+    compressed style with no device path)."""
+    n = xd.size
+    buf = PINNED.take(n * dtype.itemsize)
+    try:
+        host = _host(buf, n, _storage_dtype(dtype))
+        if n:
+            xd.copy_to_host(host)
+        await api.all_reduce(host.view(dtype), op=op, group=group, timeout=timeout, algorithm=algorithm,
+                             compression=compression, key=key)
+        if n:
+            xd.copy_to_device(host)
+    finally:
+        PINNED.give(buf)
+
+
+# ---- reduce_scatter, all_gather, broadcast --------------------------------------------------------
+
+
+async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algorithm=None, compression=None,
+                         key=None):
+    """``out`` (device) = block ``rank`` of the reduction of every rank's device ``x`` (W blocks of
+    ``out.size``); see api.reduce_scatter. The fold writes into ``out`` on the device."""
+    od, dtype = _flat("out", out)
+    xd, xdtype = _flat("x", x)
+    ops.check_op(op)
+    group = api._group(group)
+    W, m, sdt = group.size, od.size, _storage_dtype(dtype)
+    if xdtype != dtype:
+        raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
+    if xd.size != W * m:
+        raise ValueError(f"x has {xd.size} elements, expected group size {W} x out.size {m} = {W * m}")
+    if algorithm is not None:
+        raise ValueError(f"device reduce_scatter has one algorithm (all_to_all, device fold); got {algorithm!r}")
+    cuda.synchronize()
+    if compression is not None:  # on the host, whole
+        await _staged(xd, od, dtype, lambda hx, ho: api.reduce_scatter(
+            ho, hx, op=op, group=group, timeout=timeout, compression=compression, key=key))
+        return out
+    segs = segments(m, W * dtype.itemsize, 1)
+    calls = [compressed._start(group, "all_to_all", W * (hi - lo) * dtype.itemsize, timeout, dtype=dtype,
+                               count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]  # fmt: skip
+    kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
+    most = max(hi - lo for lo, hi in segs) * dtype.itemsize
+    slots = _Slots(min(DEPTH, len(segs)), W * most, W * most)
+
+    async def step(i, slot):
+        (lo, hi), (call, a2a) = segs[i], calls[i]
+        s, c = slot.stream, hi - lo
+        send, recv = _host(slot.a, W * c, sdt), _host(slot.b, W * c, sdt)
+        for j in range(W if c else 0):  # D2H: my copy of every rank's block, this segment of it
+            xd[j * m + lo:j * m + hi].copy_to_host(send[j * c:(j + 1) * c], stream=s)
+        await _wait(s)
+        await group.run(call, a2a, recv.view(dtype), send.view(dtype))  # every rank's copy of my block
+        if c:
+            blocks_d = _dev(slot.d, W * c, sdt)
+            blocks_d.copy_to_device(recv, stream=s)
+            kcuda.fold_into(od[lo:hi], blocks_d, W, kop, divisor, logical_dtype=dtype, stream=s, sync=False)
+        await _wait(s)
+
+    await _pipeline(segs, slots, step)
+    return out
 
 
 async def all_gather(out, x, group=None, timeout=None, algorithm=None):
-    """Device ``out`` gets every rank's device ``x``; staged through host buffers."""
-    from collectives import api
-    _check("out", out)
-    _check("x", x)
-    host_x, host_out = POOL.take(x.size, x.dtype), POOL.take(out.size, out.dtype)
-    try:
-        to_host(x, host_x)
-        await api.all_gather(host_out, host_x, group=group, timeout=timeout, algorithm=algorithm)
-        to_device(host_out, out)
-    finally:
-        POOL.give(host_x, host_out)
+    """Device ``out`` (W x x.size elements) gets every rank's device ``x``, in rank order."""
+    od, dtype = _flat("out", out)
+    xd, xdtype = _flat("x", x)
+    group = api._group(group)
+    W, n, sdt = group.size, xd.size, _storage_dtype(dtype)
+    if xdtype != dtype:
+        raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
+    if od.size != W * n:
+        raise ValueError(f"out has {od.size} elements, expected group size {W} x x.size {n} = {W * n}")
+    cuda.synchronize()
+    segs = segments(n, W * dtype.itemsize, 1)
+    calls = [_open(group, "all_gather", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
+                   count=hi - lo, op=_whole("all_gather", None, n)) for lo, hi in segs]  # fmt: skip
+    most = max(hi - lo for lo, hi in segs) * dtype.itemsize
+    slots = _Slots(min(DEPTH, len(segs)), W * most, 0)
+
+    async def step(i, slot):
+        (lo, hi), (call, ag) = segs[i], calls[i]
+        s, c = slot.stream, hi - lo
+        send, recv = _host(slot.a, c, sdt), _host(slot.b, W * c, sdt)
+        if c:
+            xd[lo:hi].copy_to_host(send, stream=s)
+        await _wait(s)
+        await group.run(call, ag, recv.view(dtype), send.view(dtype))
+        for j in range(W if c else 0):  # H2D: rank j's segment into its place
+            od[j * n + lo:j * n + hi].copy_to_device(recv[j * c:(j + 1) * c], stream=s)
+        await _wait(s)
+
+    await _pipeline(segs, slots, step)
     return out
 
 
 async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
-    """Device ``x`` of rank ``src`` to every rank's device ``x``; staged through a host buffer."""
-    from collectives import api
-    _check("x", x)
-    host = POOL.take(x.size, x.dtype)
-    try:
-        to_host(x, host)
-        await api.broadcast(host, src, group=group, timeout=timeout, algorithm=algorithm)
-        to_device(host, x)
-    finally:
-        POOL.give(host)
+    """Device ``x`` of group rank ``src`` into every rank's device ``x``; one network step per segment."""
+    xd, dtype = _flat("x", x)
+    group = api._group(group)
+    src = ops.check_root("src", src, group.size)
+    cuda.synchronize()
+    segs, sdt = segments(xd.size, dtype.itemsize, 1), _storage_dtype(dtype)
+    calls = [_open(group, "broadcast", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
+                   count=hi - lo, root=src, op=_whole("broadcast", None, xd.size)) for lo, hi in segs]  # fmt: skip
+    most = max(hi - lo for lo, hi in segs) * dtype.itemsize
+    slots = _Slots(min(DEPTH, len(segs)), most, 0)
+    root = group.rank == src
+
+    async def step(i, slot):
+        (lo, hi), (call, bc) = segs[i], calls[i]
+        s, c = slot.stream, hi - lo
+        buf = _host(slot.a, c, sdt)
+        if root and c:
+            xd[lo:hi].copy_to_host(buf, stream=s)
+            await _wait(s)
+        await group.run(call, bc, buf.view(dtype), src)
+        if not root and c:
+            xd[lo:hi].copy_to_device(buf, stream=s)
+            await _wait(s)
+
+    await _pipeline(segs, slots, step)
     return x
 
 
-# ---- compressed, on the device ----------------------------------------------------------------
+async def _staged(xd, od, dtype, host_call) -> None:
+    """Whole arrays through the host: ``await host_call(host_x, host_out)`` between the copies."""
+    sdt = _storage_dtype(dtype)
+    bx, bo = PINNED.take(xd.size * dtype.itemsize), PINNED.take(od.size * dtype.itemsize)
+    try:
+        hx, ho = _host(bx, xd.size, sdt), _host(bo, od.size, sdt)
+        if xd.size:
+            xd.copy_to_host(hx)
+        await host_call(hx.view(dtype), ho.view(dtype))
+        if od.size:
+            od.copy_to_device(ho)
+    finally:
+        PINNED.give(bx, bo)
 
-_divide_kernel = None
+
+# ---- compressed, on the device --------------------------------------------------------------------
 
 
-def _divide_body(a, f):  # a kernel: jitted on first use (numba.cuda is imported late, see _divide)
-    i = cuda.grid(1)  # noqa: F821  (the module global set by _divide)
-    while i < a.size:
-        a[i] /= f
-        i += cuda.gridsize(1)  # noqa: F821
-
-
-def _divide(a, n: int) -> None:
-    """a /= n on the device (float32; a division, like the host path, for the same bits)."""
-    global _divide_kernel
-    if _divide_kernel is None:  # the kernel reads the module global ``cuda``, as the simulator wants
-        globals()["cuda"] = _cuda()
-        _divide_kernel = _cuda().jit(_divide_body)
-    from collectives.kernels.cuda import grid
-    if a.size:
-        _divide_kernel[grid(a.size)](a, np.float32(n))
-        _cuda().synchronize()
+async def _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, compression, key) -> None:
+    # as compressed.all_reduce: a warm-up step's codec (top-k's warmup_steps), counting the call
+    codec = compressed.codec_at(compressed.resolve(compression), key, advance=xd.size > 0)
+    _, inner = compressed._split(codec)
+    style = compressed._style(codec, algorithm) if inner.reduction != "sum" else None
+    if style == "shard" and dtype == np.float32 and xd.size:
+        if op not in ("sum", "avg"):
+            raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
+        await _shard_decode_sum(xd, codec, op=op, group=group, timeout=timeout, key=key)
+        return
+    await _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, codec, key)  # everything else: on the host
 
 
 def _payload_to_host(payload) -> tuple:
@@ -234,20 +405,18 @@ def _payload_to_host(payload) -> tuple:
 
 
 def _payload_to_device(payload) -> tuple:
-    cuda = _cuda()
     return tuple(cuda.to_device(np.ascontiguousarray(p)) for p in payload)
 
 
 async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=None) -> None:
     """collectives.compressed.shard_decode_sum with the codec maths on the device (same steps)."""
-    from collectives.compressed import _open_shard_calls, _pack_all, _split, _unpack
-    from collectives.kernels import reduce_into
-    cuda = _cuda()
-    ef, inner = _split(codec)
+    from collectives.compress import cuda as ccuda
+
+    ef, inner = compressed._split(codec)
     W, n = group.size, flat.size
     chunk = -(-n // W)
     y = ef.compensate(flat, key=key) if ef is not None else flat  # (n,) device float32
-    padded = cuda.to_device(np.zeros(W * chunk, np.float32))
+    padded = ccuda.zeros(W * chunk)
     padded[:n].copy_to_device(y)
     segs = [padded[j * chunk:(j + 1) * chunk] for j in range(W)]
     payloads = [inner.encode(s) for s in segs]  # device payloads
@@ -256,30 +425,26 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         for j, p in enumerate(payloads):
             inner.residual_into(segs[j], p, err[j * chunk:(j + 1) * chunk])
         ef.errors[key].reshape(n).copy_to_device(err[:n])
-    layout, nb, send = _pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
-    a2a_call, a2a, ag_call, ag = _open_shard_calls(group, send, nb, timeout)
+    layout, nb, send = compressed._pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
+    a2a_call, a2a, ag_call, ag = compressed._open_shard_calls(group, send, nb, timeout)
     recv = np.empty(W * nb, np.uint8)
     await group.run(a2a_call, a2a, recv, send)
-    acc = None
-    for j in range(W):  # decode on the device, fold in rank order
-        dec = inner.decode(_payload_to_device(_unpack(recv[j * nb:(j + 1) * nb], layout)), chunk)
-        if acc is None:
-            acc = dec
-        else:
-            reduce_into(acc, dec, "sum")
-    if op == "avg":
-        _divide(acc, W)
+    acc = ccuda.zeros(chunk)
+    for j in range(W):  # decode-add on the device, in rank order
+        inner.decode_add(_payload_to_device(compressed._unpack(recv[j * nb:(j + 1) * nb], layout)), acc)
+    if op == "avg":  # a division, like the host path, for the same bits
+        kcuda.fold_into(acc, acc, 1, "sum", W)
     if ef is not None:
         owner = ef.compensate(acc, key=("owner", key))
         mine_payload = inner.encode(owner)
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    _, _, mine = _pack_all([_payload_to_host(mine_payload)])
+    _, _, mine = compressed._pack_all([_payload_to_host(mine_payload)])
     gathered = np.empty(W * nb, np.uint8)
     await group.run(ag_call, ag, gathered, mine)
     for j in range(W):
-        dec = inner.decode(_payload_to_device(_unpack(gathered[j * nb:(j + 1) * nb], layout)), chunk)
+        dec = inner.decode(_payload_to_device(compressed._unpack(gathered[j * nb:(j + 1) * nb], layout)), chunk)
         lo, hi = j * chunk, min(n, (j + 1) * chunk)
         if hi > lo:
             flat[lo:hi].copy_to_device(dec[:hi - lo])

@@ -29,10 +29,11 @@ from typing import Callable
 from runtime import env
 
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
-                         all_reduce_halving_doubling, all_reduce_recursive_doubling, all_reduce_ring,
-                         all_to_all_direct, barrier_dissemination, broadcast_chain, broadcast_flat, broadcast_tree,
-                         gather_direct, gather_tree, reduce_rabenseifner, reduce_scatter_ring, reduce_tree,
-                         scatter_direct, scatter_tree)
+                         all_gather_v_ring, all_reduce_halving_doubling, all_reduce_recursive_doubling,
+                         all_reduce_ring, all_to_all_direct, all_to_all_v_direct, barrier_dissemination,
+                         broadcast_chain, broadcast_flat, broadcast_tree, gather_direct, gather_tree, gather_v_direct,
+                         reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct, scatter_tree,
+                         scatter_v_direct)
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
@@ -47,6 +48,11 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
     "scatter": {"tree": scatter_tree.run, "direct": scatter_direct.run},
     "all_to_all": {"direct": all_to_all_direct.run},
     "barrier": {"dissemination": barrier_dissemination.run},
+    # a count per rank (collectives/uneven.py)
+    "all_gather_v": {"ring": all_gather_v_ring.run},
+    "all_to_all_v": {"direct": all_to_all_v_direct.run},
+    "gather_v": {"direct": gather_v_direct.run},
+    "scatter_v": {"direct": scatter_v_direct.run},
 }
 
 
@@ -173,6 +179,10 @@ TABLES: dict[str, list[Rule]] = {
     ],
     "all_to_all": [Rule("direct", always)],
     "barrier": [Rule("dissemination", always)],
+    "all_gather_v": [Rule("ring", always, "one algorithm (not measured): bandwidth-optimal whatever the counts")],
+    "all_to_all_v": [Rule("direct", always, "one algorithm (not measured), as all_to_all")],
+    "gather_v": [Rule("direct", always, "one algorithm (not measured): a block per message to the root")],
+    "scatter_v": [Rule("direct", always, "one algorithm (not measured): a block per message from the root")],
 }
 
 

@@ -4,14 +4,15 @@ process groups and the launcher. It knows bytes, never arrays.
     import runtime
     rt = await runtime.init()          # reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...
     world = rt.world                   # ProcessGroup: .rank, .size, .new_group(ranks)
-    await runtime.shutdown()
+    await runtime.shutdown()           # in a `finally:`: aborts the job if an exception is unwinding
+    await runtime.abort(exc)           # leave at once because of exc: every peer raises PeerAbortedError
 
     runtime.run(main())                # asyncio.run with uvloop when it is installed
 """
 
 from runtime.errors import *  # noqa: F401,F403 - the typed errors are part of the API
 from runtime.group import Call, ProcessGroup, Runtime
-from runtime.init import current, init, read_env, shutdown, world
+from runtime.init import abort, current, init, read_env, shutdown, world
 
 
 
@@ -26,4 +27,4 @@ def run(main, *, debug: bool | None = None):
     return uvloop.run(main, debug=debug)
 
 
-__all__ = ["run", "init", "shutdown", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]
+__all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]

@@ -15,7 +15,8 @@ Frame kinds on a rank-to-rank connection (header field ``k``)::
     q  {i: id, n: name}          payload: msgpack args      request to a registered handler
     r  {i: id, e?: error}        payload: msgpack result
     a  {g: gid, m: msg, x: kind} no payload                 abort a group (mismatch seen elsewhere)
-    b  {}                        no payload                 goodbye: this rank closes on purpose
+    b  {e?: type, m?: msg}       no payload                 goodbye: this rank closes on purpose; with
+                                                            ``e``, because its program raised (an abort)
 
 Life of an actor (grammar)::
 
@@ -40,7 +41,8 @@ import msgpack
 
 from runtime import auth, env, net, wire
 from runtime.errors import (AuthenticationError, BadFrameError, ClosedError, ConnectError,
-                            MailboxFullError, PeerLostError, PeerTimeoutError, RemoteCallError)
+                            MailboxFullError, PeerAbortedError, PeerLostError, PeerTimeoutError,
+                            RemoteCallError)
 from runtime.transport import Connection, TCPConnection
 
 log = logging.getLogger("ringweave.actor")
@@ -53,10 +55,11 @@ SCHEMA: wire.Schema = {
     "q": {"i": (int, True), "n": (str, True)},
     "r": {"i": (int, True), "e": (str, False)},
     "a": {"g": (int, True), "m": (str, True), "x": (str, True)},
-    "b": {},
+    "b": {"e": (str, False), "m": (str, False)},
 }
 TOOL_SCHEMA: wire.Schema = {"q": SCHEMA["q"], "b": {}}  # what a tool may send: requests, goodbye
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
+MAX_REASON_CHARS = 2000  # an abort's message, as sent to the peers (a traceback's last line, not a book)
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 _DEFAULT = object()  # "the actor's default_timeout_s" (None means no deadline, on purpose only)
 
@@ -274,17 +277,25 @@ class Actor:
         if self._mesh_ready is not None:
             self._mesh_ready.set()
 
-    async def close(self) -> None:
+    async def close(self, reason: BaseException | None = None) -> None:
         """Says goodbye to every peer, closes connections and listener, cancels and
-        awaits every task of the actor. Idempotent."""
+        awaits every task of the actor. Idempotent.
+
+        ``reason``: the exception this rank leaves because of (an abort); the goodbye then
+        carries its type and message, and every peer fails what it waits on from this rank,
+        and its groups, with :class:`PeerAbortedError` naming both."""
         if self._closed:
             return
         self._closed = True
+        bye = {"k": "b"}
+        if reason is not None:
+            bye["e"] = type(reason).__name__
+            bye["m"] = str(reason)[:MAX_REASON_CHARS]
         for conn in list(self.conns.values()):
             if conn.peer not in self._lost:
                 try:
                     async with asyncio.timeout(1.0):
-                        await conn.send({"k": "b"})
+                        await conn.send(bye)
                 except (PeerLostError, TimeoutError, OSError):
                     pass
         for conn in list(self.conns.values()) + list(self.tools.values()):
@@ -399,6 +410,39 @@ class Actor:
         self._posted.setdefault(key, collections.deque()).append(_Recv(src, key, buf, fut, check))
         return fut
 
+    def post_any(self, tag, buf: memoryview | None, check=None) -> _Recv:
+        """Posts a receive for the next frame under point-to-point ``tag`` from **any** peer
+        (MPI's ANY_SOURCE); returns it: await ``r.fut`` (as :meth:`post`'s future), then
+        ``r.src`` is the peer it came from. A frame already kept for ``tag`` completes it now
+        (the peer whose frames have been kept longest first); else the first frame under ``tag``
+        from a peer with no receive posted for it does. Withdraw with ``unpost((None, tag), r.fut)``.
+        A lost peer does not fail it (another may still send); its deadline or close does."""
+        fut = asyncio.get_running_loop().create_future()
+        r = _Recv(None, (None, tag), buf, fut, check)
+        for key, waiting in self._unexpected.items():  # insertion order: the oldest kept first
+            if len(key) == 2 and key[1] == tag and waiting:
+                header, data = waiting.popleft()
+                if not waiting:
+                    del self._unexpected[key]
+                self._unexpected_nbytes -= len(data)
+                self._unexpected_frames -= 1
+                r.src = key[0]
+                self._complete(r, header, data, copy=True)
+                return r
+        if self._closed:
+            fut.set_exception(ClosedError(f"rank {self.rank}: the actor is closed"))
+            return r
+        self._posted.setdefault((None, tag), collections.deque()).append(r)
+        return r
+
+    def _posted_for(self, key: tuple):
+        """The queue of receives a frame under ``key`` goes to: the ones posted for its source,
+        else, for a point-to-point frame, those posted for any source (post_any)."""
+        q = self._posted.get(key)
+        if not q and len(key) == 2:
+            return self._posted.get((None, key[1])), (None, key[1])
+        return q, key
+
     def has_unexpected(self) -> bool:
         """Whether any frame is kept that no receive has taken yet (a cheap test per call)."""
         return bool(self._unexpected)
@@ -433,7 +477,7 @@ class Actor:
         elif self._closed:
             fut.set_exception(ClosedError(f"rank {self.rank}: the actor is closed"))
 
-    async def _wait_posted(self, key: tuple, src: int, fut: asyncio.Future, timeout_s) -> tuple:
+    async def wait_posted(self, key: tuple, src: int, fut: asyncio.Future, timeout_s) -> tuple:
         """Awaits a posted receive under a deadline; withdraws it if we give up."""
         limit = self._timeout(timeout_s)
         cm = asyncio.timeout(limit)
@@ -458,7 +502,7 @@ class Actor:
             PeerLostError: ``src`` is gone.
         """
         key = (src, tag)
-        header, data = await self._wait_posted(key, src, self.post(key, src, None), timeout_s)
+        header, data = await self.wait_posted(key, src, self.post(key, src, None), timeout_s)
         if header["k"] == "o":
             return msgpack.unpackb(data, raw=False, strict_map_key=False)
         return data
@@ -469,7 +513,7 @@ class Actor:
         Raises as :meth:`recv` does."""
         key = (src, tag)
         mv = memoryview(buffer).cast("B")
-        await self._wait_posted(key, src, self.post(key, src, mv), timeout_s)
+        await self.wait_posted(key, src, self.post(key, src, mv), timeout_s)
         return mv.nbytes
 
     def _complete(self, r: _Recv, header: dict, data, copy: bool) -> None:
@@ -506,15 +550,24 @@ class Actor:
         r.fut.set_result((header, r.buf))
 
     def _claim(self, key: tuple, header: dict, nbytes: int):
-        """Takes the receive posted first for ``key`` and runs its check on the frame. Returns
-        it, None when none is posted, or _DROP when the frame goes nowhere: the check failed
-        the receive (a fingerprint mismatch), or it had failed already (its group aborted)."""
+        """Takes the receive posted first for ``key`` (or for any source: post_any) and runs its
+        check on the frame. Returns it, None when none is posted, or _DROP when the frame goes
+        nowhere: the check failed the receive (a fingerprint mismatch), or it had failed
+        already (its group aborted)."""
+        posted_key = key
         q = self._posted.get(key)
-        if not q:
-            return None
+        if not q:  # (written out: this runs for every frame)
+            if len(key) != 2:
+                return None
+            posted_key = (None, key[1])
+            q = self._posted.get(posted_key)
+            if not q:
+                return None
         r = q.popleft()
         if not q:
-            del self._posted[key]
+            del self._posted[posted_key]
+        if r.src is None:  # a receive from any source: it is this frame's peer's now
+            r.src = key[0]
         if r.check is not None:
             exc = r.check(header, nbytes, r.src)
             if exc is not None:
@@ -595,11 +648,13 @@ class Actor:
         elif mode == "copy":
             self._complete(target, header, data, copy=True)
         elif mode == "keep":
-            q = self._posted.get(target)
+            q, posted_key = self._posted_for(target)
             if q:  # a receive was posted while this frame was still arriving
                 r = q.popleft()
                 if not q:
-                    del self._posted[target]
+                    del self._posted[posted_key]
+                if r.src is None:
+                    r.src = peer
                 self._unexpected_nbytes -= len(data)
                 self._unexpected_frames -= 1
                 self._complete(r, header, data, copy=True)
@@ -629,7 +684,12 @@ class Actor:
             for fn in self._abort_listeners:
                 fn(header)
         elif kind == "b":
-            self._mark_lost(peer, PeerLostError(f"rank {peer} has closed its runtime", peer), orderly=True)
+            if "e" in header:  # it left because its program raised: everything waiting on it fails now
+                why = f"{header['e']}: {header['m']}" if header.get("m") else header["e"]
+                self._mark_lost(peer, PeerAbortedError(f"rank {peer} aborted the job: {why}", peer, header["e"],
+                                                       header.get("m", "")), orderly=False)
+            else:
+                self._mark_lost(peer, PeerLostError(f"rank {peer} has closed its runtime", peer), orderly=True)
 
     def on_lost(self, conn: Connection, exc: BaseException) -> None:
         peer = conn.peer

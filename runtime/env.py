@@ -105,3 +105,43 @@ def _number(name: str, default: float, unit: str, ok, must: str) -> float:
     if not ok(value):
         raise ValueError(f"{name}={raw!r}: {must}")
     return value
+
+
+PINNED_POOL_ENV_VAR = "RINGWEAVE_PINNED_POOL_MIB"
+DEFAULT_PINNED_POOL_MIB = 256.0  # host staging of device collectives: 2 segments x depth x ranks in a process, with room
+DEVICE_SEGMENT_ENV_VAR = "RINGWEAVE_DEVICE_SEGMENT_KIB"
+DEFAULT_DEVICE_SEGMENT_KIB = 4096.0  # per pipelined step of a device collective (collectives/device.py)
+DEVICE_HOST_REDUCE_ENV_VAR = "RINGWEAVE_DEVICE_HOST_REDUCE_KIB"
+DEFAULT_DEVICE_HOST_REDUCE_KIB = 256.0  # device all_reduce up to this size reduces on the host (one round trip)
+
+
+def pinned_pool_bytes(default_mib: float = DEFAULT_PINNED_POOL_MIB) -> int:
+    """Bytes of page-locked host memory the device collectives' staging pool may keep:
+    ``RINGWEAVE_PINNED_POOL_MIB`` (read when a pool is made), ``default_mib`` when unset or empty.
+
+    Raises:
+        ValueError: the variable is not a number >= 0; the message names it and its value.
+    """
+    return int(_number(PINNED_POOL_ENV_VAR, default_mib, "MiB", lambda v: v >= 0, "the pool must be 0 or more MiB")
+               * (1 << 20))
+
+
+def device_segment_bytes(default_kib: float = DEFAULT_DEVICE_SEGMENT_KIB) -> int:
+    """Bytes per pipelined segment of a device collective: ``RINGWEAVE_DEVICE_SEGMENT_KIB`` as it is now.
+
+    Raises:
+        ValueError: the variable is not a number >= 4; the message names it and its value.
+    """
+    return int(_number(DEVICE_SEGMENT_ENV_VAR, default_kib, "KiB", lambda v: v >= 4,
+                       "a segment must be 4 KiB or more") * 1024)
+
+
+def device_host_reduce_bytes(default_kib: float = DEFAULT_DEVICE_HOST_REDUCE_KIB) -> int:
+    """The largest device all_reduce that is staged whole and reduced on the host (one copy each way,
+    no device fold): ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` as it is now; 0: always fold on the device.
+
+    Raises:
+        ValueError: the variable is not a number >= 0; the message names it and its value.
+    """
+    return int(_number(DEVICE_HOST_REDUCE_ENV_VAR, default_kib, "KiB", lambda v: v >= 0,
+                       "the size must be 0 or more KiB") * 1024)

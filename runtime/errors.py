@@ -46,6 +46,23 @@ class PeerLostError(RingweaveError):
         self.rank = rank
 
 
+class PeerAbortedError(PeerLostError):
+    """A peer rank left the job because its program raised: it told every peer
+    (``runtime.abort``, a communicator or runtime left by an exception) before
+    closing, so the others fail at once instead of waiting for a timeout.
+
+    Attributes:
+        rank: the global rank that aborted.
+        exc_type: the name of the exception it raised, e.g. ``"ValueError"``.
+        reason: that exception's message.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, exc_type: str = "", reason: str = ""):
+        super().__init__(message, rank)
+        self.exc_type = exc_type
+        self.reason = reason
+
+
 class PeerTimeoutError(RingweaveError, TimeoutError):
     """A point-to-point send or receive of an actor did not complete in time.
 
@@ -107,6 +124,12 @@ class CollectiveMismatchError(CollectiveError):
     """Ranks of one group called different collectives at the same point
     (different operation, dtype, length or root). The message names both
     calls and both ranks."""
+
+
+class MessageMismatchError(CollectiveMismatchError, ValueError):
+    """A point-to-point message does not fit the receive that took it: the sender's dtype or
+    shape differs from the receive buffer's. Raised by the receive before a byte of the
+    message lands in the buffer; the message names both."""
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):

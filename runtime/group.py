@@ -19,7 +19,13 @@ rank raises, not only the pair that met.
 A group fails as a whole: after a mismatch, a lost peer or a timeout, the
 pending calls of the group and every later call raise the same error (as a
 communicator does after an NCCL abort): the group's message stream can no
-longer be trusted.
+longer be trusted. The rank that sees it tells every member (a timeout too: a
+rank that arrives after its peer gave up must not take the frames the peer
+sent before as a success; only a call that completes here at the very instant
+the peer's deadline passes can still succeed, and this rank's next call on the
+group then raises the peer's error). A peer that aborted (its goodbye names the
+exception its program raised, runtime/init.py ``abort``) fails every group it
+is in with that PeerAbortedError.
 
 Not here: the algorithms and the arrays (collectives/), the sockets (actor.py).
 """
@@ -27,6 +33,7 @@ Not here: the algorithms and the arrays (collectives/), the sockets (actor.py).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import sys
@@ -37,11 +44,16 @@ from runtime.actor import Actor
 from runtime.trace import Tracer
 from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
-                            CollectiveTimeoutError, PeerLostError, RingweaveError)
+                            CollectiveTimeoutError, PeerAbortedError, PeerLostError, RingweaveError)
 
 log = logging.getLogger("ringweave.group")
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
 _live_runtimes = 0  # Runtimes made and not closed in this process (Call.sendrecv)
+# The thread that issued the call running in this task, set by the blocking facade
+# (collectives/blocking.py): part of every fingerprint, so that ranks whose threads
+# interleaved their calls on a group differently fail with a mismatch, never a wrong answer.
+issuing_thread: contextvars.ContextVar[str | None] = contextvars.ContextVar("ringweave_issuing_thread",
+                                                                            default=None)
 
 class Call:
     """One collective call on one group: the ``comm`` an algorithm talks through, and the
@@ -252,6 +264,28 @@ class ProcessGroup:
         """See :meth:`Runtime.new_group` (sub-groups are always made from the world)."""
         return self.runtime.new_group(ranks)
 
+    def group_rank(self, global_rank: int) -> int:
+        """The group rank of world rank ``global_rank`` (what ``src``, ``dst`` and ``root``
+        of the collectives take), like ``torch.distributed.get_group_rank``.
+
+        Raises:
+            ValueError: ``global_rank`` is not a member of this group.
+        """
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"rank {global_rank} is not a member of group {self.gid} {self.ranks}") from None
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of group rank ``group_rank`` (``torch.distributed.get_global_rank``).
+
+        Raises:
+            ValueError: ``group_rank`` is outside 0..size-1.
+        """
+        if not 0 <= group_rank < self.size:
+            raise ValueError(f"group rank {group_rank} is outside 0..{self.size - 1} (group {self.gid} {self.ranks})")
+        return self.ranks[group_rank]
+
     def open_call(self, fingerprint: str, timeout_s: float | None = None) -> Call:
         """Starts a collective call: takes the next sequence number.
 
@@ -263,6 +297,9 @@ class ProcessGroup:
             raise ValueError(f"rank {self.runtime.actor.rank} is not a member of group {self.gid} {self.ranks}")
         if self.error is not None:
             raise self.error
+        thread = issuing_thread.get()
+        if thread is not None:
+            fingerprint = f"{fingerprint} thread={thread}"
         self._seq += 1
         call = Call(self, self._seq, fingerprint, timeout_s if timeout_s is not None else self.runtime.timeout_s)
         self.calls[call.seq] = call
@@ -303,7 +340,7 @@ class ProcessGroup:
                 f"rank {self.runtime.actor.rank}: {call.fingerprint!r} (group {self.gid}, call #{call.seq}) "
                 f"timed out after {call.timeout_s:.1f} s waiting on rank(s) {names}{not_arrived}",
                 missing=names, absent=absent)
-            self.abort(exc, tell_peers=False)
+            self.abort(exc)  # the others fail too: a late rank must not take this call's frames as a success
             raise exc from None
         except BaseException as exc:
             call.cancel_outstanding()
@@ -460,7 +497,7 @@ class ProcessGroup:
         self.error = exc
         for call in list(self.calls.values()):
             call.fail_outstanding(exc)
-        if tell_peers and isinstance(exc, (CollectiveMismatchError, PeerLostError)):
+        if tell_peers and isinstance(exc, (CollectiveMismatchError, PeerLostError, CollectiveTimeoutError)):
             self.runtime.tell_abort(self, exc)
 
     def statistics(self) -> dict:
@@ -611,8 +648,10 @@ class Runtime:
     def _on_peer_lost(self, peer: int, exc: BaseException) -> None:
         for group in self.groups.values():
             if peer in group.ranks and group.is_member:
-                group.abort(PeerLostError(f"rank {peer} was lost (group {group.gid}): {exc}", peer),
-                            tell_peers=False)
+                # an abort names the rank and its exception already; it stays that type, for callers to catch
+                error = exc if isinstance(exc, PeerAbortedError) else PeerLostError(
+                    f"rank {peer} was lost (group {group.gid}): {exc}", peer)
+                group.abort(error, tell_peers=False)
 
     def _on_stray(self, peer: int, header: dict) -> None:
         group = self.groups.get(header["t"][0])
@@ -622,12 +661,17 @@ class Runtime:
     def _on_abort(self, header: dict) -> None:
         group = self.groups.get(header["g"])
         if group is not None:
-            cls = {"mismatch": CollectiveMismatchError, "lost": PeerLostError}.get(header["x"], CollectiveError)
+            kind = header["x"]
+            if kind == "timeout":  # another member's call timed out: this rank's copy of the call fails too
+                group.abort(CollectiveTimeoutError(f"group {group.gid} failed: {header['m']}"), tell_peers=False)
+                return
+            cls = {"mismatch": CollectiveMismatchError, "lost": PeerLostError}.get(kind, CollectiveError)
             group.abort(cls(header["m"]), tell_peers=False)
 
     def tell_abort(self, group: ProcessGroup, exc: BaseException) -> None:
         kind = ("mismatch" if isinstance(exc, CollectiveMismatchError) else
-                "lost" if isinstance(exc, PeerLostError) else "error")
+                "lost" if isinstance(exc, PeerLostError) else
+                "timeout" if isinstance(exc, CollectiveTimeoutError) else "error")
         for r in group.ranks:
             if r != self.rank and r not in self.actor.lost_peers():
                 self.actor._spawn(self._send_abort(r, group.gid, str(exc), kind), f"abort g{group.gid}")
@@ -657,7 +701,10 @@ class Runtime:
                 "lost": sorted(self.actor.lost_peers()),
                 "failed_groups": {g.gid: repr(g.error) for g in self.groups.values() if g.error}}
 
-    async def close(self) -> None:
+    async def close(self, reason: BaseException | None = None) -> None:
+        """Closes the actor (saying goodbye to every peer; with ``reason``, the exception this
+        rank leaves because of, which each peer raises as PeerAbortedError), the store, the
+        shared-memory mappings. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -670,6 +717,6 @@ class Runtime:
             log.warning("rank %d: could not write its trace: %s", self.rank, exc)
         if "runtime.shm" in sys.modules:  # release this runtime's shared-memory mappings
             sys.modules["runtime.shm"].close_runtime(self)
-        await self.actor.close()
+        await self.actor.close(reason)
         if self.store is not None:
             await self.store.close()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -41,7 +42,7 @@ import msgpack
 
 from runtime import auth
 from runtime.actor import Actor
-from runtime.errors import ClosedError, RingweaveError
+from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
 from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
@@ -164,6 +165,7 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     local_rank = env["local_rank"] if local_rank is None else local_rank
     local_world_size = env["local_world_size"] if local_world_size is None else local_world_size
     master_addr = master_addr or env["master_addr"]
+    master_port_arg = master_port
     master_port = env["master_port"] if master_port is None else master_port
     job = job or env["job"]
     timeout_s = env_timeout_s() if timeout_s is None else timeout_s  # RINGWEAVE_TIMEOUT_S, read now
@@ -184,7 +186,16 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
         else:
             if rank == 0 and not env["store_hosted"]:
                 server = StoreServer(master_addr if loopback else "0.0.0.0", master_port, secret=secret, job=job)
-                await server.start()
+                try:
+                    await server.start()
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE:
+                        raise
+                    source = ("the master_port argument" if master_port_arg is not None
+                              else env.get("master_port_source", "MASTER_PORT"))
+                    raise ConnectError(f"rank 0 cannot host the rendezvous store on {master_addr}:{master_port}: "
+                                       f"port {master_port} (set by {source}={master_port}) is in use by another "
+                                       f"program; choose another port") from exc
             try:
                 store = await TCPStore.connect(master_addr, master_port, secret=secret, job=job,
                                                timeout_s=timeout_s, who={"rank": rank})
@@ -254,25 +265,116 @@ def world() -> ProcessGroup:
     return current().world
 
 
-async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0) -> None:
-    """Leaves the job: waits (bounded) for every rank to arrive here, so the rank
-    hosting the store does not close it under the others, then closes everything."""
+ABORT_KEY = "abort"  # in the attempt's store namespace: the first rank that aborted (read by the launcher)
+ABORT_RECORD_TIMEOUT_S = 1.0  # the store write of an abort is best effort: the peers are told either way
+_FROM_CONTEXT = object()  # shutdown(exc=...) default: the exception being handled, if any (sys.exc_info)
+
+
+def abort_reason(exc: BaseException | None) -> BaseException | None:
+    """The exception a rank leaves the job because of, or None when leaving is orderly: no
+    exception, ``SystemExit`` with code 0 or None, ``GeneratorExit``."""
+    if exc is None or isinstance(exc, GeneratorExit):
+        return None
+    if isinstance(exc, SystemExit) and exc.code in (None, 0):
+        return None
+    return exc
+
+
+async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0, *, exc=_FROM_CONTEXT) -> None:
+    """Leaves the job.
+
+    Orderly (no exception): waits (bounded by ``timeout_s``) for every rank to arrive here, so
+    the rank hosting the store does not close it under the others, then closes everything. The
+    wait ends early when a peer aborts or is lost: nobody else will come.
+
+    Because of an exception: ``exc``, by default the exception being handled or unwinding
+    where this is called (``sys.exc_info()``: ``try: ... finally: await runtime.shutdown()``
+    leaves in an orderly way after a clean run and aborts after an error). Then this is
+    :func:`abort`: no rendezvous, every peer told at once. ``exc=None`` forces the orderly way.
+    """
     global _process_default
+    if exc is _FROM_CONTEXT:
+        exc = sys.exc_info()[1]
+    reason = abort_reason(exc)
+    if reason is not None:
+        await abort(reason, rt)
+        return
     rt = rt or _current.get() or _process_default
     if rt is None or rt._closed:
         return
-    server = getattr(rt, "store_server", None)
     try:
         if rt.world_size > 1 and rt.store is not None and not rt.actor.lost_peers():
             # Everyone arrives before anyone leaves: a rank that closed early would look
             # like a lost peer to a rank still finishing its last collective.
-            if await rt.store.add("shutdown", 1) == rt.world_size:
-                await rt.store.set("shutdown/all", b"1")
-            await rt.store.get("shutdown/all", timeout_s)
+            await _rendezvous(rt, timeout_s)
     except (RingweaveError, OSError) as exc:
         log.warning("rank %d: shutdown rendezvous failed: %s", rt.rank, exc)
     finally:
-        await rt.close()
+        await _close(rt)
+
+
+async def _rendezvous(rt: Runtime, timeout_s: float) -> None:
+    """Waits until every rank has reached shutdown, or a peer aborts or is lost (then at once).
+
+    Raises:
+        StoreTimeoutError: not every rank came within ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    gone = loop.create_future()  # a peer aborted or was lost: it will never arrive
+
+    def on_lost(peer: int, exc: BaseException) -> None:
+        if not gone.done():
+            gone.set_result(exc)
+
+    rt.actor.add_lost_listener(on_lost)
+    if await rt.store.add("shutdown", 1) == rt.world_size:
+        await rt.store.set("shutdown/all", b"1")
+    everyone = loop.create_task(rt.store.get("shutdown/all", timeout_s))
+    try:
+        await asyncio.wait([everyone, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not everyone.done():
+            everyone.cancel()
+            await asyncio.gather(everyone, return_exceptions=True)
+    if everyone.done() and not everyone.cancelled():
+        everyone.result()  # raises the store's timeout, if that is how it ended
+    elif gone.done():
+        log.info("rank %d: leaving without the others: %s", rt.rank, gone.result())
+
+
+async def abort(exc: BaseException | None = None, rt: Runtime | None = None) -> None:
+    """Leaves the job at once because of ``exc`` (what ``torch.distributed``'s abort does for
+    a process group, for the whole runtime): records it in the store (the first rank that
+    aborts is the job's root cause, which the launcher reports), tells every peer with the
+    goodbye frame (each raises :class:`PeerAbortedError` naming this rank and ``exc``'s type
+    and message, in whatever it waits on, within milliseconds), and closes. No rendezvous.
+
+    A rank that leaves because of a peer's failure (``exc`` a PeerLostError) does not record
+    itself as the root cause. Idempotent; a closed or absent runtime is left alone.
+    """
+    rt = rt or _current.get() or _process_default
+    if rt is None or rt._closed:
+        return
+    if exc is None:
+        exc = RingweaveError(f"rank {rt.rank} called runtime.abort()")
+    if not isinstance(exc, PeerLostError) and rt.store is not None and rt.world_size > 1:
+        record = msgpack.packb({"rank": rt.rank, "type": type(exc).__name__, "message": str(exc)[:2000]})
+        try:  # before the peers hear of it: a peer that fails because of it must not look like the cause
+            async with asyncio.timeout(ABORT_RECORD_TIMEOUT_S):
+                await rt.store.compare_set(ABORT_KEY, None, record)
+        except (RingweaveError, OSError, TimeoutError) as store_exc:
+            log.debug("rank %d: could not record the abort in the store: %s", rt.rank, store_exc)
+    log.info("rank %d: aborting the job: %s: %s", rt.rank, type(exc).__name__, exc)
+    await _close(rt, exc)
+
+
+async def _close(rt: Runtime, reason: BaseException | None = None) -> None:
+    """Closes ``rt`` (its goodbye carries ``reason``), then the store server it hosts, if any."""
+    global _process_default
+    server = getattr(rt, "store_server", None)
+    try:
+        await rt.close(reason)
+    finally:
         if server is not None:
             # The other ranks' store clients leave after the rendezvous; close the server
             # once they have (bounded), so none of them sees it closing under a request.

@@ -77,6 +77,11 @@ Output
     Each line a rank writes to stdout (stderr) is written to the launcher's
     stdout (stderr) as ``[rank R] line``; a last line without a newline gets
     one at exit. The launcher's own messages go to stderr as ``[launch] ...``.
+    When a rank aborted the job (``runtime.abort``: its program raised, and it
+    recorded that in the store before telling its peers), a traceback another
+    rank writes afterwards is that failure's echo: it is written as its last
+    line plus ``(traceback of N lines not shown: ...)``. The failure report
+    names a traceback already printed by its last line instead of repeating it.
 
 Exit codes
     0        every rank exited 0
@@ -87,8 +92,10 @@ Exit codes
     2        bad arguments, or a secret was needed and not given
     1        the launcher itself failed (the store could not listen, a rank
              could not be spawned)
-    "First" is the rank whose exit the launcher saw first; ranks that die
-    after that, while being stopped, never change the code. On a failure the
+    "First" is the rank whose exit the launcher saw first, except that a rank
+    of this node that aborted the job is waited for (up to --grace-s) and
+    named instead: the ranks that fail because of it may exit before it does.
+    Ranks that die after that, while being stopped, never change the code. On a failure the
     launcher stops the others (SIGTERM to each group, --grace-s, then
     SIGKILL), then prints which rank failed, its code or signal name and its
     last lines. A signal to the launcher is forwarded to every rank's group
@@ -123,6 +130,8 @@ import argparse
 import asyncio
 import contextlib
 import enum
+import errno
+import functools
 import ipaddress
 import os
 import secrets
@@ -132,8 +141,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+import msgpack
+
 from runtime import auth, jobfile, procs
-from runtime.errors import RingweaveError
+from runtime.errors import RingweaveError, WouldBlock
+from runtime.init import ABORT_KEY
 
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_TIMEOUT = 124
@@ -180,17 +192,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m runtime.launch",
         description="Start the ranks of a ringweave job on this node, host its store, "
-                    "stop them all when one fails.")
-    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default=None)
-    p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--job-id", default=None)
-    p.add_argument("--max-restarts", type=int, default=0)
-    p.add_argument("--grace-s", type=float, default=5.0)
-    p.add_argument("--timeout-s", type=float, default=None)
-    p.add_argument("--max-time-s", type=float, default=None)
+                    "stop them all when one fails.",
+        epilog="Everything after the script or module name goes to the ranks. Each rank gets RANK, "
+               "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RINGWEAVE_SECRET, "
+               "RINGWEAVE_JOB and RINGWEAVE_RESTART (see the module docstring: python -m pydoc runtime.launch). "
+               "Exit code: 0 when every rank exited 0, else the code of the rank that failed first "
+               "(128+N for signal N; 124 past --max-time-s; 2 for bad arguments).")
+    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True, metavar="N",
+                   help="ranks to start on this node, e.g. 4")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M",
+                   help="nodes in the job (default 1); every node runs N ranks and its own launcher")
+    p.add_argument("--node-rank", type=int, default=0, metavar="K",
+                   help="this node, 0..M-1 (default 0); node 0 hosts the rendezvous store")
+    p.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="address of node 0, where the store is (default 127.0.0.1; required with --nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="port of the store (single node: default 0, any free port; required with --nnodes > 1)")
+    p.add_argument("--job-id", default=None, metavar="ID",
+                   help="the run's id, the same on every node; names its shared-memory segments and lets "
+                        "python -m tools.status find it (default: fresh on one node, HOST:PORT on several)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart every rank of this node after a failure, up to R times (default 0); "
+                        "ranks see RINGWEAVE_RESTART=1, 2, ...")
+    p.add_argument("--grace-s", type=float, default=5.0, metavar="S",
+                   help="when stopping ranks: seconds between SIGTERM and SIGKILL (default 5)")
+    p.add_argument("--timeout-s", type=float, default=None, metavar="T",
+                   help="default timeout of every wait in the ranks, in seconds (sets RINGWEAVE_TIMEOUT_S; "
+                        "default: the runtime's own, 300)")
+    p.add_argument("--max-time-s", type=float, default=None, metavar="T",
+                   help="wall-clock limit of the whole job in seconds; past it every rank is stopped and "
+                        "the launcher exits 124")
     p.add_argument("-m", "--module", action="store_true",
                    help="the target is a module name, run as python -m TARGET")
     p.add_argument("target", help="script path, or module name with -m")
@@ -399,6 +430,7 @@ class Outcome:
     failure: RankExit | None = None   # FAILED: the first failing rank
     signum: int | None = None         # INTERRUPTED: the signal the launcher got
     tail: list[str] = field(default_factory=list)  # FAILED: its last lines
+    last_exception: str | None = None  # FAILED: the last line of its last traceback
     running: list[int] = field(default_factory=list)  # TIMED_OUT: ranks still running
 
 
@@ -421,12 +453,24 @@ def next_step(outcome: Outcome, restarts_done: int, max_restarts: int) -> tuple[
     return Action.EXIT, exit_code_of(outcome.failure.returncode)
 
 
-def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str]) -> list[str]:
-    """The lines printed about a failed rank (without the ``[launch]`` prefix)."""
+def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str],
+                   aborted: dict | None = None, last_exception: str | None = None) -> list[str]:
+    """The lines printed about a failed rank (without the ``[launch]`` prefix). ``aborted``:
+    the job's abort record (``{"rank", "type", "message"}``), when a rank aborted it;
+    ``last_exception``: the last line of the last traceback the rank wrote.
+
+    A traceback that ends in ``tail`` was printed already, as the rank wrote it: it is named
+    by its last line, not printed again."""
     local = failure.rank - cfg.node_rank * cfg.nproc
     where = f" (node {cfg.node_rank}, local rank {local})" if cfg.nnodes > 1 else ""
     lines = [f"rank {failure.rank}{where} failed first: {describe_exit(failure.returncode)}"]
-    if tail:
+    if aborted is not None:
+        cause = f"{aborted.get('type')}: {aborted.get('message')}"
+        lines[0] += (f", after aborting the job ({cause})" if aborted.get("rank") == failure.rank
+                     else f"; rank {aborted.get('rank')} had aborted the job ({cause})")
+    if last_exception is not None and last_exception in tail:
+        lines.append(f"its traceback is above, ending: {last_exception}")
+    elif tail:
         lines.append(f"last {len(tail)} lines of rank {failure.rank}:")
         lines.extend(f"  | {line}" for line in tail)
     else:
@@ -516,17 +560,48 @@ class Stopper:
 
 @contextlib.asynccontextmanager
 async def hosted_store(host: str, port: int, secret: str | None, job: str):
-    """Runs the job's store server in this event loop; yields its real port.
+    """Runs the job's store server in this event loop; yields it (``.port``: the real port).
 
-    The only place the launcher touches the store (runtime.store_tcp)."""
+    The only places the launcher touches the store (runtime.store_tcp): here and
+    :func:`abort_record`."""
     from runtime.store_tcp import StoreServer
 
     server = StoreServer(host, port, secret=secret.encode() if secret else None, job=job)
     await server.start()
     try:
-        yield server.port
+        yield server
     finally:
         await server.close()
+
+
+def abort_record(server, restart: int) -> dict | None:
+    """The record the first rank that aborted attempt ``restart`` left in the store
+    (``runtime.abort``: ``{"rank", "type", "message"}``), or None."""
+    if server is None:
+        return None
+    try:
+        record = msgpack.unpackb(server.data.get_nowait(f"{attempt_prefix(restart)}/{ABORT_KEY}"), raw=False)
+    except (WouldBlock, RingweaveError, ValueError, msgpack.UnpackException):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("rank"), int) else None
+
+
+async def root_cause(outcome: "Outcome", ranks: list[procs.RankProcess], aborted: dict | None,
+                     wait_s: float) -> "Outcome":
+    """A FAILED outcome pointed at the rank that aborted the job, when that was one of ours and
+    not the rank seen failing first: the others fail *because* it aborted, and may exit before
+    it does (its exit waits for its traceback and its interpreter's teardown). Waits up to
+    ``wait_s`` for it to exit; a rank that aborted and then exited 0 is not the failure."""
+    if outcome.ending is not Ending.FAILED or aborted is None or aborted["rank"] == outcome.failure.rank:
+        return outcome
+    root = next((r for r in ranks if r.rank == aborted["rank"]), None)
+    if root is None:
+        return outcome
+    if not root.protocol.exited.done():
+        await asyncio.wait([root.protocol.exited], timeout=wait_s)
+    if root.returncode is None or root.returncode == 0:
+        return outcome
+    return Outcome(Ending.FAILED, failure=RankExit(root.rank, root.returncode, root.protocol.exited_at))
 
 
 async def watch(ranks: list[procs.RankProcess], stopper: Stopper,
@@ -553,9 +628,11 @@ async def watch(ranks: list[procs.RankProcess], stopper: Stopper,
 
 
 async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Console,
-                      stopper: Stopper, deadline: float | None) -> Outcome:
+                      stopper: Stopper, deadline: float | None,
+                      aborted: Callable[[], dict | None] = lambda: None) -> Outcome:
     """Spawns this node's ranks, watches them, and always stops and reaps all
-    of them (and their descendants) before returning."""
+    of them (and their descendants) before returning. ``aborted()``: the attempt's
+    abort record (:func:`abort_record`), if a rank aborted the job."""
     argv = rank_argv(cfg)
     first_rank = cfg.node_rank * cfg.nproc
     ranks: list[procs.RankProcess] = []
@@ -564,9 +641,10 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
         for local_rank, env in enumerate(envs):
             if stopper.requested.done():
                 break
-            ranks.append(await procs.spawn(first_rank + local_rank, argv, env, console.write,
-                                           cfg.tail_lines))
-        outcome = await watch(ranks, stopper, deadline)
+            rank = first_rank + local_rank
+            ranks.append(await procs.spawn(rank, argv, env, console.write, cfg.tail_lines,
+                                           fold=functools.partial(_echo_of_abort, aborted, rank)))
+        outcome = await root_cause(await watch(ranks, stopper, deadline), ranks, aborted(), cfg.grace_s)
     finally:
         sig, notice = stop_plan(cfg, outcome)
         if notice:
@@ -583,7 +661,17 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
     if outcome.ending is Ending.FAILED:
         failed = next(r for r in ranks if r.rank == outcome.failure.rank)
         outcome.tail = list(failed.protocol.tail)
+        outcome.last_exception = failed.protocol.last_exception
     return outcome
+
+
+def _echo_of_abort(aborted: Callable[[], dict | None], rank: int) -> str | None:
+    """Why a traceback of ``rank`` is written as one line: another rank aborted the job first
+    (a rank aborts before telling its peers, so its record is there before their errors)."""
+    record = aborted()
+    if record is None or record["rank"] == rank:
+        return None
+    return f"rank {record['rank']}'s {record.get('type', 'error')} aborted the job"
 
 
 def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
@@ -611,14 +699,18 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
     with Stopper(console).installed() as stopper:
         async with contextlib.AsyncExitStack() as stack:
             master_port = cfg.master_port or 0
+            server = None
             if cfg.hosts_store:
                 host = store_listen_host(cfg)
                 try:
-                    master_port = await stack.enter_async_context(
-                        hosted_store(host, master_port, secret, job))
+                    server = await stack.enter_async_context(hosted_store(host, master_port, secret, job))
                 except (OSError, RingweaveError) as exc:
-                    console.say(f"error: could not host the store on {host}:{master_port}: {exc}")
+                    busy = (f"port {master_port} (--master-port {master_port}) is in use by another program; "
+                            f"choose another --master-port, or 0 for any free port"
+                            if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE else str(exc))
+                    console.say(f"error: could not host the store on {host}:{master_port}: {busy}")
                     return EXIT_LAUNCHER
+                master_port = server.port
             if cfg.hosts_store:  # tools.status finds the job through this file
                 stack.callback(jobfile.remove, job)
             restart = 0
@@ -630,13 +722,15 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
                                  job=job, restart=restart, cores=cores, launcher_pid=os.getpid())
                         for local_rank in range(cfg.nproc)]
+                aborted = functools.partial(abort_record, server, restart)
                 try:
-                    outcome = await run_attempt(cfg, envs, console, stopper, deadline)
+                    outcome = await run_attempt(cfg, envs, console, stopper, deadline, aborted)
                 except OSError as exc:
                     console.say(f"error: could not start the ranks: {exc}")
                     return EXIT_LAUNCHER
                 if outcome.ending is Ending.FAILED:
-                    console.say(*failure_report(cfg, outcome.failure, outcome.tail))
+                    console.say(*failure_report(cfg, outcome.failure, outcome.tail, aborted(),
+                                                outcome.last_exception))
                 action, code = next_step(outcome, restart, cfg.max_restarts)
                 if action is Action.RESTART:
                     console.say(restart_message(outcome, restart, cfg.max_restarts))

@@ -8,7 +8,10 @@ What this is:
   ``killpg`` reaches all of it.
 - :class:`RankProtocol` splits the rank's stdout and stderr into lines, writes
   each line prefixed ``[rank R] `` to the launcher's stdout / stderr, keeps the
-  last lines for a failure report, and says when the rank exited. It reports
+  last lines for a failure report, and says when the rank exited. A traceback
+  on stderr that is a consequence of another rank's failure (the launcher says
+  so: that rank aborted the job first) is written as one line, its last
+  (:class:`TracebackFolder`): one rank's error makes one traceback, not N. It reports
   the exit as soon as the process is reaped, not when its pipes close: a
   grandchild that inherited the pipes must not delay the failure of its rank
   (``asyncio.subprocess.Process.wait`` waits for both).
@@ -75,6 +78,72 @@ class LineSplitter:
         return [line]
 
 
+TRACEBACK_START = "Traceback (most recent call last):"
+_CHAIN_HEADERS = ("During handling of the above exception, another exception occurred:",
+                  "The above exception was the direct cause of the following exception:")
+MAX_FOLDED_LINES = 2000  # a "traceback" longer than this is written out as it came
+
+
+class TracebackFolder:
+    """Finds Python tracebacks in a stream of lines and folds each into one line when ``fold()``
+    says so at its first line. No I/O: ``feed(line)`` and ``flush()`` return the lines to write.
+
+    A traceback runs from ``Traceback (most recent call last):`` through the frames (indented
+    lines) to the exception line (the first line that is not indented), chained ones taken in
+    (a blank line, "During handling of ..." or "The above exception ...", another traceback).
+    Folded, it is written as that last exception line plus ``(traceback of N lines not shown:
+    <why>)``; lines after it pass through. ``last_exception`` is the exception line of the
+    last traceback seen, folded or not.
+    """
+
+    def __init__(self, fold: Callable[[], str | None]):
+        self._fold = fold  # -> why (e.g. "rank 1's ValueError aborted the job"), or None: write in full
+        self._state: str | None = None  # None: outside a traceback; "frames"; "after" its exception line
+        self._folding = False
+        self._why = ""
+        self._held: list[bytes] = []
+        self._exc_line: bytes | None = None
+        self.last_exception: str | None = None
+
+    def feed(self, line: bytes) -> list[bytes]:
+        text = line.rstrip(b"\r").decode("utf-8", "replace")
+        if self._state is None:
+            if text != TRACEBACK_START:
+                return [line]
+            self._state, self._exc_line = "frames", None
+            why = self._fold()
+            self._folding, self._why = bool(why), why or ""
+            return self._take(line)
+        if self._state == "frames":
+            if text and not text[0].isspace() and text != TRACEBACK_START and text not in _CHAIN_HEADERS:
+                self._state, self._exc_line, self.last_exception = "after", line, text
+            return self._take(line)
+        if not text.strip() or text in _CHAIN_HEADERS or text == TRACEBACK_START:  # a chained one may follow
+            if text.strip():
+                self._state = "frames"
+            return self._take(line)
+        return self.flush() + [line]
+
+    def flush(self) -> list[bytes]:
+        """Ends the traceback (at EOF, or when a line after it arrives); returns its one line if folded."""
+        self._state = None
+        held, self._held = self._held, []
+        if not self._folding or not held:
+            return []
+        self._folding = False
+        last = (self._exc_line or held[-1]).rstrip(b"\r")
+        return [last + f" (traceback of {len(held)} lines not shown: {self._why})".encode()]
+
+    def _take(self, line: bytes) -> list[bytes]:
+        if not self._folding:
+            return [line]
+        self._held.append(line)
+        if len(self._held) > MAX_FOLDED_LINES:  # not a traceback after all: write it as it came
+            held, self._held, self._folding = self._held, [], False
+            return held
+        return []
+
+
 class RankProtocol(asyncio.SubprocessProtocol):
     """The pipes and the exit of one rank.
 
@@ -86,12 +155,13 @@ class RankProtocol(asyncio.SubprocessProtocol):
         tail: the last lines of its stdout and stderr, interleaved as they came.
     """
 
-    def __init__(self, rank: int, sink: Sink, tail_lines: int):
+    def __init__(self, rank: int, sink: Sink, tail_lines: int, fold: Callable[[], str | None] = lambda: None):
         loop = asyncio.get_running_loop()
         self.rank = rank
         self._sink = sink
         self._prefix = f"[rank {rank}] ".encode()
         self._splitters = {1: LineSplitter(), 2: LineSplitter()}
+        self._folder = TracebackFolder(fold)  # stderr's tracebacks that are another rank's failure's echo
         self._open_fds = {1, 2}
         self.transport: asyncio.SubprocessTransport | None = None
         self.exited: asyncio.Future[int] = loop.create_future()
@@ -109,6 +179,8 @@ class RankProtocol(asyncio.SubprocessProtocol):
         if fd not in self._open_fds:
             return
         self._emit(fd, self._splitters[fd].flush())
+        if fd == 2:
+            self._emit(fd, self._folder.flush(), folded=True)
         self._open_fds.discard(fd)
         if not self._open_fds and not self.pipes_closed.done():
             self.pipes_closed.set_result(None)
@@ -118,13 +190,22 @@ class RankProtocol(asyncio.SubprocessProtocol):
         if not self.exited.done():
             self.exited.set_result(self.transport.get_returncode())
 
+    @property
+    def last_exception(self) -> str | None:
+        """The exception line of the last traceback the rank wrote to stderr, if any."""
+        return self._folder.last_exception
+
     def flush_partial(self) -> None:
         """Writes partial last lines of pipes that are still open (held by a
         descendant that escaped its group), at the very end."""
         for fd in sorted(self._open_fds):
             self._emit(fd, self._splitters[fd].flush())
+            if fd == 2:
+                self._emit(fd, self._folder.flush(), folded=True)
 
-    def _emit(self, fd: int, lines: list[bytes]) -> None:
+    def _emit(self, fd: int, lines: list[bytes], folded: bool = False) -> None:
+        if fd == 2 and not folded:
+            lines = [out for line in lines for out in self._folder.feed(line)]
         if not lines:
             return
         self._sink(fd, b"".join(self._prefix + line + b"\n" for line in lines))
@@ -166,15 +247,16 @@ class RankProcess:
 
 
 async def spawn(rank: int, argv: list[str], env: dict[str, str], sink: Sink,
-                tail_lines: int = 20) -> RankProcess:
-    """Starts one rank in its own session (``start_new_session=True``).
+                tail_lines: int = 20, fold: Callable[[], str | None] = lambda: None) -> RankProcess:
+    """Starts one rank in its own session (``start_new_session=True``). ``fold()``, asked at
+    each traceback the rank writes to stderr, says why to write it as one line (or None).
 
     Raises:
         OSError: the program could not be started.
     """
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.subprocess_exec(
-        lambda: RankProtocol(rank, sink, tail_lines), *argv,
+        lambda: RankProtocol(rank, sink, tail_lines, fold), *argv,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=env, start_new_session=True)
     return RankProcess(rank, transport, protocol)

@@ -116,11 +116,12 @@ import os
 import re
 import secrets
 import struct
+import time
 import weakref
 import zlib
 
 from runtime import env
-from runtime.errors import CollectiveMismatchError, PeerLostError, RingweaveError
+from runtime.errors import CollectiveError, CollectiveMismatchError, PeerLostError, RingweaveError
 
 log = logging.getLogger("ringweave.shm")
 
@@ -146,6 +147,7 @@ _FP_MAX = _FP_NBYTES - 12
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
 SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "5"))  # sched_yield spins before sleeping
+LEFT_WAIT_S = 2.0  # Domain._attach: a member whose name is gone tells its error within its answer budget (1 s)
 SLICE_S = 0.005  # one futex sleep: the event loop's other tasks get a turn at least this often
                  # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
 
@@ -429,7 +431,7 @@ class Domain:
         await self._all_to_all(call)  # every control segment exists
         for p in range(self.size):
             if p != self.rank:
-                self.ctl[p] = Segment.attach(self._path(p, "ctl"), CONTROL_NBYTES)
+                self.ctl[p] = await self._attach(call, p, "ctl", CONTROL_NBYTES)
         self._words = [ctypes.c_uint32.from_buffer(s.mm, _OFF_SEQ) for s in self.ctl]
         self._bells = [ctypes.c_uint32.from_buffer(s.mm, _OFF_BELL) for s in self.ctl]
         self._wants = [ctypes.c_uint64.from_buffer(s.mm, _OFF_WANT) for s in self.ctl]
@@ -463,11 +465,37 @@ class Domain:
             if p != self.rank:
                 if self.data[p] is not None:
                     self.data[p].close()
-                self.data[p] = Segment.attach(self._path(p, f"v{log2}"), 1 << log2)
+                self.data[p] = await self._attach(call, p, f"v{log2}", 1 << log2)
         await self._all_to_all(call)  # every new slot is mapped by everyone
         own.unlink()
         self.data_log2 = log2
         self.statistics_["grows"] += 1
+
+    async def _attach(self, call, p: int, what: str, nbytes: int) -> Segment:
+        """Maps member ``p``'s segment ``what``. A name that is gone means ``p`` left the call
+        after making it (a member unlinks its names when its call fails, e.g. times out, and then
+        tells the group): raises the group's error once it is known (the member's own, e.g. its
+        CollectiveTimeoutError), within :data:`LEFT_WAIT_S`, else a CollectiveError naming it.
+
+        Raises:
+            the group's error, CollectiveError: as above. RingweaveError: a segment too small.
+        """
+        path = self._path(p, what)
+        try:
+            return Segment.attach(path, nbytes)
+        except FileNotFoundError:
+            pass
+        group = self.group
+        deadline = time.monotonic() + LEFT_WAIT_S
+        while group.error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if group.error is None:
+            grank = group.ranks[self.members[p]]
+            group.abort(CollectiveError(
+                f"{call.fingerprint!r} (group {group.gid}, call #{call.seq}): rank {grank}'s shared-memory segment "
+                f"{path} was gone when this rank came to map it, and no error came from rank {grank} within "
+                f"{LEFT_WAIT_S:g} s (its call failed without saying so, or something else removed the file)"))
+        raise group.error
 
     async def _all_to_all(self, call) -> None:
         """An empty message from every member to every other (over TCP): a barrier."""

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import math
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -480,6 +483,11 @@ class LoopThread:
     Grammar: ``__init__ -> RUNNING [-> run(coro)*] -> close -> STOPPED``.
     ``close`` cancels whatever still runs on the loop, awaits it, closes the
     loop and joins the thread.
+
+    One its owner never closed is closed at interpreter exit (``atexit``, before the
+    interpreter is torn down): a loop still running then (uvloop's, in C, with the GIL
+    released) would call back into a finalized interpreter when a socket of it woke up,
+    e.g. when a peer process exits, and crash the process (SIGSEGV) after its last line.
     """
 
     def __init__(self, name: str):
@@ -487,6 +495,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._closed = False
         self._thread.start()
+        _running_loop_threads.add(self)
 
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -540,6 +549,7 @@ class LoopThread:
 
     def _stop(self) -> None:
         self._closed = True
+        _running_loop_threads.discard(self)
 
         async def _cancel_rest() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -557,6 +567,21 @@ class LoopThread:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
         self._loop.close()
+
+
+_running_loop_threads: "weakref.WeakSet[LoopThread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_loop_threads() -> None:
+    """Stops every LoopThread still running (see the class docstring). Registered when this
+    module is imported, so it runs after the exit hooks of its users (atexit runs last-in,
+    first-out): a Communicator's own hook leaves the job first (collectives/blocking.py)."""
+    for lt in list(_running_loop_threads):
+        try:
+            lt.close()
+        except Exception as exc:  # an exit hook must not stop the others
+            print(f"ringweave: could not stop {lt._thread.name} at exit: {exc}", file=sys.stderr)
 
 
 class BlockingStore:

@@ -1,11 +1,31 @@
-"""Shared test set-up: the repository root on sys.path (for tests.conformance)
-and the multi-rank fixture ``ranks`` from runtime.testing."""
+"""Shared test set-up: the repository root on sys.path (for tests.conformance), the multi-rank
+fixture ``ranks`` from runtime.testing, and the ``gpu`` marker: the GPU case modules
+(``tests/*/gpu_*_cases.py``) are collected where a GPU is usable (tests/cudasim.py), and run under
+the simulator in CI through tests/*/test_*_cuda.py either way."""
 
 import sys
 from pathlib import Path
+
+import pytest
 
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tests import cudasim
+
 pytest_plugins = ["runtime.testing"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: numba.cuda cases (tests/*/gpu_*_cases.py): on a real GPU with `pytest -m gpu`, "
+        "collected where numba.cuda finds a device; under the simulator in CI (tests/cudasim.py)")
+
+
+def pytest_collect_file(file_path, parent):
+    """The GPU case modules, where a GPU is usable; a module named on the command line is
+    collected by pytest itself."""
+    if cudasim.is_case_module(file_path) and not parent.session.isinitpath(file_path) and cudasim.gpu_usable():
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None

@@ -46,11 +46,15 @@ def as_f32(x) -> np.ndarray:
 
 
 def flat_f32(x):
-    """A 1-D float32 view (host: converted if needed; device: must already be float32)."""
+    """A 1-D float32 view (host: converted if needed; device: a numba view of any device array,
+    CuPy and torch included, that must already be C-contiguous float32)."""
     if is_device_array(x):
-        if np.dtype(x.dtype) != np.float32 or not x.is_c_contiguous():
-            raise TypeError(f"device arrays must be C-contiguous float32, got {x.dtype}")
-        return x.reshape(x.size)
+        from ..kernels import cuda  # numba.cuda on the first device array only (NUMBA_ENABLE_CUDASIM)
+
+        d = cuda.as_device(x)
+        if np.dtype(d.dtype) != np.float32 or not d.is_c_contiguous():
+            raise TypeError(f"device arrays must be C-contiguous float32, got {d.dtype}")
+        return d.reshape(d.size)
     return as_f32(x).reshape(-1)
 
 
@@ -106,6 +110,9 @@ class Codec(abc.ABC):
 
     def decode_add(self, payload: Payload, out) -> None:
         """``out += decode(payload)``, for gather-then-sum; ``out`` is float32."""
+        if is_device_array(out):
+            kernels.reduce_into(out, self.decode(payload, out.shape), "sum")
+            return
         out += self.decode(payload, out.shape)
 
     def residual_into(self, compensated, payload: Payload, error) -> None:

@@ -88,9 +88,14 @@ class Int8Codec(Codec):
         return out.reshape(shape)
 
     def decode_add(self, payload, out) -> None:
-        """See base class. Fused on Numba (no decoded temporary)."""
-        if self._backend_for(out) == "numba":
+        """See base class. Fused on Numba and CUDA (no decoded temporary)."""
+        backend = self._backend_for(out)
+        if backend == "numba":
             cpu.int8_decode_add(payload[0], payload[1], self.block, out.reshape(-1))
+        elif backend == "cuda":
+            from . import cuda
+
+            cuda.int8_decode_add(payload[0], payload[1], self.block, out)
         else:
             super().decode_add(payload, out)
 

@@ -124,8 +124,13 @@ class TopKCodec(Codec):
     def decode_add(self, payload, out) -> None:
         """See base class. A scatter-add: touches only k entries of ``out``."""
         values, indices = payload
-        if self._backend_for(values) == "numba":
+        backend = self._backend_for(values)
+        if backend == "numba":
             cpu.topk_decode(values, indices, out.reshape(-1), True)
+        elif backend == "cuda":
+            from . import cuda
+
+            cuda.topk_decode_add(values, indices, out)
         else:
             super().decode_add(payload, out)
 

@@ -5,7 +5,8 @@ Three implementations of one contract (``reference.py`` states it):
 * ``reference`` -- plain NumPy, the definition.
 * ``cpu`` -- Numba ``@njit(nogil=True)``, bit-identical to the reference.
 * ``cuda`` -- numba.cuda, for device arrays (imported only when one shows up,
-  so that ``NUMBA_ENABLE_CUDASIM`` can still be set by then).
+  so that ``NUMBA_ENABLE_CUDASIM`` can still be set by then); bfloat16 device
+  arrays are ``cuda.Bits16`` (uint16 words with the logical dtype beside).
 
 Choosing a backend, first match wins:
 
@@ -33,8 +34,9 @@ __all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "is_dev
 
 
 def is_device_array(a) -> bool:
-    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects."""
-    return hasattr(a, "__cuda_array_interface__") or type(a).__name__ == "FakeCUDAArray"
+    """True for numba device arrays (real or simulated), ``__cuda_array_interface__`` objects
+    and ``cuda.Bits16`` (16-bit words with their logical dtype)."""
+    return type(a).__name__ in ("FakeCUDAArray", "Bits16") or hasattr(a, "__cuda_array_interface__")
 
 
 def choose_backend(*arrays, backend: str | None = None) -> str:

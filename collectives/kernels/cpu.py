@@ -18,7 +18,7 @@ of float32 (21 us at 256 KiB, 80-105 us at 1 MiB, 300-430 us at 4 MiB). At
 loop for all of it; above 4 MiB it is noise.
 
 Compilation is lazy per dtype on first use (one kernel serves the four ops), and
-cached on disk (``cache=True``, in ``__pycache__``). Measured on the development
+cached on disk (``cache=True``, in the user's cache folder: jitcache.py). Measured on the development
 box: compiling all 8 reduce signatures plus divide/scale from cold took ~7 s when
 there were 32 (one per op and dtype; 16 s against 24 s under load); loading them
 from the on-disk cache takes ~0.3 s (plus ~0.4 s to import numba). :func:`warmup` compiles (or loads) them all
@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from . import reference
+from . import jitcache  # noqa: F401  (before the first @njit: the disk cache goes to the user's cache folder)
 from .halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
 
 OFFLOAD_MIN_NBYTES = 1 << 20  # 1 MiB; see module docstring and bench/kernels.py --offload

@@ -1,7 +1,7 @@
-"""Bit-level float16 / bfloat16 <-> float32 conversions for Numba CPU kernels.
+"""Bit-level float16 / bfloat16 <-> float32 conversions, for Numba CPU and CUDA kernels.
 
-Numba's CPU target has no float16 arithmetic and knows nothing of bfloat16, so
-kernels receive 16-bit float arrays as ``uint16`` views and convert each element
+Numba has no bfloat16 (and its CPU target no float16 arithmetic), so kernels
+receive 16-bit float arrays as ``uint16`` views and convert each element
 through these scalar functions. They reproduce NumPy's own casts exactly:
 
 * ``f16_to_f32`` / ``bf16_to_f32`` are exact (every 16-bit value is a float32).
@@ -10,14 +10,22 @@ through these scalar functions. They reproduce NumPy's own casts exactly:
 * ``f32_to_bf16`` is ``ml_dtypes``' cast (round to nearest, ties to even; NaN
   becomes the canonical quiet NaN 0x7FC0 with its sign kept).
 
-These are Numba-CPU only (they bit-cast with scalar ``.view``); the CUDA target
-uses the arithmetic versions in ``halfmath.py``.
+One source for both targets: the functions are integer arithmetic on uint32
+and scalar bit casts (``np.uint32(b).view(np.float32)``: a ``mov.b32`` in PTX),
+which type the same in ``@njit`` and in ``cuda.jit(device=True)``
+(``collectives/kernels/cuda.py`` compiles their ``py_func``), and run unchanged
+as plain Python on NumPy scalars, which is what the CUDA simulator does. No
+float-to-int conversion appears (``math.floor`` returns an int under ``@njit``
+but a float under numba.cuda; code that relied on it compiled on one target
+only). tests/kernels/test_kernels_ptx.py compiles every kernel that calls them
+to PTX.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from . import jitcache  # noqa: F401  (before the first @njit: the disk cache goes to the user's cache folder)
 
 _U32 = np.uint32
 

@@ -17,12 +17,17 @@ ALL_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
            "all_to_all", "barrier"]
 
 
-def run_bench(tmp_path, *extra, timeout_s=300):
+def run_bench(tmp_path, *extra, timeout_s=300, out_dir=False):
+    """``out_dir``: name no files, only ``--out-dir``; else name both files, from the repository."""
     out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
-    cmd = [sys.executable, str(SCRIPT), "-n", "2", "--sizes", "4,4096", "--iters", "2",
-           "--json", str(out_json), "--plot", str(out_png), *extra]
+    names = ["--json", str(out_json), "--plot", str(out_png)]
+    if out_dir:
+        out_json, out_png = tmp_path / "out" / "collectives.json", tmp_path / "out" / "collectives.png"
+        names = ["--out-dir", str(tmp_path / "out")]
+    cmd = [sys.executable, str(SCRIPT), "-n", "2", "--sizes", "4,4096", "--iters", "2", *names, *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, cwd=tmp_path if out_dir else ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc.stdout, json.loads(out_json.read_text()), out_png
 
@@ -47,7 +52,13 @@ def check_plot(stdout: str, png: Path) -> None:
 
 @pytest.mark.timeout(360)
 def test_table_json_and_plot(tmp_path):
-    stdout, data, png = run_bench(tmp_path)
+    """Files under --out-dir, said where; nothing written into the source tree."""
+    def tree():  # bench/'s files, byte code aside
+        return {p for p in (ROOT / "bench").rglob("*") if "__pycache__" not in p.parts}
+    before = tree()
+    stdout, data, png = run_bench(tmp_path, out_dir=True)
+    assert f"# json: {tmp_path / 'out' / 'collectives.json'}" in stdout, stdout[-2000:]
+    assert tree() == before
     assert "busbw" in stdout and "algbw" in stdout and "memory reference" in stdout
     rows = table_rows(stdout)
     assert sorted({r[3] for r in rows}) == sorted(ALL_OPS)

@@ -54,7 +54,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_threads(fns):
+def _run_threads(fns, names=None):
+    """Runs each of ``fns`` in a thread of its own, named ``names[i]`` (default: all "caller", one
+    thread per rank). Ranks that are threads of one process name their threads alike across
+    ranks, as the processes of a real job do (a call's fingerprint carries its thread's name:
+    collectives/blocking.py)."""
     errors, results = [], [None] * len(fns)
 
     def wrap(i, fn):
@@ -63,7 +67,8 @@ def _run_threads(fns):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(i, fn)) for i, fn in enumerate(fns)]
+    threads = [threading.Thread(target=wrap, args=(i, fn), name=names[i] if names else "caller")
+               for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
@@ -91,10 +96,12 @@ def test_several_threads_per_rank():
             handles = [comm.all_reduce_async(np.full(3, 1.0), group=group) for _ in range(4)]
             return [h.wait(30).tolist() for h in handles]
 
-        results = _run_threads([lambda r=r, t=t: worker(r, t) for r in range(n) for t in range(nthreads)])
+        results = _run_threads([lambda r=r, t=t: worker(r, t) for r in range(n) for t in range(nthreads)],
+                               [f"worker-{t}" for r in range(n) for t in range(nthreads)])
         assert all(res == [[float(n)] * 3] * 4 for res in results)
         # the world group, also from threads
-        sums = _run_threads([lambda c=c: c.all_reduce(np.array([c.rank], np.int32)).tolist() for c in comms])
+        sums = _run_threads([lambda c=c: c.all_reduce(np.array([c.rank], np.int32)).tolist() for c in comms],
+                            ["world"] * n)
         assert sums == [[n * (n - 1) // 2]] * n
     finally:
         _run_threads([c.close for c in comms])

@@ -244,3 +244,52 @@ def test_stop_plan():
     assert launch.stop_plan(cfg(), Outcome(Ending.INTERRUPTED, signum=signal.SIGINT)) == (signal.SIGINT, None)
     assert launch.stop_plan(cfg(max_time_s=2.0), Outcome(Ending.TIMED_OUT, running=[0, 3])) == (
         signal.SIGTERM, "the job ran past --max-time-s 2; stopping ranks [0, 3]")
+
+
+# -- one traceback per failure (procs.TracebackFolder, failure_report with an abort) ----------
+
+TRACEBACK = [b"Traceback (most recent call last):", b'  File "job.py", line 3, in <module>',
+             b"    comm.all_reduce(x)", b"    ^^^^^^^^^^^^^^^^^^",
+             b"runtime.errors.PeerAbortedError: rank 1 aborted the job: ValueError: boom"]
+
+
+def feed(folder, lines):
+    out = [o for line in lines for o in folder.feed(line)]
+    return out + folder.flush()
+
+
+def test_a_traceback_that_echoes_another_ranks_abort_is_one_line():
+    from runtime.procs import TracebackFolder
+    out = feed(TracebackFolder(lambda: "rank 1's ValueError aborted the job"), [b"before", *TRACEBACK, b"after"])
+    assert out == [b"before", TRACEBACK[-1] + b" (traceback of 5 lines not shown: rank 1's ValueError aborted "
+                                              b"the job)", b"after"]
+
+
+def test_chained_tracebacks_fold_into_their_last_line():
+    from runtime.procs import TracebackFolder
+    chained = [*TRACEBACK[:-1], b"KeyError: 'k'", b"", b"During handling of the above exception, another "
+               b"exception occurred:", b"", *TRACEBACK]
+    out = feed(TracebackFolder(lambda: "why"), chained)
+    assert len(out) == 1 and out[0].startswith(TRACEBACK[-1]) and b"13 lines" in out[0], out
+
+
+def test_a_traceback_is_written_in_full_unless_folded_and_its_last_line_kept():
+    from runtime.procs import TracebackFolder
+    folder = TracebackFolder(lambda: None)
+    assert feed(folder, TRACEBACK) == TRACEBACK
+    assert folder.last_exception == TRACEBACK[-1].decode()
+
+
+def test_failure_report_names_the_abort_and_does_not_repeat_the_traceback():
+    tail = ["Traceback (most recent call last):", '  File "job.py", line 9', "ValueError: boom"]
+    aborted = {"rank": 1, "type": "ValueError", "message": "boom"}
+    lines = launch.failure_report(cfg(), RankExit(1, 1, 0.0), tail, aborted, "ValueError: boom")
+    assert lines == ["rank 1 failed first: exit code 1, after aborting the job (ValueError: boom)",
+                     "its traceback is above, ending: ValueError: boom"]
+    lines = launch.failure_report(cfg(), RankExit(3, 1, 0.0), ["x"], aborted)
+    assert lines[0] == "rank 3 failed first: exit code 1; rank 1 had aborted the job (ValueError: boom)"
+
+
+def test_every_launcher_option_is_described_in_help():
+    undescribed = [a.dest for a in launch.build_parser()._actions if not (a.help or "").strip()]
+    assert not undescribed, f"options without help: {undescribed}"

@@ -1,0 +1,50 @@
+"""Every CUDA kernel, for every dtype it is launched with, compiles for a real device (PTX for an
+H100), on this machine without a GPU; and the kernels whose bits must equal NumPy's hold no
+contractible multiply (ptx_build.py says how and why).
+
+The simulator runs kernels as Python and never type-checks them: before this test, no float16 or
+bfloat16 kernel compiled for a device (``math.floor`` is a float under numba.cuda). Needs numba-cuda
+with libNVVM and NVRTC (``pip install -e .[cuda,ptx]``, as the Makefile does).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BUILD = pathlib.Path(__file__).with_name("ptx_build.py")
+
+
+@pytest.fixture(scope="module")
+def built():
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, str(BUILD)], env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, ("PTX build failed to run (libNVVM / NVRTC: pip install -e .[cuda,ptx])\n"
+                                  + proc.stderr[-3000:])  # fmt: skip
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_every_kernel_compiles_for_the_device(built):
+    failed = {name: r["error"] for name, r in built["results"].items() if r["error"]}
+    assert not failed, "\n\n".join(f"{n}: {e}" for n, e in failed.items())
+    assert not built["unlisted"], f"kernels missing from ptx_cases(): {built['unlisted']}"
+    names = set(built["results"])
+    for dtype in ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8"):
+        assert f"collectives.kernels.cuda:reduce_sum_{dtype}" in names
+        assert f"collectives.kernels.cuda:fold_max_{dtype}" in names
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kernel", ["int8_encode", "int8_residual", "int8_decode"])
+def test_int8_products_that_feed_an_addition_are_rounded_on_their_own(built, kernel):
+    """ptxas may fuse a plain mul.f32 with the add / sub after it into one FMA (one rounding, where
+    NumPy rounds twice): these kernels multiply with mul.rn (never fused) before any addition."""
+    ops = built["results"][f"collectives.compress.cuda:{kernel}"]["ops"]
+    assert "mul.rn.f32" in ops and not any(op.startswith("fma") for op in ops), ops
+    if kernel != "int8_decode":  # int8_decode's one plain mul.f32 is stored as is (decode, not decode_add)
+        assert "mul.f32" not in ops, ops
