@@ -82,6 +82,7 @@ class StepResult:
     comm_bytes: int = 0               # bytes this rank sent in this step (ring-algorithm volume)
     timings: dict = field(default_factory=dict)  # compute_s, comm_s, exposed_comm_s, step_s
     loss_scale: float = 1.0           # loss scale this step's backward used
+    comm_bytes_by_dim: dict = field(default_factory=dict)  # under a mesh: {"dp": 4096, "tp": 81920, "pp": 2048, ...}
 
 
 class ReplicaMismatchError(RuntimeError):
