@@ -61,9 +61,8 @@ from trainer.parallel.pipeline import PipelineLayout
 from trainer.parallel.schedules import SCHEDULES, bubble_formula
 from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.base import StepResult, TrainConfig
-from trainer.sharding.ddp import DDPStrategy
-from trainer.sharding.fsdp import FSDPStrategy
-from trainer.sharding.zero import ZeroStrategy
+from trainer.parallel.bases import strategy_class
+from trainer.parallel.offload import OffloadMixin
 from trainer.precision import resolve_dtype
 
 __all__ = ["ParallelConfig", "MeshMixin", "make_parallel_strategy", "METRICS"]
@@ -379,23 +378,15 @@ def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> li
     return out
 
 
-_BASES = {"ddp": (DDPStrategy, {}), "zero1": (ZeroStrategy, {"stage": 1}), "zero2": (ZeroStrategy, {"stage": 2}),
-          "zero3": (FSDPStrategy, {"name": "zero3"}), "fsdp": (FSDPStrategy, {"name": "fsdp"})}
-_CLASSES: dict[str, type] = {}
-
-
 def make_parallel_strategy(name: str, gpt_config: GPTConfig, config: TrainConfig, mesh: Mesh, *,
                            parallel: ParallelConfig | None = None, **kw):
     """The data-parallel strategy ``name`` on the mesh's dp dimension over this rank's stage of the
-    tensor-parallel GPT (the module docstring). Call ``await setup()`` next.
+    tensor-parallel GPT (the module docstring), with offload when ``config.offload`` asks for it.
+    Call ``await setup()`` next.
 
     Raises:
         ValueError: an unknown strategy; a model that does not split over the mesh.
     """
-    if name not in _BASES:
-        raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(_BASES)}")
-    base, extra = _BASES[name]
-    cls = _CLASSES.get(base.__name__)
-    if cls is None:
-        cls = _CLASSES[base.__name__] = type(f"Mesh{base.__name__}", (MeshMixin, base), {})
+    mixins = (MeshMixin, OffloadMixin) if config.offload else (MeshMixin,)
+    cls, extra = strategy_class(name, *mixins)
     return cls(gpt_config, config, mesh, parallel=parallel, **extra, **kw)

@@ -72,6 +72,8 @@ class TrainConfig:
     seed: int = 0
     check_every: int = 0              # every N steps check replicated state is equal across ranks (0: never)
     activation_checkpointing: bool = False  # recompute the calls marked checkpoint (GPT blocks) in backward
+    offload: str | None = None        # None | "optimizer" | "params": to memory-mapped files (trainer/parallel/offload.py)
+    offload_dir: str | None = None    # where those files go, e.g. "/scratch" (default: the temporary directory)
 
 
 @dataclass

@@ -41,6 +41,7 @@ block only when a gathered unit is not there yet.
 Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks:
 
     _allocate(full_init)          buffers from the full initial params (master dtype)
+    _before_shard_update(i)       compute thread, right before unit i's shard steps
     _after_shard_update(i)        compute thread, right after unit i's shard stepped (may launch)
     _after_update(applied)        async; re-derive compute params after the optimizer step
     _compute_params()             list handed to the model (entries may be None: fsdp)
@@ -144,6 +145,9 @@ class DataParallelStrategy(Strategy):
             raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {config.clip_norm}")
         if config.decay not in DECAY_GROUPS:
             raise ValueError(f"TrainConfig.decay must be one of {DECAY_GROUPS}, got {config.decay!r}")
+        if config.offload is not None and not getattr(self, "supports_offload", False):
+            raise ValueError(f"TrainConfig.offload={config.offload!r}: build the strategy with "
+                             f"trainer.parallel.make_offload_strategy (or make_parallel_strategy)")
         self.model, self.config, self.group = model, config, group
         self.units = model.units
         self.N, self.rank = group.size, group.rank
@@ -385,6 +389,7 @@ class DataParallelStrategy(Strategy):
         """Compute thread: clip and step this rank's shards, unit by unit in index order (the
         order of the collectives _after_shard_update may launch, the same on every rank)."""
         for i, ((param, _, state), g) in enumerate(zip(shards, grads)):
+            self._before_shard_update(i)
             if coef < 1.0:
                 g *= coef
             self.optimizer.step(param, g, state, lr, segments=self._segments[i])
@@ -525,6 +530,9 @@ class DataParallelStrategy(Strategy):
 
     def _begin_step(self) -> None:
         pass
+
+    def _before_shard_update(self, i: int) -> None:
+        """Compute thread, right before the optimizer steps unit i's shard (offload reads ahead here)."""
 
     def _after_shard_update(self, i: int) -> None:
         """Compute thread, right after the optimizer stepped unit i's shard (applied steps only)."""
