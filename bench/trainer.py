@@ -576,7 +576,8 @@ def mesh_main(args) -> int:
         best = max(good, key=lambda r: r["samples_per_s"])
         rate = best["samples_per_s"] * best.get("tokens_per_sample", 1)
         print(f"\nfastest: {best['label']} at {rate:.0f} tokens/s; the others' tokens/s against it: "
-              + ", ".join(f"{r['label']} {r['samples_per_s'] / best['samples_per_s']:.2f}x" for r in good if r is not best))
+              + ", ".join(f"{r['label']} {r['samples_per_s'] / best['samples_per_s']:.2f}x"
+                          for r in good if r is not best))
     out = args.out or os.path.abspath(os.path.join(args.out_dir or os.getcwd(), "parallel.json"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -55,7 +55,7 @@ class RankStats:
     steps: int
     activations_peak_bytes: int = 0  # strategy.memory_bytes()["activations_peak"]
     coords: dict | None = None  # mesh coordinates, e.g. {"pp": 1, "dp": 0, "tp": 1} (None: no mesh)
-    sent_by_dim: dict = field(default_factory=dict)  # bytes sent per mesh dimension, e.g. {"dp": .., "tp": .., "pp": ..}
+    sent_by_dim: dict = field(default_factory=dict)  # bytes sent per mesh dimension, e.g. {"dp": 0, "tp": 4096, ...}
     bubble_s: float = 0.0  # time blocked on pipeline receives (the measured bubble, transfers included)
     pipeline_s: float = 0.0  # time in the pipeline schedules
     bubble_formula: float = 0.0  # (pp - 1) / (m + pp - 1) of the last step
@@ -139,7 +139,8 @@ def format_summary(history: History) -> str:
                          f"{format_bytes(r.activations_peak_bytes):>17} "
                          f"{format_bytes(r.comm_bytes):>11} {format_bytes(r.maxrss_bytes):>15}")
         if any(r.coords for r in history.ranks):
-            lines.append("rank  pp  dp  tp     sent dp     sent tp     sent pp  in flight  bubble measured / (p-1)/(m+p-1)")
+            lines.append("rank  pp  dp  tp     sent dp     sent tp     sent pp  in flight  "
+                         "bubble measured / (p-1)/(m+p-1)")
             for r in history.ranks:
                 c = r.coords or {"pp": 0, "dp": 0, "tp": 0}
                 lines.append(f"{r.rank:>4} {c['pp']:>3} {c['dp']:>3} {c['tp']:>3} "

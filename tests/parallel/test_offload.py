@@ -40,7 +40,8 @@ async def train(name, world, cfg, *, mesh=None, steps=3):
             losses = [(await s.train_step(mbs)).loss for mbs in step_batches(dp, dp_rank, 1)[:steps]]
             state = [b.tobytes() for st in s.states for b in st.buffers.values()]
             master = sum(m.nbytes for m in s.master)  # the float32 master (shards, or replicas under ddp)
-            return [p.tobytes() for p in await s.full_params()], losses, state, {**s.memory_bytes(), "master": master}, files
+            mem = {**s.memory_bytes(), "master": master}
+            return [p.tobytes() for p in await s.full_params()], losses, state, mem, files
         finally:
             s.close()
 

@@ -35,7 +35,6 @@ import numpy as np
 
 from trainer.nn.gpt import GPT, Block, GPTConfig, GPTEnds
 from trainer.nn.layers import Container
-from trainer.nn.loss import CrossEntropyLoss
 from trainer.nn.unit import Unit
 from trainer.parallel.comm import TPComm
 from trainer.parallel.tensor import ParallelMLP, ParallelSelfAttention
@@ -128,12 +127,12 @@ def gpt_units(config: GPTConfig, comm: TPComm, *, dtype=np.float32) -> tuple[lis
     ends.head = VocabParallelHead(ends, comm)
     units = [ShardedUnit(ends, full.units[0], dtype=dtype, entries=ends.entries())]
     proj_std = 0.02 / np.sqrt(2 * config.n_layer)
-    for l in range(1, config.n_layer + 1):
+    for block in range(1, config.n_layer + 1):
         attn = ParallelSelfAttention(C, config.n_head, comm, dropout=config.dropout, bias=config.bias,
                                      proj_init_std=proj_std, kernel=config.kernel)
         mlp = ParallelMLP(C, 4 * C, comm, gelu=config.gelu, dropout=config.dropout, bias=config.bias,
                           proj_init_std=proj_std, kernel=config.kernel)
-        units.append(ShardedUnit(Block(config, attn=attn, mlp=mlp), full.units[l], dtype=dtype))
+        units.append(ShardedUnit(Block(config, attn=attn, mlp=mlp), full.units[block], dtype=dtype))
     for i, unit in enumerate(units):
         unit.index = i
     return units, VocabParallelCrossEntropy(config.vocab_size, comm)

@@ -36,6 +36,8 @@ kernel's readahead and writeback do the work), no NVMe-specific tuning.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import ctypes.util
 import mmap
 import os
 import shutil
@@ -45,10 +47,24 @@ import numpy as np
 
 from trainer.parallel.bases import strategy_class
 
-__all__ = ["Offload", "OffloadMixin", "make_offload_strategy", "KINDS"]
+__all__ = ["Offload", "OffloadMixin", "make_offload_strategy", "KINDS", "return_freed_memory"]
 
 KINDS = ("optimizer", "params")
 PAGE = mmap.PAGESIZE  # arrays start on a page: madvise works on whole pages
+
+
+def return_freed_memory() -> None:
+    """Asks glibc to hand the memory of freed arrays back to the system (malloc_trim). Large NumPy
+    arrays freed after the first few are kept in malloc's heap (its mmap threshold grows as big blocks
+    are freed), so the RAM copies offload replaced would stay resident without it. No-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:  # pragma: no cover - no C library to load
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _align(n: int) -> int:
@@ -175,6 +191,8 @@ class OffloadMixin:
             if kind == "params":
                 self.master[i] = mapped.pop("master")
             self.states[i].buffers = mapped
+        del units
+        return_freed_memory()  # the RAM copies just replaced
 
     def _begin_step(self) -> None:
         super()._begin_step()

@@ -103,7 +103,7 @@ class MeshMixin:
         self._all_units = units  # every unit for this tp rank (global index)
         full = self.logical_model.units
         self.layout = PipelineLayout.build(gpt_config.n_layer, pp, mesh.coords["pp"], self.parallel.stage_layers,
-                                           [full[l].numel for l in range(1, gpt_config.n_layer + 1)], full[0].numel)
+                                           [u.numel for u in full[1:]], full[0].numel)
         super().__init__(self.layout.stage_model(units, loss), config, mesh["dp"], **kw)
         self.data_group = mesh["dp"]  # the loop splits the data over dp (trainer/loop.py)
         self.group = mesh.world  # checkpoints, the loop's agreement: the whole job
