@@ -101,7 +101,7 @@ async def _sum(group, x: np.ndarray) -> np.ndarray:
 
 
 def _default_group(strategy: Strategy):
-    group = getattr(strategy, "data_group", None) or getattr(strategy, "group", None)
+    group = getattr(strategy, "group", None)
     if group is not None:
         return group
     try:
@@ -137,8 +137,8 @@ async def evaluate(strategy: Strategy, data, y: np.ndarray | None = None, *, gro
     rank must pass the same data. Returns NaN for every metric when there are no samples.
     """
     dataset = _as_dataset(data, y)
-    if group is None:
-        group = _default_group(strategy)
+    if group is None:  # a mesh strategy's data are split over its dp dimension (trainer/parallel)
+        group = getattr(strategy, "data_group", None) or _default_group(strategy)
     rank, size = _rank_size(group)
     n = len(dataset)
     bounds = split_bounds(n, size)

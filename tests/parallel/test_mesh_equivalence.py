@@ -13,7 +13,9 @@ import pytest
 
 from mesh_cases import CONFIG, make_config, reference, step_batches, train_mesh
 from runtime.testing import run_ranks
+from trainer.nn import GPT
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
+from trainer.sharding import TrainConfig, make_strategy
 
 AC = {"activation_checkpointing": True}
 ACC = {"grad_accum": 2}
@@ -90,3 +92,35 @@ async def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_of_the_mesh(
         for got, want in zip(params, one[0][1]):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose([r.loss for r in results], [r.loss for r in one[0][0]], rtol=1e-12)
+
+
+@pytest.mark.timeout(60)
+async def test_float16_with_loss_scaling_on_a_mesh_equals_one_process_to_its_precision():
+    """Mixed precision on tp2 x pp2: float16 compute copies, float32 master and reduction, dynamic loss
+    scaling on; the same scale every step on every rank, the losses and parameters of one process
+    to float32 summation order."""
+    config = TrainConfig(lr=2e-2, seed=5, weight_decay=0.1, param_dtype="float16", init_scale=2.0**20)
+
+    async def one(world):
+        s = make_strategy("ddp", GPT(CONFIG), config, world)
+        try:
+            await s.setup()
+            return [await s.train_step(mbs) for mbs in step_batches(1, 0, 1)], await s.full_params()
+        finally:
+            s.close()
+
+    async def mesh(world):
+        s = make_parallel_strategy("zero2", CONFIG, config, Mesh(world, tp=2, pp=2),
+                                   parallel=ParallelConfig(micro_batches=2))
+        try:
+            await s.setup()
+            return [await s.train_step(mbs) for mbs in step_batches(1, 0, 1)], await s.full_params()
+        finally:
+            s.close()
+
+    [(want, want_params)] = await run_ranks(1, one)
+    for results, params in await run_ranks(4, mesh):
+        assert [r.loss_scale for r in results] == [r.loss_scale for r in want] == [2.0**20] * 3
+        np.testing.assert_allclose([r.loss for r in results], [r.loss for r in want], rtol=1e-6)
+        for got, ref in zip(params, want_params):
+            np.testing.assert_allclose(got, ref, atol=1e-4)

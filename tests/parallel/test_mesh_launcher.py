@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.testing import run_ranks
+
 from tests.faults.harness import assert_no_process_left, launch
 from trainer import checkpoint
 from trainer.cli import make_config, parse_args
@@ -113,3 +115,22 @@ def test_a_rank_killed_in_a_tp2_pp2_step_fails_every_rank_naming_it(tmp_path):
         assert rep.error == "PeerLostError" and f"rank {VICTIM}" in rep.message, (r, rep, result.explain())
         assert not math.isnan(rep.after_s) and rep.after_s < BOUND_S, (r, rep)
     assert_no_process_left(result)
+
+
+def readme_mesh_example() -> str:
+    """The python block of the README's parallelism section."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Parallelism: tensor, pipeline, a mesh, offload"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.timeout(120)
+async def test_the_readme_mesh_example_trains_as_written(capsys):
+    namespace = {"__name__": "readme_mesh"}  # define, do not run main
+    exec(compile(readme_mesh_example(), "README.md", "exec"), namespace)
+    histories = await run_ranks(4, namespace["train"])
+    for h in histories:
+        assert h.epochs[0].val_loss == histories[0].epochs[0].val_loss  # agreed by every rank
+        assert h.epochs[0].val_loss < math.log(256)  # better than a uniform guess over the bytes
+    out = capsys.readouterr().out
+    assert "zero1 on 4 rank(s)" in out and "bubble measured" in out
