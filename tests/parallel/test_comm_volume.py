@@ -107,3 +107,4 @@ async def test_1f1b_holds_at_most_pp_micro_batches_on_the_first_stage_and_gpipe_
     assert peaks["1f1b"][1][0] == 1 and peaks["gpipe"][1][0] == m  # the last stage
     # the activation bytes follow: m / pp times as many under GPipe (equal micro-batches)
     assert peaks["gpipe"][0][1] == pytest.approx(peaks["1f1b"][0][1] * m / pp, rel=0.01)
+

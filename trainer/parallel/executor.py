@@ -21,9 +21,23 @@ micro-batch, in both schedules) is the one that reduces gradients across dp.
 Point-to-point (collectives/p2p.py through the strategy's AccountedCollectives on the pp
 group): every send is launched on the event loop and not waited for (the array stays
 referenced until it has left; nothing is copied: the transport writes from it); every
-receive is posted one compute action ahead, into the buffer the next action computes on,
-so it arrives while this action computes. The time the compute thread blocks on a receive
-is the stage's measured bubble (it includes the transfer itself, small beside the compute).
+receive is posted before its message can arrive, into the buffer the action computes on, so
+it lands there straight off the connection (a message that finds no receive is kept and
+copied once more):
+
+    gradient of j     posted right after F j: the next stage can only send it after that
+    activation of j   posted while j < backwards done + peak + 2, peak = the schedule's most
+                      micro-batches in flight (1F1B: pp - stage; GPipe: m, so all at once): the
+                      stage before runs at most one forward ahead of its own bound, which is
+                      this stage's plus one (the receive buffers are activations held anyway)
+
+Receives are posted when the step starts, so a stage still finishing its previous step (its
+optimizer update) when its neighbour already sends finds those first messages kept: one copy
+each (pp = 4, m = 8, ranks as tasks of one process: none to two activations a step per rank under
+1F1B; under GPipe the first stage, which waits on nothing, sent all m before the next one started).
+
+The time the compute thread blocks on a receive is the stage's measured bubble (it includes the
+transfer itself, small beside the compute).
 
 Micro-batch j's Context has batch_offset = the row of its first sample in the step's global
 batch, so dropout masks, and the whole step, are the single-process ones.
@@ -40,7 +54,7 @@ import time
 import numpy as np
 
 from trainer.nn import EVAL, Context
-from trainer.parallel.schedules import schedule
+from trainer.parallel.schedules import in_flight_peak, schedule
 
 __all__ = ["StageRun", "EVAL_TAG"]
 
@@ -60,6 +74,7 @@ class StageRun:
         self.sends: list[tuple[concurrent.futures.Future, np.ndarray]] = []
         self.wait_s = 0.0  # blocked on receives (the bubble, with the transfers)
         self.in_flight_peak = 0  # micro-batches whose forward ran and backward did not, at most
+        self._posted_f = 0  # activation receives posted: micro-batches [0, _posted_f)
 
     # ---- point to point --------------------------------------------------------------
 
@@ -90,13 +105,12 @@ class StageRun:
         self.sends = [(f, a) for f, a in self.sends if not f.done()]  # what has left is let go
         self.sends.append((self.acc.launch(self.acc.send(x, dst, tag)), x))
 
-    def _post_ahead(self, actions, k: int) -> None:
-        """Posts the receives of the next compute action after actions[k] (and of actions[k])."""
-        for a in actions[k : k + 2]:
-            if a.kind == "F" and not self.layout.first:
-                self._post("F", a.mb)
-            elif a.kind == "B" and not self.layout.last:
-                self._post("B", a.mb)
+    def _post_forwards(self, upto: int) -> None:
+        """Posts the activation receives of micro-batches below ``upto`` (module docstring)."""
+        if not self.layout.first:
+            for j in range(self._posted_f, min(upto, len(self.chunks))):
+                self._post("F", j)
+            self._posted_f = max(self._posted_f, min(upto, len(self.chunks)))
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -111,8 +125,9 @@ class StageRun:
         tapes, dlogits, tickets = {}, {}, {}
         loss, backwards = 0.0, 0
         checkpoint = s.config.activation_checkpointing
+        ahead = in_flight_peak(actions) + 2  # activation receives posted ahead (module docstring)
+        self._post_forwards(ahead)
         for k, a in enumerate(actions):
-            self._post_ahead(actions, k)
             x, y, offset = self.chunks[a.mb]
             if a.kind == "F":
                 inp = x if layout.first else self._take("F", a.mb)
@@ -129,6 +144,7 @@ class StageRun:
                     tickets[a.mb] = s.meter.hold((out, dlogits[a.mb]))
                 else:
                     self._send(out, layout.stage + 1, 2 * a.mb)
+                    self._post("B", a.mb)  # its gradient can come back from now on
                 del out
             else:
                 dout = dlogits.pop(a.mb) if layout.last else self._take("B", a.mb)
@@ -142,6 +158,7 @@ class StageRun:
                     after_unit_backward=hooks.get("after_unit_backward"), grad_ready=hooks.get("grad_ready"),
                     release_after_first=tickets.pop(a.mb, None))
                 backwards += 1
+                self._post_forwards(backwards + ahead)
                 if not layout.first:
                     self._send(dx, layout.stage - 1, 2 * a.mb + 1)
                 del dout, dx
