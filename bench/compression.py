@@ -16,7 +16,7 @@ is that against the uncompressed all_reduce of the same size measured in the sam
 is max |result - exact float64 sum| / max |exact| (powersgd: relative Frobenius error; it
 approximates a random matrix, its worst case).
 
-Goals (issue 5): int8 at most 27% of the fp32 bytes, topk(1%) at most 2.5%, at 4 ranks.
+Targets: int8 at most 27% of the fp32 bytes, topk(1%) at most 2.5%, at 4 ranks.
 
 Kernels: ``bench/kernels.py``'s codec section (validated against the reference before timing).
 """
@@ -24,7 +24,6 @@ Kernels: ``bench/kernels.py``'s codec section (validated against the reference b
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import pathlib

@@ -14,9 +14,9 @@ it before each call (inside the timing: a 64 MiB fill is a few ms of user time).
   ringweave-shm    the same over shared memory (RINGWEAVE_SHM=1)
   ringweave-inproc the TCP one with the n ranks as tasks of ONE process (runtime.testing, real
                    loopback sockets): no context switches and no scheduling between ranks, so the
-                   CPU is the framework's own work. Runs within minutes of each other agreed to
-                   a few percent (4 B: 178-190 us), but it moves with the machine's slow periods
-                   too (the same code, later: 265-379 us); compare A/B runs interleaved. Its wall
+                   CPU is the framework's own work. Runs within minutes of each other agree, but
+                   it moves with the machine's slow periods too; compare A/B runs interleaved
+                   (bench/results/harness.md#in-process-floor). Its wall
                    column is the CPU of every rank summed (one thread runs them all), its cpu
                    column that over n
   gloo             torch.distributed's Gloo backend (when torch is installed): the same all_reduce
@@ -249,7 +249,7 @@ def _gloo(n: int, r: int, port: int, calls: int, nbytes: int, out) -> None:
     x = torch.ones(max(1, nbytes // 4))
     xn = x.numpy()  # refilled through NumPy, one thread, as the ringweave modes do: torch's fill_
     # runs on its OpenMP pool (2 threads per rank here), whose threads then spin beside the
-    # all_reduce: at 64 MiB that made Gloo's calls 20-45% slower (collectives/registry.py notes)
+    # all_reduce (bench/results/transport.md#where-a-64-mib-all_reduces-cpu-goes)
 
     def one():
         xn.fill(1.0)

@@ -6,7 +6,7 @@ Every variant is validated against the NumPy reference (bit-exact, NaN == NaN) b
 a timed call is ``t0; call; cuda.synchronize(); t1`` (our functions synchronize already), best of
 ``--repeat``. GB/s: reductions count 3 x nbytes of traffic, codecs the float32 bytes in (encode) or
 out (decode); "peak" is a device-to-device copy of the same bytes (2 x nbytes). Peers: CuPy's
-in-place ufuncs (``cupy.add(a, b, out=a)``, the issue's ``a += b``), its float16 cast, and
+in-place ufuncs (``cupy.add(a, b, out=a)``, i.e. ``a += b``), its float16 cast, and
 ``torch.topk`` of |x| where torch has CUDA. Goals: ``reduce_into`` >= 0.8x CuPy's in-place
 add, top-k encode >= 100 GB/s at 16M elements.
 
@@ -114,10 +114,12 @@ def run(n: int, repeat: int) -> None:
     print(f"\n== codecs on {n} float32; GB/s of float32 bytes in (encode) / out (decode)")
     x = sample(np.float32, n, 3)
     xd = cuda.to_device(x)
+    def words(w):
+        return w.view(np.uint16) if w.dtype.kind == "V" or w.dtype == np.float16 else w
+
     for name, kw in [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"stochastic": True}), ("topk", {})]:
         ref, dev = get_codec(name, backend="numpy", **kw), get_codec(name, **kw)
         want, got = ref.encode(x), dev.encode(xd)
-        words = lambda w: w.view(np.uint16) if w.dtype.kind == "V" or w.dtype == np.float16 else w
         assert all(bits_equal(words(w), g.copy_to_host()) for w, g in zip(want, got)), name
         assert bits_equal(dev.decode(got, n).copy_to_host(), ref.decode(want, n)), name
         label = name + (" stochastic" if kw else "")

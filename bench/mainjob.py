@@ -5,8 +5,8 @@
 
 For each strategy it runs ``python -m runtime.launch -n N -m trainer --strategy S``
 (the README's main job, nothing tuned), times it from launch to exit, and reads
-the final validation accuracy from the trainer's ``--json`` history. The goal of
-issue 4: at least 95% on digits in under a minute on this 2-core machine. Load
+the final validation accuracy from the trainer's ``--json`` history. The target:
+at least 95% on digits in under a minute on this 2-core machine. Load
 average is printed beside each row: the time depends on what else runs.
 """
 

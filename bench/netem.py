@@ -16,7 +16,7 @@ the number of copies. This builds that network and runs the benchmark on it:
 * in each namespace ``python -m runtime.launch -n K --nnodes n --node-rank i`` of
   bench/collectives.py with the arguments after ``--``: K = ``--per-node`` ranks per host
   (default 1), which reach each other over the namespace's loopback, or over shared memory with
-  ``--shm on`` (default off: TCP only, RINGWEAVE_SHM=0). Rank 0's table and goals are printed;
+  ``--shm on`` (default off: TCP only, RINGWEAVE_SHM=0). Rank 0's table and comparison are printed;
   its JSON and plot go where bench/collectives.py puts them.
 
 Needs root, ``ip`` (iproute2), ``tc`` and ``unshare``. Every namespace and link it made is

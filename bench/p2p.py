@@ -12,8 +12,8 @@ posted receive buffers, the event loop); "socket" is a plain blocking
 options (TCP_NODELAY, 4 MiB buffers) - the ceiling a Python program can reach
 on this machine. WARMUP rounds per size are not timed; the median of ``--iters`` is shown.
 
-Goals (issue 2): at 64 MiB ringweave >= 70% of the plain socket; a small message's
-round trip below 100 us.
+Targets: at 64 MiB ringweave >= 70% of the plain socket; a small message's round trip below
+100 us.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 
-WARMUP = 30  # untimed rounds per size: the first tens of rounds at a new size run ~2x slower (both paths)
+WARMUP = 30  # untimed rounds per size: the first tens run slower (bench/results/harness.md#ping-pong-warm-up)
 
 
 def sizes(max_mib: int) -> list[int]:

@@ -4,6 +4,8 @@
     python bench/trainer.py --compare torch                  # + torch DDP on Gloo, same model, same run
     python bench/trainer.py --model gpt --compare torch      # the default GPT; + torch DDP and FSDP on Gloo
     python bench/trainer.py --model gpt --profile            # one process: where the step's compute goes
+    python bench/trainer.py --model gpt --interleave --repeat 10   # one process: ours and torch, turn by turn
+    python bench/trainer.py --model gpt --page-faults        # what glibc's malloc defaults cost a step
     python bench/trainer.py --strategies ddp,fsdp --ranks 2,4 --steps 10 --quick
     python bench/trainer.py --strategies zero2 --ranks 4 --compression none,int8 --repeat 3   # rows zero2, zero2+int8
     python bench/trainer.py --model gpt --meshes dp4,tp2xdp2,pp2xdp2,tp2xpp2 --compare torch --repeat 3
@@ -27,7 +29,11 @@ model is the same architecture written as nanoGPT writes it (explicit causal sof
 tanh, the head tied to the embedding), run by torch DDP and by torch FSDP2 (`fully_shard`
 per block and on the root, the ZeRO-3 of torch) on Gloo, one thread per rank.
 
-Warm-up steps (not timed), then a barrier, `--steps` timed steps, a barrier.
+Warm-up steps (not timed), then a barrier, `--steps` timed steps, a barrier. Every worker,
+ours and torch's, first calls trainer.allocator.retain_freed_memory() (as `python -m
+trainer` does): without it glibc returns a step's freed activations to the kernel and the
+next step page-faults them back, which cost ringweave ~50 ms and torch ~12 ms of system
+time per GPT step.
 
 Per configuration (rank 0 prints one table row, all ranks' figures go to JSON):
 
@@ -47,7 +53,7 @@ Napkin math for 1 rank: 6 x 8.7M x 256 = 13 GFLOP per step; at ~40 GFLOP/s
 on one AVX2 core, ~0.33 s per step, ~780 samples/s. DDP at N ranks sends
 2 (N-1)/N x 35 MB per step per rank.
 
-Goals, printed as ratios, never asserted: MLP: at 2 ranks >= 1.7x the samples/s of
+Targets, printed as ratios, never asserted: MLP: at 2 ranks >= 1.7x the samples/s of
 1 rank; exposed < 30% of comm for ddp and fsdp; at 4 ranks >= 0.9x torch DDP's
 samples/s. GPT: at 1 rank >= 0.8x torch's tokens/s; at 4 ranks fsdp >= 1.0x torch FSDP
 and torch DDP.
@@ -364,6 +370,10 @@ def _worker_torch(args) -> dict:
 def worker_main(args) -> int:
     from threadpoolctl import threadpool_limits
 
+    from trainer.allocator import retain_freed_memory
+
+    retain_freed_memory()  # as python -m trainer does; torch's workers too (their page faults fall as well)
+
     with threadpool_limits(limits=1, user_api="blas"):
         if args.strategy in TORCH_STRATEGIES:
             result = _worker_torch(args)
@@ -376,6 +386,157 @@ def worker_main(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
+    return 0
+
+
+# ---- --interleave: ringweave and torch in one process, round by round -----------
+
+
+def interleave_main(args) -> int:
+    """One process, one BLAS thread: ringweave's ddp (the strategy at world size 1, its compute thread
+    included) and torch's plain model take turns, `--steps` steps each per round, for `--repeat` rounds;
+    each round's ratio is taken between two runs seconds apart, so a busy machine slows both alike."""
+    import statistics
+
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from runtime.testing import run_ranks
+    from trainer.sharding import make_strategy
+    from trainer.sharding.base import TrainConfig
+
+    from trainer.allocator import retain_freed_memory
+
+    retain_freed_memory()  # for both: the process's malloc, as python -m trainer sets it
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    module, loss_fn = _torch_model(args)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+    [(x, y, offset, size)] = _batches(args, 0, 1)[0]
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    per_sample = args.block_size if args.model == "gpt" else 1
+
+    def torch_step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(module(tx), ty)
+        loss.backward()
+        opt.step()
+
+    async def body(group):
+        strategy = make_strategy("ddp", _ringweave_model(args), TrainConfig(lr=1e-3, total_steps=1), group)
+        await strategy.setup()
+        try:
+            for _ in range(args.warmup):
+                await strategy.train_step([(x, y, offset, size)])
+                torch_step()
+            rows = []
+            for _ in range(args.repeat):
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                for _ in range(args.steps):
+                    await strategy.train_step([(x, y, offset, size)])
+                ours, ours_cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                for _ in range(args.steps):
+                    torch_step()
+                theirs, theirs_cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+                rows.append((ours, theirs, ours_cpu, theirs_cpu, os.getloadavg()[0]))
+            return rows
+        finally:
+            strategy.close()
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        [rows] = asyncio.run(run_ranks(1, body, timeout_s=3600))
+    tokens = args.steps * args.batch * per_sample
+    print(f"# {args.model}, 1 rank, batch {args.batch}, {args.steps} steps per turn, {args.repeat} rounds, 1 thread: "
+          f"ringweave ddp (the strategy, compute thread included) and torch (plain module + AdamW) alternate")
+    print(f"{'round':>5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} {'ours cpu ms':>12} {'torch cpu ms':>13} "
+          f"{'load':>5}")
+    for k, (ours, theirs, oc, tc, load) in enumerate(rows):
+        print(f"{k:>5} {tokens / ours:11.0f} {tokens / theirs:12.0f} {theirs / ours:6.2f} "
+              f"{1e3 * oc / args.steps:12.1f} {1e3 * tc / args.steps:13.1f} {load:5.1f}")
+    ratios = [theirs / ours for ours, theirs, *_ in rows]
+    cpu = [tc / oc for _, _, oc, tc, _ in rows]
+    print(f"median ratio of tokens/s (ours / torch) {statistics.median(ratios):.2f}x (goal >= 0.8x), "
+          f"of CPU time per step (torch / ours) {statistics.median(cpu):.2f}x")
+    return 0
+
+
+# ---- --page-faults: what glibc's defaults cost a step --------------------------
+
+
+def page_faults_worker(args) -> int:
+    """One process: `--steps` steps of ours (the strategy at world size 1) or torch's, with or without
+    retain_freed_memory(); prints user and system ms and minor faults per step as JSON."""
+    import resource
+
+    from threadpoolctl import threadpool_limits
+
+    framework, retain = args.page_faults_worker.split(":")
+    if retain == "1":
+        from trainer.allocator import retain_freed_memory
+
+        retain_freed_memory()
+    [(x, y, offset, size)] = _batches(args, 0, 1)[0]
+    if framework == "torch":
+        import torch
+
+        torch.set_num_threads(1)
+        module, loss_fn = _torch_model(args)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+        async def steps(n):
+            for _ in range(n):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(module(tx), ty).backward()
+                opt.step()
+    else:
+        from runtime.testing import run_ranks
+        from trainer.sharding import make_strategy
+        from trainer.sharding.base import TrainConfig
+
+        state = {}
+
+        async def steps(n):
+            async def body(group):
+                if "strategy" not in state:
+                    state["strategy"] = make_strategy("ddp", _ringweave_model(args), TrainConfig(total_steps=1), group)
+                    await state["strategy"].setup()
+                for _ in range(n):
+                    await state["strategy"].train_step([(x, y, offset, size)])
+            await run_ranks(1, body)
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        asyncio.run(steps(args.warmup))
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        asyncio.run(steps(args.steps))
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+    n = args.steps
+    print(json.dumps(dict(user_ms=1e3 * (r1.ru_utime - r0.ru_utime) / n, sys_ms=1e3 * (r1.ru_stime - r0.ru_stime) / n,
+                          minflt=(r1.ru_minflt - r0.ru_minflt) / n)))
+    return 0
+
+
+def page_faults_main(args) -> int:
+    """Ours and torch's, each with glibc's defaults and with retain_freed_memory(), each in a fresh process."""
+    print(f"# {args.model}, batch {args.batch}, {args.warmup} warm-up + {args.steps} steps, one process each, "
+          f"1 thread; ours through the ddp strategy at world size 1 (its compute thread allocates); load "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'framework':<10} {'malloc':<22} {'user ms/step':>12} {'sys ms/step':>12} {'minor faults/step':>18}")
+    for framework in ("ringweave", "torch"):
+        for retain in ("0", "1"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--page-faults-worker", f"{framework}:{retain}",
+                   "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd",
+                   str(args.n_embd), "--block-size", str(args.block_size)]
+            proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout_s,
+                                  env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+            if proc.returncode:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                return 1
+            r = json.loads(proc.stdout.splitlines()[-1])
+            label = "retain_freed_memory()" if retain == "1" else "glibc defaults"
+            print(f"{framework:<10} {label:<22} {r['user_ms']:12.1f} {r['sys_ms']:12.1f} {r['minflt']:18.0f}")
     return 0
 
 
@@ -413,8 +574,11 @@ def profile_main(args) -> int:
 
     from threadpoolctl import threadpool_limits
 
+    from trainer.allocator import retain_freed_memory
     from trainer.nn import Context, gpt, layers
     from trainer.optim import AdamW
+
+    retain_freed_memory()  # as python -m trainer does
 
     owners = {}  # (file, first line) of a layer's forward/backward -> its class
     for cls in (layers.Linear, layers.LayerNorm, layers.GELU, gpt._TiedHead):
@@ -752,6 +916,12 @@ def main(argv=None) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="one process: where the step's compute goes (cProfile, grouped); no launcher")
+    p.add_argument("--interleave", action="store_true",
+                   help="one process: ringweave ddp at world size 1 and torch alternate, --repeat rounds")
+    p.add_argument("--page-faults", action="store_true",
+                   help="user / system time and page faults per step, ours and torch's, with and without "
+                        "trainer.allocator.retain_freed_memory()")
+    p.add_argument("--page-faults-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="a 1M-parameter model and 5 steps (a smoke run)")
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
@@ -782,12 +952,18 @@ def main(argv=None) -> int:
         args.n_layer, args.n_embd, args.block_size = 2, 64, 32
     if args.worker:
         return worker_main(args)
+    if args.page_faults_worker:
+        return page_faults_worker(args)
+    if args.page_faults:
+        return page_faults_main(args)
     if args.profile:
         return profile_main(args)
     if args.meshes:
         if args.model != "gpt":
             raise SystemExit("--meshes splits the GPT: add --model gpt")
         return mesh_main(args)
+    if args.interleave:
+        return interleave_main(args)
     return driver_main(args)
 
 

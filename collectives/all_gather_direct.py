@@ -23,7 +23,7 @@ A block of at most EXCHANGE_NBYTES goes as n-1 ``comm.sendrecv`` instead (turn
 i: ours to ``r + i``, ``r - i``'s block in), which read each block straight off
 its socket when they can (runtime/group.Call.sendrecv; the receives are not
 posted ahead, and a turn's sends do not wait on any receive, so nothing waits in
-a cycle). Figures in registry.py.
+a cycle): bench/results/all_gather.md#direct-on-the-fast-path.
 
 Signature: ``await run(comm, out, x)`` like collectives/all_gather_ring.py.
 """

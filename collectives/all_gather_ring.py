@@ -32,8 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds
-
-SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
+from collectives.tuning import SEGMENT_NBYTES
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray) -> None:

@@ -34,7 +34,8 @@ Messages are cut into SEGMENT_NBYTES segments so a half is reduced while the
 rest of it is still arriving, and every receive is posted before the first send.
 An array of at most EXCHANGE_NBYTES (each message at most half of it, 1 MiB) is
 one ``comm.sendrecv`` per step instead, which reads the partner's message straight
-off its socket when it can (runtime/group.Call.sendrecv; figures in registry.py).
+off its socket when it can (runtime/group.Call.sendrecv;
+bench/results/all_reduce.md#halving-doubling-on-the-fast-path).
 
 Signature: ``await run(comm, x, op)``; ``x`` 1-D reduced in place; ``op`` a kernel op.
 """
@@ -45,11 +46,10 @@ import asyncio
 
 import numpy as np
 
-from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
+from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_now, scratch_pool
+from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
 from runtime.transport import RECV_NOW_NBYTES
 
-SEGMENT_NBYTES = 4 << 20  # one message (the ring's size; registry.py notes)
-SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call posts ahead into
 EXCHANGE_NBYTES = 2 * RECV_NOW_NBYTES  # arrays up to this: one sendrecv per step (messages up to half: 1 MiB)
 
 
@@ -67,7 +67,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if fold.folds:  # reduce in the extra rank r-1's array
         fold_scratch = np.empty(x.size, x.dtype)
         await comm.recv_into(r - 1, as_bytes(fold_scratch))
-        await reduce_async(x, fold_scratch, op)
+        reduce_now(x, fold_scratch, op)
 
     def span(lo: int, hi: int) -> np.ndarray:
         return x[bounds[lo]:bounds[hi]]
@@ -148,7 +148,7 @@ async def _posted(comm, x: np.ndarray, op: str, span, rs: list, ag: list, bounds
         async def reduce_each(arrived=arrived, kept=kept, mine=mine):
             for fut, dst, src in zip(arrived, segments(kept), segments(mine)):
                 await fut  # this segment of the partner's copy is here
-                await reduce_async(dst, src, op)  # our half <op> the partner's copy
+                reduce_now(dst, src, op)  # our half <op> the partner's copy
 
         await asyncio.gather(send_all(comm, partner, span(*give)), reduce_each())
     for i, (partner, theirs, ours) in enumerate(ag):

@@ -48,11 +48,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async, scratch_pool
+from collectives.ops import as_bytes, chunk_bounds, reduce_now, scratch_pool
+from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
 
-SEGMENT_NBYTES = 4 << 20  # one message; set from measurements (registry.py notes)
 LOOKAHEAD_STEPS = 3  # steps of receives posted ahead (bounded by SCRATCH_NBYTES)
-SCRATCH_NBYTES = 64 << 20  # largest receive scratch one call allocates
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -104,7 +103,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
             chunk = (r - s - 1) % n
             if s < n - 1:  # reduce it into x (reduce-scatter phase)
                 seg = segment(chunk, k)
-                await reduce_async(seg, scratch[s % slots, k, :seg.size], op)
+                reduce_now(seg, scratch[s % slots, k, :seg.size], op)
             if s + 1 < steps:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(segment(chunk, k)))
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it

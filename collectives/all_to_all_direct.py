@@ -9,11 +9,10 @@ spreads the load: in each round every rank sends to a different peer. No
 padding.
 
 Blocks up to RECV_NOW_NBYTES (1 MiB) go one round at a time, each round one
-``comm.sendrecv`` (sent at once, the peer's block read off its socket): against
-posting every receive first (16 B to 4 MiB on 4 ranks, two runs), the median was
-lower in 9 of 10 rows, by up to a quarter, and the minimum 14-25% lower in all
-(collectives/registry.py notes). Larger blocks are received through all n-1
-receives posted first, so every stream lands in place while the sends go out.
+``comm.sendrecv`` (sent at once, the peer's block read off its socket), faster than posting
+every receive first (bench/results/all_to_all.md#rounds-of-sendrecv-against-posted-receives).
+Larger blocks are received through all n-1 receives posted first, so every stream lands in
+place while the sends go out.
 
 Worked example, n = 2, r0 x = [a0 a1], r1 x = [b0 b1]::
 

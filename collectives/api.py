@@ -18,9 +18,13 @@ Common keyword arguments:
   calling task's runtime (``runtime.current().world``). ``src``, ``dst`` and
   ``root`` are **group ranks** (0..group.size-1), not world ranks:
   ``group.group_rank(world_rank)`` maps one to the other.
-* ``timeout``: seconds; default the runtime's (``RINGWEAVE_TIMEOUT_S``, 300).
-  A call that runs out raises ``CollectiveTimeoutError`` naming the ranks not
-  heard from, and the group fails (every later call raises too).
+* ``timeout``: seconds, a positive finite number; default (None) the runtime's
+  (``RINGWEAVE_TIMEOUT_S``, 300). Checked first, on every call and every path:
+  anything else raises ``TypeError`` / ``ValueError`` at once, before a sequence
+  number is taken or a byte sent (the other ranks then see the call as never
+  made: ``CollectiveTimeoutError`` naming this rank, once their own timeout runs
+  out). A call that runs out raises ``CollectiveTimeoutError`` naming the ranks
+  not heard from, and the group fails (every later call raises too).
 * ``algorithm``: a name from ``collectives.registry.ALGORITHMS`` (also
   ``RINGWEAVE_ALGO_<COLLECTIVE>``); default the registry's table. Every rank
   must choose the same one: the name is part of the call's fingerprint.
@@ -38,7 +42,10 @@ Contract of every call:
   rounding_mode="floor")``.
 * arguments are checked before any message is sent: ``TypeError`` for a
   wrong type or dtype, ``ValueError`` for a wrong length, a non-contiguous or
-  read-only array, a bad root or op, each naming the argument and the values.
+  read-only array, a bad root or op, two buffers that overlap (but for the
+  in-place forms: ``x`` = ``out``'s block of this rank in all_gather and
+  gather, ``out`` = ``x``'s block of this rank in scatter), each naming the
+  argument and the values.
 * several calls may be in flight on one group (``asyncio.gather(all_reduce(a),
   all_reduce(b))``) as long as every rank issues them in the same order: a
   call takes its sequence number when its coroutine starts, before its first
@@ -55,12 +62,12 @@ Not here: the blocking facade (blocking.py), point-to-point (p2p.py), counts per
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from collectives import ops, registry
 from collectives.kernels import is_device_array
 from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
+from runtime.group import check_timeout
 from runtime.init import current as current_runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
@@ -70,7 +77,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
 def _on_device(a) -> bool:
     """A device array: all_reduce, all_gather, reduce_scatter and broadcast take them (collectives/device.py);
     the other calls want NumPy arrays. A NumPy array is answered without the attribute probe
-    (a failed ``hasattr``: ~0.5 us per host call, timeit on this machine)."""
+    (bench/results/runtime.md#the-device-array-probe)."""
     return type(a) is not np.ndarray and is_device_array(a)
 
 
@@ -112,10 +119,11 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
         await all_reduce(x, op="sum")
         # Rank 0: [4. 6.]   Rank 1: [4. 6.]
     """
-    if _on_device(x):  # collectives/device.py (compression issue): staged through the host
+    timeout = check_timeout(timeout)
+    if _on_device(x):  # collectives/device.py: staged through the host
         from collectives import device
         return await device.all_reduce(x, op, group, timeout, algorithm, compression, key)
-    if compression is not None:  # collectives/compressed.py (compression issue)
+    if compression is not None:  # collectives/compressed.py
         from collectives import compressed
         return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
                                            algorithm=algorithm, key=key)
@@ -144,14 +152,18 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         await all_gather(out, x)
         # Rank 0: out = [1 2 3 4] Rank 1: out = [1 2 3 4]
     """
+    timeout = check_timeout(timeout)
     if _on_device(out) or _on_device(x):  # collectives/device.py
         from collectives import device
+        group = _group(group)
+        ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)  # pipelined per segment
         return await device.all_gather(out, x, group, timeout, algorithm)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
     ops.check_same_dtype("out", out, "x", x)
     ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
+    ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)
     call, fn = _start(group, "all_gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
     await group.run(call, fn, ops.flat(out), ops.flat(x))
     return out
@@ -179,8 +191,10 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
         await reduce_scatter(out, x, op="sum")
         # Rank 0: out = [3 6]     Rank 1: out = [9 12]
     """
+    timeout = check_timeout(timeout)
     if _on_device(out) or _on_device(x):  # collectives/device.py
         from collectives import device
+        ops.check_no_overlap("reduce_scatter", "x", x, "out", out)  # its segments are read and written in turn
         return await device.reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
     group = _group(group)
     ops.check_array("out", out)
@@ -188,8 +202,7 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
     ops.check_same_dtype("out", out, "x", x)
     ops.check_op(op)
     ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
-    if np.shares_memory(out, x):
-        raise ValueError("reduce_scatter: out and x overlap; pass separate arrays")
+    ops.check_no_overlap("reduce_scatter", "x", x, "out", out)
     if compression is not None:  # collectives/compressed.py
         from collectives import compressed
         if algorithm is not None:
@@ -215,6 +228,7 @@ async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | No
         await broadcast(x, src=0)
         # Rank 0: [7 8]   Rank 1: [7 8]
     """
+    timeout = check_timeout(timeout)
     if _on_device(x):  # collectives/device.py
         from collectives import device
         return await device.broadcast(x, src, group, timeout, algorithm)
@@ -237,6 +251,7 @@ async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeo
         await reduce(x, dst=0, op="sum")
         # Rank 0: [4 6]   Rank 1: [3 4]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("x", x)
     ops.check_op(op)
@@ -263,6 +278,7 @@ async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None
         await gather(out, x, dst=0)
         # Rank 0: out = [1 2 3 4]    Rank 1: (nothing)
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("x", x, writeable=False)
     dst = ops.check_root("dst", dst, group.size)
@@ -272,6 +288,7 @@ async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None
         ops.check_array("out", out)
         ops.check_same_dtype("out", out, "x", x)
         ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
+        ops.check_no_overlap("gather", "out", out, "x", x, own_block=dst)
     call, fn = _start(group, "gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size, root=dst)
     await group.run(call, fn, ops.flat(out) if group.rank == dst else None, ops.flat(x), dst)
     return out
@@ -291,6 +308,7 @@ async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=Non
         await scatter(out, x, src=0)
         # Rank 0: out = [1 2]     Rank 1: out = [3 4]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("out", out)
     src = ops.check_root("src", src, group.size)
@@ -300,6 +318,7 @@ async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=Non
         ops.check_array("x", x, writeable=False)
         ops.check_same_dtype("out", out, "x", x)
         ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
+        ops.check_no_overlap("scatter", "x", x, "out", out, own_block=src)
     call, fn = _start(group, "scatter", out.nbytes, algorithm, timeout, dtype=out.dtype, count=out.size, root=src)
     await group.run(call, fn, ops.flat(out), ops.flat(x) if group.rank == src else None, src)
     return out
@@ -319,6 +338,7 @@ async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         await all_to_all(out, x)
         # Rank 0: out = [1 3]   Rank 1: out = [2 4]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
@@ -326,8 +346,7 @@ async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
     if x.size % group.size:
         raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the group size {group.size}")
     ops.check_size("out", out, x.size, "the same as x")
-    if np.shares_memory(out, x):
-        raise ValueError("all_to_all: out and x overlap; pass separate arrays")
+    ops.check_no_overlap("all_to_all", "out", out, "x", x)
     call, fn = _start(group, "all_to_all", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
     await group.run(call, fn, ops.flat(out), ops.flat(x))
     return out
@@ -341,6 +360,7 @@ async def barrier(group=None, timeout: float | None = None, algorithm: str | Non
         # Rank 0: await barrier()   Rank 1: await asyncio.sleep(1); await barrier()
         # both return after about 1 s
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     call, fn = _start(group, "barrier", 0, algorithm, timeout)
     await group.run(call, fn)

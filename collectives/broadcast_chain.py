@@ -14,12 +14,11 @@ receives it once, so no rank sends more than one copy (the binomial tree's root
 sends ceil(log2 n)), and the segments keep every link busy at once: for s
 segments the time is about (s + n - 2) segment-times instead of the tree's
 ceil(log2 n) whole-array times. The price is n - 2 segment latencies of
-fill. Where links bound the time (ranks on several hosts) that wins by far:
-on 1 Gbit/s links between namespaces (bench/netem.py) it was 2.0-4.6x faster
-than the tree from 128 KiB at 4 and 8 ranks, and 2.0-4.0x from 512 KiB at 12
-and 16 ranks (the fill grows with n). On one host's loopback, bound by
-the CPU of the kernel's copies, it lost to the tree up to 1 MiB. So the table
-gives it large arrays on groups that span hosts (registry.py).
+fill. Where links bound the time (ranks on several hosts) that wins by far
+(bench/results/broadcast.md#chain-across-hosts; from larger arrays at 12 and 16
+ranks, since the fill grows with n). On one host's loopback, bound by the CPU
+of the kernel's copies, it lost to the tree (bench/results/broadcast.md#chain-on-one-host).
+So the table gives it large arrays on groups that span hosts (registry.py).
 
 Worked example, n = 4, root = 0, x cut into segments a, b::
 

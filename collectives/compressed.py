@@ -33,12 +33,13 @@ topk |k-th largest of v| (max-norm; kept entries exact).
   to rank j (all_to_all); rank j decodes the W payloads of its shard into a
   float32 sum (rank order), encodes that sum once more and all_gathers it.
   Wire bytes: those of a ring all_reduce on the payload, i.e. the codec's
-  ratio against uncompressed: int8 25.4%, topk(1%) 2% (measured at 4 ranks:
-  25.4% and 2.0% of the fp32 all_reduce's bytes, bench/compression.py). The
+  ratio against uncompressed: int8 25.4%, topk(1%) 2%
+  (bench/results/compression.md#wire-bytes-and-error-by-style). The
   error is the per-rank codec errors plus ONE re-encoding of the reduced
   shard (top-k of the sum keeps k of up to W k entries: with error feedback
   the owner carries what it dropped too, under ``key=("owner", key)``).
-  Measured in bench/compression.py against ``gather`` and ``ring``.
+  Measured in bench/compression.py against ``gather`` and ``ring``
+  (bench/results/compression.md#wire-bytes-and-error-by-style).
 * ``gather`` (:func:`gather_decode_sum`, the codec's textbook reduction):
   all_gather every rank's whole payload, decode-add all W into float32. Error:
   only the per-rank codec errors; bytes grow with W: (W-1) x payload per rank,
@@ -87,9 +88,9 @@ from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
 
 STYLES = ("shard", "gather", "ring", "phases")
-# fp16/bf16 ring: measured (bench/compression.py, 4 ranks, 64 MiB): same bytes as shard, fp16 490 ms
-# vs 984 ms (shard encodes all n and re-encodes a shard; the fp16 encode kernel is ~10x bf16's), error
-# 8.1e-4 vs 5.7e-4 of max |sum|. Pass algorithm="shard" for the smaller error at large W.
+# fp16/bf16 by the ring: the same bytes as shard in about half the time (shard encodes all n and
+# re-encodes a shard), a slightly larger error (bench/results/compression.md#fp16-ring-against-shard).
+# Pass algorithm="shard" for the smaller error at large W.
 DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
 _ALIGN = 8  # payload pieces start at multiples of 8 bytes, so unpacked views are aligned
 

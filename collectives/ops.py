@@ -10,8 +10,9 @@
 * buffers: arrays as flat 1-D views and as byte memoryviews for the transport;
 * reductions: ``avg`` is ``sum`` then a division by the group size
   (:func:`finish_avg`; integer dtypes round toward minus infinity, as
-  ``torch.div(rounding_mode="floor")``: -7 // 2 == -4), and large reductions
-  run on a worker thread (:func:`reduce_async`).
+  ``torch.div(rounding_mode="floor")``: -7 // 2 == -4); :func:`reduce_now`
+  reduces on the calling thread (a worker thread was no faster:
+  bench/results/kernels.md#worker-thread-hand-off).
 
 Not here: messages (the algorithm files), choosing algorithms (registry.py),
 the kernels themselves (collectives/kernels).
@@ -19,21 +20,15 @@ the kernels themselves (collectives/kernels).
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
-from collectives.kernels import ENV_VAR as KERNELS_ENV_VAR, divide_into, reduce_into
+from collectives.kernels import divide_into, reduce_into
 from collectives.kernels.cpu import OP_CODES, reduce_native
 from runtime import env
 from collectives.kernels.reference import DTYPES
 
 OPS = ("sum", "avg", "prod", "min", "max")
 DTYPE_NAMES = tuple(str(d) for d in DTYPES)
-
-# Reductions of at least this many bytes run on a worker thread (asyncio.to_thread),
-# so the event loop keeps moving bytes meanwhile. Measured in registry.py's notes.
-OFFLOAD_MIN_NBYTES = 1 << 62  # off by default: see the measurement in registry.py
 
 
 def check_op(op) -> str:
@@ -77,6 +72,57 @@ def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
         raise ValueError(f"{name} has {a.size} elements (shape {a.shape}); expected {expected} ({why})")
 
 
+def check_no_overlap(collective: str, a_name: str, a: np.ndarray, b_name: str, b: np.ndarray, *,
+                     own_block: int | None = None, own_offset: int | None = None) -> None:
+    """Refuses two buffers of one call that share memory (host arrays, or device arrays: their
+    device addresses): an algorithm may write one while it still reads the other, and the answer
+    would be wrong on some ranks (silently). With
+    ``own_offset``, ``b`` may sit exactly at element ``own_offset`` of ``a``: the in-place form
+    (``b`` is this rank's block of ``a``), which every algorithm supports; ``own_block`` says
+    the same of equal blocks of ``b``'s length (``own_offset = own_block * len(b)``).
+
+    Raises:
+        ValueError: naming both arguments, where ``b`` lies in ``a`` and what is allowed.
+    """
+    host_a, host_b = isinstance(a, np.ndarray), isinstance(b, np.ndarray)
+    if host_a and host_b:
+        if not np.may_share_memory(a, b):  # contiguous arrays: the bounds tell it exactly
+            return
+    elif host_a or host_b:
+        return  # one on the host, one on a device: apart
+    spans = _span(a), _span(b)
+    if None in spans:
+        return
+    (a_start, a_nbytes, itemsize), (b_start, b_nbytes, _) = spans
+    if own_block is not None:
+        own_offset = own_block * (b_nbytes // itemsize)
+    if b_start >= a_start + a_nbytes or a_start >= b_start + b_nbytes:
+        return
+    if own_offset is not None and b_nbytes and b_start == a_start + own_offset * itemsize:
+        return
+    first, count = (b_start - a_start) // itemsize, b_nbytes // itemsize
+    allowed = (f"; the only overlap allowed is {b_name} = this rank's block of {a_name} exactly "
+               f"(elements {own_offset}..{own_offset + count - 1}, in place)" if own_offset is not None else "")
+    raise ValueError(f"{collective}: {b_name} overlaps {a_name} (it starts at element {first} of {a_name} and has "
+                     f"{count} elements){allowed}; pass separate arrays")
+
+
+def _span(a) -> tuple[int, int, int] | None:
+    """(first byte's address, bytes, item size) of a C-contiguous host or device array (the CUDA
+    simulator's: of the NumPy array it holds; a Bits16: of its words); None when it cannot tell."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0], a.nbytes, a.itemsize
+    try:
+        cai = a.__cuda_array_interface__
+    except AttributeError:
+        cai = None
+    if cai is not None:
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        return cai["data"][0], int(np.prod(cai["shape"], dtype=np.int64)) * itemsize, itemsize
+    inner = getattr(a, "_ary", None) if type(a).__name__ == "FakeCUDAArray" else getattr(a, "bits", None)
+    return _span(inner) if inner is not None else None
+
+
 def check_root(name: str, root, size: int) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"{name}={root!r} is not a rank of this group (0..{size - 1})")
@@ -93,7 +139,7 @@ def fingerprint(collective: str, *, op: str | None = None, dtype=None, count: in
     """
     key = (collective, op, dtype, count, root, algo)
     fp = _FINGERPRINTS.get(key)
-    if fp is None:  # formatting a dtype costs ~15 us; calls repeat, so remember them
+    if fp is None:  # calls repeat: remember them (bench/results/runtime.md#formatting-a-fingerprint)
         if len(_FINGERPRINTS) > 4096:
             _FINGERPRINTS.clear()
         fp = _FINGERPRINTS[key] = (
@@ -157,12 +203,10 @@ class Fold:
         return 2 * new + 1 if new < self.rem else new + self.rem
 
 
-# Native dtypes go straight to the Numba kernel that collectives.kernels.reduce_into would
-# pick: its dispatcher's checks (which an algorithm's own arrays do not need) cost ~10-20 us,
-# as much as the message itself for tiny all_reduces. The NumPy ufunc under np.errstate, used
-# before, cost 2.0 us for a 4 B sum; the kernel costs 0.26 us (0.27 vs 1.6 us at 1 KiB, 1.5 vs
-# 2.8 us at 64 KiB; timeit, this box). float16/bfloat16, and RINGWEAVE_KERNELS=numpy, take the
-# dispatcher.
+# Native dtypes go straight to the Numba kernel that collectives.kernels.reduce_into would pick,
+# without the dispatcher's checks, which an algorithm's own arrays do not need and which cost as much
+# as the message itself for tiny all_reduces (bench/results/kernels.md#native-dispatch).
+# float16/bfloat16, and RINGWEAVE_KERNELS=numpy, take the dispatcher.
 _NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
 
 
@@ -171,18 +215,10 @@ def reduce_now(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     length, C-contiguous, as the algorithms' arrays are)."""
     if not dst.size:
         return
-    if dst.dtype in _NATIVE and env.get(KERNELS_ENV_VAR) != "numpy":  # that override still applies
+    if dst.dtype in _NATIVE and env.KERNELS.get() != "numpy":  # that override still applies
         reduce_native(OP_CODES[op], dst, src)
     else:
         reduce_into(dst, src, op)
-
-
-async def reduce_async(dst: np.ndarray, src: np.ndarray, op: str) -> None:
-    """``dst = dst <op> src``; on a worker thread when large (the kernel releases the GIL)."""
-    if dst.nbytes >= OFFLOAD_MIN_NBYTES:
-        await asyncio.to_thread(reduce_into, dst, src, op)
-    else:
-        reduce_now(dst, src, op)
 
 
 def finish_avg(x: np.ndarray, op: str, size: int) -> None:

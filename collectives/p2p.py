@@ -24,6 +24,7 @@ import numpy as np
 
 from collectives import ops
 from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError
+from runtime.group import check_timeout
 from runtime.init import current as current_runtime
 
 __all__ = ["send", "recv"]
@@ -81,6 +82,7 @@ async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float
         # Rank 0: await send(np.array([1, 2]), dst=1)
         # Rank 1: x = np.empty(2, np.int64); await recv(x, src=0)   -> x = [1 2]
     """
+    timeout = check_timeout(timeout)  # first: a bad one fails here on every rank alike (api.py)
     group = _group(group)
     ops.check_array("x", x, writeable=False)
     key, peer = _p2p_tag(group, tag), _peer(group, "dst", dst)
@@ -101,6 +103,7 @@ async def recv(x: np.ndarray, src: int | None = None, tag: int = 0, group=None, 
         MessageMismatchError: the message's dtype or shape differs from ``x``'s (a ValueError).
         PeerLostError: ``src`` went away. CollectiveTimeoutError: nothing came in time.
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("x", x)
     key = _p2p_tag(group, tag)

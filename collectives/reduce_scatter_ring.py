@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_async, reduce_now, scratch_pool
+from collectives.ops import as_bytes, chunk_bounds, reduce_now, scratch_pool
+from collectives.tuning import SEGMENT_NBYTES
 from runtime.transport import RECV_NOW_NBYTES
 
-SEGMENT_NBYTES = 4 << 20  # one message; registry.py notes (4 MiB with SO_RCVLOWAT, runtime/transport.py)
 EXCHANGE_NBYTES = RECV_NOW_NBYTES  # blocks up to this: one sendrecv per step (1 MiB)
 
 
@@ -93,7 +93,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
                 upcoming.append(post(s + 1, k))  # one step ahead, into the slot already sent
             await pending[k]  # the left's partial of block, segment k
             dst = out[sb[k]:sb[k + 1]] if s == last else scratch[s % 2, sb[k]:sb[k + 1]]
-            await reduce_async(dst, own(block, k), op)  # partial = received <op> ours
+            reduce_now(dst, own(block, k), op)  # partial = received <op> ours
             if s < last:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(dst))
         pending = upcoming

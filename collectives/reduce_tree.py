@@ -13,9 +13,9 @@ How it works (n ranks; v = (rank - root) mod n, so the root is v = 0):
 ceil(log2 n) rounds. The root's ``x`` receives the result; other ranks' ``x`` is
 left unchanged (a rank with children accumulates in a copy). Arrays up to
 RECV_NOW_NBYTES (1 MiB) take each child's partial in turn with ``comm.sendrecv``,
-read off its socket into one scratch slot (twice as fast at 16 B-64 KiB on 4
-ranks, registry.py notes); larger ones post the child receives two at a time,
-into two scratch slots, so a partial arrives while the one before is reduced.
+read off its socket into one scratch slot (bench/results/reduce.md#tree-on-the-fast-path);
+larger ones post the child receives two at a time, into two scratch slots, so a partial
+arrives while the one before is reduced.
 
 Worked example, n = 5, root = 0, op = sum, rank i holds [xi]::
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, reduce_async, reduce_now
+from collectives.ops import as_bytes, reduce_now
 from runtime.transport import RECV_NOW_NBYTES
 
 
@@ -61,7 +61,7 @@ async def run(comm, x: np.ndarray, root: int, op: str) -> None:
     posted = [comm.irecv(c, as_bytes(slots[i])) for i, c in enumerate(children[:2])]
     for i in range(len(children)):
         await posted[i]  # child i's partial is in slot i % 2
-        await reduce_async(acc, slots[i % 2], op)  # acc = acc <op> child
+        reduce_now(acc, slots[i % 2], op)  # acc = acc <op> child
         if i + 2 < len(children):  # the slot is free again: post child i+2 there
             posted.append(comm.irecv(children[i + 2], as_bytes(slots[i % 2])))
     if parent is not None:

@@ -34,7 +34,7 @@ async def run(comm, out: np.ndarray, x, root: int) -> None:
     if comm.rank != root:
         await comm.sendrecv(None, None, root, as_bytes(out))
         return
-    for i in range(1, n):  # in turn: all at once (asyncio.gather) measured no faster (registry.py)
+    for i in range(1, n):  # in turn: all at once was no faster (bench/results/gather_scatter.md#direct-against-the-trees)
         j = (root + i) % n
         await comm.send(j, as_bytes(x[j * count:(j + 1) * count]))
     out[...] = x[root * count:(root + 1) * count]

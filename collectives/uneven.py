@@ -28,6 +28,7 @@ import zlib
 import numpy as np
 
 from collectives import ops, registry
+from runtime.group import check_timeout
 from runtime.init import current as current_runtime
 
 __all__ = ["all_gather_v", "all_to_all_v", "gather_v", "scatter_v"]
@@ -92,6 +93,7 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
         await all_gather_v(out, x, counts)
         # every rank: out = [0 1 20]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
@@ -100,6 +102,7 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
     if group.rank >= 0:
         ops.check_size("x", x, offsets[group.rank + 1] - offsets[group.rank], f"counts[{group.rank}]")
     ops.check_size("out", out, offsets[-1], "sum(counts)")
+    ops.check_no_overlap("all_gather_v", "out", out, "x", x, own_offset=offsets[group.rank])
     await _run(group, "all_gather_v", out.nbytes, algorithm, timeout,
                lambda name: _counts_fingerprint("all_gather_v", name, x.dtype, offsets),
                ops.flat(out), ops.flat(x), offsets)
@@ -121,6 +124,7 @@ async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts,
         await all_to_all_v(out, x, send_counts, recv_counts)
         # Rank 0: out = [1]    Rank 1: out = [2 3 4]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
@@ -129,8 +133,7 @@ async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts,
     recv_offsets = offsets_of("recv_counts", recv_counts, group.size)
     ops.check_size("x", x, send_offsets[-1], "sum(send_counts)")
     ops.check_size("out", out, recv_offsets[-1], "sum(recv_counts)")
-    if np.shares_memory(out, x):
-        raise ValueError("all_to_all_v: out and x overlap; pass separate arrays")
+    ops.check_no_overlap("all_to_all_v", "out", out, "x", x)
     await _run(group, "all_to_all_v", x.nbytes, algorithm, timeout,
                lambda name: ops.fingerprint("all_to_all_v", dtype=x.dtype, algo=name),
                ops.flat(out), ops.flat(x), send_offsets, recv_offsets)
@@ -150,6 +153,7 @@ async def gather_v(out: np.ndarray | None, x: np.ndarray, counts, dst: int = 0, 
         await gather_v(out, x, counts, dst=0)
         # Rank 0: out = [5 7 8]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("x", x, writeable=False)
     dst = ops.check_root("dst", dst, group.size)
@@ -161,6 +165,7 @@ async def gather_v(out: np.ndarray | None, x: np.ndarray, counts, dst: int = 0, 
         ops.check_array("out", out)
         ops.check_same_dtype("out", out, "x", x)
         ops.check_size("out", out, offsets[-1], "sum(counts)")
+        ops.check_no_overlap("gather_v", "out", out, "x", x, own_offset=offsets[dst])
     await _run(group, "gather_v", x.nbytes, algorithm, timeout,
                lambda name: _counts_fingerprint("gather_v", name, x.dtype, offsets, dst),
                ops.flat(out) if group.rank == dst else None, ops.flat(x), offsets, dst)
@@ -179,6 +184,7 @@ async def scatter_v(out: np.ndarray, x: np.ndarray | None, counts, src: int = 0,
         await scatter_v(out, x, counts, src=0)
         # Rank 0: out = [5]   Rank 1: out = []   Rank 2: out = [7 8]
     """
+    timeout = check_timeout(timeout)
     group = _group(group)
     ops.check_array("out", out)
     src = ops.check_root("src", src, group.size)
@@ -190,6 +196,7 @@ async def scatter_v(out: np.ndarray, x: np.ndarray | None, counts, src: int = 0,
         ops.check_array("x", x, writeable=False)
         ops.check_same_dtype("out", out, "x", x)
         ops.check_size("x", x, offsets[-1], "sum(counts)")
+        ops.check_no_overlap("scatter_v", "x", x, "out", out, own_offset=offsets[src])
     await _run(group, "scatter_v", out.nbytes, algorithm, timeout,
                lambda name: _counts_fingerprint("scatter_v", name, out.dtype, offsets, src),
                ops.flat(out), ops.flat(x) if group.rank == src else None, offsets, src)

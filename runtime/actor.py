@@ -22,8 +22,11 @@ Life of an actor (grammar)::
 
     Actor() -> (listen -> connect_mesh | attach*) -> (send | recv | call | ...)* -> close -> end
 
-Tasks: the actor owns every task it starts (accept loop, handler calls) and
-cancels and awaits them in :meth:`close`; none outlives it.
+Tasks: the actor owns every task it starts (handler calls, opening accepted
+connections) and cancels and awaits them in :meth:`close`; none outlives it.
+Accepting and the handshake run on the listener's own thread
+(runtime/acceptor.py), which also serves tools (``who = {"tool": ...}``) their
+``ringweave.*`` handlers; :meth:`close` stops and joins it.
 
 Not here: numbers, dtypes, algorithms (collectives/), rendezvous (group.py).
 """
@@ -33,13 +36,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import msgpack
 
 from runtime import auth, env, net, wire
+from runtime.acceptor import Acceptor
 from runtime.errors import (AuthenticationError, BadFrameError, ClosedError, ConnectError,
                             MailboxFullError, PeerAbortedError, PeerLostError, PeerTimeoutError,
                             RemoteCallError)
@@ -59,6 +62,7 @@ SCHEMA: wire.Schema = {
 }
 TOOL_SCHEMA: wire.Schema = {"q": SCHEMA["q"], "b": {}}  # what a tool may send: requests, goodbye
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
+STRANGERS_HANDSHAKING = 64  # connections in the handshake at once beyond one per peer (see listen)
 MAX_REASON_CHARS = 2000  # an abort's message, as sent to the peers (a traceback's last line, not a book)
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 _DEFAULT = object()  # "the actor's default_timeout_s" (None means no deadline, on purpose only)
@@ -69,8 +73,8 @@ class _BufferPool:
 
     In a pipelined collective a neighbour that runs ahead sends segments before
     we post their receives; a fresh 1 MiB ``bytearray`` per such frame costs
-    zero-filling and page faults (measured: a third of a 64 MiB ring
-    all_reduce's CPU time), so buffers of 64 KiB and up are kept by size class
+    zero-filling and page faults (bench/results/runtime.md#early-frames), so
+    buffers of 64 KiB and up are kept by size class
     (powers of two) and reused, up to ``cap_nbytes`` in total.
     """
 
@@ -138,7 +142,7 @@ class Actor:
     def __init__(self, rank: int, world_size: int, *, secret: bytes | None = None, job: str = "ringweave",
                  max_unexpected_nbytes: int = DEFAULT_MAX_UNEXPECTED_NBYTES,
                  max_payload_nbytes: int = wire.DEFAULT_MAX_PAYLOAD_NBYTES,
-                 handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S):
+                 handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S, max_handshaking: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.rank = rank
@@ -149,6 +153,8 @@ class Actor:
         self._max_unexpected = max_unexpected_nbytes
         self._max_payload = max_payload_nbytes
         self._handshake_timeout_s = handshake_timeout_s
+        # every peer may dial at once (mesh set-up), and strangers get a few more places
+        self._max_handshaking = max_handshaking or world_size + STRANGERS_HANDSHAKING
         self.default_timeout_s = env.timeout_s()  # send/recv deadlines; a Runtime sets its own (group.py)
         self.conns: dict[int, Connection] = {}
         self._posted: dict[tuple, collections.deque[_Recv]] = {}
@@ -161,19 +167,20 @@ class Actor:
         self._lost: dict[int, BaseException] = {}  # peer -> why it is gone
         self._poisoned: dict[int, BaseException] = {}  # peer -> mailbox overflow error
         self._handlers: dict[str, Callable[..., Any]] = {}
+        self._any_thread: set[str] = set()  # handlers that tools may run on the listener's thread
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._next_call = 0
         self._tasks: set[asyncio.Task] = set()
         self._lost_listeners: list[Callable[[int, BaseException], None]] = []
         self._abort_listeners: list[Callable[[dict], None]] = []
         self.stray_listener: Callable[[int, dict], None] | None = None  # kept collective frames (group.py)
-        self.tools: dict[int, Connection] = {}  # negative ids: authenticated tool connections
-        self._next_tool = 0
         self._listener = None
+        self._acceptor: Acceptor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, for tools' handlers that need it
         self._mesh_ready: asyncio.Event | None = None
         self._closed = False
         self.address: tuple[str, int] | None = None
-        self.register("ringweave.ping", lambda: self.rank)
+        self.register("ringweave.ping", lambda: self.rank, any_thread=True)
 
     # -- life cycle ----------------------------------------------------------
     def _spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
@@ -188,46 +195,68 @@ class Actor:
             log.error("rank %d: task %s failed: %r", self.rank, task.get_name(), task.exception())
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Opens the listening socket and starts accepting peers. Returns (host, port)."""
+        """Opens the listening socket and starts accepting peers (and tools) on the listener's
+        thread (runtime/acceptor.py). Returns (host, port).
+
+        At most ``max_handshaking`` connections (default: one per peer plus
+        STRANGERS_HANDSHAKING) are in the handshake at once; one more drops the oldest.
+        """
         auth.check_policy(self._secret, host, f"rank {self.rank}")
         self._listener = net.listen(host, port)
         self.address = (host, self._listener.getsockname()[1])
         self._mesh_ready = asyncio.Event()
-        self._spawn(self._accept_loop(), "accept")
+        self._loop = asyncio.get_running_loop()
+        self._acceptor = Acceptor(
+            self._listener, secret=self._secret, job=self._job, name=f"rank {self.rank}", deliver=self._adopt,
+            admit=self._admit_who, max_handshaking=self._max_handshaking,
+            handshake_timeout_s=self._handshake_timeout_s, serve_tool=self._tool_request,
+            tool_schema=TOOL_SCHEMA).start()
         return self.address
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            sock, addr = await loop.sock_accept(self._listener)
-            net.tune(sock)
-            self._spawn(self._admit(sock, addr), f"admit {addr}")
+    def _adopt(self, sock, who: dict, where: str) -> None:
+        """A peer authenticated on the listener's thread: make its connection (on our loop)."""
+        if self._closed:
+            sock.close()
+            return
+        self._spawn(self._open_accepted(sock, who["rank"], where), f"open rank {who['rank']}")
 
-    async def _admit(self, sock, addr) -> None:
-        where = f"{addr[0]}:{addr[1]}"
+    async def _open_accepted(self, sock, peer: int, where: str) -> None:
         try:
-            who = await auth.accept(sock, self._secret, self._job, where, self._handshake_timeout_s,
-                                    admit=self._admit_who)
-            if "tool" in who:  # an authenticated tool (tools.status): requests only
-                self._next_tool -= 1
-                peer = self._next_tool
-                conn = await TCPConnection.open(sock, peer, f"tool {who['tool']!r} at {where}", self,
-                                                TOOL_SCHEMA, 64 * 1024)
-                self.tools[peer] = conn
-                return
-            peer = who["rank"]
             conn = await TCPConnection.open(sock, peer, f"rank {peer} at {where}", self, self.schema,
                                             self._max_payload)
-        except (AuthenticationError, BadFrameError, ConnectError, TimeoutError, OSError) as exc:
-            log.warning("rank %d: refused a connection from %s: %s", self.rank, where, exc)
+        except OSError as exc:
+            log.warning("rank %d: the connection of rank %d from %s broke at once: %s", self.rank, peer, where, exc)
             sock.close()
             return
         except BaseException:
             sock.close()
             raise
+        if peer in self.conns:  # two connections claimed one rank at once; the first stays
+            log.warning("rank %d: refused a second connection claiming rank %d from %s", self.rank, peer, where)
+            conn.close()
+            return
         self._add_conn(conn)
 
+    async def _tool_request(self, name: str, args: list) -> Any:
+        """Runs a tool's request, on the listener's thread: ``ringweave.*`` handlers only; those
+        registered ``any_thread`` run right here (so a busy loop does not keep tools waiting),
+        the others on the actor's loop."""
+        if not name.startswith("ringweave."):
+            raise PermissionError(f"tools may not call {name!r}")
+        fn = self._handlers.get(name)
+        if fn is None:
+            raise KeyError(f"no handler named {name!r} on rank {self.rank}")
+        if name in self._any_thread:
+            return fn(*args)
+
+        async def on_loop():
+            result = fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_loop(), self._loop))
+
     def _admit_who(self, who: dict) -> str | None:
+        """Called on the listener's thread once a connector has proved it holds the secret."""
         if set(who) == {"tool"} and type(who["tool"]) is str:
             return None
         peer = who.get("rank")
@@ -246,16 +275,24 @@ class Actor:
         """
         async def dial(peer: int) -> None:
             host, port = addresses[peer]
-            conn = await auth.dial(
-                host, port, secret=self._secret, job=self._job, who={"rank": self.rank}, what=f"rank {peer}",
-                timeout_s=timeout_s, handshake_timeout_s=self._handshake_timeout_s,
-                wrap=lambda sock: TCPConnection.open(sock, peer, f"rank {peer} at {host}:{port}", self,
-                                                     self.schema, self._max_payload))
+            try:
+                conn = await auth.dial(
+                    host, port, secret=self._secret, job=self._job, who={"rank": self.rank}, what=f"rank {peer}",
+                    timeout_s=timeout_s, handshake_timeout_s=self._handshake_timeout_s,
+                    wrap=lambda sock: TCPConnection.open(sock, peer, f"rank {peer} at {host}:{port}", self,
+                                                         self.schema, self._max_payload))
+            except (OSError, TimeoutError) as exc:  # the handshake broke or fell silent
+                why = f"no handshake within {self._handshake_timeout_s:g} s" if isinstance(exc, TimeoutError) else exc
+                raise ConnectError(f"rank {self.rank}: could not connect to rank {peer} at {host}:{port}: {why}") \
+                    from None
             self._add_conn(conn)
 
-        async with asyncio.TaskGroup() as tg:
-            for peer in range(self.rank):
-                tg.create_task(dial(peer))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for peer in range(self.rank):
+                    tg.create_task(dial(peer))
+        except BaseExceptionGroup as group:  # the documented errors, not a group of them
+            raise _first_of(group) from None
         try:
             async with asyncio.timeout(timeout_s):
                 while len(self.conns) < self.world_size - 1:
@@ -298,7 +335,9 @@ class Actor:
                         await conn.send(bye)
                 except (PeerLostError, TimeoutError, OSError):
                     pass
-        for conn in list(self.conns.values()) + list(self.tools.values()):
+        if self._acceptor is not None:
+            self._acceptor.close()
+        for conn in list(self.conns.values()):
             conn.close()
         if self._listener is not None:
             self._listener.close()
@@ -329,7 +368,7 @@ class Actor:
 
     # -- sending ----------------------------------------------------------------
     def connection(self, dst: int) -> Connection:
-        """The connection to rank ``dst`` (``dst < 0``: a tool's), to send on.
+        """The connection to rank ``dst``, to send on.
 
         Raises:
             ClosedError: this actor is closed.
@@ -344,7 +383,7 @@ class Actor:
         lost = self._lost.get(dst)
         if lost is not None:
             raise lost if isinstance(lost, PeerLostError) else PeerLostError(str(lost), dst)
-        conn = self.conns.get(dst) if dst >= 0 else self.tools.get(dst)
+        conn = self.conns.get(dst)
         if conn is None:
             raise PeerLostError(f"rank {self.rank} has no connection to rank {dst}", dst)
         return conn
@@ -669,9 +708,6 @@ class Actor:
         kind = header["k"]
         peer = conn.peer
         if kind == "q":
-            if peer < 0 and not header["n"].startswith("ringweave."):
-                self._spawn(self._refuse_call(peer, header["i"], header["n"]), "refuse")
-                return
             self._spawn(self._serve_call(peer, header["i"], header["n"], data), f"call {header['n']}")
         elif kind == "r":
             entry = self._calls.pop(header["i"], None)
@@ -693,9 +729,6 @@ class Actor:
 
     def on_lost(self, conn: Connection, exc: BaseException) -> None:
         peer = conn.peer
-        if peer < 0:  # a tool went away: nothing of the job depends on it
-            self.tools.pop(peer, None)
-            return
         if self._closed or peer in self._lost:
             return
         self._mark_lost(peer, PeerLostError(f"rank {self.rank} lost its connection to {conn.where}: {exc}", peer),
@@ -725,9 +758,19 @@ class Actor:
                     r.fut.set_exception(exc)
 
     # -- remote calls ---------------------------------------------------------------
-    def register(self, name: str, fn: Callable[..., Any]) -> None:
-        """Registers ``fn`` (plain or async) as the handler of ``call(.., name, ...)``."""
+    def register(self, name: str, fn: Callable[..., Any], *, any_thread: bool = False) -> None:
+        """Registers ``fn`` (plain or async) as the handler of ``call(.., name, ...)``.
+
+        Args:
+            any_thread: ``fn`` is plain, quick and safe to run on another thread (it only
+                reads, and copies what it iterates); tools calling a ``ringweave.*`` handler so
+                marked are answered from the listener's thread, even while this loop is busy.
+        """
         self._handlers[name] = fn
+        if any_thread:
+            self._any_thread.add(name)
+        else:
+            self._any_thread.discard(name)
 
     async def call(self, dst: int, name: str, *args, timeout_s: float | None = 30.0) -> Any:
         """Calls handler ``name`` on rank ``dst`` with msgpack-able ``args``; returns its result.
@@ -747,12 +790,6 @@ class Actor:
                 return await fut
         finally:
             self._calls.pop(call_id, None)
-
-    async def _refuse_call(self, peer: int, call_id: int, name: str) -> None:
-        try:
-            await self.send_frame(peer, {"k": "r", "i": call_id, "e": f"tools may not call {name!r}"})
-        except (PeerLostError, ClosedError):
-            pass
 
     async def _serve_call(self, peer: int, call_id: int, name: str, data: bytearray) -> None:
         try:
@@ -787,3 +824,23 @@ class Actor:
             unexpected_frames=self._unexpected_frames, unexpected_nbytes=self._unexpected_nbytes,
             pending_calls=len(self._calls), kept_frames_total=self._kept_total,
             kept_nbytes_total=self._kept_total_nbytes)
+
+
+def _first_of(group: BaseExceptionGroup) -> BaseException:
+    """The error to raise for a group of failed dials: the first AuthenticationError, else the
+    first ConnectError, else the first of any kind (the others are in the log)."""
+    leaves = []
+
+    def walk(g):
+        for e in g.exceptions:
+            walk(e) if isinstance(e, BaseExceptionGroup) else leaves.append(e)
+
+    walk(group)
+    for kind in (AuthenticationError, ConnectError):
+        for e in leaves:
+            if isinstance(e, kind):
+                if len(leaves) > 1:
+                    log.warning("connecting the mesh also failed with: %s",
+                                "; ".join(f"{type(x).__name__}: {x}" for x in leaves if x is not e))
+                return e
+    return leaves[0]

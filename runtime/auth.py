@@ -9,10 +9,16 @@ three-frame handshake on the raw socket, before any protocol object exists::
 
 Both sides prove they hold the secret; the secret itself never crosses the
 wire, and a recorded handshake cannot be replayed (fresh nonces each side).
-Reads are exact (a prefix, then exactly the header and payload it announces),
-so after the handshake the socket holds nothing we have not consumed and can
-be handed to a transport. Every step runs under a deadline, so a client that
-connects and says nothing (slow loris) is dropped.
+Reads are exact (a prefix, then exactly the header it announces), so after the
+handshake the socket holds nothing we have not consumed and can be handed to a
+transport. Every step runs under a deadline, so a client that connects and says
+nothing (slow loris) is dropped.
+
+Nothing a stranger announces is allocated: each side reads the handshake's
+frames into one buffer of :data:`HANDSHAKE_BUFFER_NBYTES` made before the first
+byte arrives; a frame whose header is longer than that, or that has a payload,
+is refused from its 16-byte prefix. Values a stranger chose (its ``who``, a
+frame kind) appear in errors cut to :data:`wire.SHOWN_CHARS` characters.
 
 :func:`dial` is the whole connector side in one call (connect with retries,
 then the handshake); rank-to-rank connections and store clients both use it.
@@ -27,19 +33,18 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
 import secrets
 import socket
 from typing import Any, Awaitable, Callable
 
 import msgpack
 
-from runtime import net, wire
+from runtime import env, net, wire
 from runtime.errors import AuthenticationError, BadFrameError, ConnectError
 
 log = logging.getLogger("ringweave.auth")
 
-SECRET_ENV = "RINGWEAVE_SECRET"
+SECRET_ENV = env.SECRET.name
 HANDSHAKE_TIMEOUT_S = 10.0
 
 SCHEMA: wire.Schema = {
@@ -49,6 +54,8 @@ SCHEMA: wire.Schema = {
     "denied": {"why": (str, True)},
 }
 _MAX_HANDSHAKE_PAYLOAD = 0  # handshake frames carry no payload
+HANDSHAKE_MAX_HEADER_NBYTES = 1024  # the largest is an "auth" of ~150 bytes (a store client's host name: <= 255)
+HANDSHAKE_BUFFER_NBYTES = wire.PREFIX_NBYTES + HANDSHAKE_MAX_HEADER_NBYTES
 
 _warned_unauthenticated = False
 
@@ -58,9 +65,27 @@ def make_secret() -> str:
     return secrets.token_hex(32)
 
 
+_taken_secret: bytes | None = None  # what secret_from_env took out of os.environ
+
+
 def secret_from_env() -> bytes | None:
-    value = os.environ.get(SECRET_ENV, "")
-    return value.encode() if value else None
+    """The job's secret from ``RINGWEAVE_SECRET``, which is taken out of ``os.environ`` as it is
+    read: processes this one starts (data loaders, tools, anything) do not inherit it unless
+    given it (:func:`export_secret`). Later calls return the value taken, unless the variable
+    was set again."""
+    global _taken_secret
+    value = env.SECRET.pop()
+    if value:
+        _taken_secret = value.encode()
+    return _taken_secret
+
+
+def export_secret(environ: dict) -> dict:
+    """Puts the secret this process took (:func:`secret_from_env`) into ``environ``, the
+    environment of a process that must join the job too (a nested launcher, say); returns it."""
+    if _taken_secret:
+        environ[SECRET_ENV] = _taken_secret.decode()
+    return environ
 
 
 def is_loopback(host: str) -> bool:
@@ -83,7 +108,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_policy(secret: bytes | None, listen_host: str, what: str) -> None:
-    """The rule of DESIGN.md: no secret is allowed only when listening on loopback.
+    """The rule of docs/design.md ("Starting a job"): no secret is allowed only when listening on loopback.
 
     Raises:
         AuthenticationError: no secret and ``listen_host`` is not a loopback address.
@@ -141,10 +166,25 @@ async def recv_exact(sock: socket.socket, nbytes: int, where: str, during: str =
     return mv
 
 
-async def _recv_frame(loop, sock, where: str) -> dict:
-    prefix = await recv_exact(sock, wire.PREFIX_NBYTES, where)
-    hlen, _ = wire.parse_prefix(prefix, _MAX_HANDSHAKE_PAYLOAD, where=f" from {where}")
-    head = await recv_exact(sock, hlen, where)
+async def _recv_into(sock: socket.socket, mv: memoryview, where: str) -> None:
+    """Fills ``mv`` from the socket (exactly; see :func:`recv_exact`)."""
+    loop = asyncio.get_running_loop()
+    got, nbytes = 0, mv.nbytes
+    while got < nbytes:
+        n = await loop.sock_recv_into(sock, mv[got:])
+        if n == 0:
+            raise ConnectError(f"{where}: connection closed during the handshake ({got} of {nbytes} bytes)")
+        got += n
+
+
+async def _recv_frame(loop, sock, where: str, buf: bytearray | None = None) -> dict:
+    """One handshake frame, read into ``buf`` (HANDSHAKE_BUFFER_NBYTES; a fresh one if None)."""
+    mv = memoryview(buf if buf is not None else bytearray(HANDSHAKE_BUFFER_NBYTES))
+    await _recv_into(sock, mv[:wire.PREFIX_NBYTES], where)
+    hlen, _ = wire.parse_prefix(mv, _MAX_HANDSHAKE_PAYLOAD, where=f" from {where}",
+                                max_header_nbytes=HANDSHAKE_MAX_HEADER_NBYTES)
+    head = mv[wire.PREFIX_NBYTES:wire.PREFIX_NBYTES + hlen]
+    await _recv_into(sock, head, where)
     return wire.parse_header(head, SCHEMA, where=f" from {where}")
 
 
@@ -167,20 +207,21 @@ async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str
     """
     loop = asyncio.get_running_loop()
     nonce_a = secrets.token_bytes(16)
+    buf = bytearray(HANDSHAKE_BUFFER_NBYTES)  # all this connection may cost before it authenticates
     async with asyncio.timeout(timeout_s):
         await _send_frame(loop, sock, {"k": "hello", "n": nonce_a, "job": job, "auth": bool(secret)})
-        msg = await _recv_frame(loop, sock, where)
+        msg = await _recv_frame(loop, sock, where, buf)
         if msg["k"] != "auth":
-            raise BadFrameError(f"handshake from {where}: expected 'auth', got {msg['k']!r}")
+            raise BadFrameError(f"handshake from {where}: expected 'auth', got {wire.shown(msg['k'])}")
         who = msg["who"]
         expected = _mac(secret, b"c", nonce_a, msg["n"], job.encode(), _who_bytes(who))
         if not hmac.compare_digest(expected, msg["mac"]):
             await _send_frame(loop, sock, {"k": "denied", "why": "authentication failed"})
-            raise AuthenticationError(f"{where} ({who}) failed authentication for job {job!r}")
+            raise AuthenticationError(f"{where} ({wire.shown(who)}) failed authentication for job {job!r}")
         refusal = admit(who) if admit is not None else None
         if refusal:
             await _send_frame(loop, sock, {"k": "denied", "why": refusal})
-            raise AuthenticationError(f"{where} ({who}) refused: {refusal}")
+            raise AuthenticationError(f"{where} ({wire.shown(who)}) refused: {refusal}")
         await _send_frame(loop, sock, {"k": "ok", "mac": _mac(secret, b"a", msg["n"], nonce_a)})
     return who
 
@@ -194,21 +235,22 @@ async def connect(sock: socket.socket, secret: bytes | None, job: str, who: dict
             could not prove it holds the secret.
     """
     loop = asyncio.get_running_loop()
+    buf = bytearray(HANDSHAKE_BUFFER_NBYTES)
     async with asyncio.timeout(timeout_s):
-        hello = await _recv_frame(loop, sock, where)
+        hello = await _recv_frame(loop, sock, where, buf)
         if hello["k"] != "hello":
-            raise BadFrameError(f"handshake from {where}: expected 'hello', got {hello['k']!r}")
+            raise BadFrameError(f"handshake from {where}: expected 'hello', got {wire.shown(hello['k'])}")
         if hello["job"] != job:
-            raise AuthenticationError(f"{where} belongs to job {hello['job']!r}, not {job!r}")
+            raise AuthenticationError(f"{where} belongs to job {wire.shown(hello['job'])}, not {job!r}")
         if hello["auth"] and not secret:
             raise AuthenticationError(f"{where} requires a secret and {SECRET_ENV} is unset")
         nonce_c = secrets.token_bytes(16)
         await _send_frame(loop, sock, {"k": "auth", "n": nonce_c, "who": who,
                                        "mac": _mac(secret, b"c", hello["n"], nonce_c, job.encode(),
                                                    _who_bytes(who))})
-        reply = await _recv_frame(loop, sock, where)
+        reply = await _recv_frame(loop, sock, where, buf)
         if reply["k"] == "denied":
-            raise AuthenticationError(f"{where} refused us: {reply['why']}")
+            raise AuthenticationError(f"{where} refused us: {reply['why'][:4 * wire.SHOWN_CHARS]}")
         if reply["k"] != "ok" or not hmac.compare_digest(
                 _mac(secret, b"a", nonce_c, hello["n"]), reply["mac"]):
             raise AuthenticationError(f"{where} could not prove it holds the job's secret")

@@ -34,6 +34,12 @@ class ConnectError(RingweaveError):
     """Could not connect to an address before the deadline."""
 
 
+class JobFileError(RingweaveError):
+    """The directory of the job files (runtime/jobfile.py), or a file in it, is not
+    safely ours: another owner, access for group or others, or a symbolic link.
+    The message names the path, what was found and what is expected."""
+
+
 class PeerLostError(RingweaveError):
     """A peer rank died, disconnected or left while we still needed it.
 
@@ -145,3 +151,11 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         super().__init__(message)
         self.missing = list(missing or [])
         self.absent = list(absent or [])
+
+
+# -- settings ----------------------------------------------------------------
+
+
+class SettingError(RingweaveError, ValueError):
+    """A ``RINGWEAVE_*`` environment variable holds a value its parser refuses (runtime/env.py).
+    The message names the variable, its value and what it must be."""

@@ -35,7 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
+import math
+import numbers
 import sys
 import time
 
@@ -54,6 +55,25 @@ _live_runtimes = 0  # Runtimes made and not closed in this process (Call.sendrec
 # interleaved their calls on a group differently fail with a mismatch, never a wrong answer.
 issuing_thread: contextvars.ContextVar[str | None] = contextvars.ContextVar("ringweave_issuing_thread",
                                                                             default=None)
+
+def check_timeout(timeout, what: str = "timeout") -> float | None:
+    """``timeout`` as float seconds, or None (the runtime's default): every call checks it
+    first, before it takes a sequence number or sends a byte, so a bad value fails at once and
+    the same way on every rank and every path.
+
+    Raises:
+        TypeError: not a number (a bool or a str included), naming ``what`` and the value.
+        ValueError: not positive, or not finite (NaN, inf): every wait is bounded.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}")
+    t = float(timeout)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"{what} must be a positive, finite number of seconds or None, got {timeout!r}")
+    return t
+
 
 class Call:
     """One collective call on one group: the ``comm`` an algorithm talks through, and the
@@ -100,7 +120,8 @@ class Call:
     def waiting_on(self) -> set[int]:
         """Group ranks this call has a receive outstanding from (cancelled ones count: the
         deadline gave up on them, and the rank is still missing)."""
-        return {src for fut, (_, src) in self._outstanding.items() if not fut.done() or fut.cancelled()}
+        # list(): one step under the GIL, so tools.status may ask from the listener's thread
+        return {src for fut, (_, src) in list(self._outstanding.items()) if not fut.done() or fut.cancelled()}
 
     async def send(self, dst: int, buf) -> None:
         """Sends ``buf`` to group rank ``dst``; returns when ``buf`` may be reused."""
@@ -145,8 +166,8 @@ class Call:
         ``inline_wait_s`` (``RINGWEAVE_INLINE_WAIT_US``, default 2000; 0: never) without
         returning to the event loop, the first ``spin_s`` of it (``RINGWEAVE_SPIN_US``, default
         50) re-reading the socket with ``sched_yield`` between reads instead of sleeping. That
-        skips the loop's wake-up, the sink callbacks and the receive's future (figures at the
-        end of collectives/registry.py). Only while the runtime is the process's only one:
+        skips the loop's wake-up, the sink callbacks and the receive's future
+        (bench/results/transport.md#the-small-message-path). Only while the runtime is the process's only one:
         ranks run as tasks of one loop (runtime.testing) would wait on a peer that cannot run
         until the wait is over. Anything else (another
         frame first, a mismatch, a lost peer, no frame in time) goes to the normal path,
@@ -291,8 +312,11 @@ class ProcessGroup:
 
         Raises:
             CollectiveError (or the group's stored error): the group has failed.
-            ValueError: this rank is not a member.
+            ValueError: this rank is not a member, or ``timeout_s`` is not positive and finite.
+            TypeError: ``timeout_s`` is not a number.
         """
+        if timeout_s is not None:
+            timeout_s = check_timeout(timeout_s)
         if self.rank < 0:
             raise ValueError(f"rank {self.runtime.actor.rank} is not a member of group {self.gid} {self.ranks}")
         if self.error is not None:
@@ -515,8 +539,8 @@ class Watchdog:
     cancels the task of every call past its deadline (``expired`` then tells group.run that the
     cancellation was the deadline's), and starts the mismatch check of every call in flight for
     ``check_s`` (ProcessGroup.check_stalled; again after 2, 4, .. 64 x check_s more).
-    ``asyncio.timeout`` per call did the deadlines with a timer of its own, ~5 us per call warm
-    (a tenth of a small shared-memory all_reduce's CPU here): this one timer fires about once
+    ``asyncio.timeout`` per call did the deadlines with a timer of its own, a cost per call
+    (bench/results/runtime.md#one-timer-for-the-deadlines): this one timer fires about once
     per ``check_s`` (1 s) while calls are in flight, and looks only at those. A wait that blocks
     the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
     it, so the timer gets to run."""
@@ -530,7 +554,7 @@ class Watchdog:
 
     def watch(self, call: Call) -> None:
         # The loop through the task: asyncio.get_running_loop() and current_task() each make a
-        # getpid system call (CPython's fork check), ~1 us apiece on this VM.
+        # getpid system call (CPython's fork check; bench/results/runtime.md#the-loop-through-the-task).
         call.task = task = asyncio.current_task()
         call.loop = loop = task.get_loop() if task is not None else asyncio.get_running_loop()
         if call.timeout_s is None and not self.check_s:
@@ -598,7 +622,7 @@ class Runtime:
             timeout_s = env.timeout_s()
         self.actor = actor
         actor.default_timeout_s = timeout_s  # one deadline for collectives and point-to-point alike
-        self.tracer = Tracer(actor.rank, trace_dir or os.environ.get("RINGWEAVE_TRACE") or None)
+        self.tracer = Tracer(actor.rank, trace_dir or env.TRACE.get())
         self.store = store
         self.timeout_s = timeout_s
         self.local_rank = local_rank
@@ -615,7 +639,7 @@ class Runtime:
         actor.add_lost_listener(self._on_peer_lost)
         actor.add_abort_listener(self._on_abort)
         actor.stray_listener = self._on_stray
-        actor.register("ringweave.status", self.status)
+        actor.register("ringweave.status", self.status, any_thread=True)
         actor.register("ringweave.call_of", self._call_of)
         self._closed = False
 
@@ -638,9 +662,18 @@ class Runtime:
         world must call it, in the same order (non-members get ``rank == -1``).
 
         Raises:
-            ValueError: a rank out of range or given twice.
+            TypeError: ``ranks`` is not a sequence of ints (a float, a bool, a str among them).
+            ValueError: no rank, a rank out of range, or one given twice.
         """
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise TypeError(f"new_group: ranks must be a sequence of int ranks, got {type(ranks).__name__} {ranks!r}")
+        ranks = list(ranks)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+        if bad:
+            raise TypeError(f"new_group: ranks must be ints, got {bad[0]!r} ({type(bad[0]).__name__}) in {ranks!r}")
         ranks = [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError("new_group: ranks is empty; a group needs at least one rank")
         if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"new_group: ranks {ranks} must be distinct and within 0..{self.world_size - 1}")
         return self._add_group(ranks)
@@ -688,18 +721,22 @@ class Runtime:
         return group.call_of(seq) if group is not None and group.is_member else None
 
     def status(self) -> dict:
-        """What this rank is doing now: its calls in flight and how long each has waited."""
+        """What this rank is doing now: its calls in flight and how long each has waited.
+
+        Runs on the listener's thread when a tool asks (tools.status), while this loop goes on:
+        it only reads, and takes each dict it walks with one ``list()`` (atomic under the GIL)."""
         now = time.monotonic()
         calls = []
-        for g in self.groups.values():
-            for rec in g.calls.values():
+        groups = list(self.groups.values())
+        for g in groups:
+            for rec in list(g.calls.values()):
                 calls.append({"group": g.gid, "seq": rec.seq, "op": rec.fingerprint,
                               "waited_s": round(now - rec.started, 3),
                               "waiting_on": sorted(g.ranks[r] for r in rec.waiting_on)})
         return {"rank": self.rank, "calls": calls,
-                "seqs": [[g.gid, g._seq] for g in self.groups.values()],  # calls taken per group
+                "seqs": [[g.gid, g._seq] for g in groups],  # calls taken per group
                 "lost": sorted(self.actor.lost_peers()),
-                "failed_groups": {g.gid: repr(g.error) for g in self.groups.values() if g.error}}
+                "failed_groups": {g.gid: repr(g.error) for g in groups if g.error}}
 
     async def close(self, reason: BaseException | None = None) -> None:
         """Closes the actor (saying goodbye to every peer; with ``reason``, the exception this

@@ -2,18 +2,47 @@
 
 The launcher of the node that hosts the store writes
 ``<runtime dir>/ringweave-<uid>/<job>.json`` (mode 0600: it holds the secret)
-with the store's address, the job id, the world size and the current restart,
-and removes it when the job ends. ``python -m tools.status`` reads it to ask
-every rank what it is doing. The runtime dir is ``$XDG_RUNTIME_DIR`` or the
-system temporary directory.
+with the store's address, the job id, the world size, the current restart and
+the launcher's pid, and removes it when the job ends. ``python -m tools.status``
+reads it to ask every rank what it is doing. The runtime dir is
+``$XDG_RUNTIME_DIR`` or the system temporary directory.
+
+Only this user may read or replace these files (SECURITY.md):
+
+* the directory is made by us with mode 0700 and, each time it is used, opened
+  once with ``O_DIRECTORY | O_NOFOLLOW`` and checked through that descriptor:
+  owned by this user, no access for group or others. Anything else (a
+  directory another user made, one that group or others may enter, a
+  symbolic link) raises :class:`JobFileError`; nothing is written or read there;
+* files are made relative to that descriptor, under a fresh random name, with
+  ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, then renamed into place;
+  files are read with ``O_NOFOLLOW`` and must be ours and not readable by others.
+
+Stale files: a launcher killed with SIGKILL cannot remove its file, so every
+``write`` and ``find`` removes the files (and half-written temporary files) of
+launchers that no longer run: the file records the launcher's pid and its
+start time (``/proc/<pid>/stat``), so a pid used again by another process does
+not keep a dead job's file alive.
+
+Not here: what the tools do with the file (tools/status.py).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
+import re
+import secrets
+import stat
 import tempfile
+
+from runtime.errors import JobFileError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # a planted FIFO cannot block us
+_MAX_FILE_NBYTES = 64 * 1024  # a job file is a few hundred bytes
+_TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+\.tmp$")  # .<name>.<writer pid>.<random>.tmp
 
 
 def job_dir() -> str:
@@ -21,38 +50,206 @@ def job_dir() -> str:
     return os.path.join(base, f"ringweave-{os.getuid()}")
 
 
+def file_name(job: str) -> str:
+    """The file name of ``job``'s file: odd characters (``/`` among them) become ``_``.
+
+    >>> file_name("10.0.0.1:29500")
+    '10.0.0.1:29500.json'
+    """
+    name = re.sub(r"[^A-Za-z0-9._:-]", "_", job)[:120] or "_"
+    return ("_" + name if name.startswith(".") else name) + ".json"
+
+
+def open_dir(create: bool) -> int:
+    """Opens the job directory once and checks it through the descriptor. Returns the descriptor
+    (the caller closes it).
+
+    Raises:
+        JobFileError: not a directory we may trust (another owner, group or other access, a link).
+        FileNotFoundError: it does not exist and ``create`` is false.
+    """
+    path = job_dir()
+    made = False
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+            made = True
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ENOTDIR / ELOOP: a symbolic link or a file
+        if os.path.islink(path):
+            raise JobFileError(f"{path} is a symbolic link; the job files' directory must be a real directory "
+                               f"owned by this user (remove it)") from None
+        raise JobFileError(f"cannot open {path} as a directory: {exc}") from None
+    try:
+        if made:
+            os.fchmod(fd, 0o700)  # whatever the umask left
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise JobFileError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): another "
+                               f"user may have made it to read the job's secret; remove it, or set XDG_RUNTIME_DIR")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077 or mode & 0o700 != 0o700:
+            raise JobFileError(f"{path} has mode {mode:04o}; it must be 0700 (no access for group or others): "
+                               f"remove it, or chmod 700 it if nothing in it came from someone else")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _running(pid, start) -> bool:
+    """Whether the process that wrote a file is still running (the same process, not a new one
+    with its pid)."""
+    if type(pid) is not int or pid <= 0:
+        return True  # not ours to judge: keep the file
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, as another user's
+    now = process_start(pid)
+    return start is None or now is None or now == start
+
+
 def write(job: str, info: dict) -> str:
-    """Writes (atomically, 0600) and returns the job file's path."""
-    d = job_dir()
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    path = os.path.join(d, f"{job}.json")
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(dict(info, job=job), f)
-    os.replace(tmp, path)
-    return path
+    """Writes ``info`` (plus ``job``, and the start time of ``info["launcher_pid"]`` when given)
+    atomically, mode 0600; returns the file's path. Removes stale files first.
+
+    Raises:
+        JobFileError: the directory is not safely ours (nothing is written).
+    """
+    info = dict(info, job=job)
+    if "launcher_pid" in info and "launcher_start" not in info:
+        info["launcher_start"] = process_start(info["launcher_pid"])
+    data = json.dumps(info).encode()
+    name = file_name(job)
+    dfd = open_dir(create=True)
+    try:
+        _remove_stale(dfd)
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, _NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            _unlink(tmp, dfd)
+            raise
+    finally:
+        os.close(dfd)
+    return os.path.join(job_dir(), name)
 
 
 def remove(job: str) -> None:
+    """Removes ``job``'s file, if there is one in a directory we trust."""
     try:
-        os.unlink(os.path.join(job_dir(), f"{job}.json"))
-    except FileNotFoundError:
-        pass
+        dfd = open_dir(create=False)
+    except (OSError, JobFileError):
+        return
+    try:
+        _unlink(file_name(job), dfd)
+    finally:
+        os.close(dfd)
 
 
 def find(job: str | None = None) -> dict:
-    """The named job's file, else the newest one.
+    """The named job's file, else the newest one of a launcher still running.
 
     Raises:
         FileNotFoundError: no such job (or no job running on this machine).
+        JobFileError: the directory or the file is not safely ours.
     """
-    if job:
-        path = os.path.join(job_dir(), f"{job}.json")
-    else:
-        paths = sorted(glob.glob(os.path.join(job_dir(), "*.json")), key=os.path.getmtime)
-        if not paths:
-            raise FileNotFoundError(f"no ringweave job files in {job_dir()}: is a job running on this machine?")
-        path = paths[-1]
-    with open(path) as f:
-        return json.load(f)
+    try:
+        dfd = open_dir(create=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no ringweave job files in {job_dir()}: is a job running on this machine?") from None
+    try:
+        _remove_stale(dfd)
+        if job:
+            name = file_name(job)
+        else:
+            names = [n for n in os.listdir(dfd) if n.endswith(".json") and not n.startswith(".")]
+            if not names:
+                raise FileNotFoundError(f"no ringweave job files in {job_dir()}: is a job running on this machine?")
+            name = max(names, key=lambda n: _mtime(n, dfd))
+        info = _read(name, dfd)
+        if info is None:
+            raise FileNotFoundError(f"no job file {os.path.join(job_dir(), name)}")
+        return info
+    finally:
+        os.close(dfd)
+
+
+def _mtime(name: str, dfd: int) -> float:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _read(name: str, dfd: int) -> dict | None:
+    """A job file's contents; None when it is gone. Raises JobFileError when it is not ours alone."""
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise JobFileError(f"cannot open {os.path.join(job_dir(), name)} safely: {exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise JobFileError(f"{os.path.join(job_dir(), name)} is not a regular file of this user with mode 0600 "
+                               f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+        raw = f.read(_MAX_FILE_NBYTES + 1)
+    try:
+        info = json.loads(raw) if len(raw) <= _MAX_FILE_NBYTES else None
+    except ValueError:
+        info = None
+    if type(info) is not dict:
+        raise JobFileError(f"{os.path.join(job_dir(), name)} is not a job file (not a JSON map under 64 KiB)")
+    return info
+
+
+def _remove_stale(dfd: int) -> list[str]:
+    """Removes the job files of launchers that no longer run, and temporary files of writers
+    that no longer run. Returns the names removed."""
+    removed = []
+    for name in os.listdir(dfd):
+        if name.startswith("."):
+            m = _TMP.match(name)
+            if m and not _running(int(m.group(1)), None):
+                removed += [name] if _unlink(name, dfd) else []
+            continue
+        if not name.endswith(".json"):
+            continue
+        try:
+            info = _read(name, dfd)
+        except JobFileError:
+            continue  # not ours to judge; find() says so if it is asked for
+        if info is not None and not _running(info.get("launcher_pid"), info.get("launcher_start")):
+            removed += [name] if _unlink(name, dfd) else []
+    return removed
+
+
+def _unlink(name: str, dfd: int) -> bool:
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return True
+    except FileNotFoundError:
+        return False

@@ -27,6 +27,8 @@ Options (everything after the script or module name goes to the ranks)::
     --timeout-s T            every wait in the runtime times out after T s (sets
                              RINGWEAVE_TIMEOUT_S for the ranks; default: the runtime's own)
     --max-time-s T           wall-clock limit of the whole job; past it, stop all, exit 124
+    --force                  start more than max(64, 4 x usable cores) ranks on this node
+                             (without it such an -n is refused: a typo must not fork thousands)
     -m, --module             the target is a module name (python -m), not a script path
 
 The store
@@ -42,7 +44,7 @@ The secret
     launcher's environment (the same on every node); without it the launcher
     refuses to start (exit 2). A single node without it makes a fresh secret
     (``auth.make_secret()``). Several nodes on loopback without it run
-    unauthenticated, as DESIGN.md allows.
+    unauthenticated, as docs/design.md ("Starting a job") allows.
 
 Environment of every rank (the names torchrun uses, plus ours)::
 
@@ -144,10 +146,11 @@ from typing import Callable, Mapping, Sequence
 import msgpack
 
 from runtime import auth, jobfile, procs
-from runtime.errors import RingweaveError, WouldBlock
+from runtime import env as settings
+from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
+from runtime.scheduler import THREAD_VARS, usable_cores
 
-THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
 EXIT_LAUNCHER = 1
@@ -173,6 +176,7 @@ class LaunchConfig:
     timeout_s: float | None = None   # runtime wait timeout for the ranks, e.g. 60
     max_time_s: float | None = None  # wall-clock limit of the job, e.g. 3600
     tail_lines: int = 20
+    force: bool = False              # -n past nproc_bound() is allowed
 
     @property
     def world_size(self) -> int:
@@ -222,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-time-s", type=float, default=None, metavar="T",
                    help="wall-clock limit of the whole job in seconds; past it every rank is stopped and "
                         "the launcher exits 124")
+    p.add_argument("--force", action="store_true",
+                   help="allow -n beyond max(64, 4 x usable cores) ranks on this node (without it such an "
+                        "-n is refused: a typo must not fork thousands)")
     p.add_argument("-m", "--module", action="store_true",
                    help="the target is a module name, run as python -m TARGET")
     p.add_argument("target", help="script path, or module name with -m")
@@ -241,15 +248,28 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         nproc=ns.nproc, target=ns.target, args=tuple(ns.args), module=ns.module,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, job_id=ns.job_id, max_restarts=ns.max_restarts,
-        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s)
-    check_config(cfg)
+        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s, force=ns.force)
+    check_config(cfg, nproc_bound(usable_cores()))
     return cfg
 
 
-def check_config(cfg: LaunchConfig) -> None:
-    """Raises ValueError naming the first option that does not make a job."""
+NPROC_PER_CORE = 4  # ranks per usable core that -n may ask for without --force
+MIN_NPROC_BOUND = 64  # ... and at least this many, however few the cores
+
+
+def nproc_bound(cores: int) -> int:
+    """The most ranks per node -n may ask for without --force."""
+    return max(MIN_NPROC_BOUND, NPROC_PER_CORE * cores)
+
+
+def check_config(cfg: LaunchConfig, max_nproc: int | None = None) -> None:
+    """Raises ValueError naming the first option that does not make a job; ``max_nproc``: the
+    bound on -n without --force (:func:`nproc_bound`)."""
     if cfg.nproc < 1:
         raise ValueError(f"-n must be at least 1, got {cfg.nproc}")
+    if max_nproc is not None and cfg.nproc > max_nproc and not cfg.force:
+        raise ValueError(f"-n {cfg.nproc} would start more than {max_nproc} ranks on this node "
+                         f"(max({MIN_NPROC_BOUND}, {NPROC_PER_CORE} per usable core)); pass --force if that is meant")
     if cfg.nnodes < 1:
         raise ValueError(f"--nnodes must be at least 1, got {cfg.nnodes}")
     if not 0 <= cfg.node_rank < cfg.nnodes:
@@ -370,13 +390,6 @@ def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, mas
         if not base.get(name):
             env[name] = threads
     return env
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 # -- decisions (pure) ----------------------------------------------------------
@@ -679,14 +692,14 @@ def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
     from runtime import shm
-    job = envs[0].get("RINGWEAVE_JOB") if envs else None
+    job = settings.JOB.given(envs[0]) if envs else None
     return shm.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
     """The whole job: secret, store, attempts, restarts. Returns the exit code."""
     try:
-        secret = choose_secret(cfg, environ.get(auth.SECRET_ENV))
+        secret = choose_secret(cfg, settings.SECRET.get(environ))
     except ValueError as exc:
         console.say(f"error: {exc}")
         return EXIT_USAGE
@@ -716,9 +729,12 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
             restart = 0
             while True:
                 if cfg.hosts_store:
-                    jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
-                                        "secret": secret, "restart": restart, "world_size": cfg.world_size,
-                                        "launcher_pid": os.getpid()})
+                    try:
+                        jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
+                                            "secret": secret, "restart": restart, "world_size": cfg.world_size,
+                                            "launcher_pid": os.getpid()})
+                    except JobFileError as exc:  # the job runs; only tools.status cannot find it
+                        console.say(f"warning: no job file for tools.status: {exc}")
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
                                  job=job, restart=restart, cores=cores, launcher_pid=os.getpid())
                         for local_rank in range(cfg.nproc)]

@@ -11,21 +11,24 @@ Not here: framing (wire.py), authentication (auth.py), transports (transport.py)
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
 import time
 
+from runtime import env
 from runtime.errors import ConnectError
 
-SOCKET_BUFFER_NBYTES = 4 * 1024 * 1024  # bigger kernel buffers: fewer wake-ups for large arrays
+SOCKET_BUFFER_NBYTES = env.SOCKET_BUFFER.get({})  # bigger kernel buffers: fewer wake-ups for large arrays
+# getaddrinfo answers that no retry can change (EAI_AGAIN, a DNS server that did not answer, is retried)
+PERMANENT_DNS_ERRORS = frozenset(getattr(socket, name) for name in (
+    "EAI_NONAME", "EAI_FAIL", "EAI_NODATA", "EAI_SERVICE", "EAI_FAMILY", "EAI_ADDRFAMILY") if hasattr(socket, name))
 
 
 def tune(sock: socket.socket) -> None:
     """TCP_NODELAY (small messages leave at once) and large kernel buffers."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    nbytes = int(os.environ.get("RINGWEAVE_SOCKET_BUFFER", SOCKET_BUFFER_NBYTES))
+    nbytes = env.SOCKET_BUFFER.get()
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if nbytes > 0 else ():
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
@@ -93,14 +96,16 @@ class Backoff:
 
 async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
                   first_delay_s: float = 0.01, max_delay_s: float = 1.0) -> socket.socket:
-    """Connects to ``host:port``, retrying refused or unreachable connects with
-    backoff and jitter (:class:`Backoff`) until ``timeout_s`` has passed.
+    """Connects to ``host:port``, retrying refused or unreachable connects (and temporary
+    DNS failures) with backoff and jitter (:class:`Backoff`) until ``timeout_s`` has passed;
+    a name that does not exist fails at once.
 
     Returns:
         a connected, tuned, non-blocking socket (the caller owns it).
     Raises:
         ConnectError: still not connected when the time ran out; names the
-            address, what we were connecting to, how long and how many tries.
+            address, what we were connecting to, how long and how many tries. At once:
+            ``host`` does not resolve (a permanent DNS error).
     """
     loop = asyncio.get_running_loop()
     backoff = Backoff(timeout_s, first_delay_s, max_delay_s)
@@ -119,6 +124,11 @@ async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
             except BaseException:
                 sock.close()
                 raise
+        except socket.gaierror as exc:
+            if exc.errno in PERMANENT_DNS_ERRORS:  # the name does not exist: retrying cannot help
+                raise ConnectError(f"could not connect to {what} at {host}:{port}: {host!r} does not resolve "
+                                   f"({exc.strerror}; a permanent DNS error, not retried)") from None
+            last = exc
         except (OSError, TimeoutError) as exc:
             last = exc
         if not await backoff.wait_next_try():

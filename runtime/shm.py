@@ -5,11 +5,20 @@ arrays and the algorithms that use this are in collectives/shm.
 Segments
     A **domain** is the set of members of one group that share a machine (the whole group when
     every rank is on one node, or one node's part of it for the hierarchical all_reduce). Each
-    member of a domain owns two files under /dev/shm, named after the job, a token the domain
-    agrees on, the group id, the domain and the member's global rank::
+    member of a domain owns two files under /dev/shm, named after the job, a random token of
+    that very file, the group id, the domain and the member's global rank::
 
         ringweave-<job>-<token>-g<gid>d<domain>-r<rank>-ctl        control: 4 KiB header + 2 small slots
         ringweave-<job>-<token>-g<gid>d<domain>-r<rank>-v<k>       data: one slot, capacity 2**k bytes
+
+    Names are unguessable, because /dev/shm is listed by everyone: another user who could tell
+    the next name could create it first and make the job fail. Each file's token is 64 random
+    bits drawn by its owner when it creates the file (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode
+    0600); a name that is taken all the same is tried again with a fresh token
+    (:meth:`Segment.create_fresh`). The other members learn the token from the all-to-all that
+    follows, over the authenticated TCP connections of the call, and map only a file that
+    belongs to this user. Seeing one name tells nothing of the next (a domain-wide token, seen
+    on the first file, once let another user create the later data slots before their owners).
 
     Every member maps every other member's files (MAP_SHARED). A name is **unlinked as soon as
     every member has mapped it** (a TCP all-to-all of the call that made it says so): from then on
@@ -19,6 +28,7 @@ Segments
     unlink a lost peer's names (:meth:`Domain.forget_peer`, from the actor's lost-peer listener),
     (3) the launcher removes ``ringweave-<job>-*`` at the end of each attempt
     (:func:`remove_job_segments`), and (4) an ``atexit`` hook unlinks what this process still owns.
+    Clean-up unlinks only files of this user.
 
     The data slot grows by re-creating: when a call needs more than the capacity, every member
     (they all see the same sizes, so they all decide the same) waits until the peers are done
@@ -43,7 +53,7 @@ Synchronisation
     Waiting (for all others, or for one member):
 
     1. read the sequence words; done if reached;
-    2. spin briefly: ``os.sched_yield()`` and re-read, :data:`SPIN_YIELDS` times (on an
+    2. spin briefly: ``os.sched_yield()`` and re-read, ``RINGWEAVE_SHM_SPIN`` times (on an
        oversubscribed machine the yield hands the core to a rank that has work);
     3. read the doorbell (``rung``), publish the want word (with ``rung``), fence, re-read the
        words; if still not reached, ``FUTEX_WAIT(doorbell, rung, SLICE_S)`` in the calling
@@ -56,7 +66,7 @@ Synchronisation
        peers' processes (``kill(pid, 0)``) and their fingerprints.
 
     So a dead peer is seen within about one slice (its TCP connections close and its pid stops
-    existing: ~0.1 s measured), and a wait ends at most one slice after its deadline.
+    existing), and a wait ends at most one slice after its deadline.
 
     The thread blocks, so the event loop's other tasks wait for up to one slice (5 ms) at a time
     while a shared-memory collective waits for a slow peer (like a blocking MPI call): a thread
@@ -66,26 +76,18 @@ Synchronisation
     would block that peer, so those waits are cooperative: ``await asyncio.sleep(0)`` between
     reads, then 0.5 ms sleeps.
 
-    Why this and not others (4 ranks on this 2-core machine, shared with other jobs, so every
-    figure is noisy; tests/shm/bench_allreduce.py): a futex ping-pong between two processes
-    round-trips in 20-65 us; the first version (each waiter slept on each peer's word in turn,
-    every post a FUTEX_WAKE) cost ~340 us of CPU per 4 B all_reduce per rank; publishing wants
-    and ringing only satisfied ones brought it to ~190 us (wall 1.0-1.1 ms with the machine's
-    load at 9, against 1.5 ms for the TCP path in the same run). Spinning 0, 5, 20 or 100 yields
-    before sleeping changed the wall time by less than the noise (5 is the default; 20+ cost
-    more CPU). An eventfd doorbell would need fd passing between processes; a TCP doorbell costs
-    a frame and a loop iteration per post.
+    Why this and not others (bench/results/shm.md#waiting-and-waking): sleeping on each peer's
+    word in turn, every post a FUTEX_WAKE, cost more CPU than publishing wants and ringing only
+    satisfied ones; spinning longer before sleeping changed the wall time by less than the noise
+    and cost more CPU (``RINGWEAVE_SHM_SPIN``). An eventfd doorbell would need fd passing between
+    processes; a TCP doorbell costs a frame and a loop iteration per post.
 
-    Later (quiet machine): a 4 B all_reduce is CPU-bound, not wait-bound. Four ranks on two cores
-    run it in ~2x one rank's CPU (back to back: 254 us wall for 125 us of CPU per rank at first,
-    70 us for 35 us after the per-call Python was cut, 62 us for 30 us once the small calls stopped
-    posting EXIT, see :meth:`Domain.end`), and a bare-bones version of the same
-    protocol (mmap, words, sched_yield spin; no framework) takes 32-35 us: the waiting itself is
-    cheap (``python bench/floor.py -n 4 --modes ringweave-shm,bare-shm``: 59-62 vs 35 us, 30 vs
-    16-17 us of CPU per rank, in two runs). Spinning on a time budget (50 us to 5 ms of sched_yield before the futex) changed
-    nothing measurable. The hot path therefore avoids work rather than waits: ``try_begin`` /
-    ``arrived`` answer without a coroutine when nothing has to wait, and the sequence arithmetic
-    is written out inline.
+    A small all_reduce is CPU-bound, not wait-bound: a bare-bones version of the same protocol
+    (mmap, words, sched_yield spin; no framework) is cheap beside ours, and spinning on a time
+    budget changed nothing measurable (bench/results/shm.md#a-small-call-is-cpu-bound; the small
+    calls post no EXIT, see :meth:`Domain.end`). The hot path therefore avoids work rather than
+    waits: ``try_begin`` / ``arrived`` answer without a coroutine when nothing has to wait, and the
+    sequence arithmetic is written out inline.
 
 Fingerprints
     Shared-memory collectives send no TCP message, so a mismatch would not be seen by the
@@ -127,12 +129,14 @@ log = logging.getLogger("ringweave.shm")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ringweave-"
-ENV_SWITCH = "RINGWEAVE_SHM"  # "0" turns the shared-memory path off
+ENV_SWITCH = env.SHM.name  # "0" turns the shared-memory path off
 
 HEADER_NBYTES = 4096
 SMALL_NBYTES = 64 * 1024  # one small slot; the control file holds two after the header
 CONTROL_NBYTES = HEADER_NBYTES + 2 * SMALL_NBYTES
 MIN_DATA_LOG2 = 16  # smallest data slot: 64 KiB
+TOKEN_NBYTES = 8  # random bytes in each file's name (16 hex digits)
+CREATE_TRIES = 8  # names tried (each with a fresh token) before a taken name fails the call
 
 _OFF_SEQ = 0  # u32 sequence word, written by the owner only
 _OFF_PID = 4  # u32 owner pid
@@ -146,7 +150,6 @@ _FP_MAX = _FP_NBYTES - 12
 
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
-SPIN_YIELDS = int(os.environ.get("RINGWEAVE_SHM_SPIN", "5"))  # sched_yield spins before sleeping
 LEFT_WAIT_S = 2.0  # Domain._attach: a member whose name is gone tells its error within its answer budget (1 s)
 SLICE_S = 0.005  # one futex sleep: the event loop's other tasks get a turn at least this often
                  # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
@@ -165,11 +168,22 @@ def job_prefix(job: str) -> str:
 
 
 _OWNER = re.compile(r"-r(\d+)-[^-]+$")  # ...-r<global rank>-ctl | -v<k>
+_REST = re.compile(r"[^-]+-g\d+d\d+-r\d+-[^-]+")  # after the job's prefix: <token>-g<gid>d<domain>-r<rank>-<what>
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is a file of this user (not a link): what clean-up may unlink."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not os.path.islink(path)
 
 
 def job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[str]:
-    """Paths of the segments of ``job`` that still have a name; only those owned by the global
-    ``ranks`` when given (a launcher cleans up after its own node's ranks only)."""
+    """Paths of the segments of ``job`` that still have a name and belong to this user; only
+    those owned by the global ``ranks`` when given (a launcher cleans up after its own node's
+    ranks only)."""
     prefix = job_prefix(job)
     try:
         names = os.listdir(directory)
@@ -178,13 +192,15 @@ def job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[str]:
     keep = None if ranks is None else {int(r) for r in ranks}
     out = []
     for n in names:
-        if not n.startswith(prefix):
+        if not n.startswith(prefix) or not _REST.fullmatch(n, len(prefix)):  # not job "<job>-x"'s
             continue
         if keep is not None:
             m = _OWNER.search(n)
             if m is None or int(m.group(1)) not in keep:
                 continue
-        out.append(os.path.join(directory, n))
+        path = os.path.join(directory, n)
+        if _ours(path):
+            out.append(path)
     return sorted(out)
 
 
@@ -207,7 +223,7 @@ def remove_job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[
 
 def shm_usable(directory: str = SHM_DIR) -> bool:
     """True when ``RINGWEAVE_SHM`` is not ``"0"`` and ``directory`` is a writable directory."""
-    if env.get(ENV_SWITCH) == "0":
+    if not env.SHM.get():
         return False
     ok = _usable_dirs.get(directory)
     if ok is None:  # checked once per directory and process
@@ -241,7 +257,7 @@ _fence_arg = ctypes.byref(_fence_lock)
 
 def fence() -> None:
     """A full memory barrier: glibc's pthread_spin_trylock is one ``lock cmpxchg`` on x86-64,
-    executed whether or not the (never released) lock is free. ~0.3 us through ctypes."""
+    executed whether or not the (never released) lock is free (bench/results/runtime.md#the-memory-fence)."""
     _fence_fn(_fence_arg)
 
 
@@ -292,10 +308,10 @@ class Segment:
         """Creates ``path`` (it must not exist) of ``nbytes`` zero bytes and maps it.
 
         Raises:
-            FileExistsError: a segment of that name exists (another job with the same names).
+            FileExistsError: a file (or link) of that name exists.
             OSError: /dev/shm is full or not writable.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -307,15 +323,44 @@ class Segment:
         return cls(path, nbytes, mm, owner=True)
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> "Segment":
-        """Maps an existing segment (pages pre-faulted, so the first collective is not slow).
+    def create_fresh(cls, path_of, nbytes: int) -> tuple["Segment", str]:
+        """Creates a segment at ``path_of(token)`` with a fresh random token; a name that is
+        taken (someone else's file, a leftover) is tried again with another token, up to
+        CREATE_TRIES times. Returns the segment and its token.
 
         Raises:
-            FileNotFoundError: no such segment. RingweaveError: it is smaller than ``nbytes``.
+            RingweaveError: every name tried was taken (names them).
+            OSError: /dev/shm is full or not writable.
         """
-        fd = os.open(path, os.O_RDWR)
+        taken = []
+        for _ in range(CREATE_TRIES):
+            token = _token()
+            path = path_of(token)
+            try:
+                return cls.create(path, nbytes), token
+            except FileExistsError:
+                taken.append(path)
+                log.warning("shared-memory name %s is taken (another user's file, or a leftover); "
+                            "trying a fresh name", path)
+        raise RingweaveError(f"{len(taken)} fresh shared-memory names were all taken, e.g. {taken[-1]}: "
+                             f"is someone creating files in {SHM_DIR} as fast as they are named?")
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> "Segment":
+        """Maps an existing segment of this user (pages pre-faulted, so the first collective is
+        not slow).
+
+        Raises:
+            FileNotFoundError: no such segment. RingweaveError: it is smaller than ``nbytes``,
+            or another user's.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise RingweaveError(f"shared-memory segment {path} belongs to uid {st.st_uid}, not to this "
+                                     f"user: refusing to map it")
+            size = st.st_size
             if size < nbytes:
                 raise RingweaveError(f"shared-memory segment {path} has {size} bytes; expected {nbytes}")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -339,11 +384,18 @@ class Segment:
             pass
 
 
+def _token() -> str:
+    """A fresh random token for a file name (TOKEN_NBYTES bytes, hex)."""
+    return secrets.token_hex(TOKEN_NBYTES)
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # e.g. EPERM: another user's file in the sticky /dev/shm
+        log.warning("could not remove %s: %s", path, exc)
 
 
 _owned_paths: set[str] = set()
@@ -376,7 +428,7 @@ class Domain:
         self.members = list(members)  # domain rank -> group rank
         self.size = len(self.members)
         self.rank = self.members.index(group.rank)
-        self.name = name  # g<gid>d<index>, part of the file names
+        self.name = name  # <gid>d<index>, part of the file names
         self._busy = False  # a call holds the domain (calls run one at a time, in the order they began)
         self._lock_waiters: collections.deque[asyncio.Future] = collections.deque()
         self.ready = False
@@ -398,14 +450,33 @@ class Domain:
         self._fp_text: list[str | None] = [None, None]  # the fingerprint text in each of our slots
         self._fp_crc: dict[str, int] = {}  # fingerprint -> crc32 of its (cut) text
         self.views: dict = {}  # the layer above keeps its array views of the slots here
-        self._prefix = ""
+        self._prefix = ""  # ringweave-<job>-, once set up
+        self._tokens: list[dict[str, str]] = [{} for _ in self.members]  # by domain rank: what -> token
         self._closed = False
         self.statistics_ = {"posts": 0, "waits": 0, "spins": 0, "sleeps": 0, "rings": 0, "grows": 0}
 
     # -- names
-    def _path(self, domain_rank: int, what: str) -> str:
+    def _path(self, domain_rank: int, what: str, token: str | None = None) -> str:
+        """The file of member ``domain_rank``'s segment ``what`` ("ctl", "v<k>"), under its token."""
         grank = self.group.ranks[self.members[domain_rank]]
-        return os.path.join(SHM_DIR, f"{self._prefix}g{self.name}-r{grank}-{what}")
+        token = token if token is not None else self._tokens[domain_rank][what]
+        return os.path.join(SHM_DIR, f"{self._prefix}{token}-g{self.name}-r{grank}-{what}")
+
+    async def _create_own(self, call, what: str, nbytes: int) -> "Segment":
+        """Creates this member's segment ``what`` under a fresh name and learns every other
+        member's name for theirs (the all-to-all of their tokens)."""
+        own, token = Segment.create_fresh(lambda t: self._path(self.rank, what, t), nbytes)
+        self._tokens[self.rank][what] = token
+        try:
+            tokens = await self._all_to_all(call, token.encode())
+        except BaseException:
+            own.unlink()
+            own.close()
+            raise
+        for p, theirs in enumerate(tokens):
+            if p != self.rank:
+                self._tokens[p][what] = theirs.decode("ascii", "replace")
+        return own
 
     # -- set-up (first call) and growth, both over the call's TCP messages
     async def setup(self, call) -> None:
@@ -416,19 +487,11 @@ class Domain:
             PeerLostError, CollectiveMismatchError, CollectiveTimeoutError: from the messages.
             OSError: /dev/shm could not be written.
         """
-        job = os.environ.get("RINGWEAVE_JOB") or getattr(self.group.runtime.actor, "_job", None) or "ringweave"
-        if self.rank == 0:  # the lowest member chooses a token, so two jobs with one name never collide
-            token = secrets.token_hex(4).encode()
-            for p in range(1, self.size):
-                await call.send(self.members[p], token)
-        else:
-            token = bytearray(8)
-            await call.recv_into(self.members[0], token)
-        self._prefix = job_prefix(job) + bytes(token).decode() + "-"
-        own = Segment.create(self._path(self.rank, "ctl"), CONTROL_NBYTES)
+        job = env.JOB.given() or getattr(self.group.runtime.actor, "_job", None) or "ringweave"
+        self._prefix = job_prefix(job)
+        own = await self._create_own(call, "ctl", CONTROL_NBYTES)  # every control segment exists
         self.ctl[self.rank] = own
         struct.pack_into("<I", own.mm, _OFF_PID, os.getpid())
-        await self._all_to_all(call)  # every control segment exists
         for p in range(self.size):
             if p != self.rank:
                 self.ctl[p] = await self._attach(call, p, "ctl", CONTROL_NBYTES)
@@ -458,9 +521,8 @@ class Domain:
         old = self.data[self.rank]
         if old is not None:
             old.close()
-        own = Segment.create(self._path(self.rank, f"v{log2}"), 1 << log2)
+        own = await self._create_own(call, f"v{log2}", 1 << log2)  # every new slot exists
         self.data[self.rank] = own
-        await self._all_to_all(call)  # every new slot exists
         for p in range(self.size):
             if p != self.rank:
                 if self.data[p] is not None:
@@ -497,14 +559,17 @@ class Domain:
                 f"{LEFT_WAIT_S:g} s (its call failed without saying so, or something else removed the file)"))
         raise group.error
 
-    async def _all_to_all(self, call) -> None:
-        """An empty message from every member to every other (over TCP): a barrier."""
-        arrived = [call.irecv(self.members[p], bytearray()) for p in range(self.size) if p != self.rank]
+    async def _all_to_all(self, call, mine: bytes = b"") -> list[bytes]:
+        """``mine`` from every member to every other (over TCP; every member sends as many
+        bytes): a barrier that also carries names. Returns what each member sent, by domain rank."""
+        got = [bytearray(len(mine)) if p != self.rank else bytearray(mine) for p in range(self.size)]
+        arrived = [call.irecv(self.members[p], got[p]) for p in range(self.size) if p != self.rank]
         for p in range(self.size):
             if p != self.rank:
-                await call.send(self.members[p], b"")
+                await call.send(self.members[p], mine)
         for fut in arrived:
             await fut
+        return [bytes(g) for g in got]
 
     @property
     def cooperative(self) -> bool:
@@ -727,7 +792,7 @@ class Domain:
                 idle += 1
                 await asyncio.sleep(0 if idle < 200 else 0.0005)
             return
-        for _ in range(SPIN_YIELDS):  # a short spin that gives the core away
+        for _ in range(env.SHM_SPIN.get()):  # a short spin that gives the core away (bench/results/shm.md#waiting-and-waking)
             os.sched_yield()
             if done():
                 self.statistics_["spins"] += 1
@@ -796,7 +861,8 @@ class Domain:
 
     # -- clean-up
     def forget_peer(self, group_rank: int) -> None:
-        """A peer was lost: unlink whatever of its names may remain (it cannot any more)."""
+        """A peer was lost: unlink whatever of its names may remain (it cannot any more), its
+        files only: ``<prefix><any token>-g<domain>-r<its rank>-...`` of this user."""
         if not self._prefix:
             return
         grank = self.group.ranks[group_rank]
@@ -804,10 +870,12 @@ class Domain:
             names = os.listdir(SHM_DIR)
         except OSError:
             return
-        stem = f"{self._prefix}g{self.name}-r{grank}-"
+        rest = re.compile(rf"[0-9a-f]+-g{self.name}-r{grank}-[^-]+")  # after the prefix: token, domain, rank
         for n in names:
-            if n.startswith(stem):
-                _unlink(os.path.join(SHM_DIR, n))
+            if n.startswith(self._prefix) and rest.fullmatch(n, len(self._prefix)):
+                path = os.path.join(SHM_DIR, n)
+                if _ours(path):
+                    _unlink(path)
 
     def close(self) -> None:
         """Unlinks this member's names and unmaps everything. Idempotent."""

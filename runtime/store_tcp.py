@@ -33,7 +33,13 @@ connection; when the client goes away the connection's tasks are cancelled.
 Nothing from the network is trusted, in either direction: every prefix is
 checked against the payload limit before anything is allocated, headers are
 schema-checked, and a client that breaks the format is logged and
-disconnected while the server goes on serving everyone else.
+disconnected while the server goes on serving everyone else. Accepting and the
+handshake run on the listener's own thread (runtime/acceptor.py: at most
+``max_handshaking`` connections in the handshake at once, the oldest dropped for
+a new one, a fixed small buffer each), so a flood of strangers costs a bounded
+amount of memory and descriptors, and a busy event loop (rank 0 hosting the
+store while it runs collectives) does not make clients miss the handshake's
+deadline.
 
 Not here: the store contract and the in-process stores (``runtime/store.py``).
 """
@@ -49,11 +55,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from runtime import auth, net, wire
+from runtime.acceptor import Acceptor
 from runtime.errors import (
-    AuthenticationError,
     BadFrameError,
     ClosedError,
-    ConnectError,
     StoreError,
     StoreTimeoutError,
     WouldBlock,
@@ -74,6 +79,7 @@ log = logging.getLogger("ringweave.store")
 
 DEFAULT_MAX_VALUE_NBYTES = 64 * 1024**2  # 64 MiB per value
 DEFAULT_MAX_CLIENTS = 4096  # connections at once, handshaking ones included
+DEFAULT_MAX_HANDSHAKING = 256  # of those, in the handshake at once (a handshake takes ~1 ms: room for bursts)
 DEFAULT_MAX_WAITS_PER_CLIENT = 4096  # waiting get/wait calls per connection
 STREAM_LIMIT_NBYTES = 1024 * 1024  # StreamReader buffer before it pauses the socket
 
@@ -128,12 +134,13 @@ async def _close_writer(writer: asyncio.StreamWriter, grace_s: float = 1.0) -> N
 @dataclass(frozen=True)
 class StoreServerStatistics:
     clients: int  # authenticated connections now, e.g. 8
-    handshaking: int  # connections still in the handshake, e.g. 0
+    handshaking: int  # connections still in the handshake (or being closed), e.g. 0
     keys: int  # keys stored, e.g. 40
     value_nbytes: int  # bytes held in values, e.g. 2048
     waiting: int  # get/wait requests waiting on the server, e.g. 7
     requests: int  # requests served since start, e.g. 1200
     rejected: int  # connections refused or dropped for cause, e.g. 1
+    evicted: int = 0  # dropped in the handshake to make room under max_handshaking, e.g. 0
 
 
 class _Conn:
@@ -174,13 +181,16 @@ class StoreServer:
         max_clients: connections at once, handshaking ones included; more are closed at once.
         handshake_timeout_s: a connection must finish the handshake in this time.
         max_waits_per_client: waiting get/wait requests one connection may hold.
+        max_handshaking: connections in the handshake at once; one more drops the oldest
+            (clients retry a dropped handshake: ``TCPStore.connect``).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None,
                  job: str = "ringweave", max_value_nbytes: int = DEFAULT_MAX_VALUE_NBYTES,
                  max_clients: int = DEFAULT_MAX_CLIENTS,
                  handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S,
-                 max_waits_per_client: int = DEFAULT_MAX_WAITS_PER_CLIENT):
+                 max_waits_per_client: int = DEFAULT_MAX_WAITS_PER_CLIENT,
+                 max_handshaking: int = DEFAULT_MAX_HANDSHAKING):
         self.host = host
         self.port = port
         self.secret = secret
@@ -189,11 +199,14 @@ class StoreServer:
         self.max_clients = max_clients
         self.handshake_timeout_s = handshake_timeout_s
         self.max_waits_per_client = max_waits_per_client
+        self.max_handshaking = min(max_handshaking, max_clients)
         self.data = MemoryStore(name="store server")
         self._listener: socket.socket | None = None
+        self._acceptor: Acceptor | None = None
         self._main: asyncio.Task | None = None
+        self._inbox: asyncio.Queue | None = None  # authenticated sockets from the acceptor's thread
         self._conns: set[_Conn] = set()
-        self._nconn = 0  # handshaking + authenticated
+        self._nconn = 0  # authenticated connections held: from the acceptor's hand-over until closed
         self._requests = 0
         self._rejected = 0
         self._closing = False
@@ -211,8 +224,13 @@ class StoreServer:
         auth.check_policy(self.secret, self.host, "store")
         self._listener = net.listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
+        self._inbox = asyncio.Queue()
         # The one task the server owns; every other task lives in its TaskGroup. close() awaits it.
         self._main = asyncio.get_running_loop().create_task(self._run(), name=f"store server :{self.port}")
+        self._acceptor = Acceptor(
+            self._listener, secret=self.secret, job=self.job, name=f"store {self.host}:{self.port}",
+            deliver=self._take, refuse=self._full, max_handshaking=self.max_handshaking,
+            handshake_timeout_s=self.handshake_timeout_s).start()
         log.info("store serving on %s:%d (job %r, %s)", self.host, self.port, self.job,
                  "authenticated" if self.secret else "unauthenticated")
         return self
@@ -222,9 +240,14 @@ class StoreServer:
         if self._closing:
             return
         self._closing = True
+        if self._acceptor is not None:
+            self._acceptor.close()
         if self._main is not None:
             self._main.cancel()
             await asyncio.wait([self._main])
+        while self._inbox is not None and not self._inbox.empty():  # handed over, never served
+            self._inbox.get_nowait()[0].close()
+            self._nconn -= 1
         if self._listener is not None:
             self._listener.close()
         await self.data.close()
@@ -237,53 +260,39 @@ class StoreServer:
 
     def statistics(self) -> StoreServerStatistics:
         s = self.data.statistics()
-        return StoreServerStatistics(len(self._conns), self._nconn - len(self._conns), s.keys,
-                                     s.value_nbytes, sum(len(c.waits) for c in self._conns),
-                                     self._requests, self._rejected)
+        a = self._acceptor.statistics() if self._acceptor is not None else None
+        return StoreServerStatistics(len(self._conns), self._nconn - len(self._conns) + (a.handshaking if a else 0),
+                                     s.keys, s.value_nbytes, sum(len(c.waits) for c in self._conns),
+                                     self._requests, self._rejected + (a.refused if a else 0),
+                                     a.evicted if a else 0)
 
     # -- accepting ------------------------------------------------------------
 
+    def _full(self, handshaking: int) -> str | None:
+        """On the acceptor's thread, at each accept: a reason to close it at once, or None."""
+        held = self._nconn + handshaking
+        if held >= self.max_clients:
+            return f"{held} connections, the limit is max_clients={self.max_clients}"
+        return None
+
+    def _take(self, sock: socket.socket, who: dict, where: str) -> None:
+        """On our loop: a client authenticated on the acceptor's thread."""
+        if self._closing:
+            sock.close()
+            return
+        self._nconn += 1
+        self._inbox.put_nowait((sock, who, where))
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
             while True:
-                try:
-                    sock, addr = await loop.sock_accept(self._listener)
-                except OSError as exc:  # EMFILE and friends: back off, keep serving
-                    log.error("store %s:%d: accept failed: %s", self.host, self.port, exc)
-                    await asyncio.sleep(0.1)
-                    continue
-                where = f"store client {addr[0]}:{addr[1]}"
-                if self._nconn >= self.max_clients:
-                    self._rejected += 1
-                    log.warning("%s refused: %d connections, the limit is max_clients=%d",
-                                where, self._nconn, self.max_clients)
-                    sock.close()
-                    continue
-                self._nconn += 1
-                tg.create_task(self._serve_client(sock, where))
+                sock, who, where = await self._inbox.get()
+                tg.create_task(self._serve_client(sock, who, f"store client {where}"))
 
-    async def _serve_client(self, sock: socket.socket, where: str) -> None:
-        """Handshake, then requests until the client leaves. Never raises (but cancellation)."""
+    async def _serve_client(self, sock: socket.socket, who: dict, where: str) -> None:
+        """Requests until the client leaves. Never raises (but cancellation)."""
         try:
-            try:
-                net.tune(sock)
-                who = await auth.accept(sock, self.secret, self.job, where, timeout_s=self.handshake_timeout_s)
-            except (AuthenticationError, BadFrameError, ConnectError, OSError, TimeoutError) as exc:
-                self._rejected += 1
-                why = f"no handshake in {self.handshake_timeout_s:g} s" if isinstance(exc, TimeoutError) else exc
-                log.warning("%s dropped during the handshake: %s", where, why)
-                sock.close()
-                return
-            except Exception:  # a bug in the handshake must not take the server down with it
-                self._rejected += 1
-                log.exception("%s dropped: the handshake failed", where)
-                sock.close()
-                return
-            except BaseException:
-                sock.close()
-                raise
-            where = f"{where} {dict(who)}"
+            where = f"{where} {wire.shown(dict(who))}"
             try:
                 reader, writer = await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT_NBYTES)
             except BaseException:

@@ -20,11 +20,8 @@ While a large payload arrives, the socket's ``SO_RCVLOWAT`` is raised to what
 is left of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter of the receive
 buffer), so the event loop is woken once per few MiB instead of once per 64 KiB
 packet, and set back to 1 when the payload is complete (a frame boundary: the
-next header must wake us at once). ``RINGWEAVE_RCVLOWAT=0`` turns it off. 4 ranks
-on 2 cores, 64 MiB all_reduce over loopback, ``RINGWEAVE_RCVLOWAT=1 / 0 python
-bench/floor.py -n 4 --modes ringweave-tcp --size 64M --calls 10``, two runs each,
-in a slow period of the machine: 127-134 / 134-141 ms per call, 59-61 / 63-64 ms
-of CPU per rank (with the algorithms' 4 MiB segments; registry.py notes).
+next header must wake us at once). ``RINGWEAVE_RCVLOWAT=0`` turns it off
+(bench/results/transport.md#segments-and-so_rcvlowat).
 
 Sending: ``await conn.send(header, payload)`` returns when the payload buffer
 may be reused by the caller (its bytes are in the kernel or copied). The write
@@ -52,10 +49,9 @@ Call order of a connection (grammar)::
 
     open -> ((send | send_now)* | on_header on_frame | on_whole | recv_now)* -> [on_lost] -> close -> end
 
-The small-message path (these two, with runtime/group.Call and collectives/api) was
-cut down with ``python bench/floor.py -n 4 --modes ringweave-inproc,ringweave-tcp``, a
-4 B all_reduce: CPU per call, all 4 ranks in one process, 237 -> 180 us; 4 processes,
-wall 348 -> 281-297 us (A/B figures in the commit that added ringweave-inproc).
+The small-message path (these two, with runtime/group.Call and collectives/api) is
+measured with ``python bench/floor.py -n 4 --modes ringweave-inproc,ringweave-tcp``
+(bench/results/transport.md#the-small-message-path).
 
 Implementations: :class:`TCPConnection` (a socket through an asyncio or
 uvloop transport) and :class:`MemoryConnection` (a pair in one process that
@@ -196,7 +192,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.uvloop = type(transport).__module__.startswith("uvloop")
         transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
-        if sock is not None and env.get("RINGWEAVE_RCVLOWAT") != "0":
+        if sock is not None and env.RCVLOWAT.get():
             try:  # a quarter of the receive buffer: the peer can always fill that much (its window)
                 cap = min(LOWAT_MAX_NBYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
             except (OSError, AttributeError):
@@ -392,7 +388,7 @@ class TCPConnection(Connection):
             # Header and payload in ONE writev when the transport holds nothing of ours
             # (so order is kept): written separately with TCP_NODELAY, the header leaves
             # as its own packet and wakes the receiver once for 16+ bytes and again for
-            # the payload (measured: 1 MiB one-way 390 -> 630 us). What the socket does
+            # the payload (bench/results/transport.md#one-writev-per-frame). What the socket does
             # not take goes through the transport, which keeps the order.
             sent = self._writev_now(head, mv)
             hlen = len(head)
@@ -468,11 +464,10 @@ class TCPConnection(Connection):
         frame, and one ``spin_s`` within it) ends the attempt.
 
         Why spin: on this project's machine (a KVM guest with guest halt-polling off) a rank
-        that sleeps idles its virtual CPU, and waking it goes through the host. Re-reading for
-        up to 50 us first took a 4 B all_reduce back to back from 226-338 to 136-169 us of wall
-        time, and from 99-127 to 68-83 us of CPU per rank (figures in collectives/registry.py);
-        ``sched_yield`` hands the core to any rank that has work, so oversubscribed ranks do
-        not starve each other."""
+        that sleeps idles its virtual CPU, and waking it goes through the host: re-reading for a
+        while first cuts both the wall time and the CPU of a small call
+        (bench/results/transport.md#spinning-before-sleeping); ``sched_yield`` hands the core to
+        any rank that has work, so oversubscribed ranks do not starve each other."""
         proto = self._proto
         if self._fd < 0 or self._closed or not proto.idle():
             return False

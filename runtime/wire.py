@@ -74,9 +74,12 @@ def encode(header: Mapping[str, Any], payload: bytes | bytearray | memoryview = 
     return [encode_head(header, mv.nbytes), mv]
 
 
-def parse_prefix(buf, max_payload_nbytes: int = DEFAULT_MAX_PAYLOAD_NBYTES, where: str = "") -> tuple[int, int]:
+def parse_prefix(buf, max_payload_nbytes: int = DEFAULT_MAX_PAYLOAD_NBYTES, where: str = "",
+                 max_header_nbytes: int = MAX_HEADER_NBYTES) -> tuple[int, int]:
     """Parses the 16-byte prefix. Returns ``(header_len, payload_len)``.
 
+    Args:
+        max_header_nbytes: a smaller header limit than MAX_HEADER_NBYTES (the handshake's).
     Raises:
         BadFrameError: wrong magic or version, header or payload over its limit.
     """
@@ -85,12 +88,22 @@ def parse_prefix(buf, max_payload_nbytes: int = DEFAULT_MAX_PAYLOAD_NBYTES, wher
         raise BadFrameError(f"bad frame{where}: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise BadFrameError(f"bad frame{where}: version {version}, this build speaks {VERSION}")
-    if header_len == 0 or header_len > MAX_HEADER_NBYTES:
-        raise BadFrameError(f"bad frame{where}: header of {header_len} bytes, limit 1..{MAX_HEADER_NBYTES}")
+    if header_len == 0 or header_len > max_header_nbytes:
+        raise BadFrameError(f"bad frame{where}: header of {header_len} bytes, limit 1..{max_header_nbytes}")
     if payload_len > max_payload_nbytes:
         raise BadFrameError(
             f"bad frame{where}: payload of {payload_len} bytes, limit {max_payload_nbytes}")
     return header_len, payload_len
+
+
+SHOWN_CHARS = 100  # of a value a sender chose, in an error or a log line
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to SHOWN_CHARS characters, saying how long it was: what a sender
+    chose goes into errors and logs, and must not make them as long as a header."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def _type_ok(value: Any, allowed: tuple) -> bool:
@@ -131,13 +144,14 @@ def parse_header(buf, schema: Schema, where: str = "") -> dict:
     try:
         header = msgpack.unpackb(buf, raw=False, use_list=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise BadFrameError(f"bad frame{where}: header is not msgpack ({type(exc).__name__}: {exc})") from None
+        raise BadFrameError(
+            f"bad frame{where}: header is not msgpack ({type(exc).__name__}: {str(exc)[:SHOWN_CHARS]})") from None
     if type(header) is not dict:
         raise BadFrameError(f"bad frame{where}: header is a {type(header).__name__}, expected a map")
     kind = header.get("k")
     fields = schema.get(kind) if type(kind) is str else None
     if fields is None:
-        raise BadFrameError(f"bad frame{where}: unknown kind {kind!r}; known: {sorted(schema)}")
+        raise BadFrameError(f"bad frame{where}: unknown kind {shown(kind)}; known: {sorted(schema)}")
     fast = _fast_specs.get(id(fields))
     if fast is None or fast[0] is not fields:
         fast = _fast_specs[id(fields)] = (fields, *_compile(fields))
@@ -156,7 +170,7 @@ def parse_header(buf, schema: Schema, where: str = "") -> dict:
             continue
         spec = fields.get(name)
         if spec is None:
-            raise BadFrameError(f"bad frame{where}: kind {kind!r} has no field {name!r}")
+            raise BadFrameError(f"bad frame{where}: kind {kind!r} has no field {shown(name)}")
         if not _type_ok(value, spec[:-1]):
             raise BadFrameError(
                 f"bad frame{where}: field {name!r} of kind {kind!r} is {type(value).__name__}, "

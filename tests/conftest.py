@@ -12,7 +12,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tests import cudasim
+from tests import cudasim  # noqa: E402 - after the root is on sys.path
 
 pytest_plugins = ["runtime.testing"]
 

@@ -53,6 +53,10 @@ Resume: the metadata keeps ``step`` (train_step calls, which key dropout and the
 schedule), the optimizer state and its step, the loss scaler, and the loop's
 ``extra`` (store the epoch and the batch index within it, so the loop can skip
 the batches already consumed; data order is a pure function of (seed, epoch)).
+:func:`load_newest_valid` is what a resume calls: the newest checkpoint that every
+rank can read and verify (CRCs), falling back to older ones when a newer one is
+damaged (a disk error, a partial copy), so a restart does not fail, or loop under
+``--max-restarts``, while an intact checkpoint is there; every rank ends on the same one.
 
 What it is not: no asynchronous (background) saving, no object-store backends.
 """
@@ -60,6 +64,7 @@ What it is not: no asynchronous (background) saving, no object-store backends.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -70,7 +75,9 @@ import numpy as np
 
 from trainer.precision import resolve_dtype
 
-__all__ = ["CheckpointError", "save", "load", "latest", "list_checkpoints", "read_metadata",
+log = logging.getLogger("ringweave.checkpoint")
+
+__all__ = ["CheckpointError", "save", "load", "load_newest_valid", "latest", "list_checkpoints", "read_metadata",
            "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint"]
 
 FORMAT, VERSION = "ringweave-checkpoint", 1
@@ -349,6 +356,36 @@ def load(strategy, path) -> dict:
     strategy.load_state_dict({**want, "shards": shards, "step": meta["step"], "optim_step": meta["optim_step"],
                               "scaler": meta["scaler"]})
     return meta
+
+
+async def load_newest_valid(strategy, root) -> dict | None:
+    """Loads the newest checkpoint under ``root`` that loads and verifies on every rank; returns
+    its metadata, or None when ``root`` holds no committed checkpoint. A collective over the
+    strategy's group: every rank tries the same checkpoints in the same order (newest first) and
+    they agree, after each, whether all succeeded (an all_reduce of the failures), so all end on
+    the same one. Each one skipped is logged with why.
+
+    Raises:
+        CheckpointError: there are checkpoints, and none loads (names each and why).
+    """
+    found = list_checkpoints(root)
+    skipped = []
+    for path in reversed(found):
+        try:
+            meta, error = load(strategy, path), None
+        except CheckpointError as exc:
+            meta, error = None, exc
+        failed = await _all_reduce_sum(strategy, np.array([0.0 if error is None else 1.0]))
+        if failed[0] == 0:
+            if skipped:
+                log.warning("resuming from %s: the newer %s could not be loaded", path, ", ".join(skipped))
+            return meta
+        why = error if error is not None else f"{int(failed[0])} other rank(s) could not load it"
+        log.warning("checkpoint %s cannot be loaded (%s); trying the one before", path, why)
+        skipped.append(f"{path.name} ({why})")
+    if found:
+        raise CheckpointError(f"none of the {len(found)} checkpoints in {root} could be loaded: {'; '.join(skipped)}")
+    return None
 
 
 def read_unit_params(path) -> tuple[list[np.ndarray], dict]:

@@ -17,16 +17,21 @@ with half an epoch of warm-up and cosine decay, global batch 64, 5 epochs) reach
 >= 95% validation accuracy under every strategy; the figures are in the
 commit that set them. Defaults, GPT (`--model gpt`: 4 blocks, 4 heads, width
 128, block size 64, GELU tanh, byte tokens of the Python docs, AdamW at 2e-3,
-global batch 64 windows; bench/results/trainer-gpt-loss.md has the loss each
-strategy reaches and the time). Flags whose default depends on the model say so.
+global batch 64 windows, 8 epochs; the loss each strategy reaches and the time:
+bench/results/gpt.md#the-default-gpt-at-4-ranks-every-strategy-loss-time-a-sample).
+Flags whose default depends on the model say so.
 
 BLAS threads: each rank limits BLAS to `--blas-threads` threads (default 1)
 with threadpoolctl, whatever OPENBLAS_NUM_THREADS says. The default model's
 matmuls (batch 64 x 256) gain nothing from a second thread, the strategies
 already run the model on a thread beside the event loop, and on a busy 2-core
-machine two BLAS threads made the single-process main job 2.4x slower
-(18.4 s against 7.6 s from start to exit, load average ~11). Give more
-threads to wide synthetic models on an idle machine.
+machine two BLAS threads made the single-process main job slower
+(bench/results/trainer.md#blas-threads). Give more threads to wide synthetic
+models on an idle machine.
+
+Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make
+every rank save a checkpoint after the same step and exit 128 + the signal
+(trainer/preempt.py); --resume continues from it.
 
 What it is not: no config files (flags only), no model zoo (the MLP and the GPT).
 """
@@ -42,11 +47,13 @@ import sys
 import numpy as np
 
 import runtime
+from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
 from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
+from trainer.preempt import Preempted, Preemption
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
 from trainer.text import load_text_split
@@ -121,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
                    help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, "
-                        "1.56%%, then the ratio, in equal stages); default two epochs (measured: topk 1%%+ef "
-                        "under AdamW within 1 point of uncompressed), 0 for none")
+                        "1.56%%, then the ratio, in equal stages); default two epochs "
+                        "(bench/results/trainer.md#compression-warm-up), 0 for none")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="zero3/fsdp: keep gathered parameters from forward to backward")
@@ -346,6 +353,7 @@ def describe(args: argparse.Namespace, data, model, world_size: int, steps: int,
 
 
 async def run(args: argparse.Namespace) -> int:
+    retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
     rt = await runtime.init()
     strategy = None
     try:
@@ -378,11 +386,19 @@ async def run(args: argparse.Namespace) -> int:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
-        history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
-                            callbacks=callbacks, checkpoint_dir=args.checkpoint_dir, keep_last=args.keep_last,
-                            resume=args.resume, log_every=0 if args.quiet else args.log_every,
-                            checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
-                            eval_batch_size=args.eval_batch_size, group=world)
+        try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
+            with Preemption(enabled=bool(args.checkpoint_dir)):
+                history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
+                                    callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
+                                    keep_last=args.keep_last, resume=args.resume,
+                                    log_every=0 if args.quiet else args.log_every,
+                                    checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
+                                    eval_batch_size=args.eval_batch_size, group=world)
+        except Preempted as exc:
+            if world.rank == 0:
+                print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
+                      flush=True)
+            return exc.exit_code
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

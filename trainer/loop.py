@@ -72,7 +72,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from trainer import checkpoint
+from trainer import checkpoint, preempt
 from trainer.callbacks import Callback, EarlyStopping, LoopState, StopAtAccuracy
 from trainer.data import iter_local_batches, num_global_batches, split_bounds
 from trainer.history import EpochStats, History, RankStats, format_bytes, format_summary
@@ -370,6 +370,9 @@ class _Run:
         every = self.options.checkpoint_every
         if self.options.checkpoint_dir and every and self.state.step % every == 0 and k < self.steps_total:
             await self.save(epoch, k, EpochSums(**asdict(self.sums)))
+        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py)
+        save = (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
+        await preempt.at_step_boundary(self.group, save)
         return self.stop
 
     async def _evaluate(self, dataset) -> dict[str, float]:
@@ -530,16 +533,18 @@ async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_
 
 
 async def _load_checkpoint(directory: str, strategy: Strategy, run: dict) -> dict | None:
-    """Loads the newest checkpoint into `strategy`; returns the loop's position, or None if there is none.
+    """Loads the newest checkpoint that loads on every rank into `strategy` (an older one when the
+    newest is damaged: trainer.checkpoint.load_newest_valid); returns the loop's position, or None
+    if there is none.
 
     Raises:
         ValueError: the checkpoint was not written by `fit`, or by a run whose batching
             (data size, global batch, accumulation, seed) differs, so skipping the
             consumed batches would not continue the same run.
     """
-    if checkpoint.latest(directory) is None:
+    meta = await checkpoint.load_newest_valid(strategy, directory)  # a damaged newest: the one before
+    if meta is None:
         return None
-    meta = checkpoint.load(strategy, directory)
     loop = (meta.get("extra") or {}).get("loop")
     if loop is None:
         raise ValueError(f"{meta['path']} was not written by trainer.loop.fit (no loop position in its "

@@ -135,9 +135,9 @@ def int8_encode(x, block, key, stochastic, q, scale):
 
 
 # The per-block loops below index block-local slices (qb[t], not q[i] for i in range(start, stop)):
-# with the global index LLVM emitted gathers/scatters (vgatherqps / vscatterqps) on this znver4 and
-# int8_decode ran at 3.2 GB/s; with the slices it is vpmovsxbd + vcvtdq2ps + vmulps, 19 GB/s
-# (bench/kernels.py). Same operations in the same order per element, so the same bits.
+# with the global index LLVM emitted gathers/scatters (vgatherqps / vscatterqps); with the slices it
+# vectorises (bench/results/kernels.md#int8-decode-vectorisation). Same operations in the same order
+# per element, so the same bits.
 
 
 @njit(**_JIT)

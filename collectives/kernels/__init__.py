@@ -20,15 +20,15 @@ Nothing here communicates; the collectives call these between receives.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from runtime import env
 
 from . import reference
 from .reference import DTYPES, OPS
 
 BACKENDS = ("numpy", "numba", "cuda")
-ENV_VAR = "RINGWEAVE_KERNELS"
+ENV_VAR = env.KERNELS.name
 
 __all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "is_device_array", "reduce_into", "scale_into"]
 
@@ -51,9 +51,7 @@ def choose_backend(*arrays, backend: str | None = None) -> str:
         kinds = ", ".join(f"{type(a).__name__} ({'device' if d else 'host'})" for a, d in zip(arrays, on_device))
         raise TypeError(f"mixing device and host arrays: {kinds}; copy explicitly first")
     if backend is None and not any(on_device):
-        backend = os.environ.get(ENV_VAR) or None
-        if backend is not None and backend not in ("numpy", "numba"):
-            raise ValueError(f"{ENV_VAR} must be 'numpy' or 'numba', got {backend!r}")
+        backend = env.KERNELS.get()  # SettingError (a ValueError) unless numpy or numba
     if backend is None:
         if any(on_device):
             return "cuda"

@@ -1,27 +1,14 @@
 """Numba CPU kernels for the element-wise reductions (``dst = dst <op> src``).
 
 Same contract as ``reference.py`` (read its docstring for the semantics), bit
-for bit, for every op and dtype. Kernels are ``@njit(nogil=True)``: a caller on
-the event loop thread hands large reductions to a worker thread so that the
-reduction overlaps network transfer::
-
-    if worth_offloading(dst.nbytes):
-        await asyncio.to_thread(reduce_into, dst, src, op)
-    else:
-        reduce_into(dst, src, op)
-
-:data:`OFFLOAD_MIN_NBYTES` comes from ``python bench/kernels.py --offload``:
-on the 2-core development box an ``asyncio.to_thread`` round trip costs
-35-85 us (median, varies with load), about the time to reduce 256 KiB to 1 MiB
-of float32 (21 us at 256 KiB, 80-105 us at 1 MiB, 300-430 us at 4 MiB). At
-1 MiB the hand-off costs at most about as much as the kernel and frees the
-loop for all of it; above 4 MiB it is noise.
+for bit, for every op and dtype. Kernels are ``@njit(nogil=True)``, so a caller
+may run one on a worker thread (the shared-memory path does, when its ranks are
+tasks of one process); the TCP algorithms reduce on the calling thread, where a
+hand-off was no faster (bench/results/kernels.md#worker-thread-hand-off).
 
 Compilation is lazy per dtype on first use (one kernel serves the four ops), and
-cached on disk (``cache=True``, in the user's cache folder: jitcache.py). Measured on the development
-box: compiling all 8 reduce signatures plus divide/scale from cold took ~7 s when
-there were 32 (one per op and dtype; 16 s against 24 s under load); loading them
-from the on-disk cache takes ~0.3 s (plus ~0.4 s to import numba). :func:`warmup` compiles (or loads) them all
+cached on disk (``cache=True``, in the user's cache folder: jitcache.py): loading is far cheaper
+than compiling (bench/results/kernels.md#compilation). :func:`warmup` compiles (or loads) them all
 up front, e.g. once per rank at start-up, so the first all_reduce is not slow.
 
 Deliberately not here: threading inside a kernel (``parallel=True``). These
@@ -41,14 +28,7 @@ from . import reference
 from . import jitcache  # noqa: F401  (before the first @njit: the disk cache goes to the user's cache folder)
 from .halfbits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
 
-OFFLOAD_MIN_NBYTES = 1 << 20  # 1 MiB; see module docstring and bench/kernels.py --offload
-
 _JIT = dict(nogil=True, cache=True)
-
-
-def worth_offloading(nbytes: int) -> bool:
-    """True when a reduction of ``nbytes`` should run in a worker thread."""
-    return nbytes >= OFFLOAD_MIN_NBYTES
 
 
 # ---- scalar ops (inlined into the loops) -------------------------------------

@@ -35,10 +35,7 @@ from collectives.shm import all_reduce_shm, common
 
 # Arrays up to this run the TCP table's algorithm over the whole group instead (recursive doubling
 # there): three phases, two of them waits on shared memory, cost more than the flat algorithm's
-# log2(n) rounds across hosts. 1 Gbit/s links, bench/netem.py --per-node K --shm on, medians,
-# flat recursive doubling / hierarchical: 2 hosts x 2 ranks 4 B 366 / 674 and 468 / 740 us,
-# 64 KiB 505 / 696 and 512 / 740 us, 256 KiB 3944 / 1727 us; 4 x 2: 64 KiB 1596 / 1944 us,
-# 256 KiB 9461 / 5199 us; 2 x 4: 16 KiB 1316 / 1531 us, 64 KiB 2451 / 2399 us (level).
+# log2(n) rounds across hosts (bench/results/all_reduce.md#hierarchical-flat-path).
 FLAT_MAX_NBYTES = 64 << 10
 
 

@@ -16,9 +16,9 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
   3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
   Then EXIT (posted by the session): the next call that writes the slots waits for it.
 
-Copy-in and copy-out of arrays of ``common.STREAM_MIN_NBYTES`` (4 MiB) and up use non-temporal
+Copy-in and copy-out of arrays of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB) and up use non-temporal
 stores (``kernels.stream_copy``): such copies go to memory anyway, and skipping the read of each
-destination line first saved 15-25% of them (figures in common.py).
+destination line first makes them cheaper (bench/results/shm.md#streaming-copies).
 
 Each element is reduced once, by its chunk's owner, and copied to the others: every rank gets
 the same bits. Per rank it moves (n-1)/n of the array in, 1/n through the reduction from each
@@ -46,7 +46,7 @@ from runtime import shm
 
 async def run(comm, x: np.ndarray, op: str) -> None:
     comm = common.Link(comm)
-    n, r = comm.size, comm.rank
+    n = comm.size
     if n == 1:
         return
     if not common.shm_available(comm.group):  # every rank decides the same
@@ -73,14 +73,13 @@ async def run(comm, x: np.ndarray, op: str) -> None:
 
 # Up to this size, messages too big for the small slot would still take the one-phase way, in the
 # data slot (every rank folds the whole array from all slots: one synchronisation fewer, but
-# n x the reads and no parallel split). Measured at 4 ranks here (bench_allreduce.py --one-phase,
-# interleaved, medians of 9): 256 KiB 2.07 vs 2.14 ms, 1 MiB 3.6 vs 3.9 ms, 4 MiB 7.8 vs 8.6 ms
-# for two-phase vs one-phase: never better, so it stays at the small slot's size.
+# n x the reads and no parallel split): never better, so it stays at the small slot's size
+# (bench/results/shm.md#one-phase-or-two).
 ONE_PHASE_MAX_NBYTES = shm.SMALL_NBYTES
 
 
 async def _small(comm, dom, x: np.ndarray, op: str, slots: list) -> None:
-    n, r = comm.size, comm.rank
+    r = comm.rank
     slots[r][...] = x  # 1. publish my input
     dom.post(comm, 1)
     if not dom.arrived(comm, 1):
@@ -97,7 +96,7 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     # 3. copy-out: every other chunk from its owner's slot
     others = [c for c in range(n) if c != r]
     await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others],
-                          x.nbytes >= common.STREAM_MIN_NBYTES)
+                          common.streams(x.nbytes))
 
 
 async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
@@ -118,7 +117,7 @@ async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
     # 1. copy-in: every chunk but mine into my slot
     others = [c for c in range(k) if c != p]
     await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others],
-                          x.nbytes >= common.STREAM_MIN_NBYTES)
+                          common.streams(x.nbytes))
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
     # 2. reduce my chunk from every peer's slot, in member order, then publish it in my slot

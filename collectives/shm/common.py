@@ -8,22 +8,18 @@ Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 
 from collectives.shm import kernels
-from runtime import shm
+from runtime import env, shm
 
 # Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
 # and NumPy copies release the GIL) when the peers are tasks of this same process
 # (runtime.testing): then the other ranks keep running on the other core meanwhile.
 OFFLOAD_MIN_NBYTES = 4 << 20
-# When every peer is a process of its own, they run inline: measured at 4 ranks here
-# (tests/shm/bench_allreduce.py --offloads, interleaved, medians of 7, machine shared with other
-# jobs), inline vs a thread from 4 MiB vs from 1 MiB: 1 MiB 3.1 / 3.2 / 5.8 ms, 16 MiB
-# 26 / 31 / 33 ms, 64 MiB 90 / 135 / 113 ms: on an oversubscribed machine each hand-off waits
-# to be scheduled twice. The waits block the thread anyway (runtime/shm.py).
+# When every peer is a process of its own, they run inline: each hand-off waits to be scheduled
+# twice on an oversubscribed machine (bench/results/shm.md#worker-threads).
 OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
 
 
@@ -204,7 +200,7 @@ async def off_loop(dom, nbytes: int, fn, *args) -> None:
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:
     """``dst[...] = src`` for each ``(dst, src)``; with ``stream``, by non-temporal stores
-    (:func:`collectives.shm.kernels.stream_copy`: for arrays of :data:`STREAM_MIN_NBYTES` and up)."""
+    (:func:`collectives.shm.kernels.stream_copy`: for the arrays :func:`streams` says)."""
     for dst, src in pairs:
         if dst.size:
             if stream:
@@ -213,17 +209,11 @@ def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False)
                 np.copyto(dst, src)
 
 
-# Copies of a call moving at least this many bytes per rank bypass the caches (kernels.stream_copy).
-# Measured at 4 ranks here (RINGWEAVE_SHM_STREAM_MIN=1 vs off): bench/collectives.py --compare mpi
-# (ringweave and MPI calls interleaved, so each starts with caches the other filled): 1 MiB 1088 ->
-# 866 us, 4 MiB 1754 -> 1723 us, 16 MiB 7.49 -> 5.94 ms, 64 MiB 26.8 -> 21.7 ms; back to back
-# (caches warm from the last call): 1 MiB 1291-1393 -> 837-930 us, 256 KiB 228 -> 241 us (worse).
-# Later, with the machine in a period where the caches did keep a 1 MiB call's data (OpenMPI's
-# own 1 MiB at 390-430 us instead of 1.1-1.4 ms), streaming at 1 MiB lost: 500-509 us against
-# 378-384 us without (--sizes 1M,4M, alternating runs); 4 MiB was even (1888-1968 vs 1870-1996).
-# So only arrays of 4 MiB and up stream: at 1 MiB the plain copy wins in one state and loses
-# less than it gains back in the other.
-STREAM_MIN_NBYTES = int(os.environ.get("RINGWEAVE_SHM_STREAM_MIN", str(4 << 20)))
+def streams(nbytes: int) -> bool:
+    """Whether the copies of a call moving ``nbytes`` per rank bypass the caches (kernels.stream_copy):
+    from ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB). At 1 MiB the plain copy wins while the caches hold the
+    data and loses less than it gains back when they do not (bench/results/shm.md#streaming-copies)."""
+    return nbytes >= env.SHM_STREAM_MIN.get()
 
 
 class SubComm:

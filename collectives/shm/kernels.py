@@ -4,10 +4,7 @@ and ``pub = dst``, in one pass over memory.
 The pairwise way (``reduce_into(dst, s)`` once per source, then a copy) reads and writes ``dst``
 once per source; this reads every source once and writes ``dst`` and ``pub`` once: with 4 ranks,
 96 instead of 176 bytes of memory traffic per 16 bytes reduced (up to three sources per pass;
-more take several passes). Measured on this box (16 MiB chunks, 3 sources, medians of 9, machine
-shared with other jobs, so noisy): fused 3-8 ms, pairwise ``reduce_into`` + copy 20-23 ms; a
-variant over a tuple of sources in L1-sized blocks took 14-17 ms (the tuple loop did not
-vectorise), one iterating the tuple per element 62 ms.
+more take several passes): bench/results/shm.md#the-fused-reduction.
 
 Same answers as ``collectives.kernels.reduce_into`` applied source by source, bit for bit:
 the sources are folded in the same order; float32/float64 stay in their dtype at every step;
@@ -95,13 +92,10 @@ def reduce_publish_reference(dst: np.ndarray, srcs: list[np.ndarray], pub: np.nd
 # -- streaming copy ---------------------------------------------------------------------------
 # A copy whose stores bypass the caches (x86 ``vmovntdq``): for arrays far larger than the caches,
 # an ordinary store first reads the destination line in (read-for-ownership) and later writes it
-# back, so a copy moves three bytes per byte copied; a non-temporal store moves two. Measured on
-# this box (4 ranks, 16 MiB all_reduce through shared memory, /tmp probe wrapping the copies, two
-# runs each): copy-in 1.55 / 1.54 -> 1.35 / 1.30 ms, copy-out 1.36 / 1.25 -> 1.04 / 1.05 ms per rank
-# (glibc's own non-temporal memcpy, forced by GLIBC_TUNABLES, gave the same). For data that fits
-# in the caches it is slower (one core, warm: 1 MiB 24 -> 40 us, 4 MiB 90 -> 166 us; 16 MiB
-# 849 -> 681 us), and the reader would find it in memory rather than in the shared L3: callers use
-# it for large arrays only (collectives/shm/common.py STREAM_MIN_NBYTES).
+# back, so a copy moves three bytes per byte copied; a non-temporal store moves two. For data that
+# fits in the caches it is slower, and the reader would find it in memory rather than in the shared
+# L3: callers use it for large arrays only (collectives/shm/common.py streams;
+# bench/results/shm.md#streaming-copies).
 #
 # Non-temporal stores are weakly ordered: the kernel ends with a full fence (``mfence``), so a
 # peer that sees the sequence word posted after the copy sees the data.

@@ -2,7 +2,7 @@
 hosts, where links bound the time, the broadcast takes the pipelined chain, the reduce
 Rabenseifner from 1 MiB, all_gather direct from 1 MiB gathered with one rank per host (ring
 with several per host, and from 2 MiB at 8 ranks and more) and all_reduce ring from 4 MiB at 8-16 ranks (from 256 KiB with several ranks per host); one host's loopback keeps its own
-choices (figures in collectives/registry.py's notes)."""
+choices (figures in bench/results/)."""
 
 from __future__ import annotations
 

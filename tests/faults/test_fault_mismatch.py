@@ -122,7 +122,6 @@ def test_mismatch_job_ends_cleanly(mismatch_job):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", ["memory", "tcp"])
 async def test_broadcast_root_disagreement_fails_at_once(ranks, transport, monkeypatch):
-    import asyncio
     import time
 
     import numpy as np

@@ -34,7 +34,8 @@ import os, signal, sys
 
 KILL_STEP = int(os.environ["KILL_STEP"])
 ckpt, argv = sys.argv[1], sys.argv[2:]
-if os.environ.get("RINGWEAVE_RESTART") == "0" and os.environ.get("RANK") == "1":
+from runtime import env
+if env.RESTART.get() == 0 and os.environ.get("RANK") == "1":
     import trainer.sharding
 
     real_make = trainer.sharding.make_strategy

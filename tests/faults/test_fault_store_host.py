@@ -78,7 +78,7 @@ def test_store_host_killed_during_rendezvous(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    print(f"\n== rank 0 (hosting the store) killed while ranks 1-3 wait in init for rank 4")
+    print("\n== rank 0 (hosting the store) killed while ranks 1-3 wait in init for rank 4")
     for r in (1, 2, 3):
         m = REPORT_RE.search("\n".join(f"[rank {r}] {line}" for line in outputs[r].splitlines()))
         assert m is not None, f"rank {r} printed no error:\n{outputs[r]}"

@@ -23,7 +23,7 @@ import asyncio, json, os, signal, subprocess, sys, time
 
 mode, out = sys.argv[1], sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-restart = os.environ["RINGWEAVE_RESTART"]
+restart = os.environ["RINGWEAVE_RESTART"]  # the launcher's contract: read as the launcher set it
 
 
 def put(name, text):
@@ -46,10 +46,10 @@ async def rendezvous():
     from runtime.launch import attempt_prefix
     from runtime.store import PrefixStore
     from runtime.store_tcp import TCPStore
-    secret = os.environ.get("RINGWEAVE_SECRET")
+    secret = os.environ.get("RINGWEAVE_SECRET")  # the launcher's contract: read as the launcher set it
     client = await TCPStore.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                     secret=secret.encode() if secret else None,
-                                    job=os.environ["RINGWEAVE_JOB"], timeout_s=20)
+                                    job=os.environ["RINGWEAVE_JOB"], timeout_s=20)  # the launcher's contract
     try:
         store = PrefixStore(attempt_prefix(int(restart)), client)
         await store.set(f"rank{rank}", b"here")

@@ -1,12 +1,17 @@
-"""Small helpers of the security tests: who listens where (from /proc), process memory and
-file descriptors, and the raw frames an attacker sends.
+"""Small helpers of the security tests (and bench/security.py): who listens where (from /proc),
+process memory and file descriptors, the raw frames an attacker sends, and an attacker who
+squats shared-memory names.
 
 Not here: what the tests expect of them (the test files say that).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
+import select
+import signal
 import socket
 import struct
 
@@ -84,3 +89,51 @@ def truncated_frame() -> bytes:
 
 HUGE_HEADER = prefix(2**32 - 1, 0)           # a 4 GiB header
 HUGE_PAYLOAD = prefix(10, 2**63)              # an 8 EiB payload
+
+
+def squat_shm_names(prefix: str, ranks: int, min_log2: int, shm_dir: str = "/dev/shm") -> dict:
+    """Run as another user: watches ``shm_dir`` with inotify and, for each name of the job
+    (``prefix``) created there, creates the names a domain-wide part of it would give away:
+    every rank's control file and data slots of 12 sizes from ``2**min_log2``. Makes
+    ``<prefix>ready`` once it watches; returns ``{"seen": names of the job seen, "made": files
+    made}`` when sent SIGTERM."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    if fd < 0 or libc.inotify_add_watch(fd, shm_dir.encode(), 0x100) < 0:  # IN_CREATE
+        raise OSError(ctypes.get_errno(), f"inotify on {shm_dir}")
+    shape = re.compile(r"^(.*-g\d+d\d+-r)\d+-(ctl|v\d+)$")
+    seen, mine = [], set()
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    with open(os.path.join(shm_dir, prefix + "ready"), "w"):
+        pass
+    try:
+        while True:
+            select.select([fd], [], [], 0.1)
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            pos = 0
+            while pos < len(data):  # struct inotify_event: wd, mask, cookie, len; then the name
+                n = struct.unpack_from("iIII", data, pos)[3]
+                name = data[pos + 16:pos + 16 + n].rstrip(b"\0").decode()
+                pos += 16 + n
+                m = shape.match(name) if name.startswith(prefix) and name not in mine else None
+                if m is None:
+                    continue
+                seen.append(name)
+                for r in range(ranks):
+                    for what in ["ctl"] + [f"v{k}" for k in range(min_log2, min_log2 + 12)]:
+                        guess = f"{m.group(1)}{r}-{what}"
+                        try:
+                            os.close(os.open(os.path.join(shm_dir, guess), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                                             0o644))
+                            mine.add(guess)
+                        except FileExistsError:
+                            pass
+    except KeyboardInterrupt:
+        return {"seen": len(seen), "made": len(mine)}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import resource
 import struct
 import time
 import tracemalloc

@@ -20,7 +20,7 @@ import numpy as np
 
 import collectives as C
 import runtime
-from runtime import shm
+from runtime import env, shm
 
 
 def say(*words) -> None:
@@ -112,7 +112,7 @@ async def main() -> None:
         return
     if mode == "leftover":
         if g.rank == 1:
-            path = os.path.join(shm.SHM_DIR, shm.job_prefix(os.environ["RINGWEAVE_JOB"]) + "x-g0d0-r1-ctl")
+            path = os.path.join(shm.SHM_DIR, shm.job_prefix(env.JOB.get()) + "x-g0d0-r1-ctl")
             shm.Segment.create(path, 4096)
             say("CREATED", path)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -42,7 +42,7 @@ def test_collectives_through_the_launcher_4_ranks():
     job = _job("matrix")
     proc = _launch(4, "matrix", job)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(l.split()[-1] for l in proc.stdout.splitlines() if " OK " in l) == ["0", "1", "2", "3"]
+    assert sorted(line.split()[-1] for line in proc.stdout.splitlines() if " OK " in line) == ["0", "1", "2", "3"]
     assert shm.job_segments(job) == []
 
 

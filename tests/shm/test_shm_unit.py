@@ -83,7 +83,7 @@ def test_futex_times_out_and_wakes(segment):
 
     def sleeper():
         t0 = time.monotonic()
-        while word.value == 0:
+        while word.value == 0:  # noqa: F821 - the closure's word, deleted after the join
             shm.futex_wait(segment.address, 0, 5.0)
         woke.append(time.monotonic() - t0)
 

@@ -44,7 +44,7 @@ async def test_hundreds_of_concurrent_clients_under_the_default_bound():
             clients = [r for r in results if isinstance(r, TCPStore)]
             assert len(clients) == N_CLIENTS, [r for r in results if not isinstance(r, TCPStore)][:3]
             # a client is done once it has the server's "ok"; the server counts it a moment later
-            await until(lambda: srv.statistics().clients == N_CLIENTS)
+            await until(lambda: srv.statistics().clients == N_CLIENTS)  # noqa: F821 - deleted at the end
             stats = srv.statistics()
             assert (stats.clients, stats.handshaking, stats.rejected) == (N_CLIENTS, 0, 0)
 
@@ -63,7 +63,7 @@ async def test_hundreds_of_concurrent_clients_under_the_default_bound():
         finally:
             await asyncio.gather(*(c.close() for c in clients))
             # the server sees each client leave, then closes its side (counted as handshaking until then)
-            await until(lambda: srv.statistics().clients + srv.statistics().handshaking == 0)
+            await until(lambda: srv.statistics().clients + srv.statistics().handshaking == 0)  # noqa: F821
             stats = srv.statistics()
             await srv.close()
         assert (stats.clients, stats.handshaking, stats.waiting) == (0, 0, 0)

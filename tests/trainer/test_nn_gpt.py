@@ -196,3 +196,16 @@ def test_weight_decay_groups_are_the_matrices():
     qkv = next(s for s in block.param_specs if s.name == "attn.qkv.weight")
     assert block.decay_segments(qkv.offset + 2, qkv.end + 1) == [(0, qkv.numel - 2, True), (qkv.numel - 2,
                                                                                             qkv.numel - 1, False)]
+
+
+def test_the_kernels_cache_in_the_users_cache_folder_not_the_package():
+    import os
+
+    from collectives.kernels import jitcache
+    from trainer.nn import kernels
+
+    kernels.layernorm_forward(np.ones((1, 2)), np.ones(2), np.zeros(2), 1e-5, np.empty((1, 2)), np.empty(1),
+                              np.empty(1))
+    where = kernels.layernorm_forward._cache._cache_path
+    want = os.environ.get("NUMBA_CACHE_DIR") or jitcache.cache_root()
+    assert where.startswith(want) and not where.startswith(os.path.dirname(kernels.__file__)), where

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-
 from trainer.nn import Context
 from trainer.optim import AdamW, WarmupCosine
 from trainer.sharding.base import StepResult, Strategy, TrainConfig

@@ -160,8 +160,7 @@ class _Embed(Layer):
 
     With float16 / bfloat16 parameters the activations are float32 from here on, as an
     MLP's float32 data make them (trainer/precision.py): NumPy has no BLAS for float16
-    matmuls, and a GPT in float16 activations ran 3.6x slower (36 against 130 samples/s
-    at 2 ranks, a 1-layer GPT)."""
+    matmuls (bench/results/trainer.md#float16-matmuls)."""
 
     def __init__(self, ends: "GPTEnds") -> None:
         self.ends = ends
@@ -255,7 +254,7 @@ class GPT(Model):
         ends = GPTEnds(config)
         units = [Unit(ends, pad_to=pad_to, dtype=dtype, entries=ends.entries())]
         units += [Unit(Block(config), pad_to=pad_to, dtype=dtype) for _ in range(config.n_layer)]
-        calls = [Call(0, "embed")] + [Call(l, checkpoint=True) for l in range(1, config.n_layer + 1)]
+        calls = [Call(0, "embed")] + [Call(b, checkpoint=True) for b in range(1, config.n_layer + 1)]
         calls.append(Call(0, "head"))
         super().__init__(units, calls=calls, loss=loss if loss is not None else CrossEntropyLoss(config.kernel))
 
@@ -279,8 +278,8 @@ class GPT(Model):
         ends, start = self._ends(), caches[0].length
         p0 = self.units[0].views(params_list[0])
         h, _ = ends.embed.forward(p0, idx, EVAL, start)
-        for l, kv in enumerate(caches, start=1):
-            h = self.units[l].module.forward_cached(self.units[l].views(params_list[l]), h, kv, EVAL)
+        for b, kv in enumerate(caches, start=1):  # unit b is block b
+            h = self.units[b].module.forward_cached(self.units[b].views(params_list[b]), h, kv, EVAL)
         return ends.head.forward(p0, h, EVAL)[0]
 
     def new_caches(self, batch: int, dtype) -> list[KVCache]:

@@ -11,13 +11,11 @@ in another order than NumPy's pairwise sums.
 
 Why the split between Numba and NumPy: this Numba has no vector math library
 (`numba.config.USING_SVML` is False), so `math.exp` / `math.tanh` inside a loop
-run one element at a time, while NumPy's `np.exp` / `np.tanh` are SIMD. Measured
-on one core (bench/results/trainer.md): a fused Numba softmax over (128, 64, 64)
-took 1.33 ms, NumPy in place 1.18 ms, and Numba passes around an in-place np.exp
-0.56 ms; a fused Numba tanh-GELU over 1M float32 took 20 ms, NumPy's
-reference 2.0 ms, Numba arithmetic around np.tanh 0.5 ms. So every transcendental
-runs in NumPy, in place, and the arithmetic passes around it (max, shift, sums,
-normalisation, the polynomial, the backward) in Numba, one pass each.
+run one element at a time, while NumPy's `np.exp` / `np.tanh` are SIMD: a fused
+Numba softmax or tanh-GELU lost to the split one, and the tanh-GELU even to NumPy's
+reference (bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped).
+So every transcendental runs in NumPy, in place, and the arithmetic passes around it
+(max, shift, sums, normalisation, the polynomial, the backward) in Numba, one pass each.
 
     layernorm_forward(x (N, C), w, b, eps, out, mean (N,), rstd (N,))
     layernorm_backward(dout, x, mean, rstd, w, dx, dw (C,) float64 +=, db (C,) float64 +=)
@@ -39,7 +37,8 @@ event loop, and a kernel that holds no GIL lets the loop move collectives meanwh
 
 Dispatch: a layer takes this path when `use_fast(*arrays)` holds (float32 / float64,
 C contiguous), else its reference (float16 activations, odd strides). Compiled
-lazily per dtype on first use and cached on disk (cache=True).
+lazily per dtype on first use and cached on disk (cache=True) in the user's cache folder
+(collectives/kernels/jitcache.py), not in the package.
 
 What it is not: no threading inside a kernel (several ranks already share the
 cores), no matmuls (NumPy's BLAS does those).
@@ -48,9 +47,15 @@ cores), no matmuls (NumPy's BLAS does those).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import njit
+
+from collectives.kernels import jitcache
+
+jitcache.serve(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # before the first @njit: the disk
+# cache goes to the user's cache folder, not into the package (collectives/kernels/jitcache.py)
 
 __all__ = [
     "use_fast", "layernorm_forward", "layernorm_backward", "gelu_tanh_forward", "gelu_tanh_backward",
@@ -59,9 +64,9 @@ __all__ = [
 ]
 
 _JIT = dict(nogil=True, cache=True)
-# sums may be reordered (and multiply-adds fused) so that LLVM vectorises them: 3.6x on LayerNorm's
-# forward (bench/nn_kernels.py); no flag that assumes finite values, so inf and NaN still propagate
-# (loss scaling looks for them)
+# sums may be reordered (and multiply-adds fused) so that LLVM vectorises them (LayerNorm's forward lost
+# to NumPy without: bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped); no flag
+# that assumes finite values, so inf and NaN still propagate (loss scaling looks for them)
 _JIT_SUMS = dict(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 _FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608...

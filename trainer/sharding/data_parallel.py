@@ -104,7 +104,7 @@ def make_codec(spec):
     "topk+ef:ratio=0.01,warmup_steps=46" (options go to ``collectives.compress.get_codec``)."""
     if spec in (None, "none"):
         return None
-    from collectives.compress import get_codec  # the compression issue's codecs
+    from collectives.compress import get_codec  # the compression codecs
     if not isinstance(spec, str):
         return get_codec(spec)
     name, _, opts = spec.partition(":")
@@ -285,7 +285,7 @@ class DataParallelStrategy(Strategy):
     def _cast_input(self, x: np.ndarray) -> np.ndarray:
         """Inputs keep their dtype: with float32 data and float16/bfloat16 parameters NumPy
         promotes each matmul to float32 (BLAS) with the low-precision weights, whereas a
-        float16 x float16 matmul has no BLAS path and runs ~50x slower on a CPU. On a CPU the
+        float16 x float16 matmul has no BLAS path (bench/results/trainer.md#float16-matmuls). On a CPU the
         gain of low precision is memory and bytes on the wire (trainer/precision.py)."""
         return x
 

@@ -1,6 +1,6 @@
 """Measures all_reduce per algorithm and size, to set the registry's default table.
 
-    python -m runtime.launch -n 4 tests/collectives/measure_all_reduce.py [--runs 20] [--max-mib 64] \
+    python -m runtime.launch -n 4 bench/measure_all_reduce.py [--runs 20] [--max-mib 64] \
         [--algos ring,halving_doubling,recursive_doubling] [--sizes 4,1024,...]
 
 Rank 0 prints one line per (size, algorithm): the median over ``--runs`` of
@@ -12,13 +12,21 @@ collectives/registry.py.
 
 import argparse
 import asyncio
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
-import collectives as C
-import runtime
+# bench/collectives.py is named like the package: with this folder first on sys.path, "import
+# collectives" would import it. Put the repository root there instead.
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+
+import collectives as C  # noqa: E402
+import runtime  # noqa: E402
 
 
 async def main() -> None:

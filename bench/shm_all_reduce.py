@@ -1,6 +1,6 @@
 """all_reduce over shared memory vs the TCP path, 4 ranks, as a fraction of memory bandwidth.
 
-    python -m runtime.launch -n 4 tests/shm/bench_allreduce.py [--sizes 4,1048576,...] [--reps 7]
+    python -m runtime.launch -n 4 bench/shm_all_reduce.py [--sizes 4,1048576,...] [--reps 7]
         [--algos shm,tcp] [--spins 0,5,20,100]
 
 Per size and path: warm-up (not timed), then ``reps`` repetitions of (shm barrier; ``iters``
@@ -17,14 +17,21 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
-import runtime
-from collectives import api, registry
-from collectives.shm import all_reduce_shm, common
-from runtime import shm
+# bench/collectives.py is named like the package: with this folder first on sys.path, "import
+# collectives" would import it. Put the repository root there instead.
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+
+import runtime  # noqa: E402
+from collectives import api, registry  # noqa: E402
+from collectives.shm import all_reduce_shm, common  # noqa: E402
+from runtime import env, shm  # noqa: E402
 
 
 def copy_gbs() -> float:
@@ -59,7 +66,7 @@ async def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="4,1048576,16777216,67108864")
     p.add_argument("--algos", default="shm,tcp", help="shm, tcp (the TCP table), or an algorithm name")
-    p.add_argument("--spins", default="", help="comma list of runtime.shm.SPIN_YIELDS values to compare")
+    p.add_argument("--spins", default="", help="comma list of RINGWEAVE_SHM_SPIN values to compare")
     p.add_argument("--offloads", default="", help="comma list of collectives.shm.common.OFFLOAD_ALONE_MIN_NBYTES "
                    "values to compare (bytes of work from which copies/reductions go to a thread)")
     p.add_argument("--one-phase", default="", help="comma list of all_reduce_shm.ONE_PHASE_MAX_NBYTES values")
@@ -89,7 +96,7 @@ async def main():
         for _ in range(a.reps):  # variants interleaved, so a noisy moment hits all of them
             for algo, (spin, off) in variants:
                 if spin is not None:
-                    shm.SPIN_YIELDS = spin
+                    os.environ[env.SHM_SPIN.name] = str(spin)
                 if off is not None and off < 0:
                     all_reduce_shm.ONE_PHASE_MAX_NBYTES = -off
                 elif off is not None:
