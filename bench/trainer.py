@@ -8,6 +8,7 @@
     python bench/trainer.py --model gpt --page-faults        # what glibc's malloc defaults cost a step
     python bench/trainer.py --strategies ddp,fsdp --ranks 2,4 --steps 10 --quick
     python bench/trainer.py --strategies zero2 --ranks 4 --compression none,int8 --repeat 3   # rows zero2, zero2+int8
+    python bench/trainer.py --model gpt --meshes dp4,tp2xdp2,pp2xdp2,tp2xpp2 --compare torch --repeat 3
 
 Every configuration is its own job, started as
 ``python -m runtime.launch -n N bench/trainer.py --worker ...`` (torch DDP the
@@ -69,6 +70,13 @@ codecs run by run so that a busy machine slows each alike. The compressed collec
 always use the TCP algorithms (collectives/compressed.py), the exact ones may use shared
 memory on one host: set RINGWEAVE_SHM=0 to compare both over TCP, as a network would.
 
+Meshes (--meshes, --model gpt only): each label is a dp x tp x pp mesh of trainer.parallel,
+e.g. tp2xpp2 (sizes not named are 1; the ranks are their product), run with --strategies on
+the dp dimension and --micro-batches (default 8 where pp > 1, else 1) under --schedule. Its
+row adds the pipeline's bubble (time blocked on stage-to-stage receives) beside the formula
+(p-1)/(m+p-1) and the bytes each rank sent per step on dp, tp and pp. --compare torch adds torch
+DDP and FSDP at the same world size (torch has no tensor or pipeline parallelism on CPU).
+
 Noise: other processes on a 2-core machine only ever slow a run down, so
 `--repeat N` runs each configuration N times and reports the fastest (all
 N figures go to JSON); every row shows the 1-minute load average before it.
@@ -118,6 +126,22 @@ def _gpt_config(args):
     return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
 
 
+def parse_mesh(label: str) -> dict:
+    """'tp2xpp2' -> {"dp": 1, "tp": 2, "pp": 2}; 'dp4' -> {"dp": 4, "tp": 1, "pp": 1}."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1}
+    for part in label.split("x"):
+        dim, n = part[:2], part[2:]
+        if dim not in sizes or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"bad mesh {label!r}: parts like dp4, tp2, pp2 joined by x")
+        sizes[dim] = int(n)
+    return sizes
+
+
+def _mesh_ranks(label: str) -> int:
+    s = parse_mesh(label)
+    return s["dp"] * s["tp"] * s["pp"]
+
+
 def _batches(args, rank: int, size: int):
     """A pool of global batches (cycled); this rank's rows of each, as train_step micro-batches."""
     from trainer.data import make_synthetic, split_bounds
@@ -159,15 +183,26 @@ async def _worker_ringweave(args) -> dict:
         config = TrainConfig(strategy=args.strategy, optimizer="adamw", lr=1e-3, warmup_steps=0,
                              total_steps=1, seed=0, compression=args.compression,
                              activation_checkpointing=args.activation_checkpointing)
-        strategy = make_strategy(args.strategy, model, config, world)
+        if args.mesh:
+            from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
+
+            mesh = Mesh(world, **parse_mesh(args.mesh))
+            m = args.micro_batches or (8 if mesh.shape["pp"] > 1 else 1)
+            strategy = make_parallel_strategy(args.strategy, _gpt_config(args), config, mesh,
+                                              parallel=ParallelConfig(schedule=args.schedule, micro_batches=m))
+            batches = _batches(args, mesh.coords["dp"], mesh.shape["dp"])  # every rank of a dp slice: its rows
+        else:
+            strategy = make_strategy(args.strategy, model, config, world)
+            batches = _batches(args, world.rank, world.size)
         await strategy.setup()
-        batches = _batches(args, world.rank, world.size)
         for i in range(args.warmup):
             await strategy.train_step(batches[i % len(batches)])
         if hasattr(strategy, "reset_peak"):
             strategy.reset_peak()
-        sums = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "step_s": 0.0}
+        sums = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "step_s": 0.0, "bubble_s": 0.0,
+                "pipeline_s": 0.0}
         comm_bytes = 0
+        by_dim = {"dp": 0, "tp": 0, "pp": 0}
         losses = []
         await collectives.barrier(group=world)
         cpu0 = _cpu_s()
@@ -176,10 +211,12 @@ async def _worker_ringweave(args) -> dict:
             t = time.perf_counter()
             result = await strategy.train_step(batches[i % len(batches)])
             step_s = time.perf_counter() - t
-            for key in ("compute_s", "comm_s", "exposed_comm_s"):
+            for key in ("compute_s", "comm_s", "exposed_comm_s", "bubble_s", "pipeline_s"):
                 sums[key] += float(result.timings.get(key, 0.0))
             sums["step_s"] += step_s
             comm_bytes += int(result.comm_bytes)
+            for dim in by_dim:
+                by_dim[dim] += int(result.comm_bytes_by_dim.get(dim, 0))
             losses.append(result.loss)
         await collectives.barrier(group=world)
         wall = time.perf_counter() - t0
@@ -190,7 +227,9 @@ async def _worker_ringweave(args) -> dict:
         row = np.array([sums["compute_s"], sums["comm_s"], sums["exposed_comm_s"], sums["step_s"], comm_bytes,
                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, mem.get("params", 0),
                         mem.get("grads", 0), mem.get("optim", 0), mem.get("gathered_peak", 0), cpu,
-                        mem.get("activations_peak", 0)], dtype=np.float64)
+                        mem.get("activations_peak", 0), sums["bubble_s"], sums["pipeline_s"], by_dim["dp"],
+                        by_dim["tp"], by_dim["pp"],
+                        strategy.pipeline_report()["bubble_formula"] if args.mesh else 0.0], dtype=np.float64)
         table = np.zeros((world.size, len(row)), dtype=np.float64)
         table[world.rank] = row
         await collectives.all_reduce(table, op="sum", group=world)
@@ -200,9 +239,13 @@ async def _worker_ringweave(args) -> dict:
                          exposed_comm_s=t[2] / args.steps, step_s=t[3] / args.steps,
                          comm_bytes_per_step=int(t[4]) // args.steps, maxrss_bytes=int(t[5]),
                          params_bytes=int(t[6]), grads_bytes=int(t[7]), optim_bytes=int(t[8]),
-                         gathered_peak_bytes=int(t[9]), cpu_s=t[10] / args.steps, activations_peak_bytes=int(t[11]))
+                         gathered_peak_bytes=int(t[9]), cpu_s=t[10] / args.steps, activations_peak_bytes=int(t[11]),
+                         bubble_s=t[12] / args.steps, pipeline_s=t[13] / args.steps,
+                         sent_per_step={d: int(t[14 + k]) // args.steps for k, d in enumerate(("dp", "tp", "pp"))},
+                         bubble_formula=t[17])
                     for r, t in enumerate(table)]
         return dict(framework="ringweave", strategy=args.strategy, ranks=world.size, steps=args.steps,
+                    mesh=args.mesh,
                     batch=args.batch, wall_s=wall, samples_per_s=args.steps * args.batch / wall,
                     tokens_per_sample=args.block_size if args.model == "gpt" else 1,
                     numel=model.numel, first_loss=losses[0], last_loss=losses[-1], per_rank=per_rank)
@@ -598,6 +641,9 @@ def run_config(args, strategy: str, ranks: int, compression: str = "none") -> di
                "--compression", compression, "--model", args.model, "--n-layer", str(args.n_layer),
                "--n-head", str(args.n_head), "--n-embd", str(args.n_embd), "--block-size", str(args.block_size)]
         cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
+        if getattr(args, "mesh", None) and strategy not in TORCH_STRATEGIES:
+            cmd += ["--mesh", args.mesh, "--schedule", args.schedule]
+            cmd += ["--micro-batches", str(args.micro_batches)] if args.micro_batches else []
         env = dict(os.environ)
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"  # one BLAS thread per rank, at every world size
@@ -614,6 +660,97 @@ def run_config(args, strategy: str, ranks: int, compression: str = "none") -> di
         result["job_s"] = elapsed
         result["strategy"], result["compression"] = _label(strategy, compression), compression
         return result
+
+
+def run_mesh(args, mesh: str, strategy: str) -> dict:
+    """One mesh configuration through the launcher (the worker with --mesh)."""
+    saved = (args.mesh,)
+    args.mesh = mesh
+    try:
+        r = run_config(args, strategy, _mesh_ranks(mesh))
+    finally:
+        (args.mesh,) = saved
+    r["label"] = f"{mesh}/{strategy}"
+    return r
+
+
+def format_mesh_row(r: dict) -> str:
+    label = r.get("label", r["strategy"])
+    if "error" in r:
+        return f"{label:>16} {r['ranks']:>5}  FAILED ({r['error']})"
+    pr = r["per_rank"]
+    rate = r["samples_per_s"] * r.get("tokens_per_sample", 1)
+    def ms(key):
+        value = _mean(pr, key)
+        return f"{1e3 * value:.1f}" if value == value else "-"
+    if "bubble_s" in pr[0] and _mean(pr, "pipeline_s") > 0:
+        bubble = f"{_mean(pr, 'bubble_s') / _mean(pr, 'pipeline_s'):.2f}/{pr[0]['bubble_formula']:.2f}"
+    else:
+        bubble = "-"
+    sent = " ".join(f"{_mean([p['sent_per_step'] for p in pr], d) / 2**20:6.1f}" if "sent_per_step" in pr[0]
+                    else f"{'-':>6}" for d in ("dp", "tp", "pp"))
+    mem = max(p["maxrss_bytes"] for p in pr) / 2**20
+    return (f"{label:>16} {r['ranks']:>5} {rate:>9.0f} {ms('step_s'):>8} {ms('compute_s'):>8} "
+            f"{ms('exposed_comm_s'):>8} {ms('bubble_s'):>8} {bubble:>10} {sent} {mem:>7.0f}")
+
+
+def mesh_header() -> str:
+    return (f"{'mesh/strategy':>16} {'ranks':>5} {'tokens/s':>9} {'step ms':>8} {'compute':>8} {'exposed':>8} "
+            f"{'bubble':>8} {'meas/form':>10} {'dp MiB':>6} {'tp MiB':>6} {'pp MiB':>6} {'maxrss':>7}")
+
+
+def mesh_main(args) -> int:
+    """--meshes: each mesh (and torch DDP / FSDP at its world size), alternating run by run."""
+    meshes = [m for m in args.meshes.split(",") if m]
+    strategy = args.strategies.split(",")[0] if args.strategies != ",".join(STRATEGIES) else "ddp"
+    configs = [(m, strategy) for m in meshes]
+    if args.compare == "torch":
+        for n in sorted({_mesh_ranks(m) for m in meshes}):
+            configs += [(f"torch{n}", "torch-ddp"), (f"torch{n}", "torch-fsdp")]
+    model = _ringweave_model(args)
+    print(f"# GPT {args.n_layer} layers x {args.n_head} heads x {args.n_embd} wide, block {args.block_size}: "
+          f"{model.numel / 1e6:.2f}M parameters, AdamW float32, global batch {args.batch} windows, "
+          f"{args.schedule}, {args.warmup} warm-up + {args.steps} timed steps, 1 BLAS thread per rank, "
+          f"{os.cpu_count()} cores; configurations alternate run by run, best of --repeat {args.repeat}")
+    print("# per-rank means per step (ms): compute, exposed communication (dp + tp + statistics waited on), "
+          "bubble (blocked on pipeline receives); meas/form = bubble / pipeline time beside (p-1)/(m+p-1); "
+          "MiB sent per step per rank by dimension; maxrss MiB")
+    print(mesh_header(), flush=True)
+    runs: dict[tuple, list] = {c: [] for c in configs}
+    for _ in range(args.repeat):
+        for mesh, s in configs:
+            load = os.getloadavg()[0]
+            if s in TORCH_STRATEGIES:
+                r = run_config(args, s, int(mesh[len("torch"):]))
+                r["label"] = s
+            else:
+                r = run_mesh(args, mesh, s)
+            r["loadavg_before"] = load
+            runs[(mesh, s)].append(r)
+    results = []
+    for tries in runs.values():
+        ok = [r for r in tries if "error" not in r]
+        r = max(ok, key=lambda r: r["samples_per_s"]) if ok else tries[0]
+        r["repeats"] = [x.get("samples_per_s") for x in tries]
+        results.append(r)
+        runs_text = ", ".join(f"{x:.1f}" for x in r["repeats"] if x)
+        print(format_mesh_row(r) + f"  (load {r['loadavg_before']:.1f}; samples/s of each run {runs_text})", flush=True)
+    good = [r for r in results if "error" not in r]
+    if good:
+        best = max(good, key=lambda r: r["samples_per_s"])
+        rate = best["samples_per_s"] * best.get("tokens_per_sample", 1)
+        print(f"\nfastest: {best['label']} at {rate:.0f} tokens/s; the others' tokens/s against it: "
+              + ", ".join(f"{r['label']} {r['samples_per_s'] / best['samples_per_s']:.2f}x"
+                          for r in good if r is not best))
+    out = args.out or os.path.abspath(os.path.join(args.out_dir or os.getcwd(), "parallel.json"))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"model": dict(kind="gpt", numel=model.numel, n_layer=args.n_layer, n_head=args.n_head,
+                                 n_embd=args.n_embd, block_size=args.block_size), "batch": args.batch,
+                   "steps": args.steps, "warmup": args.warmup, "cores": os.cpu_count(), "results": results}, f,
+                  indent=1)
+    print(f"\nwrote {out}")
+    return 0 if len(good) == len(results) else 1
 
 
 def _label(strategy: str, compression: str) -> str:
@@ -793,6 +930,11 @@ def main(argv=None) -> int:
                         "compression; the worker: one codec)")
     p.add_argument("--out-dir", default=None, help="directory for trainer.json (default: the current directory)")
     p.add_argument("--out", default=None, help="JSON path (default: OUT_DIR/trainer.json)")
+    p.add_argument("--meshes", default=None,
+                   help="--model gpt: meshes to compare, e.g. dp4,tp2xdp2,pp2xdp2,tp2xpp2 (a row each)")
+    p.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches (default 8 with pp > 1)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--mesh", default=None, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
@@ -816,6 +958,10 @@ def main(argv=None) -> int:
         return page_faults_main(args)
     if args.profile:
         return profile_main(args)
+    if args.meshes:
+        if args.model != "gpt":
+            raise SystemExit("--meshes splits the GPT: add --model gpt")
+        return mesh_main(args)
     if args.interleave:
         return interleave_main(args)
     return driver_main(args)

@@ -7,6 +7,7 @@ Submodules (import them directly; this file stays thin):
     trainer.text        the pydoc corpus, the byte tokenizer, random and consecutive windows
     trainer.precision   dtypes, casting master shards, dynamic loss scaling
     trainer.sharding    DDP, ZeRO-1/2, ZeRO-3/FSDP over the same flat-buffer model
+    trainer.parallel    the dp x tp x pp mesh: tensor and pipeline parallelism of the GPT, offload
     trainer.checkpoint  sharded atomic checkpoints, loading onto any world size and strategy
     trainer.loop        fit / evaluate; trainer.history and trainer.callbacks, what it reports and calls
     trainer.cli         `python -m trainer`; trainer.sample: `python -m trainer.sample`
@@ -14,5 +15,5 @@ Submodules (import them directly; this file stays thin):
 What it is not: no autograd, no devices; the collectives live in collectives/.
 """
 
-__all__ = ["nn", "optim", "data", "text", "precision", "sharding", "checkpoint", "loop", "history", "callbacks",
-           "cli", "sample"]
+__all__ = ["nn", "optim", "data", "text", "precision", "sharding", "parallel", "checkpoint", "loop", "history",
+           "callbacks", "cli", "sample"]

@@ -30,7 +30,11 @@ size, so it is never stored); its pieces tile [0, numel). A replicated array
 (ddp) is written once, by rank 0. Loading asks the strategy which ranges this
 rank needs (``strategy.state_dict()["layout"]``) and cuts them from the pieces
 (memory-mapped, so a rank reads only what overlaps its shard): that is the
-resharding onto another world size or strategy.
+resharding onto another world size or strategy. A mesh strategy (trainer/parallel)
+saves the full model's units in this same layout (``sharded_state_dict``, and
+``logical_model`` for the metadata; "mesh" records its shape) and asks, per array,
+for the positions its tensor-parallel cut holds (``layout[name]["index"]``), so a
+checkpoint saved at tp=2 pp=2 loads at dp=4 or on one rank, and the reverse.
 
 Atomic save, in order:
     1. rank 0 clears stale ``.tmp-*`` directories and makes ``.tmp-step-S``; barrier;
@@ -168,7 +172,7 @@ def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None) -> 
             "strategy": state["strategy"], "world_size": world, "optimizer": state["optimizer"],
             "master_dtype": state["master_dtype"], "scaler": state["scaler"], "extra": extra or {},
             "created_unix_s": time.time(), "units": units, "arrays": arrays,
-            "model": model.spec() if hasattr(model, "spec") else None}
+            "model": model.spec() if hasattr(model, "spec") else None, "mesh": state.get("mesh")}
 
 
 async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3) -> Path:
@@ -190,7 +194,9 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     root = Path(root)
     group = strategy.group
     rank, world = group.rank, group.size
-    state = strategy.state_dict()
+    # a mesh strategy gathers its arrays into the full model's layout first (collective)
+    gather = getattr(strategy, "sharded_state_dict", None)
+    state = await gather() if gather is not None else strategy.state_dict()
     name = _step_dir_name(int(state["step"]))
     tmp, final = root / f".tmp-{name}", root / name
     # 1. rank 0 prepares an empty temporary directory
@@ -227,7 +233,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     commit = np.zeros(1, dtype=np.float64)
     if rank == 0:
         try:
-            meta = _metadata(state, strategy.model, tmp, world, extra)
+            meta = _metadata(state, getattr(strategy, "logical_model", strategy.model), tmp, world, extra)
             _write_durable(tmp / METADATA, lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again: replace it
@@ -340,9 +346,13 @@ def load(strategy, path) -> dict:
                                   f"{len(strategy.model.units)} units)")
         if entry["numel"] != lay["numel"]:
             raise CheckpointError(f"{ckpt}: {name!r} has {entry['numel']} elements, the model's has {lay['numel']}")
-        n = len(want["shards"][name])
-        shards[name] = _read_range(ckpt, name, entry, lay["start"], lay["start"] + n,
-                                   np.asarray(want["shards"][name]).dtype)
+        n, dtype = len(want["shards"][name]), np.asarray(want["shards"][name]).dtype
+        if "index" in lay:  # scattered elements (a tensor-parallel cut): the range around them, then a take
+            index = np.asarray(lay["index"], dtype=np.int64)
+            lo, hi = (int(index.min()), int(index.max()) + 1) if index.size else (0, 0)
+            shards[name] = _read_range(ckpt, name, entry, lo, hi, dtype)[index - lo]
+        else:
+            shards[name] = _read_range(ckpt, name, entry, lay["start"], lay["start"] + n, dtype)
     strategy.load_state_dict({**want, "shards": shards, "step": meta["step"], "optim_step": meta["optim_step"],
                               "scaler": meta["scaler"]})
     return meta

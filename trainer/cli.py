@@ -5,6 +5,8 @@
     python -m trainer --epochs 3                                  # one process, world size 1
     python -m runtime.launch -n 2 -m trainer --data synthetic --size 20000 --width 1024 --depth 3
     python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp    # the GPT on pydoc text
+    python -m runtime.launch -n 4 -m trainer --model gpt --tp 2 --pp 2 --micro-batches 8 --schedule 1f1b
+    python -m trainer --model gpt --offload optimizer --offload-dir /scratch   # Adam's state on disk
 
 Every rank: `await runtime.init()`, load the data (the same on every rank), build
 the model (a strategy pads it to the world size), build and set up the strategy,
@@ -49,6 +51,8 @@ from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
 from trainer.nn import GPT, GPTConfig, mlp
+from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
+from trainer.parallel.offload import make_offload_strategy
 from trainer.preempt import Preempted, Preemption
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
@@ -90,6 +94,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _stage_layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated block counts, e.g. 3,1; got {text!r}") from None
+    if any(n < 1 for n in layers):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one block, got {text!r}")
+    return layers
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer",
@@ -128,6 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="keep only each transformer block's input in the forward and recompute the block in "
                         "the backward (same gradients, less memory; the run summary shows the activation peak)")
+
+    g = p.add_argument_group("model parallelism (--model gpt) and offload")
+    g.add_argument("--tp", type=_positive_int, default=1, metavar="T",
+                   help="tensor-parallel ranks: each layer's matrices split over T ranks of one host (default 1)")
+    g.add_argument("--pp", type=_positive_int, default=1, metavar="P",
+                   help="pipeline stages: the blocks split into P stages (default 1)")
+    g.add_argument("--dp", type=_positive_int, default=None, metavar="D",
+                   help="data-parallel ranks, --strategy on this dimension (default: what is left, world / (T P))")
+    g.add_argument("--micro-batches", type=_positive_int, default=None, metavar="M",
+                   help="pipeline micro-batches per step (a multiple of --grad-accum; default --grad-accum)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="pipeline schedule: 1f1b (at most P micro-batches in flight) or gpipe (all M); default 1f1b")
+    g.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="N,N,...",
+                   help="blocks per pipeline stage, e.g. 3,1 (default: balanced by parameter count)")
+    g.add_argument("--offload", choices=("optimizer", "params"), default=None,
+                   help="keep the optimizer state (and with params also the float32 master weights, which needs "
+                        "a lower --param-dtype) in memory-mapped files, read ahead and written back unit by unit")
+    g.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="directory for the offload files (a private subdirectory is made; default the temporary "
+                        "directory)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=_non_negative_int, default=None, help="default 5 (mlp), 8 (gpt)")
@@ -215,7 +249,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.compression_warmup_steps and not (args.compression or "").startswith("topk"):
         build_parser().error(f"--compression-warmup-steps is a topk option; --compression is {args.compression!r}")
+    if uses_mesh(args) and args.model != "gpt":
+        build_parser().error("--tp, --pp, --dp, --micro-batches and --stage-layers split the GPT: add --model gpt")
+    if args.stage_layers is not None and len(args.stage_layers) != args.pp:
+        build_parser().error(f"--stage-layers {','.join(map(str, args.stage_layers))} names {len(args.stage_layers)} "
+                             f"stages; --pp is {args.pp}")
+    if args.micro_batches is not None and args.micro_batches % args.grad_accum:
+        build_parser().error(f"--micro-batches {args.micro_batches} must be a multiple of --grad-accum "
+                             f"{args.grad_accum}")
+    if args.offload == "params" and args.param_dtype == args.master_dtype:
+        build_parser().error(f"--offload params keeps the {args.master_dtype} master weights on disk beside a "
+                             f"compute copy: set --param-dtype bfloat16 (or float16), or --offload optimizer")
     return args
+
+
+def uses_mesh(args: argparse.Namespace) -> bool:
+    """Whether the run goes through trainer.parallel's mesh (any model-parallel flag given)."""
+    return (args.tp > 1 or args.pp > 1 or args.dp is not None or args.micro_batches is not None
+            or args.stage_layers is not None)
 
 
 def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | None:
@@ -245,7 +296,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every, decay=args.decay,
-        activation_checkpointing=args.activation_checkpointing)
+        activation_checkpointing=args.activation_checkpointing, offload=args.offload, offload_dir=args.offload_dir)
     return TrainConfig(**fields)
 
 
@@ -280,9 +331,15 @@ def build_model(args: argparse.Namespace, data):
                dropout=args.dropout, dtype=dtype, gelu=gelu, kernel=args.kernel)
 
 
-def describe(args: argparse.Namespace, data, model, world_size: int, steps: int) -> str:
+def describe(args: argparse.Namespace, data, model, world_size: int, steps: int, mesh=None) -> str:
     """The first line rank 0 prints: what trains on what."""
     head = f"{args.strategy} on {world_size} rank(s): "
+    if mesh is not None:
+        m = args.micro_batches or args.grad_accum
+        head = (f"{args.strategy} on {world_size} rank(s) as dp {mesh.shape['dp']} x tp {mesh.shape['tp']} x pp "
+                f"{mesh.shape['pp']} ({args.schedule}, {m} micro-batches per step): ")
+    if args.offload:
+        head += f"{args.offload} offloaded to {args.offload_dir or 'the temporary directory'}; "
     tail = (f" ({model.numel:,} parameters), {args.optimizer} lr {args.lr}, batch {args.batch_size} x "
             f"{args.grad_accum}, {args.epochs} epochs of {steps} steps")
     if args.model == "gpt":
@@ -311,10 +368,19 @@ async def run(args: argparse.Namespace) -> int:
         spe = steps_per_epoch(len(data.train), args.batch_size, args.grad_accum)
         config = make_config(args, spe)
         model = build_model(args, data)
-        strategy = make_strategy(args.strategy, model, config, world)
+        mesh = None
+        if uses_mesh(args) or (args.offload and args.model == "gpt"):
+            mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
+            parallel = ParallelConfig(schedule=args.schedule, micro_batches=args.micro_batches,
+                                      stage_layers=args.stage_layers)
+            strategy = make_parallel_strategy(args.strategy, model.config, config, mesh, parallel=parallel)
+        elif args.offload:
+            strategy = make_offload_strategy(args.strategy, model, config, world)
+        else:
+            strategy = make_strategy(args.strategy, model, config, world)
         await strategy.setup()
         if world.rank == 0 and not args.quiet:
-            print(describe(args, data, model, world.size, spe), file=sys.stderr, flush=True)
+            print(describe(args, data, model, world.size, spe, mesh), file=sys.stderr, flush=True)
         callbacks = []
         if args.target_accuracy is not None:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
@@ -348,4 +414,4 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return runtime.run(run(args))  # uvloop's event loop when installed  # uvloop's event loop when installed
+    return runtime.run(run(args))  # uvloop's event loop when installed

@@ -54,6 +54,18 @@ class RankStats:
     exposed_comm_s: float
     steps: int
     activations_peak_bytes: int = 0  # strategy.memory_bytes()["activations_peak"]
+    coords: dict | None = None  # mesh coordinates, e.g. {"pp": 1, "dp": 0, "tp": 1} (None: no mesh)
+    sent_by_dim: dict = field(default_factory=dict)  # bytes sent per mesh dimension, e.g. {"dp": 0, "tp": 4096, ...}
+    bubble_s: float = 0.0  # time blocked on pipeline receives (the measured bubble, transfers included)
+    pipeline_s: float = 0.0  # time in the pipeline schedules
+    bubble_formula: float = 0.0  # (pp - 1) / (m + pp - 1) of the last step
+    in_flight_peak: int = 0  # most micro-batches of activations held at once (last step)
+    resident_bytes: int = 0  # params + grads + optimizer state in memory (offload: what is not on disk)
+    offloaded_bytes: int = 0  # optimizer state and master weights in memory-mapped files
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.pipeline_s if self.pipeline_s > 0 else 0.0
 
 
 @dataclass
@@ -126,4 +138,16 @@ def format_summary(history: History) -> str:
                          f"{format_bytes(r.optim_bytes):>11} {format_bytes(r.gathered_peak_bytes):>15} "
                          f"{format_bytes(r.activations_peak_bytes):>17} "
                          f"{format_bytes(r.comm_bytes):>11} {format_bytes(r.maxrss_bytes):>15}")
+        if any(r.coords for r in history.ranks):
+            lines.append("rank  pp  dp  tp     sent dp     sent tp     sent pp  in flight  "
+                         "bubble measured / (p-1)/(m+p-1)")
+            for r in history.ranks:
+                c = r.coords or {"pp": 0, "dp": 0, "tp": 0}
+                lines.append(f"{r.rank:>4} {c['pp']:>3} {c['dp']:>3} {c['tp']:>3} "
+                             + " ".join(f"{format_bytes(r.sent_by_dim.get(d, 0)):>11}" for d in ("dp", "tp", "pp"))
+                             + f" {r.in_flight_peak:>10}   {r.bubble_fraction:>8.3f} / {r.bubble_formula:.3f}")
+        if any(r.offloaded_bytes for r in history.ranks):
+            lines.append("rank    resident   offloaded   (params + grads + optimizer state: in memory / on disk)")
+            for r in history.ranks:
+                lines.append(f"{r.rank:>4} {format_bytes(r.resident_bytes):>11} {format_bytes(r.offloaded_bytes):>11}")
     return "\n".join(lines)

@@ -137,8 +137,8 @@ async def evaluate(strategy: Strategy, data, y: np.ndarray | None = None, *, gro
     rank must pass the same data. Returns NaN for every metric when there are no samples.
     """
     dataset = _as_dataset(data, y)
-    if group is None:
-        group = _default_group(strategy)
+    if group is None:  # a mesh strategy's data are split over its dp dimension (trainer/parallel)
+        group = getattr(strategy, "data_group", None) or _default_group(strategy)
     rank, size = _rank_size(group)
     n = len(dataset)
     bounds = split_bounds(n, size)
@@ -276,6 +276,9 @@ class _Run:
         self.strategy, self.data, self.config, self.options, self.group = strategy, data, config, options, group
         self.progress = progress
         self.rank, self.size = _rank_size(group)
+        # the ranks the data is split over: the group, or a mesh strategy's dp dimension (trainer/parallel)
+        self.data_group = getattr(strategy, "data_group", None) or group
+        self.data_rank, self.data_size = _rank_size(self.data_group)
         self.accum = config.grad_accum
         self.n_train = len(data.train)
         self.steps_total = steps_per_epoch(self.n_train, options.global_batch_size, self.accum)
@@ -288,7 +291,8 @@ class _Run:
         self.start_epoch, self.start_k = 0, 0
         self.sums = EpochSums()  # the running epoch's
         self.comm_bytes = 0
-        self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0}
+        self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
+        self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
         self.stop = False
         self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
                                steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
@@ -322,7 +326,7 @@ class _Run:
         first_k = self.start_k if epoch == self.start_epoch else 0
         if epoch != self.start_epoch:
             self.sums = EpochSums()
-        micro = list(iter_local_batches(self.n_train, self.options.global_batch_size, self.size, self.rank,
+        micro = list(iter_local_batches(self.n_train, self.options.global_batch_size, self.data_size, self.data_rank,
                                         seed=self.config.seed, epoch=epoch, shuffle=True))
         self.state.epoch, self.state.step_in_epoch, self.state.epoch_stats = epoch, first_k, None
         self.steps_run = 0
@@ -349,6 +353,8 @@ class _Run:
         self.comm_bytes += int(result.comm_bytes)
         for key in self.timings:
             self.timings[key] += float(result.timings.get(key, 0.0))
+        for dim, nbytes in result.comm_bytes_by_dim.items():
+            self.comm_by_dim[dim] = self.comm_by_dim.get(dim, 0) + int(nbytes)
         self.steps_run += 1
         self.state.step += 1
         self.state.result = result
@@ -370,7 +376,7 @@ class _Run:
         return self.stop
 
     async def _evaluate(self, dataset) -> dict[str, float]:
-        return await evaluate(self.strategy, dataset, group=self.group, batch_size=self.options.eval_batch_size)
+        return await evaluate(self.strategy, dataset, group=self.data_group, batch_size=self.options.eval_batch_size)
 
     async def end_epoch(self, epoch: int) -> EpochStats:
         """Exact evaluation across ranks, the epoch's stats, callbacks, checkpoint, progress."""
@@ -413,7 +419,7 @@ class _Run:
 
     async def finish(self) -> History:
         self.history.ranks = await _gather_rank_stats(self.strategy, self.group, self.comm_bytes, self.timings,
-                                                      self.history.steps)
+                                                      self.history.steps, self.comm_by_dim)
         return self.history
 
 
@@ -491,20 +497,31 @@ async def fit(
 
 
 async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings: dict,
-                             steps: int) -> list[RankStats]:
-    """Every rank's memory, traffic and timings, on every rank (one all-reduce of an (R, 11) table)."""
+                             steps: int, comm_by_dim: dict | None = None) -> list[RankStats]:
+    """Every rank's memory, traffic and timings, on every rank (one all-reduce of an (R, 23) table);
+    a mesh strategy adds its coordinates, bytes per dimension and pipeline figures."""
     rank, size = _rank_size(group)
     mem = strategy.memory_bytes()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    table = np.zeros((size, 11), dtype=np.float64)  # float64 holds integers exactly below 2**53
+    report = strategy.pipeline_report() if hasattr(strategy, "pipeline_report") else None
+    coords = report["coords"] if report else {"pp": -1, "dp": -1, "tp": -1}
+    dims = comm_by_dim or {}
+    table = np.zeros((size, 23), dtype=np.float64)  # float64 holds integers exactly below 2**53
     table[rank] = (mem.get("params", 0), mem.get("grads", 0), mem.get("optim", 0), mem.get("gathered_peak", 0),
                    maxrss, comm_bytes, timings["compute_s"], timings["comm_s"], timings["exposed_comm_s"], steps,
-                   mem.get("activations_peak", 0))
+                   mem.get("activations_peak", 0), coords["pp"], coords["dp"], coords["tp"], dims.get("dp", 0),
+                   dims.get("tp", 0), dims.get("pp", 0), timings.get("bubble_s", 0.0), timings.get("pipeline_s", 0.0),
+                   report["bubble_formula"] if report else 0.0, report["in_flight_peak"] if report else 0,
+                   mem.get("resident", 0), mem.get("offloaded", 0))
     await _sum(group, table)
     return [RankStats(rank=r, params_bytes=int(t[0]), grads_bytes=int(t[1]), optim_bytes=int(t[2]),
                       gathered_peak_bytes=int(t[3]), maxrss_bytes=int(t[4]), comm_bytes=int(t[5]),
                       compute_s=float(t[6]), comm_s=float(t[7]), exposed_comm_s=float(t[8]), steps=int(t[9]),
-                      activations_peak_bytes=int(t[10]))
+                      activations_peak_bytes=int(t[10]),
+                      coords={"pp": int(t[11]), "dp": int(t[12]), "tp": int(t[13])} if t[11] >= 0 else None,
+                      sent_by_dim={"dp": int(t[14]), "tp": int(t[15]), "pp": int(t[16])}, bubble_s=float(t[17]),
+                      pipeline_s=float(t[18]), bubble_formula=float(t[19]), in_flight_peak=int(t[20]),
+                      resident_bytes=int(t[21]), offloaded_bytes=int(t[22]))
             for r, t in enumerate(table)]
 
 

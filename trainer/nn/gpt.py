@@ -30,8 +30,8 @@ Weight decay: matrices only (the layers' `decay`), so no biases, norms or embedd
 the tied wte counts as the embedding.
 
 Openings for model parallelism (built elsewhere on this file): `Block(attn=, mlp=)`
-takes other attention / MLP layers (column- and row-parallel ones); `GPTEnds(head=)`
-another head (vocabulary-parallel); `Model.forward_tape(calls=range(a, b))` runs a
+takes other attention / MLP layers (column- and row-parallel ones); `GPTEnds(head=, wte=)`
+another head and token embedding (vocabulary-parallel); `Model.forward_tape(calls=range(a, b))` runs a
 slice of the blocks (a pipeline stage); the loss is an object of its own.
 
 What it is not: no flash attention, no rotary positions, no mixture of experts.
@@ -214,11 +214,12 @@ class GPTEnds(Container):
 
     Parameters wte.weight (V, C), wpe.weight (T, C), ln_f.weight, ln_f.bias (C,). Its module's
     own forward is the embedding; `entries()` gives both entry points for the Unit. `head=`
-    replaces the head (e.g. a vocabulary-parallel one); it sees this container's parameters.
+    replaces the head and `wte=` the token embedding (e.g. vocabulary-parallel ones,
+    trainer/parallel/vocab.py); the head sees this container's parameters.
     """
 
-    def __init__(self, config: GPTConfig, *, head: Layer | None = None) -> None:
-        self.wte = Embedding(config.vocab_size, config.n_embd, kernel=config.kernel)
+    def __init__(self, config: GPTConfig, *, head: Layer | None = None, wte: Layer | None = None) -> None:
+        self.wte = wte or Embedding(config.vocab_size, config.n_embd, kernel=config.kernel)
         self.wpe = PositionalEmbedding(config.block_size, config.n_embd)
         self.drop = Dropout(config.dropout)
         self.ln_f = LayerNorm(config.n_embd, kernel=config.kernel)

@@ -72,6 +72,8 @@ class TrainConfig:
     seed: int = 0
     check_every: int = 0              # every N steps check replicated state is equal across ranks (0: never)
     activation_checkpointing: bool = False  # recompute the calls marked checkpoint (GPT blocks) in backward
+    offload: str | None = None        # None | "optimizer" | "params": to memory-mapped files (trainer/parallel/offload.py)
+    offload_dir: str | None = None    # where those files go, e.g. "/scratch" (default: the temporary directory)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class StepResult:
     comm_bytes: int = 0               # bytes this rank sent in this step (ring-algorithm volume)
     timings: dict = field(default_factory=dict)  # compute_s, comm_s, exposed_comm_s, step_s
     loss_scale: float = 1.0           # loss scale this step's backward used
+    comm_bytes_by_dim: dict = field(default_factory=dict)  # under a mesh: {"dp": 4096, "tp": 81920, "pp": 2048, ...}
 
 
 class ReplicaMismatchError(RuntimeError):

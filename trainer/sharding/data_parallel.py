@@ -41,6 +41,7 @@ block only when a gathered unit is not there yet.
 Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks:
 
     _allocate(full_init)          buffers from the full initial params (master dtype)
+    _before_shard_update(i)       compute thread, right before unit i's shard steps
     _after_shard_update(i)        compute thread, right after unit i's shard stepped (may launch)
     _after_update(applied)        async; re-derive compute params after the optimizer step
     _compute_params()             list handed to the model (entries may be None: fsdp)
@@ -144,6 +145,9 @@ class DataParallelStrategy(Strategy):
             raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {config.clip_norm}")
         if config.decay not in DECAY_GROUPS:
             raise ValueError(f"TrainConfig.decay must be one of {DECAY_GROUPS}, got {config.decay!r}")
+        if config.offload is not None and not getattr(self, "supports_offload", False):
+            raise ValueError(f"TrainConfig.offload={config.offload!r}: build the strategy with "
+                             f"trainer.parallel.make_offload_strategy (or make_parallel_strategy)")
         self.model, self.config, self.group = model, config, group
         self.units = model.units
         self.N, self.rank = group.size, group.rank
@@ -252,6 +256,20 @@ class DataParallelStrategy(Strategy):
         the skip is agreed by all ranks."""
         self._overflow_at[int(step)] = None if ranks is None else {int(r) for r in ranks}
 
+    def _with_injection(self, hooks: dict, grads: list) -> dict:
+        """The last micro-batch's hooks, with inject_overflow's inf put into unit 0 at grad_ready(0)."""
+        if self._overflow_at:
+            ready = hooks.get("grad_ready")
+
+            def ready_with_injection(i):
+                if i == 0:
+                    self._inject(grads)
+                if ready is not None:
+                    ready(i)
+
+            hooks["grad_ready"] = ready_with_injection
+        return hooks
+
     def _inject(self, grads: list) -> None:
         if self.step in self._overflow_at:
             ranks = self._overflow_at[self.step]
@@ -289,16 +307,8 @@ class DataParallelStrategy(Strategy):
             sync = j == len(micro_batches) - 1
             grads = self._grad_list()
             hooks = self._hooks(sync, params, grads)
-            if sync and self._overflow_at:
-                ready = hooks.get("grad_ready")
-
-                def ready_with_injection(i, ready=ready, grads=grads):
-                    if i == 0:
-                        self._inject(grads)
-                    if ready is not None:
-                        ready(i)
-
-                hooks["grad_ready"] = ready_with_injection
+            if sync:
+                self._with_injection(hooks, grads)
             ctx = Context(training=True, seed=self.config.seed, step=self.step, batch_offset=rows_before + int(offset))
             # grads_zero at j == 0: _begin_step zeroed every gradient buffer (ddp, zero1) or dropped
             # them, and before_unit_backward allocates them as zeros (zero2, zero3/fsdp)
@@ -328,7 +338,7 @@ class DataParallelStrategy(Strategy):
             thread_exposed = self.collectives.exposed_s
             await self._finish_grads()
         except BaseException:
-            await self.collectives.cancel_pending()
+            await self._cancel_pending()
             raise
         shards = self._opt_shards()
         # grads in the master dtype (a cast copy only when reduce != master), unscaled, checked
@@ -337,12 +347,9 @@ class DataParallelStrategy(Strategy):
         for g in grads:
             local_inf |= unscale_(g, scale) if scale != 1.0 else has_inf_or_nan(g)
         with np.errstate(over="ignore", invalid="ignore"):
-            sumsq = float(sum(float(np.dot(g, g)) for g in grads))
-        # one all_reduce decides for every rank: [loss, found_inf flags, sum of squares]
-        stats = np.array([loss_local, float(local_inf), 0.0 if self.replicated_grads else sumsq], dtype=np.float64)
-        await self.collectives.exposed(self.collectives.all_reduce(stats))
-        loss, found_inf = float(stats[0]), bool(stats[1] > 0)
-        grad_norm = math.sqrt(sumsq if self.replicated_grads else float(stats[2])) if not found_inf else math.inf
+            sumsq = self._grad_sumsq(grads)
+        loss, found_inf, total_sumsq = await self._agree(loss_local, local_inf, sumsq)
+        grad_norm = math.sqrt(total_sumsq) if not found_inf else math.inf
         applied = self.scaler.update(found_inf) and not found_inf
         t_update = time.perf_counter()
         if applied:
@@ -351,7 +358,7 @@ class DataParallelStrategy(Strategy):
             try:
                 await self._in_thread(self._update, shards, grads, coef, lr)
             except BaseException:
-                await self.collectives.cancel_pending()  # what _after_shard_update launched before the failure
+                await self._cancel_pending()  # what _after_shard_update launched before the failure
                 raise
         update_s = time.perf_counter() - t_update
         await self._after_update(applied)
@@ -363,10 +370,26 @@ class DataParallelStrategy(Strategy):
         return StepResult(loss=loss, skipped=not applied, grad_norm=grad_norm, comm_bytes=self.collectives.bytes_sent,
                           timings=timings, loss_scale=scale)
 
+    def _grad_sumsq(self, grads: list) -> float:
+        """This rank's share of the squared global gradient norm: the sum of squares of its shards."""
+        return float(sum(float(np.dot(g, g)) for g in grads))
+
+    async def _agree(self, loss_local: float, local_inf: bool, sumsq: float) -> tuple[float, bool, float]:
+        """One all_reduce decides for every rank: [loss, found_inf flags, sum of squares] ->
+        (the global loss, whether any rank found inf/NaN, the squared global norm)."""
+        stats = np.array([loss_local, float(local_inf), 0.0 if self.replicated_grads else sumsq], dtype=np.float64)
+        await self.collectives.exposed(self.collectives.all_reduce(stats))
+        return float(stats[0]), bool(stats[1] > 0), sumsq if self.replicated_grads else float(stats[2])
+
+    async def _cancel_pending(self) -> None:
+        """After a failure: cancels and reaps every collective the step launched."""
+        await self.collectives.cancel_pending()
+
     def _update(self, shards, grads, coef: float, lr: float) -> None:
         """Compute thread: clip and step this rank's shards, unit by unit in index order (the
         order of the collectives _after_shard_update may launch, the same on every rank)."""
         for i, ((param, _, state), g) in enumerate(zip(shards, grads)):
+            self._before_shard_update(i)
             if coef < 1.0:
                 g *= coef
             self.optimizer.step(param, g, state, lr, segments=self._segments[i])
@@ -384,7 +407,7 @@ class DataParallelStrategy(Strategy):
             out = await self._in_thread(forward)
             await self.collectives.drain()
         except BaseException:
-            await self.collectives.cancel_pending()
+            await self._cancel_pending()
             raise
         return {k: float(v) for k, v in self.loss.metrics(out, y).items()}
 
@@ -507,6 +530,9 @@ class DataParallelStrategy(Strategy):
 
     def _begin_step(self) -> None:
         pass
+
+    def _before_shard_update(self, i: int) -> None:
+        """Compute thread, right before the optimizer steps unit i's shard (offload reads ahead here)."""
 
     def _after_shard_update(self, i: int) -> None:
         """Compute thread, right after the optimizer stepped unit i's shard (applied steps only)."""

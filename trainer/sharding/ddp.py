@@ -95,6 +95,7 @@ class DDPStrategy(DataParallelStrategy):
         self.master = full  # (lengths[i],) each, master dtype
         self.separate = self.param_dtype != self.master_dtype
         self.compute = [cast_to(m, self.param_dtype) for m in full] if self.separate else self.master
+        self._cast = False  # this step's update already cast every unit (_after_shard_update)
         sizes = self.lengths
         cap = max(1, int(self.config.bucket_cap_mb * 2**20))
         plan = plan_buckets([s * self.reduce_dtype.itemsize for s in sizes], cap, self.model.grad_ready_order(),
@@ -116,12 +117,21 @@ class DDPStrategy(DataParallelStrategy):
         await asyncio.gather(*(self.collectives.broadcast(m, 0) for m in self.master))
         await self._after_update(True)
 
+    def _after_shard_update(self, i: int) -> None:
+        """See base class: unit i's compute copy follows its master at once, on the compute thread
+        (while the master is in memory: offload writes it back right after)."""
+        if self.separate:
+            cast_to(self.master[i], self.param_dtype, out=self.compute[i])
+        self._cast = i == len(self.units) - 1  # the update steps every unit, in index order
+
     async def _after_update(self, applied: bool) -> None:
-        if applied and self.separate:
+        if applied and self.separate and not self._cast:  # a load_state_dict, or an update without the hook
             for m, c in zip(self.master, self.compute):
                 cast_to(m, self.param_dtype, out=c)
+        self._cast = False
 
     def _begin_step(self) -> None:
+        self._cast = False
         for b in self.buckets:
             b.buffer.fill(0)
 

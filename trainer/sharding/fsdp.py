@@ -63,6 +63,7 @@ class FSDPStrategy(DataParallelStrategy):
         self.slices = [self._shard(i) for i in range(len(self.units))]
         self.master = [f[s].copy() for f, s in zip(full, self.slices)]  # (S_i,) each; the full init is dropped
         self.compute_shards = [cast_to(m, self.param_dtype) for m in self.master] if self.separate else self.master
+        self._cast = False  # this step's update already cast every unit (_after_shard_update)
         self.grad_shards = [np.zeros(s.stop - s.start, self.reduce_dtype) for s in self.slices]
         U = len(self.units)
         self._gathered: list[tuple[np.ndarray, object] | None] = [None] * U  # (buffer, pending future | None)
@@ -77,10 +78,18 @@ class FSDPStrategy(DataParallelStrategy):
     async def _sync_initial_params(self) -> None:
         pass  # every rank cut its shard from the same config.seed initialisation
 
+    def _after_shard_update(self, i: int) -> None:
+        """See base class: unit i's compute shard follows its master at once, on the compute thread
+        (while the master is in memory: offload writes it back right after)."""
+        if self.separate:
+            cast_to(self.master[i], self.param_dtype, out=self.compute_shards[i])
+        self._cast = i == len(self.units) - 1  # the update steps every unit, in index order
+
     async def _after_update(self, applied: bool) -> None:
-        if applied and self.separate:
+        if applied and self.separate and not self._cast:  # a load_state_dict, or an update without the hook
             for m, c in zip(self.master, self.compute_shards):
                 cast_to(m, self.param_dtype, out=c)
+        self._cast = False
 
     # ---- gathering (compute thread) ---------------------------------------------
 
@@ -166,6 +175,7 @@ class FSDPStrategy(DataParallelStrategy):
         return self._forward_hooks(params, keep_last=False, reshard=True)
 
     def _begin_step(self) -> None:
+        self._cast = False
         self._reset_gathers()
 
     def _compute_params(self) -> list:
