@@ -45,7 +45,7 @@ from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursi
 from collectives.shm import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm, barrier_shm, broadcast_shm,
                              reduce_scatter_shm)
 
-__all__ = ["ALGORITHMS", "NEEDS", "TABLES", "Rule", "always", "choose", "env_var"]
+__all__ = ["ALGORITHMS", "HOSTS", "NEEDS", "TABLES", "Rule", "always", "choose", "env_var"]
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
