@@ -21,3 +21,6 @@ from trainer.parallel.strategy import ParallelConfig, make_parallel_strategy
 
 __all__ = ["DIMS", "Mesh", "SCHEDULES", "bubble_formula", "format_table", "schedule", "ParallelConfig",
            "make_parallel_strategy"]
+# Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): the strategy classes made
+# with mixins, running a stage's schedule, the tp group the layers talk through.
+_INTERNAL = ("bases", "executor", "tp_group")
