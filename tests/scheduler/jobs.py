@@ -55,14 +55,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
-    """Polls ``predicate()`` until it returns something true; AssertionError naming ``what`` on timeout."""
+def wait_for(predicate, timeout_s: float, what, poll_s: float = 0.05):
+    """Polls ``predicate()`` until it returns something true; AssertionError naming ``what`` on timeout
+    (a string, or a callable giving one then: the logs as they are at the timeout, not at the start)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what() if callable(what) else what}")
         time.sleep(poll_s)
 
 
@@ -102,7 +104,7 @@ def assert_ranks_die_with(cmd: list[str], log: Path, ranks: int, **popen) -> int
         launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
     pids = []
     try:
-        wait_for(lambda: text_of(log).count("ready") == ranks, 120, f"the ranks\n{text_of(log)}")
+        wait_for(lambda: text_of(log).count("ready") == ranks, 120, lambda: f"the ranks\n{text_of(log)}")
         pids = [r["pid"] for r in probe_reports(text_of(log))]
         launcher.kill()
         launcher.wait(timeout=30)
@@ -124,7 +126,7 @@ def run_until_signalled(cmd: list[str], log: Path, send, expected_code: int, **p
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
         try:
-            wait_for(lambda: SIGNAL_AFTER in text_of(log), 120, f"training to start\n{text_of(log)[-2000:]}")
+            wait_for(lambda: SIGNAL_AFTER in text_of(log), 120, lambda: f"training to start\n{text_of(log)[-2000:]}")
             send(job)
             assert job.wait(timeout=120) == expected_code, text_of(log)[-3000:]
         finally:

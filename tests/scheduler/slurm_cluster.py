@@ -152,6 +152,12 @@ class SlurmCluster:
                                    f"{START_TIMEOUT_S:.0f} s\n{self.logs()}")
             time.sleep(0.1)
 
+    def state(self) -> str:
+        """What a failed wait needs: the queue with each job's state and reason, the nodes, the logs."""
+        queue = self.run(["squeue", "-h", "-o", "%i %T %r %N"], check=False, timeout=30)
+        nodes = self.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], check=False, timeout=30)
+        return f"--- squeue\n{queue.stdout}{queue.stderr}--- sinfo\n{nodes.stdout}{nodes.stderr}{self.logs()}"
+
     def logs(self) -> str:
         parts = []
         for path in sorted((self.root / "log").glob("*")):

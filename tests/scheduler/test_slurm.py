@@ -17,6 +17,9 @@ from tests.scheduler.jobs import FINAL_STEP, PREEMPT_ENV, ROOT, TRAIN_ARGS, aliv
 
 pytestmark = pytest.mark.timeout(300)
 PROBE = str(ROOT / "tests" / "scheduler" / "probe.py")
+# The tests wait for step-00000020 to appear: kept, it cannot be rotated away (keep_last) between
+# two polls of a loaded machine, where a run's later steps take well under a millisecond.
+KEEP_ALL = ["--keep-last", "1000"]
 
 
 def test_srun_n4_runs_the_main_job_as_four_ranks(slurm, tmp_path, reference_run):
@@ -37,10 +40,10 @@ def test_sbatch_preempted_by_usr1_requeues_and_resumes_to_the_uninterrupted_resu
     script.write_text(recipe("sbatch"))
     ckpt = tmp_path / "ckpt"
     job = slurm.run(["sbatch", "--parsable", "--ntasks=2", "-o", str(out), "-D", str(tmp_path), str(script),
-                     *TRAIN_ARGS, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20",
+                     *TRAIN_ARGS, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20", *KEEP_ALL,
                      "--json", str(tmp_path / "run.json")], env=dict(slurm.env, **PREEMPT_ENV)).stdout.strip()
     # srun holds the tasks' output back a while; the first periodic checkpoint says training is under way
-    wait_for(lambda: (ckpt / "step-00000020").exists(), 120, f"job {job} to train\n{text_of(out)[-2000:]}")
+    wait_for(lambda: (ckpt / "step-00000020").exists(), 120, lambda: f"job {job} to train\n{text_of(out)[-2000:]}\n{slurm.state()}")
     slurm.run(["scancel", "--signal=USR1", job])
     info = slurm.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 180)
     log = text_of(out)
@@ -57,11 +60,11 @@ def test_scancel_saves_a_checkpoint_before_the_job_ends(slurm, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "srun.out"
     with open(log, "w") as f:
         srun = subprocess.Popen(["srun", "-n", "2", "python", "-m", "trainer", *TRAIN_ARGS, "--checkpoint-dir",
-                                 str(ckpt), "--checkpoint-every", "20"], env=dict(slurm.env, **PREEMPT_ENV),
+                                 str(ckpt), "--checkpoint-every", "20", *KEEP_ALL], env=dict(slurm.env, **PREEMPT_ENV),
                                 cwd=tmp_path, stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: (ckpt / "step-00000020").exists(), 120, f"training\n{text_of(log)[-2000:]}")
+        wait_for(lambda: (ckpt / "step-00000020").exists(), 120, lambda: f"training\n{text_of(log)[-2000:]}\n{slurm.state()}")
         job = slurm.run(["squeue", "-h", "-o", "%i"]).stdout.split()
         assert len(job) == 1
         slurm.run(["scancel", job[0]])
@@ -102,7 +105,7 @@ def test_a_killed_rank_ends_the_step_and_tools_status_finds_the_job_through_its_
         srun = subprocess.Popen(["srun", "-n", "2", "python", PROBE, "--wait"], env=slurm.env, cwd=tmp_path,
                                 stdout=f, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: text_of(log).count("ready") == 2, 120, f"the ranks\n{text_of(log)}")
+        wait_for(lambda: text_of(log).count("ready") == 2, 120, lambda: f"the ranks\n{text_of(log)}\n{slurm.state()}")
         ranks = probe_reports(text_of(log))
         job = ranks[0]["job"].split("-")[1]
         status = slurm.run(["srun", f"--jobid={job}", "--overlap", "-n", "1", "python", "-m", "tools.status",

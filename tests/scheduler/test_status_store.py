@@ -25,7 +25,7 @@ def test_status_finds_ranks_started_by_hand_through_their_store(tmp_path):
                 stderr=subprocess.STDOUT, env=dict(base, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port),
                                                    RINGWEAVE_SECRET=secret, RINGWEAVE_JOB="by-hand")))
     try:
-        wait_for(lambda: text_of(log).count("ready") == 2, 60, f"the ranks\n{text_of(log)}")
+        wait_for(lambda: text_of(log).count("ready") == 2, 60, lambda: f"the ranks\n{text_of(log)}")
 
         def status(*flags, **env):
             return subprocess.run([PYTHON, "-m", "tools.status", "--json", "--timeout-s", "10", *flags], cwd=ROOT,
