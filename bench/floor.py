@@ -42,6 +42,7 @@ import datetime
 import mmap
 import multiprocessing as mp
 import os
+import queue
 import resource
 import socket
 import subprocess
@@ -94,15 +95,36 @@ def _over_ranks(per_rank: list) -> tuple[float, ...]:
     return (max(r[0] for r in per_rank),) + tuple(sum(r[k] for r in per_rank) / n for k in (1, 2, 3))
 
 
+class RankFailed(RuntimeError):
+    """A rank process of a mode exited before it reported its figures."""
+
+
 def _in_processes(n: int, target, *args) -> tuple[float, ...]:
-    """Runs ``target(n, rank, *args, out)`` in n processes; each puts its _Clock figures in ``out``."""
+    """Runs ``target(n, rank, *args, out)`` in n processes; each puts its _Clock figures in ``out``.
+    A rank that exits without reporting fails the mode at once (RankFailed), its peers stopped:
+    waiting on them would be waiting on a rank that is gone."""
     out = mp.Queue()
     procs = [mp.Process(target=target, args=(n, r, *args, out)) for r in range(n)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    results, deadline = [], time.monotonic() + 300
+    try:
+        while len(results) < n:
+            try:
+                results.append(out.get(timeout=0.2))
+                continue
+            except queue.Empty:
+                pass
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                raise RankFailed(f"rank(s) {failed} exited before reporting" if failed else "no report in 300 s")
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     return _over_ranks(results)
 
 
@@ -114,6 +136,7 @@ def _mesh(n: int, r: int, port0: int) -> dict[int, socket.socket]:
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", port0 + r))
     srv.listen(n)
+    srv.settimeout(30)  # a peer that never connects fails the rank, it does not hang it
     socks = {}
     for p in range(r + 1, n):
         deadline = time.monotonic() + 10
@@ -277,7 +300,12 @@ def run_bare(mode: str, n: int, calls: int) -> tuple[float, ...]:
     if mode == "bare-shm":
         return _in_processes(n, _bare_shm, mmap.mmap(-1, 4096), calls)
     target = _bare_tcp_block if mode == "bare-tcp-block" else _bare_tcp_uvloop
-    return _in_processes(n, target, _free_port() + 1, calls)  # rank r listens on port + 1 + r
+    for _ in range(2):  # another program may take a port of the block between _free_port and bind: retry
+        try:
+            return _in_processes(n, target, _free_port() + 1, calls)  # rank r listens on port + 1 + r
+        except RankFailed as exc:
+            print(f"{mode}: {exc}; again on other ports", file=sys.stderr, flush=True)
+    return _in_processes(n, target, _free_port() + 1, calls)
 
 
 def _free_port() -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,23 @@ def test_busbw_factors_and_sizes():
     assert busbw_factor("broadcast", 4) == busbw_factor("reduce", 4) == 1.0
     assert parse_sizes("4:64M:4")[0] == 4 and parse_sizes("4:64M:4")[-1] == 64 << 20 and len(parse_sizes("4:64M:4")) == 13
     assert parse_sizes("4,4K,1M") == [4, 4096, 1 << 20]
+
+
+def _rank_that_dies_or_waits(n, rank, out):
+    if rank == 0:
+        raise SystemExit(3)  # as a rank whose bind or connect failed
+    time.sleep(120)  # as its peer, waiting on a connection that never comes
+
+
+@pytest.mark.timeout(60)
+def test_floor_fails_a_mode_at_once_when_a_rank_dies():
+    """A rank of bench/floor.py that exits before reporting (a port of its block taken by another
+    program) fails the mode with RankFailed naming it, its peer stopped; it used to wait 300 s."""
+    from bench import floor
+    t0 = time.monotonic()
+    with pytest.raises(floor.RankFailed, match=r"\(0, 3\)"):
+        floor._in_processes(2, _rank_that_dies_or_waits)
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.timeout(300)
