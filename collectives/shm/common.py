@@ -8,6 +8,7 @@ Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 
@@ -91,6 +92,21 @@ def _host_layout(group) -> str:
             runs.append(node)
     hosts = len(set(ids))
     return "one" if hosts <= 1 else "spread" if hosts == len(ids) else "packed" if len(runs) == hosts else "mixed"
+
+
+def own_cores(group, local_ranks: int) -> bool:
+    """Whether every rank of this node can have a core of its own: the cores this process may run
+    on are at least the ranks that share the node (``local_ranks``, or the runtime's
+    ``local_world_size`` when larger). Then a waiting rank may spin on its core; else it yields it."""
+    local = max(local_ranks, getattr(group.runtime, "local_world_size", 1) or 1)
+    return _cpus() >= local
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def shm_enabled(group) -> bool:

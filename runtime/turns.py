@@ -1,0 +1,82 @@
+"""Whether the event loop's thread has run too long without giving its loop a turn.
+
+Collective code runs on the event loop's thread, and a coroutine that never waits on anything
+unfinished never hands the loop back: a stream of calls that each complete at once (small
+shared-memory calls, frames read straight off the socket), a ring whose segments have all
+arrived, a large copy or reduction. Meanwhile every other task of the loop stands still (a
+heartbeat, a data loader, the Watchdog's timer). The rule (docs/design.md, "Control plane on the
+loop"): between bounded pieces of work, such code asks :meth:`LoopTurns.due` and, when it says
+so, awaits ``asyncio.sleep(0)``, which runs one iteration of the loop (every ready callback and
+every expired timer) before coming back::
+
+    if turns.due():
+        await asyncio.sleep(0)
+
+``due()`` is one clock read. It arms a callback (``call_soon``) the first time it is asked after
+a turn; that callback runs at the loop's next iteration, which is exactly the "the loop had a
+turn" event, whoever caused it (this code yielding, or any wait on an unfinished future). So a
+check costs nothing measurable and forces a yield only when the loop really has not turned for
+:data:`TURN_S`.
+
+Not here: where the checks are made (runtime/group.py after each call, collectives' loops over
+segments, runtime/shm.py between sleeps, the compiled paths' slices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+
+# The longest the loop's thread runs collective work without a turn, when it can cut the work:
+# pieces of work are themselves bounded (a segment's reduction or copy, one wait slice), so the
+# loop's other tasks wait at most this plus one piece.
+TURN_S = 0.002
+
+_clock = time.perf_counter
+
+
+class LoopTurns:
+    """The turn check of one event loop (:meth:`for_loop` gives each loop its own)."""
+
+    __slots__ = ("_loop", "_due", "_armed", "yields")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # (the table below is keyed weakly by the loop)
+        self._due = float("inf")  # when the loop, untouched since we armed, has waited too long
+        self._armed = False
+        self.yields = 0  # times a check said "due" (statistics)
+
+    def due(self) -> bool:
+        """True when the loop has had no turn for TURN_S since this was first asked after its
+        last turn (the caller then awaits ``asyncio.sleep(0)``)."""
+        if not self._armed:
+            self._armed = True
+            self._due = _clock() + TURN_S
+            self._loop().call_soon(self._turned)
+            return False
+        if _clock() >= self._due:
+            self.yields += 1
+            return True
+        return False
+
+    def _turned(self) -> None:
+        self._armed = False
+        self._due = float("inf")
+
+    @staticmethod
+    def for_loop(loop: asyncio.AbstractEventLoop) -> "LoopTurns":
+        """The check of ``loop`` (made on first use, kept as long as the loop lives)."""
+        turns = _by_loop.get(loop)
+        if turns is None:
+            turns = _by_loop[loop] = LoopTurns(loop)
+        return turns
+
+
+_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopTurns]" = weakref.WeakKeyDictionary()
+
+
+async def give_turn(loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Awaits ``asyncio.sleep(0)`` if the loop has waited too long (for code without a Call)."""
+    if LoopTurns.for_loop(loop or asyncio.get_running_loop()).due():
+        await asyncio.sleep(0)
