@@ -43,6 +43,7 @@ import time
 from runtime import env, wire
 from runtime.actor import Actor
 from runtime.trace import Tracer
+from runtime.turns import LoopTurns
 from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
                             CollectiveTimeoutError, PeerAbortedError, PeerLostError, RingweaveError)
@@ -382,6 +383,11 @@ class ProcessGroup:
                                 {"op": call.fingerprint, "seq": call.seq, "group": self.gid,
                                  "bytes_sent": call.bytes_sent, "algorithm": call.algorithm,
                                  "outcome": outcome})
+        # A call that never waited on anything unfinished (a small shared-memory call, frames read
+        # straight off the socket) never handed the loop back: back to back, such calls would
+        # starve every other task of the loop. One clock read says whether it is time for a turn.
+        if LoopTurns.for_loop(call.loop).due():
+            await asyncio.sleep(0)
 
     async def _not_arrived(self, call: Call) -> tuple[list[int], dict[int, str]]:
         """Asks every other member, when ``call`` timed out, whether it reached it.

@@ -151,7 +151,7 @@ FP_MAX = FP_NBYTES - 12
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
 LEFT_WAIT_S = 2.0  # Domain._attach: a member whose name is gone tells its error within its answer budget (1 s)
-SLICE_S = 0.005  # one futex sleep: the event loop's other tasks get a turn at least this often
+SLICE_S = 0.002  # one futex sleep: the event loop's other tasks get a turn at least this often (runtime/turns.py)
                  # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
 
 

@@ -76,7 +76,15 @@ class LoopTurns:
 _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopTurns]" = weakref.WeakKeyDictionary()
 
 
-async def give_turn(loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Awaits ``asyncio.sleep(0)`` if the loop has waited too long (for code without a Call)."""
-    if LoopTurns.for_loop(loop or asyncio.get_running_loop()).due():
-        await asyncio.sleep(0)
+_last: LoopTurns | None = None  # the check asked last (one loop per process, nearly always)
+
+
+def due() -> bool:
+    """:meth:`LoopTurns.due` of the running loop (for code that holds no loop; it costs a
+    ``get_running_loop``, so it is asked between pieces of real work, not per message)."""
+    global _last
+    loop = asyncio.get_running_loop()
+    turns = _last
+    if turns is None or turns._loop() is not loop:
+        turns = _last = LoopTurns.for_loop(loop)
+    return turns.due()

@@ -98,7 +98,7 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     await dom.wait_all(comm, 2)
     # 3. copy-out: every other chunk from its owner's slot
     others = [c for c in range(n) if c != r]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others],
+    await common.copy_off_loop(dom, x.nbytes, [(chunk(x, c), chunk(slots[c], c)) for c in others],
                           common.streams(x.nbytes))
 
 
@@ -119,16 +119,12 @@ async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
 
     # 1. copy-in: every chunk but mine into my slot
     others = [c for c in range(k) if c != p]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others],
+    await common.copy_off_loop(dom, x.nbytes, [(chunk(slots[p], c), chunk(x, c)) for c in others],
                           common.streams(x.nbytes))
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
     # 2. reduce my chunk from every peer's slot, in member order, then publish it in my slot
     mine = chunk(x, p)
-
-    def reduce_and_publish():
-        kernels.reduce_publish(mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
-
-    await common.off_loop(dom, mine.nbytes * k, reduce_and_publish)
+    await common.reduce_off_loop(dom, mine.nbytes * k, mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
     dom.post(comm, 2)
     return slots, chunk
