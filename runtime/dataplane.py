@@ -32,6 +32,11 @@ Failure: EOF or an error on the socket ends the job with that error; the connect
 a lost peer does (transport.py). A thread waits in ``poll`` in slices of :data:`SLICE_S`, so
 :meth:`Worker.close` ends it within one slice (sooner: close also shuts the socket down).
 
+Off by default (``RINGWEAVE_DATA_PLANE=1`` turns it on): on the 2-core development machine,
+shared with other jobs, 2 ranks moved 2-64 MiB no faster with the threads than without, and the
+ratios against Gloo were 10-30% lower (bench/results/dataplane.md#where-the-threads-take-over).
+It is meant for machines with a core per rank and a thread, where it could not be measured.
+
 Life of a worker (grammar)::
 
     Worker(fd, loop) -> submit* -> close -> end        (close joins the thread)

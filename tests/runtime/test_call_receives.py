@@ -154,13 +154,16 @@ async def test_send_now_writes_a_large_frame_and_copies_what_the_full_socket_doe
             await rt.close()
 
 
-@pytest.mark.parametrize("nbytes", [16, 1 << 20], ids=["whole-frame", "payload-read-direct"])
-async def test_a_frame_after_the_call_failed_does_not_land_in_the_callers_array(nbytes):
+@pytest.mark.parametrize("nbytes, data_plane", [(16, "0"), (1 << 20, "0"), (4 << 20, "1")],
+                         ids=["whole-frame", "payload-read-direct", "payload-on-the-data-plane"])
+async def test_a_frame_after_the_call_failed_does_not_land_in_the_callers_array(nbytes, data_plane, monkeypatch):
     """Rank 0's broadcast times out waiting for the root, rank 1. Rank 1's frame comes after
     that: rank 0's array must be as the failed call left it, not overwritten behind the
-    caller's back (small frames complete in one step, large ones are read into the posted buffer)."""
+    caller's back (small frames complete in one step, large ones are read into the posted buffer,
+    by the loop or by the connection's receiver thread)."""
     from runtime.errors import CollectiveTimeoutError
 
+    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", data_plane)
     rts = await make_runtimes(2, "tcp")
     try:
         x0 = np.zeros(nbytes // 4, np.float32)

@@ -15,6 +15,14 @@ async def test_connection_contract(check, transport):
     await check(transport)
 
 
+@pytest.mark.parametrize("check", check_connection.ALL, ids=lambda c: c.__name__.removeprefix("check_"))
+async def test_connection_contract_on_the_data_plane(check, monkeypatch):
+    """The same contract with payloads above 1 MiB moved by the connection's threads
+    (RINGWEAVE_DATA_PLANE=1, runtime/dataplane.py)."""
+    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", "1")
+    await check("tcp")
+
+
 @pytest.mark.parametrize("data_plane", ["0", "1"])
 async def test_send_to_a_peer_that_stopped_reading_times_out_and_drops_the_half_frame(data_plane, monkeypatch):
     """A sender whose peer stops reading fails naming it within its deadline. On plain
