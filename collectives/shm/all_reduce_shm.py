@@ -58,7 +58,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
             await dom.begin(comm)
         ok = False
         try:
-            if fastpath.usable(x):  # the same protocol, compiled (fastpath.py; _small is its reference)
+            if fastpath.usable(x) and fastpath.enabled(dom):  # the same protocol, compiled (fastpath.py; _small is its reference)
                 await fastpath.all_reduce(comm, dom, x, op)
             else:
                 await _small(comm, dom, x, op, common.small_views(dom, x.dtype, x.size))

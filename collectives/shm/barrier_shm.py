@@ -27,7 +27,7 @@ async def run(comm) -> None:
         await dom.begin(comm)
     ok = False
     try:
-        if fastpath.SUPPORTED:  # the same protocol, compiled (fastpath.py; the lines below are its reference)
+        if fastpath.enabled(dom):  # the same protocol, compiled (fastpath.py; the lines below are its reference)
             await fastpath.barrier(comm, dom)
         else:
             dom.post(comm, 1)

@@ -206,18 +206,24 @@ SPIN_PAUSES = 2000
 
 class _Compiled:
     """What the compiled calls need of a domain, made once per domain (``Domain.compiled``):
-    the members' control segment addresses, a state array, and how to wait."""
-    __slots__ = ("ctl", "state", "wait")
+    the members' control segment addresses, a state array, how to wait, and whether this
+    path serves the domain at all (``enabled``: RINGWEAVE_SHM_COMPILED)."""
+    __slots__ = ("ctl", "state", "wait", "enabled")
 
     def __init__(self, dom):
         self.ctl = np.array(dom.control_addresses, np.uint64)
         self.state = np.zeros(4, np.int64)  # stage, peer, timespec scratch (2)
+        own = common.own_cores(dom.group, dom.size)
         if dom.cooperative:  # the peers are tasks of this event loop: never block, never spin
             self.wait = (0, False, 0)
-        elif common.own_cores(dom.group, dom.size):
+        elif own:
             self.wait = (SPIN_PAUSES, False, SLICE_NS)
         else:  # ranks share cores: a yield hands the core to one with work (bench/results/shm.md#waiting-and-waking)
             self.wait = (env.SHM_SPIN.get(), True, SLICE_NS)
+        # auto: where ranks share cores the compiled path was 4-19% slower than the Python one, with a
+        # core each 1.2-1.7x faster (bench/results/shm.md#the-compiled-small-path)
+        setting = env.SHM_COMPILED.get()
+        self.enabled = setting == "1" or (setting == "auto" and (own or dom.cooperative))
 
 
 def _compiled(dom) -> _Compiled:
@@ -228,8 +234,14 @@ def _compiled(dom) -> _Compiled:
 
 
 def usable(x: np.ndarray) -> bool:
-    """Whether :func:`all_reduce` serves ``x`` (a native dtype, this machine supported)."""
+    """Whether :func:`all_reduce` can serve ``x`` (a native dtype, this machine supported)."""
     return SUPPORTED and x.dtype in NATIVE
+
+
+def enabled(dom) -> bool:
+    """Whether the compiled path serves ``dom``'s calls (RINGWEAVE_SHM_COMPILED; auto: when its
+    ranks have cores of their own). Members may differ: the protocol is the same either way."""
+    return SUPPORTED and _compiled(dom).enabled
 
 
 async def all_reduce(comm, dom, x: np.ndarray, op: str) -> None:

@@ -129,7 +129,8 @@ async def main() -> None:
         say("READY", g.rank)
         await asyncio.sleep(4 if mode == "timeout" else 60)
         os._exit(0)
-    say("ENTER", g.rank, "compiled" if shm.domain(g, list(range(g.size))).compiled is not None else "python")
+    dom = shm.domain(g, list(range(g.size)))
+    say("ENTER", g.rank, "compiled" if dom.compiled is not None and dom.compiled.enabled else "python")
     t = time.time()
     try:
         if mode == "kill-barrier":
