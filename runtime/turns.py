@@ -12,11 +12,13 @@ every expired timer) before coming back::
     if turns.due():
         await asyncio.sleep(0)
 
-``due()`` is one clock read. It arms a callback (``call_soon``) the first time it is asked after
-a turn; that callback runs at the loop's next iteration, which is exactly the "the loop had a
-turn" event, whoever caused it (this code yielding, or any wait on an unfinished future). So a
-check costs nothing measurable and forces a yield only when the loop really has not turned for
-:data:`TURN_S`.
+``due()`` is one clock read. It arms a callback (``call_soon``) when it is asked at least
+``TURN_S / 2`` after the loop's last turn; that callback runs at the loop's next iteration, which
+is exactly the "the loop had a turn" event, whoever caused it (this code yielding, or any wait on
+an unfinished future). So a check costs a clock read, a callback at most every millisecond (calls
+of a few microseconds that each let the loop turn would otherwise pay one each), and forces a
+yield only when the loop really has not turned for :data:`TURN_S` since it was armed: no other
+task waits longer than 1.5 x TURN_S plus one piece of work.
 
 Not here: where the checks are made (runtime/group.py after each call, collectives' loops over
 segments, runtime/shm.py between sleeps, the compiled paths' slices).
@@ -39,23 +41,27 @@ _clock = time.perf_counter
 class LoopTurns:
     """The turn check of one event loop (:meth:`for_loop` gives each loop its own)."""
 
-    __slots__ = ("_loop", "_due", "_armed", "yields")
+    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "yields")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # (the table below is keyed weakly by the loop)
         self._due = float("inf")  # when the loop, untouched since we armed, has waited too long
         self._armed = False
+        self._quiet_until = 0.0  # the loop turned just before this: no need to arm yet
         self.yields = 0  # times a check said "due" (statistics)
 
     def due(self) -> bool:
-        """True when the loop has had no turn for TURN_S since this was first asked after its
-        last turn (the caller then awaits ``asyncio.sleep(0)``)."""
+        """True when the loop has had no turn for TURN_S since this was armed (the caller then
+        awaits ``asyncio.sleep(0)``)."""
+        now = _clock()
         if not self._armed:
+            if now < self._quiet_until:
+                return False
             self._armed = True
-            self._due = _clock() + TURN_S
+            self._due = now + TURN_S
             self._loop().call_soon(self._turned)
             return False
-        if _clock() >= self._due:
+        if now >= self._due:
             self.yields += 1
             return True
         return False
@@ -63,6 +69,7 @@ class LoopTurns:
     def _turned(self) -> None:
         self._armed = False
         self._due = float("inf")
+        self._quiet_until = _clock() + TURN_S / 2
 
     @staticmethod
     def for_loop(loop: asyncio.AbstractEventLoop) -> "LoopTurns":
