@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean slurm mpi
 
 venv: $(STAMP)
 
@@ -22,6 +22,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# SLURM (slurmctld, slurmd, munge, the client commands) and Open MPI's mpirun, from Debian's
+# packages: the tests in tests/scheduler/ then run a private SLURM and real mpirun jobs
+# (they skip, saying why, where these are missing). Needs root (or SUDO=sudo).
+SUDO ?=
+SCHEDULER_PACKAGES := slurmctld slurmd slurm-client munge openmpi-bin
+slurm mpi:
+	$(SUDO) apt-get update
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends $(SCHEDULER_PACKAGES)
 
 bench: $(STAMP)
 	$(BIN)/python bench/p2p.py --out-dir bench/out

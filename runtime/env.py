@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import warnings
 from typing import Any, Callable, Mapping
@@ -121,6 +122,34 @@ def choice(*words: str) -> Callable[[str], str]:
         return raw
     parse.__doc__ = f"One of {', '.join(words)}."
     return parse
+
+
+def signal_names(raw: str) -> tuple[str, ...]:
+    """Signals, comma-separated, by name (``TERM``, ``SIGUSR1``) or number; ``none``: none."""
+    if raw.strip().lower() == "none":
+        return ()
+    names = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        word = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        try:
+            sig = signal.Signals(int(item)) if item.isdigit() else signal.Signals[word]
+        except (KeyError, ValueError):
+            raise ValueError(f"names no signal ({item!r}): give names like TERM,USR1, numbers, or none") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"names {sig.name}, which cannot be caught")
+        names.append(sig.name)
+    return tuple(names)
+
+
+def exit_code(raw: str) -> int:
+    """An exit code, 1..255 (0 would read as success)."""
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("is not an integer exit code") from None
+    if not 1 <= value <= 255:
+        raise ValueError("must be an exit code in 1..255 (0 would read as success)")
+    return value
 
 
 positive_seconds = number("seconds", lambda v: v > 0, "must be a positive number of seconds")
@@ -283,6 +312,18 @@ DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 
 DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", number("KiB", lambda v: v >= 0, "must be 0 or more KiB"),
                        "256", "each call", "a device all_reduce up to this size is staged whole and reduced on the "
                        "host, larger ones fold on the device (0: always fold)")
+WATCH_PARENT = _("RINGWEAVE_WATCH_PARENT", switch, "1", "init",
+                 "0: a rank of a multi-rank job does not exit when its launcher (its parent process) dies "
+                 "(runtime/lifeline.py)")
+PREEMPT_SIGNALS = _("RINGWEAVE_PREEMPT_SIGNALS", signal_names, "TERM,USR1", "each training run",
+                    "the signals on which a training run with --checkpoint-dir saves a checkpoint at a step every "
+                    "rank agrees on and exits (none: none; trainer/preempt.py)")
+PREEMPT_CHECK = _("RINGWEAVE_PREEMPT_CHECK_S", check_seconds, "1", "each training run",
+                  "about how often the ranks agree on whether such a signal came: it is acted on within about "
+                  "this and a step (0: at every step, an all_reduce per step)")
+PREEMPT_EXIT_CODE = _("RINGWEAVE_PREEMPT_EXIT_CODE", exit_code, None, "each training run",
+                      "the exit code after such a stop (unset: 128 + the signal, 143 for TERM, 138 for USR1), "
+                      "e.g. one that slurm.conf's RequeueExit lists")
 del _
 
 DEFAULT_TIMEOUT_S: float = TIMEOUT.get({})
@@ -327,6 +368,12 @@ def device_segment_bytes() -> int:
 def device_host_reduce_bytes() -> int:
     """``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` in bytes: the largest device all_reduce reduced on the host."""
     return int(DEVICE_HOST_REDUCE.get() * 1024)
+
+
+def preempt_exit_code(signum: int) -> int:
+    """The exit code of a run stopped by signal ``signum``: RINGWEAVE_PREEMPT_EXIT_CODE, else 128 + signum."""
+    code = PREEMPT_EXIT_CODE.get()
+    return 128 + signum if code is None else code
 
 
 # -- python -m runtime.env -----------------------------------------------------------------------------

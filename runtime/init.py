@@ -1,19 +1,22 @@
 """Joining a job: ``rt = await runtime.init()`` and ``await runtime.shutdown()``.
 
-Where the numbers come from, first found wins::
-
-    arguments of init()  >  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE  (torchrun, our launcher)
-                         >  OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE  (mpirun)
-                         >  PMI_RANK / PMI_SIZE                              (MPICH, Intel MPI)
-                         >  SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID      (srun)
-    MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required when WORLD_SIZE > 1)
+Where the numbers come from: the arguments of init(), else the environment as
+runtime/scheduler.py reads it (RANK/WORLD_SIZE as our launcher and torchrun set them,
+else Open MPI's, PMI's or SLURM's variables, with MASTER_ADDR, MASTER_PORT, local
+ranks and threads derived from what the scheduler knows; MASTER_ADDR / MASTER_PORT in
+the environment always win). A process that must not join as it is (a SLURM batch
+script that srun did not start, a multi-node job whose store host is unknown) gets a
+RingweaveError saying why at once, as does a MASTER_ADDR that does not resolve, or a
+store port that another program holds. In a multi-rank job every rank watches its
+parent and exits when its launcher dies (runtime/lifeline.py).
 
 Steps (each under ``timeout_s``):
 
 1. the store: with ``RINGWEAVE_STORE_HOSTED=1`` (our launcher hosts it) every
-   rank connects to MASTER_ADDR:MASTER_PORT; otherwise rank 0 hosts it there and
-   all ranks connect. Keys go under ``restart/<RINGWEAVE_RESTART>/`` so an
-   attempt never reads the last one's keys.
+   rank connects to MASTER_ADDR:MASTER_PORT; otherwise rank 0 (under mpirun: the
+   first rank on mpirun's host) hosts it there and all ranks connect. Rank 0 sets
+   ``job/info`` (world size, restart) for tools. Keys go under
+   ``restart/<RINGWEAVE_RESTART>/`` so an attempt never reads the last one's keys.
 2. listen on port 0 (loopback when MASTER_ADDR is loopback, else every interface),
    publish ``addr/<rank>`` = {host, port, node} where ``node`` names the machine
    (hostname + boot id: ranks with the same node share memory).
@@ -36,12 +39,13 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import weakref
 
 import msgpack
 
-from runtime import auth
+from runtime import auth, lifeline, scheduler
 from runtime.actor import Actor
 from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
 from runtime import env as settings
@@ -50,46 +54,81 @@ from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
 from runtime.store import PrefixStore
 
+try:  # limits BLAS / OpenMP pools already loaded when the launcher implies a thread count
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover - a dependency of scikit-learn
+    threadpool_limits = None
+
 log = logging.getLogger("ringweave.init")
 
 _current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("ringweave_runtime", default=None)
 _process_default: Runtime | None = None
 
-_ENV_SOURCES = [  # (rank, size, local rank, local size)
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-]
-
-
-def _int_env(name: str, env) -> int | None:
-    value = env.get(name)
-    if value is None or value == "":
-        return None
-    digits = value.split("(")[0].split(",")[0]  # SLURM_NTASKS_PER_NODE may read "4(x2)"
-    try:
-        return int(digits)
-    except ValueError:
-        raise RingweaveError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def read_env(env=None) -> dict:
-    """Rank, sizes and master address from the environment (see module docstring)."""
+    """Rank, sizes, the store's address and what else the launcher implies, from the
+    environment (see the module docstring and runtime/scheduler.py); never raises for a
+    process that must not join (``"problem"`` says why), only for a malformed variable."""
     env = os.environ if env is None else env
-    out = {"rank": None, "world_size": None, "local_rank": None, "local_world_size": None}
-    for names in _ENV_SOURCES:
-        rank, size = _int_env(names[0], env), _int_env(names[1], env)
-        if rank is not None and size is not None:
-            out.update(rank=rank, world_size=size, local_rank=_int_env(names[2], env),
-                       local_world_size=_int_env(names[3], env))
-            break
-    out["master_addr"] = env.get("MASTER_ADDR") or "127.0.0.1"
-    out["master_port"] = _int_env("MASTER_PORT", env)
-    out["restart"] = settings.RESTART.get(env)
-    out["job"] = settings.JOB.get(env)
-    out["store_hosted"] = settings.STORE_HOSTED.get(env)
-    return out
+    p = scheduler.placement(env, scheduler.usable_cores())
+    return {"rank": p.rank, "world_size": p.world_size, "local_rank": p.local_rank,
+            "local_world_size": p.local_world_size, "master_addr": p.master_addr,
+            "master_addr_source": p.master_addr_source, "master_port": p.master_port,
+            "master_port_source": p.master_port_source,
+            "master_port_derived": p.master_port is not None and p.master_port_source != "MASTER_PORT",
+            "restart": p.restart, "job": p.job or "ringweave",
+            "store_hosted": settings.STORE_HOSTED.get(env),
+            "hosts_store": p.hosts_store, "launcher": p.launcher, "problem": p.problem,
+            "threads": scheduler.thread_settings(p, env), "nodelist": p.nodelist}
+
+
+JOB_INFO_KEY = "job/info"  # {world_size, restart}, set by rank 0 outside the restart prefix
+
+
+def _limit_threads(thread_vars: dict[str, str]) -> None:
+    """Sets the thread variables the launcher implies (scheduler.thread_settings) for what
+    loads later, and limits BLAS / OpenMP pools that numpy and friends loaded already."""
+    for name, value in thread_vars.items():
+        os.environ[name] = value
+    if not thread_vars or threadpool_limits is None:
+        return
+    count = int(next(iter(thread_vars.values())))
+    if "OPENBLAS_NUM_THREADS" in thread_vars and "MKL_NUM_THREADS" in thread_vars:
+        threadpool_limits(limits=count, user_api="blas")
+    if "OMP_NUM_THREADS" in thread_vars:
+        threadpool_limits(limits=count, user_api="openmp")
+
+
+async def _resolve_master(addr: str, source: str, env: dict) -> str:
+    """``addr`` if it resolves (or may later: a temporary DNS failure is left to the connect's
+    retries); under SLURM a node name that does not resolve is replaced by the NodeAddr
+    slurmctld has for it (``NodeName=n1 NodeAddr=10.0.0.5``).
+
+    Raises:
+        RingweaveError: the name does not resolve (a permanent DNS error), naming it and
+            where it came from; nothing is retried.
+    """
+    try:
+        await asyncio.get_running_loop().getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+        return addr
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:
+            return addr
+        node_addr = await asyncio.to_thread(_slurm_node_addr, addr) if addr in env["nodelist"] else None
+        if node_addr:
+            return node_addr
+        raise RingweaveError(f"MASTER_ADDR {addr!r} ({source}) does not resolve: {exc.strerror}; "
+                             f"set MASTER_ADDR to a name or address of the store's host") from None
+
+
+def _slurm_node_addr(name: str) -> str | None:
+    """The NodeAddr of SLURM node ``name`` (``scontrol show node``), None where unknown."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True,
+                             timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    addr = scheduler.parse_slurm_node_addr(out)
+    return addr if addr and addr != name else None
 
 
 def node_id() -> str:
@@ -199,6 +238,11 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
     global _process_default
     die_with_launcher()
     env = read_env()
+    placed_by_env = rank is None and world_size is None and master_addr is None
+    if env["problem"] and placed_by_env:
+        raise RingweaveError(env["problem"])
+    addr_source = env["master_addr_source"] if master_addr is None else "the master_addr argument"
+    port_source = env["master_port_source"] if master_port is None else "the master_port argument"
     rank = env["rank"] if rank is None else rank
     world_size = env["world_size"] if world_size is None else world_size
     if rank is None and world_size is None:  # nothing says otherwise: a single process
@@ -222,26 +266,34 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
     loopback = auth.is_loopback(master_addr)
     server = None
     own_store = store is None
-    if store is None:
+    if store is None:  # a process of a real job (not ranks sharing a store in one process)
+        _limit_threads(env["threads"])
+        if world_size > 1 and settings.WATCH_PARENT.get():
+            lifeline.watch_parent(f"rank {rank}")
         if world_size > 1 and master_port is None:
             raise RingweaveError("MASTER_PORT is not set: rank 0's store address is needed for WORLD_SIZE > 1")
+        if world_size > 1:
+            master_addr = await _resolve_master(master_addr, addr_source, env)
+            loopback = auth.is_loopback(master_addr)
         from runtime.store import MemoryStore
         from runtime.store_tcp import StoreServer, TCPStore
-        if world_size == 1 and master_port is None:
-            store = MemoryStore(timeout_s)
+        if world_size == 1 and (master_port is None or env["master_port_derived"] and master_port_arg is None):
+            store = MemoryStore(timeout_s)  # one process: no server (unless a MASTER_PORT asks for one)
         else:
-            if rank == 0 and not env["store_hosted"]:
+            hosts = env["hosts_store"] if placed_by_env and env["hosts_store"] is not None else (
+                rank == 0 and not env["store_hosted"])
+            if hosts:
                 server = StoreServer(master_addr if loopback else "0.0.0.0", master_port, secret=secret, job=job)
                 try:
                     await server.start()
                 except OSError as exc:
                     if exc.errno != errno.EADDRINUSE:
                         raise
-                    source = ("the master_port argument" if master_port_arg is not None
-                              else env.get("master_port_source", "MASTER_PORT"))
-                    raise ConnectError(f"rank 0 cannot host the rendezvous store on {master_addr}:{master_port}: "
-                                       f"port {master_port} (set by {source}={master_port}) is in use by another "
-                                       f"program; choose another port") from exc
+                    given = port_source in ("MASTER_PORT", "the master_port argument")
+                    how = f"set by {port_source}={master_port}" if given else f"from {port_source}"
+                    raise ConnectError(f"rank {rank} cannot host the rendezvous store on {master_addr}:{master_port}: "
+                                       f"port {master_port} ({how}) is in use by another program or job; choose "
+                                       f"another port with MASTER_PORT") from exc
             try:
                 store = await TCPStore.connect(master_addr, master_port, secret=secret, job=job,
                                                timeout_s=timeout_s, who={"rank": rank})
@@ -252,6 +304,8 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
     prefixed = PrefixStore(f"restart/{env['restart']}", store, owns_store=own_store)
     actor = Actor(rank, world_size, secret=secret, job=job)
     try:
+        if own_store and rank == 0 and world_size > 1:  # how tools find the job through its store (tools/status.py)
+            await store.set(JOB_INFO_KEY, msgpack.packb({"world_size": world_size, "restart": env["restart"]}))
         if world_size > 1:
             host = "127.0.0.1" if loopback else _advertised_host(master_addr)
             _, port = await actor.listen("127.0.0.1" if loopback else "0.0.0.0", 0)

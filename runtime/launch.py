@@ -149,8 +149,8 @@ from runtime import auth, jobfile, procs
 from runtime import env as settings
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
+from runtime.scheduler import THREAD_VARS, usable_cores
 
-THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
 EXIT_LAUNCHER = 1
@@ -390,13 +390,6 @@ def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, mas
         if not base.get(name):
             env[name] = threads
     return env
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 # -- decisions (pure) ----------------------------------------------------------

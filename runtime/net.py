@@ -19,6 +19,9 @@ from runtime import env
 from runtime.errors import ConnectError
 
 SOCKET_BUFFER_NBYTES = env.SOCKET_BUFFER.get({})  # bigger kernel buffers: fewer wake-ups for large arrays
+# getaddrinfo answers that no retry can change (EAI_AGAIN, a DNS server that did not answer, is retried)
+PERMANENT_DNS_ERRORS = frozenset(getattr(socket, name) for name in (
+    "EAI_NONAME", "EAI_FAIL", "EAI_NODATA", "EAI_SERVICE", "EAI_FAMILY", "EAI_ADDRFAMILY") if hasattr(socket, name))
 
 
 def tune(sock: socket.socket) -> None:
@@ -93,14 +96,16 @@ class Backoff:
 
 async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
                   first_delay_s: float = 0.01, max_delay_s: float = 1.0) -> socket.socket:
-    """Connects to ``host:port``, retrying refused or unreachable connects with
-    backoff and jitter (:class:`Backoff`) until ``timeout_s`` has passed.
+    """Connects to ``host:port``, retrying refused or unreachable connects (and temporary
+    DNS failures) with backoff and jitter (:class:`Backoff`) until ``timeout_s`` has passed;
+    a name that does not exist fails at once.
 
     Returns:
         a connected, tuned, non-blocking socket (the caller owns it).
     Raises:
         ConnectError: still not connected when the time ran out; names the
-            address, what we were connecting to, how long and how many tries.
+            address, what we were connecting to, how long and how many tries. At once:
+            ``host`` does not resolve (a permanent DNS error).
     """
     loop = asyncio.get_running_loop()
     backoff = Backoff(timeout_s, first_delay_s, max_delay_s)
@@ -119,6 +124,11 @@ async def connect(host: str, port: int, timeout_s: float, what: str = "peer",
             except BaseException:
                 sock.close()
                 raise
+        except socket.gaierror as exc:
+            if exc.errno in PERMANENT_DNS_ERRORS:  # the name does not exist: retrying cannot help
+                raise ConnectError(f"could not connect to {what} at {host}:{port}: {host!r} does not resolve "
+                                   f"({exc.strerror}; a permanent DNS error, not retried)") from None
+            last = exc
         except (OSError, TimeoutError) as exc:
             last = exc
         if not await backoff.wait_next_try():

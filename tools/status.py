@@ -3,9 +3,13 @@
     python -m tools.status                 # the newest job started on this machine
     python -m tools.status --job job-1a2b  # a given job
     python -m tools.status --json
+    python -m tools.status --master-addr n01 --master-port 15042 --job slurm-5042   # through its store
+    srun --jobid=5042 --overlap -n 1 python -m tools.status                          # the same, from SLURM
 
-It finds the job through the file its launcher keeps (runtime/jobfile.py),
-reads every rank's address from the store, connects to each rank as an
+It finds the job through the file its launcher keeps (runtime/jobfile.py), or
+through its store (tools/locate.py: flags, or the environment as a rank reads it;
+the secret from --secret-file or RINGWEAVE_SECRET), reads every rank's address
+from the store, connects to each rank as an
 authenticated tool (the job's secret; tools may call only ``ringweave.*``
 handlers) and prints each rank's collective calls in flight: the operation,
 how long it has waited and which ranks it is waiting on. A rank answers from
@@ -31,12 +35,13 @@ import sys
 
 import msgpack
 
-from runtime import auth, jobfile, wire
+from runtime import auth, wire
 from runtime.actor import SCHEMA as _ACTOR_SCHEMA
-from runtime.errors import JobFileError, RingweaveError
+from runtime.errors import RingweaveError
 from runtime.launch import attempt_prefix
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
+from tools import locate
 
 _REPLY_SCHEMA: wire.Schema = {"r": _ACTOR_SCHEMA["r"], "b": _ACTOR_SCHEMA["b"]}  # what a rank answers a tool
 
@@ -109,10 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--job", default=None)
     p.add_argument("--timeout-s", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
+    locate.add_arguments(p)  # or through the job's store: tools/locate.py
     args = p.parse_args(argv)
     try:
-        info = jobfile.find(args.job)
-    except (FileNotFoundError, JobFileError) as exc:  # JobFileError: the directory is not safely ours
+        info = asyncio.run(locate.locate(args, args.timeout_s))
+    except (FileNotFoundError, RingweaveError, OSError) as exc:  # JobFileError (a RingweaveError): not safely ours
         print(exc, file=sys.stderr)
         return 1
     statuses = asyncio.run(collect(info, args.timeout_s))

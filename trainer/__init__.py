@@ -1,11 +1,19 @@
-"""ringweave trainer: NumPy models with hand-written backward, optimizers, data, precision.
+"""ringweave trainer: NumPy models with hand-written backward, optimizers, data, strategies, the loop.
 
 Submodules (import them directly; this file stays thin):
-    trainer.nn         layers, flat-buffer units, model, loss
-    trainer.optim      SGD, AdamW (NumPy reference + fused Numba kernel), schedules
-    trainer.data       distributed sampler, global/local batching, digits, synthetic data
-    trainer.precision  dtypes, casting master shards, dynamic loss scaling
+    trainer.nn          layers, flat-buffer units, the MLP and the GPT, losses, Numba kernels
+    trainer.optim       SGD, AdamW (NumPy reference + fused Numba kernel), schedules, decay groups
+    trainer.data        distributed sampler, global/local batching, data sets, digits, synthetic data
+    trainer.text        the pydoc corpus, the byte tokenizer, random and consecutive windows
+    trainer.precision   dtypes, casting master shards, dynamic loss scaling
+    trainer.sharding    DDP, ZeRO-1/2, ZeRO-3/FSDP over the same flat-buffer model
+    trainer.parallel    the dp x tp x pp mesh: tensor and pipeline parallelism of the GPT, offload
+    trainer.checkpoint  sharded atomic checkpoints, loading onto any world size and strategy
+    trainer.loop        fit / evaluate; trainer.history and trainer.callbacks, what it reports and calls
+    trainer.cli         `python -m trainer`; trainer.sample: `python -m trainer.sample`
 
-What it is not: nothing here communicates; the sharding strategies, checkpoints
-and the training loop are separate modules built on these.
+What it is not: no autograd, no devices; the collectives live in collectives/.
 """
+
+__all__ = ["nn", "optim", "data", "text", "precision", "sharding", "parallel", "checkpoint", "loop", "history",
+           "callbacks", "cli", "sample"]

@@ -18,6 +18,7 @@ rank 0 writes one metadata file that describes the global layout::
       "optimizer": "adamw", "master_dtype": "float32",
       "scaler": {"scale": 65536.0, "good_steps": 40},
       "extra": {"epoch": 1, "batch": 12},            # the loop's position in the data
+      "model": {"kind": "gpt", "config": {...}},     # model.spec() when the model has one (trainer.sample)
       "units": [{"index": 0, "numel": 17152,
                  "params": [{"name": "0.weight", "shape": [64, 256], "offset": 0}, ...]}, ...],
       "arrays": {"unit0.param": {"numel": 17152, "dtype": "float32",
@@ -29,7 +30,11 @@ size, so it is never stored); its pieces tile [0, numel). A replicated array
 (ddp) is written once, by rank 0. Loading asks the strategy which ranges this
 rank needs (``strategy.state_dict()["layout"]``) and cuts them from the pieces
 (memory-mapped, so a rank reads only what overlaps its shard): that is the
-resharding onto another world size or strategy.
+resharding onto another world size or strategy. A mesh strategy (trainer/parallel)
+saves the full model's units in this same layout (``sharded_state_dict``, and
+``logical_model`` for the metadata; "mesh" records its shape) and asks, per array,
+for the positions its tensor-parallel cut holds (``layout[name]["index"]``), so a
+checkpoint saved at tp=2 pp=2 loads at dp=4 or on one rank, and the reverse.
 
 Atomic save, in order:
     1. rank 0 clears stale ``.tmp-*`` directories and makes ``.tmp-step-S``; barrier;
@@ -73,7 +78,7 @@ from trainer.precision import resolve_dtype
 log = logging.getLogger("ringweave.checkpoint")
 
 __all__ = ["CheckpointError", "save", "load", "load_newest_valid", "latest", "list_checkpoints", "read_metadata",
-           "read_full_params", "export_npz", "export_npz_from_checkpoint"]
+           "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint"]
 
 FORMAT, VERSION = "ringweave-checkpoint", 1
 METADATA = "metadata.json"
@@ -147,7 +152,8 @@ def _write_pieces(state: dict, tmp: Path, rank: int) -> dict:
     return pieces
 
 
-def _metadata(state: dict, model_units, tmp: Path, world: int, extra: dict | None) -> dict:
+def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None) -> dict:
+    model_units = model.units
     arrays: dict[str, dict] = {}
     for r in range(world):
         index = json.loads((tmp / f"rank{r:05d}" / "index.json").read_text())
@@ -165,7 +171,8 @@ def _metadata(state: dict, model_units, tmp: Path, world: int, extra: dict | Non
     return {"format": FORMAT, "version": VERSION, "step": int(state["step"]), "optim_step": int(state["optim_step"]),
             "strategy": state["strategy"], "world_size": world, "optimizer": state["optimizer"],
             "master_dtype": state["master_dtype"], "scaler": state["scaler"], "extra": extra or {},
-            "created_unix_s": time.time(), "units": units, "arrays": arrays}
+            "created_unix_s": time.time(), "units": units, "arrays": arrays,
+            "model": model.spec() if hasattr(model, "spec") else None, "mesh": state.get("mesh")}
 
 
 async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3) -> Path:
@@ -187,7 +194,9 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     root = Path(root)
     group = strategy.group
     rank, world = group.rank, group.size
-    state = strategy.state_dict()
+    # a mesh strategy gathers its arrays into the full model's layout first (collective)
+    gather = getattr(strategy, "sharded_state_dict", None)
+    state = await gather() if gather is not None else strategy.state_dict()
     name = _step_dir_name(int(state["step"]))
     tmp, final = root / f".tmp-{name}", root / name
     # 1. rank 0 prepares an empty temporary directory
@@ -224,7 +233,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     commit = np.zeros(1, dtype=np.float64)
     if rank == 0:
         try:
-            meta = _metadata(state, strategy.model.units, tmp, world, extra)
+            meta = _metadata(state, getattr(strategy, "logical_model", strategy.model), tmp, world, extra)
             _write_durable(tmp / METADATA, lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again: replace it
@@ -337,9 +346,13 @@ def load(strategy, path) -> dict:
                                   f"{len(strategy.model.units)} units)")
         if entry["numel"] != lay["numel"]:
             raise CheckpointError(f"{ckpt}: {name!r} has {entry['numel']} elements, the model's has {lay['numel']}")
-        n = len(want["shards"][name])
-        shards[name] = _read_range(ckpt, name, entry, lay["start"], lay["start"] + n,
-                                   np.asarray(want["shards"][name]).dtype)
+        n, dtype = len(want["shards"][name]), np.asarray(want["shards"][name]).dtype
+        if "index" in lay:  # scattered elements (a tensor-parallel cut): the range around them, then a take
+            index = np.asarray(lay["index"], dtype=np.int64)
+            lo, hi = (int(index.min()), int(index.max()) + 1) if index.size else (0, 0)
+            shards[name] = _read_range(ckpt, name, entry, lo, hi, dtype)[index - lo]
+        else:
+            shards[name] = _read_range(ckpt, name, entry, lay["start"], lay["start"] + n, dtype)
     strategy.load_state_dict({**want, "shards": shards, "step": meta["step"], "optim_step": meta["optim_step"],
                               "scaler": meta["scaler"]})
     return meta
@@ -373,6 +386,19 @@ async def load_newest_valid(strategy, root) -> dict | None:
     if found:
         raise CheckpointError(f"none of the {len(found)} checkpoints in {root} could be loaded: {'; '.join(skipped)}")
     return None
+
+
+def read_unit_params(path) -> tuple[list[np.ndarray], dict]:
+    """Every unit's unpadded flat parameters, from the files alone, and the metadata
+    (its "model" rebuilds the model: trainer.sample)."""
+    meta = read_metadata(path)
+    ckpt = Path(meta["path"])
+    flats = []
+    for unit in meta["units"]:
+        name = f"unit{unit['index']}.param"
+        entry = meta["arrays"][name]
+        flats.append(_read_range(ckpt, name, entry, 0, unit["numel"], resolve_dtype(entry["dtype"])))
+    return flats, meta
 
 
 def read_full_params(path) -> dict[str, np.ndarray]:

@@ -1,18 +1,25 @@
-"""`python -m trainer`: the project's main job.
+"""`python -m trainer`: the project's main job, and the GPT on text.
 
-    python -m runtime.launch -n 4 -m trainer                      # 4 ranks, ddp, digits
+    python -m runtime.launch -n 4 -m trainer                      # 4 ranks, ddp, MLP on digits
     python -m runtime.launch -n 4 -m trainer --strategy fsdp --param-dtype bfloat16
     python -m trainer --epochs 3                                  # one process, world size 1
     python -m runtime.launch -n 2 -m trainer --data synthetic --size 20000 --width 1024 --depth 3
+    python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp    # the GPT on pydoc text
+    python -m runtime.launch -n 4 -m trainer --model gpt --tp 2 --pp 2 --micro-batches 8 --schedule 1f1b
+    python -m trainer --model gpt --offload optimizer --offload-dir /scratch   # Adam's state on disk
 
 Every rank: `await runtime.init()`, load the data (the same on every rank), build
-the MLP with `pad_to=world.size`, build and set up the strategy, `fit`, print
-the summary (rank 0), `await runtime.shutdown()`.
+the model (a strategy pads it to the world size), build and set up the strategy,
+`fit`, print the summary (rank 0), `await runtime.shutdown()`.
 
-Defaults (digits, MLP 64-256-256-10 with LayerNorm + GELU, AdamW at 2e-3 with
-half an epoch of warm-up and cosine decay, global batch 64, 5 epochs) reach
+Defaults, MLP (digits, MLP 64-256-256-10 with LayerNorm + GELU, AdamW at 2e-3
+with half an epoch of warm-up and cosine decay, global batch 64, 5 epochs) reach
 >= 95% validation accuracy under every strategy; the figures are in the
-commit that set them.
+commit that set them. Defaults, GPT (`--model gpt`: 4 blocks, 4 heads, width
+128, block size 64, GELU tanh, byte tokens of the Python docs, AdamW at 2e-3,
+global batch 64 windows, 8 epochs; the loss each strategy reaches and the time:
+bench/results/gpt.md#the-default-gpt-at-4-ranks-every-strategy-loss-time-a-sample).
+Flags whose default depends on the model say so.
 
 BLAS threads: each rank limits BLAS to `--blas-threads` threads (default 1)
 with threadpoolctl, whatever OPENBLAS_NUM_THREADS says. The default model's
@@ -22,24 +29,48 @@ machine two BLAS threads made the single-process main job slower
 (bench/results/trainer.md#blas-threads). Give more threads to wide synthetic
 models on an idle machine.
 
-What it is not: no config files (flags only), no model zoo (the MLP builder).
+Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make
+every rank save a checkpoint after the same step and exit 128 + the signal
+(trainer/preempt.py); --resume continues from it.
+
+What it is not: no config files (flags only), no model zoo (the MLP and the GPT).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 import numpy as np
 
+import runtime
+from trainer.allocator import retain_freed_memory
+from trainer.data import Split, load_digits_split, make_synthetic
+from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
+from trainer.nn import GPT, GPTConfig, mlp
+from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
+from trainer.parallel.offload import make_offload_strategy
+from trainer.preempt import Preempted, Preemption
+from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
+from trainer.text import load_text_split
 
-__all__ = ["build_parser", "parse_args", "make_config", "load_data", "main", "run"]
+__all__ = ["build_parser", "parse_args", "make_config", "load_data", "build_model", "describe", "main", "run"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 DTYPE_CHOICES = ("float32", "float16", "bfloat16", "float64")
+MODELS = ("mlp", "gpt")
+# defaults that depend on the model: (mlp, gpt)
+MODEL_DEFAULTS = {
+    "epochs": (5, 8),
+    "batch_size": (64, 64),  # rows (mlp), windows of block_size tokens (gpt)
+    "lr": (2e-3, 2e-3),
+    "eval_train": (True, False),  # a GPT's training set is 420 KB of windows: the step losses say enough
+    "eval_batch_size": (4096, 64),
+}
 
 
 def _positive_int(text: str) -> int:
@@ -61,6 +92,16 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _stage_layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated block counts, e.g. 3,1; got {text!r}") from None
+    if any(n < 1 for n in layers):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one block, got {text!r}")
+    return layers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,14 +139,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic loss scaling (auto: on for float16)")
     g.add_argument("--check-every", type=_non_negative_int, default=0, metavar="N",
                    help="check replicated state is equal across ranks every N steps (default never)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each transformer block's input in the forward and recompute the block in "
+                        "the backward (same gradients, less memory; the run summary shows the activation peak)")
+
+    g = p.add_argument_group("model parallelism (--model gpt) and offload")
+    g.add_argument("--tp", type=_positive_int, default=1, metavar="T",
+                   help="tensor-parallel ranks: each layer's matrices split over T ranks of one host (default 1)")
+    g.add_argument("--pp", type=_positive_int, default=1, metavar="P",
+                   help="pipeline stages: the blocks split into P stages (default 1)")
+    g.add_argument("--dp", type=_positive_int, default=None, metavar="D",
+                   help="data-parallel ranks, --strategy on this dimension (default: what is left, world / (T P))")
+    g.add_argument("--micro-batches", type=_positive_int, default=None, metavar="M",
+                   help="pipeline micro-batches per step (a multiple of --grad-accum; default --grad-accum)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="pipeline schedule: 1f1b (at most P micro-batches in flight) or gpipe (all M); default 1f1b")
+    g.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="N,N,...",
+                   help="blocks per pipeline stage, e.g. 3,1 (default: balanced by parameter count)")
+    g.add_argument("--offload", choices=("optimizer", "params"), default=None,
+                   help="keep the optimizer state (and with params also the float32 master weights, which needs "
+                        "a lower --param-dtype) in memory-mapped files, read ahead and written back unit by unit")
+    g.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="directory for the offload files (a private subdirectory is made; default the temporary "
+                        "directory)")
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--epochs", type=_non_negative_int, default=5)
-    g.add_argument("--batch-size", type=_positive_int, default=64, metavar="G",
-                   help="global micro-batch size, all ranks together (default 64)")
-    g.add_argument("--lr", type=_positive_float, default=2e-3, help="peak learning rate (default 2e-3)")
+    g.add_argument("--epochs", type=_non_negative_int, default=None, help="default 5 (mlp), 8 (gpt)")
+    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="G",
+                   help="global micro-batch size, all ranks together: rows (mlp) or windows (gpt); default 64")
+    g.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default 2e-3)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--decay", choices=("matrices", "all"), default="matrices",
+                   help="which parameters weight decay applies to: the layers' matrices, not biases, LayerNorm or "
+                        "embeddings (default, as nanoGPT and DeepSpeed), or all")
     g.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     g.add_argument("--nesterov", action="store_true", help="sgd only")
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 100)")
@@ -116,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds parameters, data order, dropout and the split")
 
     g = p.add_argument_group("data and model")
-    g.add_argument("--data", choices=("digits", "synthetic"), default="digits")
+    g.add_argument("--model", choices=MODELS, default="mlp",
+                   help="mlp (on --data, default) or gpt (a decoder-only transformer on byte tokens of --corpus)")
+    g.add_argument("--data", choices=("digits", "synthetic"), default="digits", help="mlp: the data set")
     g.add_argument("--size", type=_positive_int, default=10000, help="synthetic: rows (default 10000)")
     g.add_argument("--in-dim", type=_positive_int, default=64, help="synthetic: features (default 64)")
     g.add_argument("--classes", type=_positive_int, default=10, help="synthetic: classes (default 10)")
@@ -124,7 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--width", type=_positive_int, default=256, help="hidden width (default 256)")
     g.add_argument("--depth", type=_positive_int, default=2, help="hidden blocks (default 2)")
     g.add_argument("--dropout", type=float, default=0.0)
-    g.add_argument("--activation", choices=("gelu", "relu"), default="gelu")
+    g.add_argument("--activation", choices=("gelu", "relu"), default="gelu", help="mlp: the activation")
+    g.add_argument("--gelu", choices=("tanh", "erf"), default="tanh",
+                   help="GELU form: tanh, the approximation GPT-2 uses (default here), or erf, the exact form "
+                        "(torch.nn.GELU's default)")
+    g.add_argument("--kernel", choices=("fast", "reference"), default="fast",
+                   help="layers' kernels: fast (Numba passes around NumPy's SIMD exp/tanh, default) or reference "
+                        "(the readable NumPy)")
+
+    g = p.add_argument_group("gpt (--model gpt)")
+    g.add_argument("--n-layer", type=_positive_int, default=4, help="transformer blocks (default 4)")
+    g.add_argument("--n-head", type=_positive_int, default=4, help="attention heads (default 4)")
+    g.add_argument("--n-embd", type=_positive_int, default=128, help="width, a multiple of --n-head (default 128)")
+    g.add_argument("--block-size", type=_positive_int, default=64, help="context length in bytes (default 64)")
+    g.add_argument("--corpus", choices=("pydoc",), default="pydoc",
+                   help="text: pydoc, the Python documentation's topics (466 KB, ships with Python)")
+    g.add_argument("--windows-per-epoch", type=_positive_int, default=None, metavar="N",
+                   help="random training windows per epoch (default: training bytes / block size)")
 
     g = p.add_argument_group("run")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints here")
@@ -136,8 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop once validation accuracy reaches ACC")
     g.add_argument("--patience", type=_positive_int, default=None,
                    help="stop when validation loss has not improved for N epochs")
-    g.add_argument("--no-eval-train", dest="eval_train", action="store_false",
-                   help="skip evaluating the whole training set after each epoch")
+    g.add_argument("--no-eval-train", dest="eval_train", action="store_false", default=None,
+                   help="skip evaluating the whole training set after each epoch (the default for gpt)")
+    g.add_argument("--eval-batch-size", type=_positive_int, default=None, metavar="B",
+                   help="samples per evaluation call (default 4096 rows for mlp, 64 windows for gpt)")
     g.add_argument("--log-every", type=_non_negative_int, default=10, metavar="N")
     g.add_argument("--blas-threads", type=_positive_int, default=None, metavar="T",
                    help="BLAS threads per rank (default 1)")
@@ -148,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    which = MODELS.index(args.model)
+    for name, values in MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[which])
+    if args.model == "gpt" and args.n_embd % args.n_head:
+        build_parser().error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.resume and not args.checkpoint_dir:
         build_parser().error("--resume needs --checkpoint-dir")
     if not 0.0 < args.val_fraction < 1.0:
@@ -156,7 +249,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.compression_warmup_steps and not (args.compression or "").startswith("topk"):
         build_parser().error(f"--compression-warmup-steps is a topk option; --compression is {args.compression!r}")
+    if uses_mesh(args) and args.model != "gpt":
+        build_parser().error("--tp, --pp, --dp, --micro-batches and --stage-layers split the GPT: add --model gpt")
+    if args.stage_layers is not None and len(args.stage_layers) != args.pp:
+        build_parser().error(f"--stage-layers {','.join(map(str, args.stage_layers))} names {len(args.stage_layers)} "
+                             f"stages; --pp is {args.pp}")
+    if args.micro_batches is not None and args.micro_batches % args.grad_accum:
+        build_parser().error(f"--micro-batches {args.micro_batches} must be a multiple of --grad-accum "
+                             f"{args.grad_accum}")
+    if args.offload == "params" and args.param_dtype == args.master_dtype:
+        build_parser().error(f"--offload params keeps the {args.master_dtype} master weights on disk beside a "
+                             f"compute copy: set --param-dtype bfloat16 (or float16), or --offload optimizer")
     return args
+
+
+def uses_mesh(args: argparse.Namespace) -> bool:
+    """Whether the run goes through trainer.parallel's mesh (any model-parallel flag given)."""
+    return (args.tp > 1 or args.pp > 1 or args.dp is not None or args.micro_batches is not None
+            or args.stage_layers is not None)
 
 
 def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | None:
@@ -185,14 +295,16 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         compression=compression_spec(args, steps_per_epoch),
         bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
-        seed=args.seed, check_every=args.check_every)
+        seed=args.seed, check_every=args.check_every, decay=args.decay,
+        activation_checkpointing=args.activation_checkpointing, offload=args.offload, offload_dir=args.offload_dir)
     return TrainConfig(**fields)
 
 
 def load_data(args: argparse.Namespace):
-    """A trainer.data.Split, the same on every rank."""
-    from trainer.data import Split, load_digits_split, make_synthetic
-
+    """A trainer.data.Split (mlp) or trainer.text.TextSplit (gpt), the same on every rank."""
+    if args.model == "gpt":
+        return load_text_split(args.block_size, corpus=args.corpus, val_fraction=0.1, seed=args.seed,
+                               windows_per_epoch=args.windows_per_epoch)
     dtype = np.float64 if args.master_dtype == "float64" else np.float32
     if args.data == "digits":
         return load_digits_split(seed=args.seed, val_fraction=args.val_fraction, dtype=dtype)
@@ -206,12 +318,42 @@ def _blas_threads(args) -> int:
     return args.blas_threads or 1
 
 
-async def run(args: argparse.Namespace) -> int:
-    import runtime
-    from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
-    from trainer.nn import mlp
-    from trainer.sharding import make_strategy
+def build_model(args: argparse.Namespace, data):
+    """The model of the flags (unpadded: the strategy pads it to its world size)."""
+    dtype = np.float64 if args.master_dtype == "float64" else np.float32
+    gelu = "none" if args.gelu == "erf" else "tanh"
+    if args.model == "gpt":
+        config = GPTConfig(vocab_size=data.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                           n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, gelu=gelu,
+                           kernel=args.kernel)
+        return GPT(config, dtype=dtype)
+    return mlp(data.in_dim, (args.width,) * args.depth, data.num_classes, activation=args.activation,
+               dropout=args.dropout, dtype=dtype, gelu=gelu, kernel=args.kernel)
 
+
+def describe(args: argparse.Namespace, data, model, world_size: int, steps: int, mesh=None) -> str:
+    """The first line rank 0 prints: what trains on what."""
+    head = f"{args.strategy} on {world_size} rank(s): "
+    if mesh is not None:
+        m = args.micro_batches or args.grad_accum
+        head = (f"{args.strategy} on {world_size} rank(s) as dp {mesh.shape['dp']} x tp {mesh.shape['tp']} x pp "
+                f"{mesh.shape['pp']} ({args.schedule}, {m} micro-batches per step): ")
+    if args.offload:
+        head += f"{args.offload} offloaded to {args.offload_dir or 'the temporary directory'}; "
+    tail = (f" ({model.numel:,} parameters), {args.optimizer} lr {args.lr}, batch {args.batch_size} x "
+            f"{args.grad_accum}, {args.epochs} epochs of {steps} steps")
+    if args.model == "gpt":
+        baseline = data.unigram_loss
+        return (head + f"{args.corpus} text ({len(data.train.tokens):,} training bytes, {len(data.val.tokens):,} "
+                f"validation; unigram baseline {baseline:.4f} nats = {baseline / math.log(2):.3f} bits per byte), "
+                f"GPT {args.n_layer} layers x {args.n_head} heads x {args.n_embd} wide, block {args.block_size}, "
+                f"GELU {args.gelu}" + (", activation checkpointing" if args.activation_checkpointing else "") + tail)
+    return (head + f"{args.data} ({len(data.x_train)} train, {len(data.x_val)} val), MLP {data.in_dim}-"
+            f"{'-'.join([str(args.width)] * args.depth)}-{data.num_classes}" + tail)
+
+
+async def run(args: argparse.Namespace) -> int:
+    retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
     rt = await runtime.init()
     strategy = None
     try:
@@ -223,28 +365,40 @@ async def run(args: argparse.Namespace) -> int:
     try:
         world = rt.world
         data = load_data(args)
-        spe = steps_per_epoch(len(data.x_train), args.batch_size, args.grad_accum)
+        spe = steps_per_epoch(len(data.train), args.batch_size, args.grad_accum)
         config = make_config(args, spe)
-        model_dtype = np.float64 if args.master_dtype == "float64" else np.float32
-        model = mlp(data.in_dim, (args.width,) * args.depth, data.num_classes, activation=args.activation,
-                    dropout=args.dropout, pad_to=world.size, dtype=model_dtype)
-        strategy = make_strategy(args.strategy, model, config, world)
+        model = build_model(args, data)
+        mesh = None
+        if uses_mesh(args) or (args.offload and args.model == "gpt"):
+            mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
+            parallel = ParallelConfig(schedule=args.schedule, micro_batches=args.micro_batches,
+                                      stage_layers=args.stage_layers)
+            strategy = make_parallel_strategy(args.strategy, model.config, config, mesh, parallel=parallel)
+        elif args.offload:
+            strategy = make_offload_strategy(args.strategy, model, config, world)
+        else:
+            strategy = make_strategy(args.strategy, model, config, world)
         await strategy.setup()
         if world.rank == 0 and not args.quiet:
-            print(f"{args.strategy} on {world.size} rank(s): {args.data} ({len(data.x_train)} train, "
-                  f"{len(data.x_val)} val), MLP {data.in_dim}-{'-'.join([str(args.width)] * args.depth)}-"
-                  f"{data.num_classes} ({model.numel:,} parameters), {args.optimizer} lr {args.lr}, "
-                  f"batch {args.batch_size} x {args.grad_accum}, {args.epochs} epochs of {spe} steps",
-                  file=sys.stderr, flush=True)
+            print(describe(args, data, model, world.size, spe, mesh), file=sys.stderr, flush=True)
         callbacks = []
         if args.target_accuracy is not None:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
-        history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
-                            callbacks=callbacks, checkpoint_dir=args.checkpoint_dir, keep_last=args.keep_last,
-                            resume=args.resume, log_every=0 if args.quiet else args.log_every,
-                            checkpoint_every=args.checkpoint_every, eval_train=args.eval_train, group=world)
+        try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
+            with Preemption(enabled=bool(args.checkpoint_dir)):
+                history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
+                                    callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
+                                    keep_last=args.keep_last, resume=args.resume,
+                                    log_every=0 if args.quiet else args.log_every,
+                                    checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
+                                    eval_batch_size=args.eval_batch_size, group=world)
+        except Preempted as exc:
+            if world.rank == 0:
+                print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
+                      flush=True)
+            return exc.exit_code
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
@@ -260,6 +414,4 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import runtime
-
     return runtime.run(run(args))  # uvloop's event loop when installed

@@ -26,6 +26,11 @@ What it is:
   `global_size` (for `loss_denominator`). A rank may get an EMPTY local batch
   when the last global batch has fewer rows than ranks; the model handles that.
   With R = 1 this is exactly the single-process run.
+* Data sets, what `trainer.loop.fit` reads: anything with `len(ds)` samples and
+  `ds.get(indices, epoch) -> (x, y)` rows (an epoch may draw new samples: the
+  random windows of trainer/text.py do). `ArrayDataset(x, y)` is rows of two
+  arrays; a split is anything with `.train` and `.val` data sets (`Split`,
+  `trainer.text.TextSplit`).
 * `load_digits_split`: sklearn's 8x8 digits (1797 x 64, 10 classes, shipped with
   scikit-learn, no download), split by seed and standardized with the training
   set's statistics.
@@ -44,7 +49,7 @@ import numpy as np
 
 __all__ = [
     "epoch_order", "DistributedSampler", "split_bounds", "num_global_batches", "LocalBatch",
-    "iter_local_batches", "Split", "train_val_split", "load_digits_split", "make_synthetic",
+    "iter_local_batches", "ArrayDataset", "Split", "train_val_split", "load_digits_split", "make_synthetic",
 ]
 
 
@@ -138,17 +143,41 @@ def iter_local_batches(n: int, global_batch_size: int, num_replicas: int = 1, ra
 # ---- data sets ---------------------------------------------------------------
 
 
+class ArrayDataset:
+    """Sample k is (x[k], y[k]): rows of two arrays of one length (y: labels, targets, anything)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"x and y must have one length, got {len(x)} and {len(y)}")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The rows `indices` (any epoch: the samples do not change)."""
+        return self.x[indices], self.y[indices]
+
+
 @dataclass(frozen=True)
 class Split:
     x_train: np.ndarray  # (N_train, D)
-    y_train: np.ndarray  # (N_train,) int64
+    y_train: np.ndarray  # (N_train,) int64 labels, or (N_train, ...) float targets
     x_val: np.ndarray  # (N_val, D)
-    y_val: np.ndarray  # (N_val,) int64
-    num_classes: int  # e.g. 10
+    y_val: np.ndarray  # (N_val,) like y_train
+    num_classes: int  # e.g. 10 (0 for regression)
 
     @property
     def in_dim(self) -> int:
         return self.x_train.shape[1]
+
+    @property
+    def train(self) -> ArrayDataset:
+        return ArrayDataset(self.x_train, self.y_train)
+
+    @property
+    def val(self) -> ArrayDataset:
+        return ArrayDataset(self.x_val, self.y_val)
 
 
 def train_val_split(x: np.ndarray, y: np.ndarray, *, val_fraction: float, seed: int,

@@ -1,16 +1,21 @@
-"""The training loop: `fit` and `evaluate` over any sharding strategy.
+"""The training loop: `fit` and `evaluate` over any sharding strategy, any model and loss.
 
 What it is: the driver every rank runs in the same order. Per optimizer step it
-takes `grad_accum` consecutive global micro-batches of `global_batch_size` rows
-(`trainer.data.iter_local_batches`: this rank's contiguous block of each), hands
-them to `strategy.train_step`, and records the agreed loss. Per epoch it
-evaluates the training and validation sets exactly (each rank evaluates a
-contiguous shard, nothing padded or repeated, and the sums of loss and correct
-predictions are all-reduced), calls the callbacks, and saves a checkpoint.
+takes `grad_accum` consecutive global micro-batches of `global_batch_size` samples
+(`trainer.data.iter_local_batches`: this rank's contiguous block of each, rows
+read with `data.train.get(indices, epoch)`), hands them to `strategy.train_step`,
+and records the agreed loss. Per epoch it evaluates the validation set (and the
+training set, `eval_train`) exactly: each rank evaluates a contiguous shard,
+nothing padded or repeated, and the sums of every metric of the loss are
+all-reduced. Then the callbacks, then a checkpoint.
 
     history = await fit(strategy, split, config, epochs=5, global_batch_size=64)
-    history.epochs[-1].val_acc            # 0.983...
-    loss, acc = await evaluate(strategy, split.x_val, split.y_val, group=world)
+    history.epochs[-1].val_acc            # 0.983... (classifiers; None for a regression)
+    metrics = await evaluate(strategy, split.val, group=world)   # {"loss": 0.06, "accuracy": 0.98}
+
+`data` is any split with `.train` and `.val` data sets (trainer.data: `Split` of
+arrays; trainer.text: `TextSplit` of random and consecutive windows, which adds
+bits per byte to the epoch's report).
 
 Step schedule of an epoch (G = global_batch_size, A = config.grad_accum)::
 
@@ -21,6 +26,19 @@ Step schedule of an epoch (G = global_batch_size, A = config.grad_accum)::
 Every rank gets the same number of micro-batches (a short last global batch is
 split with np.array_split sizes, so a rank may hold zero rows of it but still
 takes part in the step's collectives): uneven inputs never hang.
+
+The run, in named parts (`_Run`), each a clear boundary:
+
+    resume()            the newest checkpoint, if asked: epoch, step in it, sums, history
+    for each epoch:
+        train_epoch()   for each step: train_step() -> the step's result
+                                       step_boundary() -> callbacks, periodic checkpoint; stop?
+        end_epoch()     evaluation, EpochStats, callbacks, the epoch's checkpoint, progress
+    finish()            every rank's figures (RankStats), the summary
+
+`step_boundary` is where every rank stands between two optimizer steps with
+nothing in flight: the place for anything that must act on all ranks at one step
+(a stop, a checkpoint, a signal to save and exit).
 
 Early stopping: a callback sets `state.stop_training = True`. The flag is
 OR-ed across ranks (an all-reduce) before the loop acts on it, so a callback
@@ -38,167 +56,32 @@ Progress and logs go to stderr on rank 0 only: a redrawn bar on a terminal,
 one line every `log_every` steps otherwise (e.g. under the launcher, which
 prefixes lines). The summary (`format_summary`) goes to stdout on rank 0.
 
-What it is not: no data loader threads, no metrics beyond loss and accuracy
-(callbacks compute their own), no learning-rate logic (the strategy owns the
-schedule through TrainConfig).
+What it is not: no data loader threads, no metrics beyond the loss's (callbacks
+compute their own), no learning-rate logic (the strategy owns the schedule
+through TrainConfig).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
+from trainer import checkpoint, preempt
+from trainer.callbacks import Callback, EarlyStopping, LoopState, StopAtAccuracy
 from trainer.data import iter_local_batches, num_global_batches, split_bounds
-from trainer.sharding.base import Strategy, StepResult, TrainConfig
+from trainer.history import EpochStats, History, RankStats, format_bytes, format_summary
+from trainer.sharding.base import StepResult, Strategy, TrainConfig
 
 __all__ = [
     "fit", "evaluate", "steps_per_epoch", "EpochStats", "RankStats", "History", "LoopState",
-    "Callback", "EarlyStopping", "StopAtAccuracy", "format_summary", "format_bytes",
+    "Callback", "EarlyStopping", "StopAtAccuracy", "format_summary", "format_bytes", "EpochSums",
 ]
-
-
-# ---- results -----------------------------------------------------------------
-
-
-@dataclass
-class EpochStats:
-    epoch: int  # 0-based, e.g. 4
-    steps: int  # optimizer steps run in this epoch (fewer after a resume or an early stop)
-    train_loss: float  # mean per-sample loss of the steps, weighted by rows (as trained)
-    train_acc: float | None  # accuracy on the whole training set after the epoch (None: not evaluated)
-    val_loss: float | None  # exact mean over the validation set, all ranks
-    val_acc: float | None
-    samples_per_s: float  # training rows per second of training time (all ranks together)
-    effective_batch_size: int  # global_batch_size * grad_accum, e.g. 256
-    train_time_s: float  # seconds in train_step calls and batching
-    epoch_time_s: float  # the whole epoch, evaluation and checkpoint included
-    skipped_steps: int = 0  # steps skipped by loss scaling (inf/NaN)
-    train_eval_loss: float | None = None  # loss on the whole training set after the epoch
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclass
-class RankStats:
-    """What one rank did and holds, gathered to every rank at the end of `fit`."""
-    rank: int
-    params_bytes: int  # strategy.memory_bytes()["params"]
-    grads_bytes: int
-    optim_bytes: int
-    gathered_peak_bytes: int
-    maxrss_bytes: int  # resource.getrusage peak resident set size
-    comm_bytes: int  # sum of StepResult.comm_bytes over the run
-    compute_s: float  # sums of StepResult.timings over the run
-    comm_s: float
-    exposed_comm_s: float
-    steps: int
-
-
-@dataclass
-class History:
-    epochs: list[EpochStats] = field(default_factory=list)
-    ranks: list[RankStats] = field(default_factory=list)  # by rank, filled at the end
-    world_size: int = 1
-    strategy: str = ""
-    steps: int = 0  # optimizer steps run by this call (not counting steps before a resume)
-    samples: int = 0  # training rows run by this call
-    train_time_s: float = 0.0
-    stopped_early: bool = False
-    resumed_from: tuple[int, int] | None = None  # (epoch, step in epoch) of the checkpoint
-
-    @property
-    def comm_bytes(self) -> int:
-        """Bytes sent by all ranks together during training."""
-        return sum(r.comm_bytes for r in self.ranks)
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.train_time_s if self.train_time_s > 0 else 0.0
-
-    @property
-    def final(self) -> EpochStats | None:
-        return self.epochs[-1] if self.epochs else None
-
-    def as_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out.update(comm_bytes=self.comm_bytes, samples_per_s=self.samples_per_s)
-        return out
-
-
-@dataclass
-class LoopState:
-    """What callbacks see. Set `stop_training = True` to stop (after this step / epoch)."""
-    epoch: int
-    epochs: int
-    step: int  # optimizer steps completed in total (resumed runs count the earlier ones)
-    step_in_epoch: int  # steps completed in this epoch
-    steps_per_epoch: int
-    rank: int
-    world_size: int
-    history: History
-    strategy: Strategy
-    result: StepResult | None = None  # the last step's result (on_step_end)
-    epoch_stats: EpochStats | None = None  # this epoch's stats (on_epoch_end)
-    stop_training: bool = False
-
-
-# ---- callbacks ---------------------------------------------------------------
-
-
-class Callback:
-    """Optional base: override either method. Any object with them works.
-
-    Callbacks run on every rank with the same (agreed) numbers, so a
-    deterministic callback decides the same everywhere; the loop ORs
-    `stop_training` across ranks anyway.
-    """
-
-    def on_step_end(self, state: LoopState) -> None:
-        pass
-
-    def on_epoch_end(self, state: LoopState) -> None:
-        pass
-
-
-class EarlyStopping(Callback):
-    """Stops when `monitor` ("val_loss" | "val_acc" | "train_loss" ...) has not improved by
-    `min_delta` for `patience` epochs."""
-
-    def __init__(self, monitor: str = "val_loss", patience: int = 2, min_delta: float = 0.0) -> None:
-        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
-        self.sign = 1.0 if monitor.endswith("loss") else -1.0  # minimise losses, maximise accuracies
-        self.best: float | None = None
-        self.bad_epochs = 0
-
-    def on_epoch_end(self, state: LoopState) -> None:
-        value = getattr(state.epoch_stats, self.monitor)
-        if value is None:
-            raise ValueError(f"EarlyStopping monitors {self.monitor!r}, which this run does not compute")
-        value = self.sign * value
-        if self.best is None or value < self.best - self.min_delta:
-            self.best, self.bad_epochs = value, 0
-        else:
-            self.bad_epochs += 1
-            state.stop_training = self.bad_epochs >= self.patience
-
-
-class StopAtAccuracy(Callback):
-    """Stops once validation accuracy reaches `target` (e.g. 0.97)."""
-
-    def __init__(self, target: float) -> None:
-        self.target = target
-
-    def on_epoch_end(self, state: LoopState) -> None:
-        if state.epoch_stats.val_acc is not None and state.epoch_stats.val_acc >= self.target:
-            state.stop_training = True
 
 
 # ---- communication helpers ---------------------------------------------------
@@ -232,33 +115,45 @@ def _default_group(strategy: Strategy):
 # ---- evaluation --------------------------------------------------------------
 
 
-async def evaluate(strategy: Strategy, x: np.ndarray, y: np.ndarray, *, group=None,
-                   batch_size: int = 4096) -> tuple[float, float]:
-    """Exact (mean loss, accuracy) over all rows of (x, y), computed across ranks.
+def _as_dataset(data, y=None):
+    """A data set from a data set, or from (x, y) arrays."""
+    if y is None:
+        return data
+    from trainer.data import ArrayDataset
 
-    Rank r evaluates rows split_bounds(n, R)[r] : [r + 1] in chunks of at most
-    `batch_size` rows; every rank calls `strategy.evaluate` the same number of
-    times (a rank with fewer rows passes an empty chunk), because under
-    zero3/fsdp each call gathers parameters collectively. The sums of losses and
-    correct predictions are all-reduced, so the answer is the single-process one.
-    Every rank must pass the same full (x, y). Returns (nan, nan) for n == 0.
+    return ArrayDataset(data, y)
+
+
+async def evaluate(strategy: Strategy, data, y: np.ndarray | None = None, *, group=None,
+                   batch_size: int = 4096, epoch: int = 0) -> dict[str, float]:
+    """Exact means of every metric of the strategy's loss over all samples of `data`, across ranks.
+
+    `data` is a data set (`len`, `get(indices, epoch)`), or an x array with `y` beside it.
+    Rank r evaluates samples split_bounds(n, R)[r] : [r + 1] in chunks of at most
+    `batch_size`; every rank calls `strategy.evaluate` the same number of times (a rank
+    with fewer samples passes an empty chunk), because under zero3/fsdp each call
+    gathers parameters collectively. The sums of the metrics are all-reduced, so the
+    answer is the single-process one, e.g. {"loss": 0.061, "accuracy": 0.983}. Every
+    rank must pass the same data. Returns NaN for every metric when there are no samples.
     """
-    if group is None:
-        group = _default_group(strategy)
+    dataset = _as_dataset(data, y)
+    if group is None:  # a mesh strategy's data are split over its dp dimension (trainer/parallel)
+        group = getattr(strategy, "data_group", None) or _default_group(strategy)
     rank, size = _rank_size(group)
-    n = len(x)
+    n = len(dataset)
     bounds = split_bounds(n, size)
     lo, hi = bounds[rank], bounds[rank + 1]
     chunks = max(1, math.ceil(math.ceil(n / size) / batch_size))  # same on every rank
-    totals = np.zeros(2, dtype=np.float64)  # (loss sum, correct)
+    totals: dict[str, float] = {}
     for c in range(chunks):
         a, b = min(hi, lo + c * batch_size), min(hi, lo + (c + 1) * batch_size)
-        loss_sum, correct = await strategy.evaluate(x[a:b], y[a:b])
-        totals += (loss_sum, correct)
-    await _sum(group, totals)
-    if n == 0:
-        return float("nan"), float("nan")
-    return float(totals[0] / n), float(totals[1] / n)
+        x_part, y_part = dataset.get(np.arange(a, b), epoch)
+        for key, value in (await strategy.evaluate(x_part, y_part)).items():
+            totals[key] = totals.get(key, 0.0) + value
+    keys = sorted(totals)  # the loss's metric names: the same on every rank
+    vector = np.array([totals[k] for k in keys], dtype=np.float64)
+    await _sum(group, vector)
+    return {k: (float(v / n) if n else float("nan")) for k, v in zip(keys, vector)}
 
 
 # ---- the loop ----------------------------------------------------------------
@@ -267,6 +162,29 @@ async def evaluate(strategy: Strategy, x: np.ndarray, y: np.ndarray, *, group=No
 def steps_per_epoch(n_train: int, global_batch_size: int, grad_accum: int = 1) -> int:
     """Optimizer steps in one epoch: ceil(ceil(n / G) / A)."""
     return math.ceil(num_global_batches(n_train, global_batch_size) / grad_accum)
+
+
+@dataclass
+class EpochSums:
+    """An epoch's running sums (saved in mid-epoch checkpoints, so a resumed epoch reports the whole)."""
+    loss_x_rows: float = 0.0  # sum over steps of the step's loss times its rows
+    rows: int = 0  # training samples run
+    skipped: int = 0  # steps skipped by loss scaling
+    train_time_s: float = 0.0  # seconds in train_step and batching
+
+    def add(self, result: StepResult, rows: int, seconds: float) -> None:
+        self.loss_x_rows += result.loss * rows
+        self.rows += rows
+        self.skipped += int(result.skipped)
+        self.train_time_s += seconds
+
+    @property
+    def train_loss(self) -> float:
+        return self.loss_x_rows / self.rows if self.rows else float("nan")
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.rows / self.train_time_s if self.train_time_s > 0 else 0.0
 
 
 class _Progress:
@@ -304,8 +222,12 @@ class _Progress:
         parts = [f"epoch {s.epoch + 1}/{epochs}: train loss {s.train_loss:.4f}"]
         if s.train_acc is not None:
             parts.append(f"acc {s.train_acc:.4f}")
-        if s.val_acc is not None:
-            parts.append(f"| val loss {s.val_loss:.4f} acc {s.val_acc:.4f}")
+        if s.val_loss is not None:
+            parts.append(f"| val loss {s.val_loss:.4f}")
+            if s.val_acc is not None:
+                parts.append(f"acc {s.val_acc:.4f}")
+            if s.val_bits_per_byte is not None:
+                parts.append(f"({s.val_bits_per_byte:.3f} bits per byte)")
         parts.append(f"| {s.samples_per_s:,.0f} samples/s, batch {s.effective_batch_size}, {s.epoch_time_s:.2f} s")
         if s.skipped_steps:
             parts.append(f"({s.skipped_steps} steps skipped)")
@@ -335,9 +257,170 @@ async def _run_callbacks(callbacks: list, method: str, state: LoopState, group) 
     return await _agree_stop(group, state.stop_training)
 
 
-def _fresh_sums() -> dict:
-    """An epoch's running sums before its first step."""
-    return {"loss_x_rows": 0.0, "rows": 0, "skipped": 0, "train_time_s": 0.0}
+@dataclass(frozen=True)
+class _Options:
+    epochs: int
+    global_batch_size: int
+    checkpoint_dir: str | None
+    keep_last: int
+    checkpoint_every: int
+    eval_train: bool
+    eval_batch_size: int
+
+
+class _Run:
+    """One call of `fit`: its state and its named parts (the module docstring)."""
+
+    def __init__(self, strategy: Strategy, data, config: TrainConfig, options: _Options, callbacks: list,
+                 group, progress: _Progress) -> None:
+        self.strategy, self.data, self.config, self.options, self.group = strategy, data, config, options, group
+        self.progress = progress
+        self.rank, self.size = _rank_size(group)
+        # the ranks the data is split over: the group, or a mesh strategy's dp dimension (trainer/parallel)
+        self.data_group = getattr(strategy, "data_group", None) or group
+        self.data_rank, self.data_size = _rank_size(self.data_group)
+        self.accum = config.grad_accum
+        self.n_train = len(data.train)
+        self.steps_total = steps_per_epoch(self.n_train, options.global_batch_size, self.accum)
+        self.history = History(world_size=self.size, strategy=getattr(strategy, "name", type(strategy).__name__))
+        self.step_callbacks = [c for c in callbacks if hasattr(c, "on_step_end")]
+        self.epoch_callbacks = [c for c in callbacks if hasattr(c, "on_epoch_end")]
+        # what must match for a resume to continue the same data order
+        self.run_key = {"n_train": self.n_train, "global_batch_size": options.global_batch_size,
+                        "grad_accum": self.accum, "seed": config.seed}
+        self.start_epoch, self.start_k = 0, 0
+        self.sums = EpochSums()  # the running epoch's
+        self.comm_bytes = 0
+        self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
+        self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
+        self.stop = False
+        self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
+                               steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
+                               history=self.history, strategy=strategy)
+
+    # ---- resume -------------------------------------------------------------------
+
+    async def resume(self) -> None:
+        """Loads the newest checkpoint of checkpoint_dir, if there is one, and moves to its position."""
+        meta = await _load_checkpoint(self.options.checkpoint_dir, self.strategy, self.run_key)
+        if meta is None:
+            return
+        self.start_epoch, self.start_k = meta["epoch"], meta["step_in_epoch"]
+        self.state.step = meta["step"]
+        self.sums = EpochSums(**meta["carried"])
+        self.history.epochs = [EpochStats(**e) for e in meta["history"]]
+        self.history.resumed_from = (self.start_epoch, self.start_k)
+        self.progress.log(f"resumed from {self.options.checkpoint_dir}: epoch {self.start_epoch + 1}, step "
+                          f"{self.start_k} of {self.steps_total} (optimizer step {self.state.step})")
+
+    async def save(self, epoch: int, k: int, sums: EpochSums) -> None:
+        meta = {"epoch": epoch, "step_in_epoch": k, "step": self.state.step, "carried": asdict(sums),
+                "run": self.run_key, "history": [e.as_dict() for e in self.history.epochs]}
+        await _save_checkpoint(self.options.checkpoint_dir, self.strategy, meta, self.options.keep_last)
+
+    # ---- one epoch ------------------------------------------------------------------
+
+    async def train_epoch(self, epoch: int) -> None:
+        """The epoch's steps, from start_k after a resume; may stop early (self.stop)."""
+        self.epoch_start = time.perf_counter()
+        first_k = self.start_k if epoch == self.start_epoch else 0
+        if epoch != self.start_epoch:
+            self.sums = EpochSums()
+        micro = list(iter_local_batches(self.n_train, self.options.global_batch_size, self.data_size, self.data_rank,
+                                        seed=self.config.seed, epoch=epoch, shuffle=True))
+        self.state.epoch, self.state.step_in_epoch, self.state.epoch_stats = epoch, first_k, None
+        self.steps_run = 0
+        for k in range(first_k, self.steps_total):
+            await self.train_step(epoch, micro[k * self.accum : (k + 1) * self.accum])
+            self.state.step_in_epoch = k + 1
+            if await self.step_boundary(epoch, k + 1):
+                break
+
+    async def train_step(self, epoch: int, batches: list) -> StepResult:
+        """One optimizer step over this rank's part of `batches` (the step's global micro-batches)."""
+        t0 = time.perf_counter()
+        micro_batches = []
+        for b in batches:
+            x, y = self.data.train.get(b.indices, epoch)
+            micro_batches.append((x, y, b.offset, b.global_size))
+        result = await self.strategy.train_step(micro_batches)
+        seconds = time.perf_counter() - t0
+        rows = sum(b.global_size for b in batches)
+        self.sums.add(result, rows, seconds)
+        self.history.steps += 1
+        self.history.samples += rows
+        self.history.train_time_s += seconds
+        self.comm_bytes += int(result.comm_bytes)
+        for key in self.timings:
+            self.timings[key] += float(result.timings.get(key, 0.0))
+        for dim, nbytes in result.comm_bytes_by_dim.items():
+            self.comm_by_dim[dim] = self.comm_by_dim.get(dim, 0) + int(nbytes)
+        self.steps_run += 1
+        self.state.step += 1
+        self.state.result = result
+        return result
+
+    async def step_boundary(self, epoch: int, k: int) -> bool:
+        """Between two steps (k steps of the epoch done), on every rank: progress, the step
+        callbacks, the periodic checkpoint. Returns True to stop the epoch."""
+        self.progress.step(epoch, self.options.epochs, k, self.steps_total, self.state.result.loss,
+                           self.sums.samples_per_s)
+        if await _run_callbacks(self.step_callbacks, "on_step_end", self.state, self.group):
+            self.stop = True
+        every = self.options.checkpoint_every
+        if self.options.checkpoint_dir and every and self.state.step % every == 0 and k < self.steps_total:
+            await self.save(epoch, k, EpochSums(**asdict(self.sums)))
+        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py)
+        save = (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
+        await preempt.at_step_boundary(self.group, save)
+        return self.stop
+
+    async def _evaluate(self, dataset) -> dict[str, float]:
+        return await evaluate(self.strategy, dataset, group=self.data_group, batch_size=self.options.eval_batch_size)
+
+    async def end_epoch(self, epoch: int) -> EpochStats:
+        """Exact evaluation across ranks, the epoch's stats, callbacks, checkpoint, progress."""
+        train_metrics = await self._evaluate(self.data.train) if self.options.eval_train else {}
+        val_metrics = await self._evaluate(self.data.val) if len(self.data.val) else {}
+        bytes_per_token = getattr(self.data, "bytes_per_token", None)
+        val_loss = val_metrics.get("loss")
+        stats = EpochStats(
+            epoch=epoch, steps=self.steps_run, train_loss=self.sums.train_loss,
+            train_acc=train_metrics.get("accuracy"), val_loss=val_loss, val_acc=val_metrics.get("accuracy"),
+            samples_per_s=self.sums.samples_per_s,
+            effective_batch_size=self.options.global_batch_size * self.accum,
+            train_time_s=self.sums.train_time_s, epoch_time_s=0.0, skipped_steps=self.sums.skipped,
+            train_eval_loss=train_metrics.get("loss"), val_metrics=val_metrics,
+            val_bits_per_byte=(val_loss / math.log(2) / bytes_per_token
+                               if bytes_per_token and val_loss is not None else None))
+        self.history.epochs.append(stats)
+        self.state.epoch_stats = stats
+        if await _run_callbacks(self.epoch_callbacks, "on_epoch_end", self.state, self.group):
+            self.stop = True
+        if self.options.checkpoint_dir:
+            await self._save_epoch(epoch, stats)
+        stats.epoch_time_s = time.perf_counter() - self.epoch_start
+        self.progress.epoch_end(self.options.epochs, stats)
+        if self.stop:
+            self.history.stopped_early = True
+            self.progress.log(f"stopped early after epoch {epoch + 1} (step {self.state.step})")
+        return stats
+
+    async def _save_epoch(self, epoch: int, stats: EpochStats) -> None:
+        """A finished epoch resumes at the next one; a stopped one where it stopped."""
+        if self.state.step_in_epoch >= self.steps_total:
+            await self.save(epoch + 1, 0, EpochSums())
+            return
+        self.history.epochs.pop()  # an early stop mid-epoch: this epoch's stats are provisional, not saved
+        await self.save(epoch, self.state.step_in_epoch, EpochSums(**asdict(self.sums)))
+        self.history.epochs.append(stats)
+
+    # ---- the end ------------------------------------------------------------------------
+
+    async def finish(self) -> History:
+        self.history.ranks = await _gather_rank_stats(self.strategy, self.group, self.comm_bytes, self.timings,
+                                                      self.history.steps, self.comm_by_dim)
+        return self.history
 
 
 async def fit(
@@ -364,10 +447,11 @@ async def fit(
 
     Args:
         strategy: set up already (`await strategy.setup()`), see trainer.sharding.base.
-        data: a trainer.data.Split (x_train, y_train, x_val, y_val), the same on every rank.
+        data: a split with `.train` and `.val` data sets (trainer.data.Split,
+            trainer.text.TextSplit, or your own), the same on every rank.
         config: the TrainConfig the strategy was built with (grad_accum, seed: the data order).
         epochs: total epochs, counting those done before a resume.
-        global_batch_size: rows per global micro-batch (all ranks together); an
+        global_batch_size: samples per global micro-batch (all ranks together); an
             optimizer step takes `config.grad_accum` of them.
         callbacks: objects with `on_step_end(state)` / `on_epoch_end(state)` (either optional).
         checkpoint_dir: where to save (end of each epoch, and every `checkpoint_every` steps).
@@ -375,6 +459,7 @@ async def fit(
         resume: load the newest checkpoint in `checkpoint_dir` (if any) and continue from it.
         log_every: progress line every N steps (non-terminal streams; 0: epoch lines only).
         eval_train: also evaluate the whole training set after each epoch (train_acc).
+        eval_batch_size: samples per evaluation call (a language model's windows: keep it small).
         group: the process group (default: the strategy's `group`, else the runtime's world).
         progress_stream / summary_stream: default stderr / stdout; used on rank 0 only.
         print_summary: print `format_summary(history)` at the end (rank 0).
@@ -390,119 +475,20 @@ async def fit(
         raise ValueError("resume=True needs a checkpoint_dir")
     if group is None:
         group = _default_group(strategy)
-    rank, size = _rank_size(group)
-    progress = _Progress(progress_stream or sys.stderr, rank == 0, log_every)
-    accum = config.grad_accum
-    n_train = len(data.x_train)
-    steps_total = steps_per_epoch(n_train, global_batch_size, accum)
-    history = History(world_size=size, strategy=getattr(strategy, "name", type(strategy).__name__))
-    callbacks = list(callbacks)
-    step_callbacks = [c for c in callbacks if hasattr(c, "on_step_end")]
-    epoch_callbacks = [c for c in callbacks if hasattr(c, "on_epoch_end")]
-
-    # what must match for a resume to continue the same data order
-    run_key = {"n_train": n_train, "global_batch_size": global_batch_size, "grad_accum": accum, "seed": config.seed}
-    # where to start: (epoch, steps done in it, running sums of that epoch)
-    start_epoch, start_k, global_step = 0, 0, 0
-    carried = _fresh_sums()
+    rank, _ = _rank_size(group)
+    options = _Options(epochs=epochs, global_batch_size=global_batch_size, checkpoint_dir=checkpoint_dir,
+                       keep_last=keep_last, checkpoint_every=checkpoint_every, eval_train=eval_train,
+                       eval_batch_size=eval_batch_size)
+    run = _Run(strategy, data, config, options, list(callbacks), group,
+               _Progress(progress_stream or sys.stderr, rank == 0, log_every))
     if resume:
-        meta = await _load_checkpoint(checkpoint_dir, strategy, group, run_key)
-        if meta is not None:
-            start_epoch, start_k, global_step = meta["epoch"], meta["step_in_epoch"], meta["step"]
-            carried = meta["carried"]
-            history.epochs = [EpochStats(**e) for e in meta["history"]]
-            history.resumed_from = (start_epoch, start_k)
-            progress.log(f"resumed from {checkpoint_dir}: epoch {start_epoch + 1}, step {start_k} "
-                         f"of {steps_total} (optimizer step {global_step})")
-
-    comm_bytes = 0
-    timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0}
-    state = LoopState(epoch=start_epoch, epochs=epochs, step=global_step, step_in_epoch=start_k,
-                      steps_per_epoch=steps_total, rank=rank, world_size=size, history=history,
-                      strategy=strategy)
-
-    async def save(epoch: int, k: int, sums: dict) -> None:
-        meta = {"epoch": epoch, "step_in_epoch": k, "step": state.step, "carried": sums, "run": run_key,
-                "history": [e.as_dict() for e in history.epochs]}
-        await _save_checkpoint(checkpoint_dir, strategy, group, meta, keep_last)
-
-    stop = False
-    for epoch in range(start_epoch, epochs):
-        epoch_start = time.perf_counter()
-        first_k = start_k if epoch == start_epoch else 0
-        sums = dict(carried) if epoch == start_epoch else _fresh_sums()
-        micro = list(iter_local_batches(n_train, global_batch_size, size, rank, seed=config.seed,
-                                        epoch=epoch, shuffle=True))
-        state.epoch, state.step_in_epoch, state.epoch_stats = epoch, first_k, None
-        steps_run = 0
-        for k in range(first_k, steps_total):
-            t0 = time.perf_counter()
-            group_batches = micro[k * accum : (k + 1) * accum]
-            batch = [(data.x_train[b.indices], data.y_train[b.indices], b.offset, b.global_size)
-                     for b in group_batches]
-            result = await strategy.train_step(batch)
-            dt = time.perf_counter() - t0
-            rows = sum(b.global_size for b in group_batches)
-            sums["loss_x_rows"] += result.loss * rows
-            sums["rows"] += rows
-            sums["skipped"] += int(result.skipped)
-            sums["train_time_s"] += dt
-            history.steps += 1
-            history.samples += rows
-            history.train_time_s += dt
-            comm_bytes += int(result.comm_bytes)
-            for key in timings:
-                timings[key] += float(result.timings.get(key, 0.0))
-            steps_run += 1
-            state.step += 1
-            state.step_in_epoch = k + 1
-            state.result = result
-            rate = sums["rows"] / sums["train_time_s"] if sums["train_time_s"] > 0 else 0.0
-            progress.step(epoch, epochs, k + 1, steps_total, result.loss, rate)
-            if await _run_callbacks(step_callbacks, "on_step_end", state, group):
-                stop = True
-            if checkpoint_dir and checkpoint_every and state.step % checkpoint_every == 0 and k + 1 < steps_total:
-                await save(epoch, k + 1, dict(sums))
-            if stop:
-                break
-
-        # end of epoch: exact evaluation across ranks
-        train_loss = sums["loss_x_rows"] / sums["rows"] if sums["rows"] else float("nan")
-        train_eval_loss = train_acc = val_loss = val_acc = None
-        if eval_train:
-            train_eval_loss, train_acc = await evaluate(strategy, data.x_train, data.y_train, group=group,
-                                                        batch_size=eval_batch_size)
-        if len(data.x_val):
-            val_loss, val_acc = await evaluate(strategy, data.x_val, data.y_val, group=group,
-                                               batch_size=eval_batch_size)
-        stats = EpochStats(
-            epoch=epoch, steps=steps_run, train_loss=train_loss, train_acc=train_acc,
-            val_loss=val_loss, val_acc=val_acc,
-            samples_per_s=sums["rows"] / sums["train_time_s"] if sums["train_time_s"] > 0 else 0.0,
-            effective_batch_size=global_batch_size * accum, train_time_s=sums["train_time_s"],
-            epoch_time_s=0.0, skipped_steps=sums["skipped"], train_eval_loss=train_eval_loss)
-        history.epochs.append(stats)
-        state.epoch_stats = stats
-        if await _run_callbacks(epoch_callbacks, "on_epoch_end", state, group):
-            stop = True
-        if checkpoint_dir:
-            complete = state.step_in_epoch >= steps_total
-            # a finished epoch resumes at the next one; a stopped one where it stopped
-            next_pos = (epoch + 1, 0) if complete else (epoch, state.step_in_epoch)
-            if complete:
-                await save(*next_pos, _fresh_sums())
-            else:  # an early stop mid-epoch: this epoch's stats are provisional, do not keep them
-                history.epochs.pop()
-                await save(*next_pos, dict(sums))
-                history.epochs.append(stats)
-        stats.epoch_time_s = time.perf_counter() - epoch_start
-        progress.epoch_end(epochs, stats)
-        if stop:
-            history.stopped_early = True
-            progress.log(f"stopped early after epoch {epoch + 1} (step {state.step})")
+        await run.resume()
+    for epoch in range(run.start_epoch, epochs):
+        await run.train_epoch(epoch)
+        await run.end_epoch(epoch)
+        if run.stop:
             break
-
-    history.ranks = await _gather_rank_stats(strategy, group, comm_bytes, timings, history.steps)
+    history = await run.finish()
     if print_summary and rank == 0:
         stream = summary_stream or sys.stdout
         stream.write(format_summary(history) + "\n")
@@ -511,31 +497,42 @@ async def fit(
 
 
 async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings: dict,
-                             steps: int) -> list[RankStats]:
-    """Every rank's memory, traffic and timings, on every rank (one all-reduce of an (R, 10) table)."""
+                             steps: int, comm_by_dim: dict | None = None) -> list[RankStats]:
+    """Every rank's memory, traffic and timings, on every rank (one all-reduce of an (R, 23) table);
+    a mesh strategy adds its coordinates, bytes per dimension and pipeline figures."""
     rank, size = _rank_size(group)
     mem = strategy.memory_bytes()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    table = np.zeros((size, 10), dtype=np.float64)  # float64 holds integers exactly below 2**53
+    report = strategy.pipeline_report() if hasattr(strategy, "pipeline_report") else None
+    coords = report["coords"] if report else {"pp": -1, "dp": -1, "tp": -1}
+    dims = comm_by_dim or {}
+    table = np.zeros((size, 23), dtype=np.float64)  # float64 holds integers exactly below 2**53
     table[rank] = (mem.get("params", 0), mem.get("grads", 0), mem.get("optim", 0), mem.get("gathered_peak", 0),
-                   maxrss, comm_bytes, timings["compute_s"], timings["comm_s"], timings["exposed_comm_s"], steps)
+                   maxrss, comm_bytes, timings["compute_s"], timings["comm_s"], timings["exposed_comm_s"], steps,
+                   mem.get("activations_peak", 0), coords["pp"], coords["dp"], coords["tp"], dims.get("dp", 0),
+                   dims.get("tp", 0), dims.get("pp", 0), timings.get("bubble_s", 0.0), timings.get("pipeline_s", 0.0),
+                   report["bubble_formula"] if report else 0.0, report["in_flight_peak"] if report else 0,
+                   mem.get("resident", 0), mem.get("offloaded", 0))
     await _sum(group, table)
     return [RankStats(rank=r, params_bytes=int(t[0]), grads_bytes=int(t[1]), optim_bytes=int(t[2]),
                       gathered_peak_bytes=int(t[3]), maxrss_bytes=int(t[4]), comm_bytes=int(t[5]),
-                      compute_s=float(t[6]), comm_s=float(t[7]), exposed_comm_s=float(t[8]), steps=int(t[9]))
+                      compute_s=float(t[6]), comm_s=float(t[7]), exposed_comm_s=float(t[8]), steps=int(t[9]),
+                      activations_peak_bytes=int(t[10]),
+                      coords={"pp": int(t[11]), "dp": int(t[12]), "tp": int(t[13])} if t[11] >= 0 else None,
+                      sent_by_dim={"dp": int(t[14]), "tp": int(t[15]), "pp": int(t[16])}, bubble_s=float(t[17]),
+                      pipeline_s=float(t[18]), bubble_formula=float(t[19]), in_flight_peak=int(t[20]),
+                      resident_bytes=int(t[21]), offloaded_bytes=int(t[22]))
             for r, t in enumerate(table)]
 
 
 # ---- checkpoints (trainer.checkpoint does the files; the loop adds its position) ----
 
 
-async def _save_checkpoint(directory: str, strategy: Strategy, group, meta: dict, keep_last: int) -> None:
-    from trainer import checkpoint
-
+async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_last: int) -> None:
     await checkpoint.save(strategy, directory, extra={"loop": meta}, keep_last=keep_last)
 
 
-async def _load_checkpoint(directory: str, strategy: Strategy, group, run: dict) -> dict | None:
+async def _load_checkpoint(directory: str, strategy: Strategy, run: dict) -> dict | None:
     """Loads the newest checkpoint that loads on every rank into `strategy` (an older one when the
     newest is damaged: trainer.checkpoint.load_newest_valid); returns the loop's position, or None
     if there is none.
@@ -545,8 +542,6 @@ async def _load_checkpoint(directory: str, strategy: Strategy, group, run: dict)
             (data size, global batch, accumulation, seed) differs, so skipping the
             consumed batches would not continue the same run.
     """
-    from trainer import checkpoint
-
     meta = await checkpoint.load_newest_valid(strategy, directory)  # a damaged newest: the one before
     if meta is None:
         return None
@@ -560,37 +555,3 @@ async def _load_checkpoint(directory: str, strategy: Strategy, group, run: dict)
     if int(meta["step"]) != int(loop["step"]):
         raise ValueError(f"{meta['path']}: strategy step {meta['step']} != loop step {loop['step']}")
     return loop
-
-
-# ---- summary -----------------------------------------------------------------
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"  # pragma: no cover
-
-
-def format_summary(history: History) -> str:
-    """The end-of-run report: accuracy, throughput, traffic and per-rank memory."""
-    lines = [f"== {history.strategy} on {history.world_size} rank(s): {len(history.epochs)} epoch(s), "
-             f"{history.steps} steps this run" + (" (stopped early)" if history.stopped_early else "")]
-    final = history.final
-    if final is not None:
-        if final.val_acc is not None:
-            lines.append(f"validation accuracy {final.val_acc:.4f}  loss {final.val_loss:.4f}")
-        if final.train_acc is not None:
-            lines.append(f"training accuracy   {final.train_acc:.4f}  loss {final.train_eval_loss:.4f}")
-    lines.append(f"throughput          {history.samples_per_s:,.0f} samples/s "
-                 f"({history.samples} samples in {history.train_time_s:.2f} s of training)")
-    lines.append(f"communicated        {format_bytes(history.comm_bytes)} sent by all ranks")
-    if history.ranks:
-        lines.append("rank      params       grads       optim   gathered peak   sent         max RSS")
-        for r in history.ranks:
-            lines.append(f"{r.rank:>4} {format_bytes(r.params_bytes):>11} {format_bytes(r.grads_bytes):>11} "
-                         f"{format_bytes(r.optim_bytes):>11} {format_bytes(r.gathered_peak_bytes):>15} "
-                         f"{format_bytes(r.comm_bytes):>11} {format_bytes(r.maxrss_bytes):>15}")
-    return "\n".join(lines)

@@ -7,7 +7,13 @@ with its state held as flat arrays of the same length:
     opt = AdamW(weight_decay=0.01)
     state = opt.init_state(numel=shard.size, dtype=shard.dtype)   # OptimState
     opt.step(shard, grad_shard, state, lr=schedule(step))          # in place
+    opt.step(shard, grad_shard, state, lr, segments=[(0, 4096, True), (4096, 4160, False)])
     state.nbytes                                                   # countable memory
+
+Parameter groups: `segments` [(lo, hi, decayed)] tiles the shard; weight decay applies
+to the decayed ranges only (the matrices, in nanoGPT's and DeepSpeed's convention;
+trainer.nn.Unit.decay_segments makes the list for any range of a unit's buffer). The
+update runs once per segment on views, so no per-element mask is stored.
 
 The shard is whatever the strategy owns: a whole unit's buffer (DDP), or the
 rank's 1/world slice of it (ZeRO/FSDP). Elementwise optimizers do not care which,
@@ -29,10 +35,9 @@ float32 arithmetic by rounding only. Pick with `AdamW(kernel="numpy" | "numba")`
 
 Schedules are pure functions of the step (frozen dataclasses with __call__).
 
-What it is not: no parameter groups (one set of hyper-parameters per shard; a
-strategy wanting no decay on biases keeps them in another shard), no gradient
-clipping (the global norm needs a collective; the caller scales grads), no
-amsgrad / maximize / foreach variants.
+What it is not: no per-group learning rates (the groups differ in weight decay
+only), no gradient clipping (the global norm needs a collective; the caller
+scales grads), no amsgrad / maximize / foreach variants.
 """
 
 from __future__ import annotations
@@ -72,6 +77,17 @@ def _check(param: np.ndarray, grad: np.ndarray, state: OptimState) -> None:
             raise ValueError(f"state buffer {name!r} has shape {buf.shape}, param shard {param.shape}")
 
 
+def _segments(n: int, segments) -> list[tuple[int, int, bool]]:
+    """The weight-decay groups of a shard of n elements (default: one decayed group); checks they tile [0, n)."""
+    if segments is None:
+        return [(0, n, True)]
+    segments = [(int(lo), int(hi), bool(d)) for lo, hi, d in segments]
+    ends = [0] + [hi for _, hi, _ in segments]
+    if [lo for lo, _, _ in segments] != ends[:-1] or ends[-1] != n or any(hi < lo for lo, hi, _ in segments):
+        raise ValueError(f"segments must tile [0, {n}) in order, got {segments}")
+    return segments
+
+
 class SGD:
     """Stochastic gradient descent with momentum, dampening, Nesterov and (L2) weight decay."""
 
@@ -88,19 +104,24 @@ class SGD:
         buffers = {"momentum": np.zeros(numel, dtype=dtype)} if self.momentum else {}
         return OptimState(step=0, buffers=buffers)
 
-    def step(self, param: np.ndarray, grad: np.ndarray, state: OptimState, lr: float) -> None:
+    def step(self, param: np.ndarray, grad: np.ndarray, state: OptimState, lr: float, *, segments=None) -> None:
         _check(param, grad, state)
-        d = grad + self.weight_decay * param if self.weight_decay else grad  # (n,)
+        for lo, hi, decayed in _segments(param.shape[0], segments):
+            buffers = {k: b[lo:hi] for k, b in state.buffers.items()}
+            self._step(param[lo:hi], grad[lo:hi], buffers, state.step, lr, self.weight_decay if decayed else 0.0)
+        state.step += 1
+
+    def _step(self, param, grad, buffers, step, lr, weight_decay) -> None:
+        d = grad + weight_decay * param if weight_decay else grad  # (n,)
         if self.momentum:
-            buf = state.buffers["momentum"]
-            if state.step == 0:
+            buf = buffers["momentum"]
+            if step == 0:
                 buf[...] = d
             else:
                 buf *= self.momentum
                 buf += (1.0 - self.dampening) * d
             d = d + self.momentum * buf if self.nesterov else buf
         param -= lr * d
-        state.step += 1
 
 
 def adamw_reference(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
@@ -153,16 +174,19 @@ class AdamW:
         return OptimState(step=0, buffers={"exp_avg": np.zeros(numel, dtype=dtype),
                                            "exp_avg_sq": np.zeros(numel, dtype=dtype)})
 
-    def step(self, param: np.ndarray, grad: np.ndarray, state: OptimState, lr: float) -> None:
+    def step(self, param: np.ndarray, grad: np.ndarray, state: OptimState, lr: float, *, segments=None) -> None:
         _check(param, grad, state)
         t = state.step + 1
         m, v = state.buffers["exp_avg"], state.buffers["exp_avg_sq"]
-        if self.kernel == "numba":
-            adamw_fused(param, grad, m, v, float(lr), self.beta1, self.beta2, self.eps, self.weight_decay,
-                        1.0 - self.beta1**t, 1.0 - self.beta2**t)
-        else:
-            adamw_reference(param, grad, m, v, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                            weight_decay=self.weight_decay, step=t)
+        for lo, hi, decayed in _segments(param.shape[0], segments):
+            wd = self.weight_decay if decayed else 0.0
+            p, g, ms, vs = param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi]
+            if self.kernel == "numba":
+                adamw_fused(p, g, ms, vs, float(lr), self.beta1, self.beta2, self.eps, wd,
+                            1.0 - self.beta1**t, 1.0 - self.beta2**t)
+            else:
+                adamw_reference(p, g, ms, vs, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                                weight_decay=wd, step=t)
         state.step = t
 
 

@@ -5,8 +5,9 @@ Numba caches a ``cache=True`` function next to its source (``__pycache__``) when
 writable: into the installed package itself, for every user of one installation, and into a
 tree that may be read-only or shared. Importing this module (first thing in each module that
 defines cached kernels) puts a locator in front of Numba's: for files of the ``collectives``
-package only, the cache goes to ``$XDG_CACHE_HOME/ringweave/numba`` (default
-``~/.cache/ringweave/numba``), one folder per source folder. ``NUMBA_CACHE_DIR``, when set, is
+package, and of the packages a caller adds with ``serve(folder)`` (the trainer's kernels), the
+cache goes to ``$XDG_CACHE_HOME/ringweave/numba`` (default ``~/.cache/ringweave/numba``), one
+folder per source folder. ``NUMBA_CACHE_DIR``, when set, is
 the user's choice and wins (Numba's own locator then serves every function); functions of
 other packages are left to Numba's rules.
 
@@ -20,6 +21,14 @@ import os
 from numba.core import caching, config
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../collectives
+_PACKAGES = [_PACKAGE]  # the folders whose kernels cache under cache_root(); serve() adds more
+
+
+def serve(package_dir: str) -> None:
+    """Also keep the cached kernels of the package in ``package_dir`` under :func:`cache_root`."""
+    path = os.path.abspath(package_dir)
+    if path not in _PACKAGES:
+        _PACKAGES.append(path)
 
 
 def cache_root() -> str:
@@ -41,7 +50,7 @@ class PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheL
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if config.CACHE_DIR or not os.path.abspath(py_file).startswith(_PACKAGE + os.sep):
+        if config.CACHE_DIR or not any(os.path.abspath(py_file).startswith(p + os.sep) for p in _PACKAGES):
             return None  # NUMBA_CACHE_DIR set, or not ours: Numba's own locators decide
         return super().from_function(py_func, py_file)  # None when the folder cannot be written
 

@@ -58,6 +58,6 @@ async def test_powersgd_is_refused_at_construction(strategy, why):
 
 
 def test_a_codec_option_that_is_not_a_number_names_the_spec_and_option():
-    from trainer.sharding.common import make_codec
+    from trainer.sharding import make_codec
     with pytest.raises(ValueError, match=r"'topk:ratio=abc'.*'ratio'.*'abc'"):
         make_codec("topk:ratio=abc")

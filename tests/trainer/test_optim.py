@@ -179,3 +179,16 @@ def test_schedules():
     assert WarmupCosine(1.0, 0, 10)(0) == 1.0
     with pytest.raises(ValueError, match="warmup_steps <= total_steps"):
         WarmupCosine(1.0, 5, 4)
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+def test_weight_decay_applies_to_the_decayed_segments_only(kernel):
+    """Parameter groups as segments of a flat shard: zero gradients, so only decay moves a parameter."""
+    segments = [(0, 2, True), (2, 5, False), (5, 6, True)]
+    adam, sgd = AdamW(weight_decay=0.1, kernel=kernel), SGD(weight_decay=0.1)
+    for opt, want in [(adam, 1.0 - 0.1 * 0.1), (sgd, 1.0 - 0.1 * 0.1)]:
+        p = np.ones(6)
+        opt.step(p, np.zeros(6), opt.init_state(6, np.float64), 0.1, segments=segments)
+        np.testing.assert_allclose(p, [want, want, 1, 1, 1, want], rtol=1e-15)
+    with pytest.raises(ValueError, match="tile"):
+        adam.step(np.ones(6), np.zeros(6), adam.init_state(6, np.float64), 0.1, segments=[(0, 2, True), (3, 6, False)])

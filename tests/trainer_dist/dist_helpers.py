@@ -57,8 +57,9 @@ def reference_run(config: TrainConfig, steps: int = STEPS) -> tuple[list[np.ndar
             coef = min(1.0, config.clip_norm / (norm + 1e-6))
             for g in grads:
                 g *= coef
-        for p, g, s in zip(params, grads, states):
-            opt.step(p, g, s, config.lr)
+        for p, g, s, u in zip(params, grads, states, model.units):
+            segments = u.decay_segments(0, len(p)) if config.decay == "matrices" else None
+            opt.step(p, g, s, config.lr, segments=segments)
     return [p[: u.numel] for p, u in zip(params, model.units)], losses
 
 

@@ -69,8 +69,7 @@ async def train_digits(name: str, world: int, **dtypes) -> float:
                     await strategy.train_step([(data.x_train[b.indices], data.y_train[b.indices], b.offset,
                                                 b.global_size)])
             rows = np.array_split(np.arange(len(data.x_val)), group.size)[group.rank]
-            _, correct = await strategy.evaluate(data.x_val[rows], data.y_val[rows])
-            return correct
+            return (await strategy.evaluate(data.x_val[rows], data.y_val[rows]))["accuracy"]
         finally:
             strategy.close()
 

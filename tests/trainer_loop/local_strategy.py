@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 from trainer.nn import Context
-from trainer.nn.loss import cross_entropy_forward
 from trainer.optim import AdamW, WarmupCosine
 from trainer.sharding.base import StepResult, Strategy, TrainConfig
 
@@ -50,11 +49,7 @@ class LocalStrategy(Strategy):
 
     async def evaluate(self, x, y):
         self.evaluated_rows += len(x)
-        if len(x) == 0:
-            return 0.0, 0.0
-        logits = self.model.forward(self.params, x)
-        loss_sum, _ = cross_entropy_forward(logits, y, 1.0)
-        return float(loss_sum), float((logits.argmax(axis=1) == y).sum())
+        return self.model.loss.metrics(self.model.forward(self.params, x), y)
 
     async def full_params(self):
         return [p[: u.numel].copy() for p, u in zip(self.params, self.model.units)]

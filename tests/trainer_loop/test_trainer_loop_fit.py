@@ -178,11 +178,11 @@ async def test_evaluate_chunks_and_empty_sets():
     strategy, _ = await make(data)
     whole = await evaluate(strategy, data.x_val, data.y_val)
     strategy.evaluated_rows = 0
-    chunked = await evaluate(strategy, data.x_val, data.y_val, batch_size=5)
+    chunked = await evaluate(strategy, data.val, batch_size=5)  # a data set, or (x, y) arrays
     assert strategy.evaluated_rows == len(data.x_val)
-    assert chunked[1] == whole[1] and chunked[0] == pytest.approx(whole[0], rel=1e-6)
-    loss, acc = await evaluate(strategy, data.x_val[:0], data.y_val[:0])
-    assert math.isnan(loss) and math.isnan(acc)
+    assert chunked["accuracy"] == whole["accuracy"] and chunked["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+    empty = await evaluate(strategy, data.x_val[:0], data.y_val[:0])
+    assert math.isnan(empty["loss"]) and math.isnan(empty["accuracy"])
 
 
 async def test_no_validation_set_and_zero_epochs():

@@ -76,9 +76,10 @@ async def test_evaluate_is_exact_over_uneven_shards(ranks, world, n_val):
     single = await ranks(1, body)
     results = await ranks(world, body)
     assert sum(rows for _, rows in results) == n_val  # every row exactly once
-    for (loss, acc), _ in results:
+    for result, _ in results:
+        loss, acc = result["loss"], result["accuracy"]
         if n_val:
-            assert acc == single[0][0][1] and loss == pytest.approx(single[0][0][0], rel=1e-6)
+            assert acc == single[0][0]["accuracy"] and loss == pytest.approx(single[0][0]["loss"], rel=1e-6)
         else:
             assert np.isnan(loss) and np.isnan(acc)
 

@@ -1,4 +1,4 @@
-"""Layers with hand-written backward passes: Linear, ReLU, GELU, LayerNorm, Dropout, Sequential.
+"""Layers with hand-written backward passes: Linear, ReLU, GELU, LayerNorm, Dropout, and the containers.
 
 What it is: each layer is a stateless description (shapes, hyper-parameters)
 with `forward` and `backward` side by side and the math above them. Parameters
@@ -8,6 +8,7 @@ flat buffer, see `trainer.nn.unit`), and so do the gradients.
 The layer protocol (every class below follows it):
 
     param_shapes() -> list[(name, shape)]          # size table, in buffer order
+    decay(name) -> bool                            # weight decay applies (default: matrices)
     init(params, rng) -> None                      # fill float64 views in place
     forward(params, x, ctx) -> (out, cache)        # ctx: trainer.nn.Context
     backward(params, cache, dout, grads, *, grads_zero=False) -> dx
@@ -22,10 +23,19 @@ collective then reduces cost nothing extra. `grads_zero=True` is the caller's
 promise that `grads` holds zeros (+0.0, e.g. the first micro-batch of a step):
 a layer may then write its gradient instead of adding it, when that gives the
 same bits (Linear's weight gradient does, without a (in, out) temporary).
+A cache never aliases an array that a later layer writes in place.
+
+Containers: `Container` holds named children (parameter names "<child>.<name>",
+torch style) and `Sequential` runs numbered ones in order; `trainer.nn.gpt`
+builds the transformer block from them.
+
+Kernels: LayerNorm and GELU take `kernel="fast"` (default: trainer/nn/kernels.py,
+Numba passes around NumPy's in-place SIMD exp/tanh, for float32/float64 arrays;
+the reference otherwise) or `kernel="reference"` (the NumPy written here, always).
 
 Inputs are (N, C) or (..., C): leading dimensions are flattened by the layers
 that need it. What it is not: no autograd, no parameter storage, no device
-handling, no convolutions or attention.
+handling, no convolutions; attention and embeddings are in their own files.
 """
 
 from __future__ import annotations
@@ -35,9 +45,19 @@ from typing import Any
 
 import numpy as np
 
+from trainer.nn import kernels
 from trainer.nn.context import Context
 
-__all__ = ["Layer", "Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Sequential"]
+__all__ = ["Layer", "Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Container", "Sequential", "KERNELS",
+           "check_kernel"]
+
+KERNELS = ("fast", "reference")
+
+
+def check_kernel(kernel: str) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return kernel
 
 Params = dict[str, np.ndarray]
 
@@ -47,6 +67,11 @@ class Layer:
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return []
+
+    def decay(self, name: str) -> bool:
+        """Whether weight decay applies to parameter `name` (nanoGPT's groups): matrices
+        yes; biases and norms (1-D) no. Embeddings override it (no)."""
+        return len(dict(self.param_shapes())[name]) >= 2
 
     def init(self, params: Params, rng: np.random.Generator) -> None:
         """Fill `params` (float64 views) in place from `rng`."""
@@ -69,7 +94,8 @@ class Linear(Layer):
     backward: dx = dy W^T                     # (N, in)
               dW += x^T dy                    # (in, out)
               db += sum_n dy[n]               # (out,)
-    init: W, b ~ U(-1/sqrt(in), 1/sqrt(in)), as torch.nn.Linear.
+    init: W, b ~ U(-1/sqrt(in), 1/sqrt(in)), as torch.nn.Linear; with init_std,
+          W ~ N(0, init_std^2) and b = 0 (GPT-2's initialisation).
 
     With grads_zero, x^T dy is written straight into dW's buffer (np.matmul out=):
     0 + t == t bit for bit for every t but -0.0, and a matmul never returns -0.0
@@ -79,16 +105,23 @@ class Linear(Layer):
     and may return -0.0.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 init_std: float | None = None) -> None:
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear sizes must be > 0, got in={in_features} out={out_features}")
         self.in_features, self.out_features, self.bias = in_features, out_features, bias
+        self.init_std = init_std
 
     def param_shapes(self):
         shapes = [("weight", (self.in_features, self.out_features))]
         return shapes + ([("bias", (self.out_features,))] if self.bias else [])
 
     def init(self, params, rng):
+        if self.init_std is not None:
+            params["weight"][...] = rng.normal(0.0, self.init_std, size=params["weight"].shape)
+            if self.bias:
+                params["bias"][...] = 0.0
+            return
         bound = 1.0 / math.sqrt(self.in_features)
         for name, _ in self.param_shapes():
             params[name][...] = rng.uniform(-bound, bound, size=params[name].shape)
@@ -124,27 +157,66 @@ class ReLU(Layer):
         return np.where(cache, dout, 0).astype(dout.dtype, copy=False)
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608...
-_GELU_A = 0.044715
+_GELU_C, _GELU_A = kernels.GELU_C, kernels.GELU_A  # sqrt(2 / pi), 0.044715
 
 
 class GELU(Layer):
-    """GELU, tanh approximation (as GPT-2 / torch approximate='tanh').
+    """GELU, exact or tanh-approximated (torch.nn.GELU(approximate="none" | "tanh")).
 
-    forward:  u = c (x + a x^3),  t = tanh(u),  y = 0.5 x (1 + t)
-              with c = sqrt(2/pi), a = 0.044715
-    backward: dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
-              dx = dy * dy/dx
+    approximate="tanh" (GPT-2's, and the default here):
+        u = c (x + a x^3),  t = tanh(u),  y = 0.5 x (1 + t),  c = sqrt(2/pi), a = 0.044715
+        dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
+    approximate="none" (the exact erf form, torch's default):
+        y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))
+        dy/dx = Phi(x) + x phi(x),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+    backward: dx = dy * dy/dx
     """
 
+    FORMS = ("tanh", "none")
+
+    def __init__(self, approximate: str = "tanh", *, kernel: str = "fast") -> None:
+        if approximate not in self.FORMS:
+            raise ValueError(f"GELU approximate must be one of {self.FORMS}, got {approximate!r}")
+        self.approximate, self.kernel = approximate, check_kernel(kernel)
+        self.exact = approximate == "none"
+
     def forward(self, params, x, ctx):
+        if self.kernel == "fast" and kernels.use_fast(x):
+            if self.exact:
+                out, e = kernels.gelu_erf_forward(x)
+                return out, (x, e, "fast")
+            out, t = kernels.gelu_tanh_forward(x)
+            return out, (x, t, "fast")
+        if self.exact:
+            cdf = 0.5 * (1.0 + _erf(x * _INV_SQRT2))
+            return x * cdf, (x, cdf)
         t = np.tanh(_GELU_C * (x + _GELU_A * (x * x * x)))  # x*x*x, not np.power: bench/results/trainer.md#gelu-cube
         return 0.5 * x * (1.0 + t), (x, t)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
-        x, t = cache
-        local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+        if len(cache) == 3:  # the fast path: t is tanh(u), or erf(x / sqrt 2) for the exact form
+            x, t, _ = cache
+            if dout.dtype == x.dtype:
+                return (kernels.gelu_erf_backward if self.exact else kernels.gelu_tanh_backward)(x, t, dout)
+            t = 0.5 * (1.0 + t) if self.exact else t  # the reference's cache: Phi(x), or tanh(u)
+        else:
+            x, t = cache
+        if self.exact:
+            local = t + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)  # t is Phi(x) here
+        else:
+            local = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
         return dout * local
+
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf element-wise (NumPy has none; SciPy comes with scikit-learn)."""
+    from scipy.special import erf  # local: importing SciPy costs ~0.2 s, only the reference path needs it
+
+    return erf(x).astype(x.dtype, copy=False)
 
 
 class LayerNorm(Layer):
@@ -155,12 +227,15 @@ class LayerNorm(Layer):
     backward: dw += sum_n dy xhat,  db += sum_n dy
               g = dy w
               dx = rstd (g - mean_c g - xhat mean_c(g xhat))
+
+    The NumPy path keeps (xhat, rstd); the kernel path keeps (x, mean, rstd), x being
+    the caller's array (no copy), and recomputes xhat in its one backward pass.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, kernel: str = "fast") -> None:
         if dim <= 0:
             raise ValueError(f"LayerNorm dim must be > 0, got {dim}")
-        self.dim, self.eps = dim, eps
+        self.dim, self.eps, self.kernel = dim, eps, check_kernel(kernel)
 
     def param_shapes(self):
         return [("weight", (self.dim,)), ("bias", (self.dim,))]
@@ -170,13 +245,29 @@ class LayerNorm(Layer):
         params["bias"][...] = 0.0
 
     def forward(self, params, x, ctx):
+        w, b = params["weight"], params["bias"]
+        if self.kernel == "fast" and x.dtype == np.result_type(x, w) and kernels.use_fast(x, w, b):
+            x2 = x.reshape(-1, self.dim)  # (N, C), a view
+            out = np.empty_like(x2)
+            mean, rstd = np.empty(len(x2), np.float64), np.empty(len(x2), np.float64)  # (N,)
+            kernels.layernorm_forward(x2, w, b, self.eps, out, mean, rstd)
+            return out.reshape(x.shape), (x2, mean, rstd)
         mu = x.mean(axis=-1, keepdims=True)  # (N, 1)
         xc = x - mu  # (N, C)
         rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + self.eps)  # (N, 1)
         xhat = xc * rstd  # (N, C)
-        return xhat * params["weight"] + params["bias"], (xhat, rstd)
+        return xhat * w + b, (xhat, rstd)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
+        if len(cache) == 3:  # the kernel path
+            x2, mean, rstd = cache
+            d2 = np.ascontiguousarray(dout.reshape(-1, self.dim), dtype=x2.dtype)  # (N, C)
+            dx = np.empty_like(d2)
+            dw, db = np.zeros(self.dim), np.zeros(self.dim)  # (C,) float64 sums
+            kernels.layernorm_backward(d2, x2, mean, rstd, params["weight"], dx, dw, db)
+            grads["weight"] += dw
+            grads["bias"] += db
+            return dx.reshape(dout.shape)
         xhat, rstd = cache  # (sums keep +=: a reduction may return -0.0, which 0 + t would not)
         lead = tuple(range(dout.ndim - 1))
         grads["weight"] += (dout * xhat).sum(axis=lead)  # (C,)
@@ -226,7 +317,42 @@ class Dropout(Layer):
         return dout if cache is None else dout * cache
 
 
-class Sequential(Layer):
+class Container(Layer):
+    """Named children; parameter names are prefixed "<child>." (torch style).
+
+    A subclass sets `self.children = [(name, layer), ...]` (buffer order) and writes
+    its own forward/backward over `self.sub(params, name)`. Random streams: child j
+    gets (*stream, j); weight decay: each child decides for its own parameters.
+    """
+
+    children: list[tuple[str, Layer]]
+
+    def _index(self) -> None:
+        """Builds the name tables; call after setting `children`."""
+        self._names = {name: [n for n, _ in layer.param_shapes()] for name, layer in self.children}
+        self._by_name = dict(self.children)
+
+    def param_shapes(self):
+        return [(f"{name}.{n}", s) for name, layer in self.children for n, s in layer.param_shapes()]
+
+    def decay(self, name):
+        child, _, rest = name.partition(".")
+        return self._by_name[child].decay(rest)
+
+    def sub(self, params: Params, name: str) -> Params:
+        """Child `name`'s parameters (or gradients) out of this container's dict, unprefixed."""
+        return {n: params[f"{name}.{n}"] for n in self._names[name]}
+
+    def init(self, params, rng):
+        for name, layer in self.children:
+            layer.init(self.sub(params, name), rng)
+
+    def bind(self, stream):
+        for j, (_, layer) in enumerate(self.children):
+            layer.bind((*stream, j))
+
+
+class Sequential(Container):
     """Children applied in order; parameter names are prefixed `"{j}."` (torch style).
 
     forward:  h_0 = x,  h_{j+1} = f_j(h_j),  y = h_J
@@ -237,21 +363,11 @@ class Sequential(Layer):
         if not layers:
             raise ValueError("Sequential needs at least one layer")
         self.layers = list(layers)
-        self._names = [[n for n, _ in layer.param_shapes()] for layer in self.layers]
-
-    def param_shapes(self):
-        return [(f"{j}.{n}", s) for j, layer in enumerate(self.layers) for n, s in layer.param_shapes()]
+        self.children = [(str(j), layer) for j, layer in enumerate(self.layers)]
+        self._index()
 
     def _split(self, params: Params) -> list[Params]:
-        return [{n: params[f"{j}.{n}"] for n in names} for j, names in enumerate(self._names)]
-
-    def init(self, params, rng):
-        for layer, sub in zip(self.layers, self._split(params)):
-            layer.init(sub, rng)
-
-    def bind(self, stream):
-        for j, layer in enumerate(self.layers):
-            layer.bind((*stream, j))
+        return [self.sub(params, name) for name, _ in self.children]
 
     def forward(self, params, x, ctx):
         caches = []

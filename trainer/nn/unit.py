@@ -13,15 +13,24 @@ from a size table, as llm.c's `malloc_and_point_parameters`:
 
 Every layer weight is a view into the flat array; the padding is never read by
 a forward and never written by a backward, so a gradient's padding stays zero.
+Padding is the sharding strategy's business: a strategy pads every unit to a
+multiple of its world size (`padded_length(world)`), whatever `pad_to` the model
+was built with, and the model runs on any flat buffer of at least `numel`
+elements (the unpadded arrays `strategy.full_params()` returns included).
 
 Contract:
-    forward(flat_params, x, ctx) -> (out, cache)
-        flat_params: ANY 1-D array of length padded_numel (e.g. a buffer that
-        was just all-gathered); it is only viewed, never copied or kept past
-        the cache.
-    backward(flat_params, cache, dout, flat_grad, *, grads_zero=False) -> dx
-        ACCUMULATES (+=) into flat_grad, a 1-D array of length padded_numel;
+    forward(flat_params, x, ctx, entry=None) -> (out, cache)
+        flat_params: ANY 1-D array of length >= numel (e.g. a buffer that was
+        just all-gathered); it is only viewed, never copied or kept past the cache.
+        entry: which of the module's entry points runs (None: the module itself;
+        a unit called at two places of a model, as the GPT's embedding and its
+        tied head, names them in `entries`).
+    backward(flat_params, cache, dout, flat_grad, *, entry=None, grads_zero=False) -> dx
+        ACCUMULATES (+=) into flat_grad, a 1-D array of length >= numel;
         grads_zero=True promises flat_grad holds +0.0 only (trainer.nn.layers).
+    decay_segments(start, stop) -> [(lo, hi, decay)]
+        the weight-decay groups of the elements [start, stop), for an optimizer
+        stepping that range of the flat buffer (a shard).
 
 What it is not: it owns no arrays; parameters, gradients and optimizer state
 all live outside it (in the model's lists or in a strategy's shards).
@@ -37,7 +46,7 @@ import numpy as np
 from trainer.nn.context import Context
 from trainer.nn.layers import Layer, Sequential
 
-__all__ = ["ParamSpec", "Unit", "round_up"]
+__all__ = ["ParamSpec", "Unit", "round_up", "shard_bounds"]
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -45,11 +54,22 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def shard_bounds(length: int, rank: int, world_size: int) -> slice:
+    """Rank `rank`'s contiguous equal part of a flat buffer of `length` (a multiple of the world size)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank} of {world_size}")
+    if length % world_size:
+        raise ValueError(f"a buffer of {length} elements does not split into {world_size} equal shards")
+    size = length // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     name: str  # e.g. "0.weight"
     shape: tuple[int, ...]  # e.g. (64, 128)
     offset: int  # first element inside the flat buffer, e.g. 8192
+    decay: bool = True  # weight decay applies (the layer's `decay(name)`), e.g. False for a bias
 
     @property
     def numel(self) -> int:
@@ -69,17 +89,22 @@ class Unit:
         dtype: dtype of the buffers `init_params` / `zeros` make (float32, or float64
             for exact checks). forward/backward accept any dtype.
         index: position in the model; keys the dropout streams. Model sets it.
+        entries: other entry points into the same parameters, {name: layer}, each
+            taking the module's whole parameter dict (e.g. the GPT's "embed" and
+            "head"); run with `forward(..., entry=name)`.
     """
 
-    def __init__(self, module: Layer | list[Layer], *, pad_to: int = 1, dtype=np.float32, index: int = 0) -> None:
+    def __init__(self, module: Layer | list[Layer], *, pad_to: int = 1, dtype=np.float32, index: int = 0,
+                 entries: dict[str, Layer] | None = None) -> None:
         if pad_to < 1:
             raise ValueError(f"pad_to must be >= 1, got {pad_to}")
         self.module = Sequential(*module) if isinstance(module, (list, tuple)) else module
+        self.entries: dict[str, Layer] = dict(entries or {})
         self.pad_to = int(pad_to)
         self.dtype = np.dtype(dtype)
         specs, offset = [], 0
         for name, shape in self.module.param_shapes():
-            spec = ParamSpec(name, tuple(int(s) for s in shape), offset)
+            spec = ParamSpec(name, tuple(int(s) for s in shape), offset, bool(self.module.decay(name)))
             specs.append(spec)
             offset = spec.end
         self.param_specs: list[ParamSpec] = specs
@@ -102,13 +127,35 @@ class Unit:
     # ---- buffers ----------------------------------------------------------
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
-        """name -> view of `flat` with the spec's shape (no copy)."""
-        if flat.ndim != 1 or flat.shape[0] != self.padded_numel:
+        """name -> view of `flat` with the spec's shape (no copy); `flat` is 1-D with at
+        least `numel` elements (padded or not: only the first numel are viewed)."""
+        if flat is None or flat.ndim != 1 or flat.shape[0] < self.numel:
             raise ValueError(
-                f"unit {self.index}: flat buffer must be 1-D of length padded_numel={self.padded_numel}, "
-                f"got shape {flat.shape}"
+                f"unit {self.index}: flat buffer must be 1-D with at least numel={self.numel} elements "
+                f"(e.g. padded_numel={self.padded_numel}), got "
+                f"{'None' if flat is None else f'shape {flat.shape}'}"
             )
         return {s.name: flat[s.offset : s.end].reshape(s.shape) for s in self.param_specs}
+
+    def padded_length(self, world_size: int) -> int:
+        """numel rounded up to a multiple of `world_size`: a strategy's flat buffer length."""
+        return round_up(self.numel, world_size)
+
+    def decay_segments(self, start: int, stop: int) -> list[tuple[int, int, bool]]:
+        """[(lo, hi, decay)] tiling [0, stop - start): the elements [start, stop) of the flat
+        buffer grouped by whether weight decay applies, adjacent groups merged; padding is
+        not decayed (it stays zero either way). E.g. Linear(2, 2): (0, 4) -> [(0, 4, True)],
+        (2, 6) -> [(0, 2, True), (2, 4, False)]."""
+        out: list[tuple[int, int, bool]] = []
+        for lo, hi, decay in [(s.offset, s.end, s.decay) for s in self.param_specs] + [(self.numel, stop, False)]:
+            a, b = max(lo, start), min(hi, stop)
+            if a >= b:
+                continue
+            if out and out[-1][2] == decay and out[-1][1] == a - start:
+                out[-1] = (out[-1][0], b - start, decay)
+            else:
+                out.append((a - start, b - start, decay))
+        return out
 
     def shard_slice(self, rank: int, world_size: int) -> slice:
         """The part of the flat buffer rank `rank` owns under ZeRO/FSDP sharding.
@@ -131,23 +178,34 @@ class Unit:
         """A zero flat buffer (padded length), e.g. a gradient buffer."""
         return np.zeros(self.padded_numel, dtype=self.dtype if dtype is None else dtype)
 
-    def init_params(self, seed: int) -> np.ndarray:
-        """Deterministic parameters from (seed, unit index) only.
+    def init_params(self, seed: int, length: int | None = None, dtype=None) -> np.ndarray:
+        """Deterministic parameters from (seed, unit index) only, in a flat buffer of
+        `length` elements (default padded_numel; the tail is zero) of `dtype` (default the unit's).
 
         Values are drawn in float64 and then cast, so they do not depend on
-        pad_to, on the process, and (up to rounding) on the dtype.
+        the padding, on the process, and (up to rounding) on the dtype.
         """
+        length = self.padded_numel if length is None else int(length)
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), self.index])))
-        flat64 = np.zeros(self.padded_numel, dtype=np.float64)
+        flat64 = np.zeros(length, dtype=np.float64)
         self.module.init(self.views(flat64), rng)
-        return flat64.astype(self.dtype)
+        return flat64.astype(self.dtype if dtype is None else dtype)
 
     # ---- compute ----------------------------------------------------------
 
-    def forward(self, flat_params: np.ndarray, x: np.ndarray, ctx: Context) -> tuple[np.ndarray, Any]:
-        return self.module.forward(self.views(flat_params), x, ctx)
+    def _layer(self, entry: str | None) -> Layer:
+        if entry is None:
+            return self.module
+        try:
+            return self.entries[entry]
+        except KeyError:
+            raise ValueError(f"unit {self.index} has no entry {entry!r} (entries: {sorted(self.entries)})") from None
+
+    def forward(self, flat_params: np.ndarray, x: np.ndarray, ctx: Context, entry: str | None = None
+                ) -> tuple[np.ndarray, Any]:
+        return self._layer(entry).forward(self.views(flat_params), x, ctx)
 
     def backward(self, flat_params: np.ndarray, cache: Any, dout: np.ndarray, flat_grad: np.ndarray, *,
-                 grads_zero: bool = False) -> np.ndarray:
-        return self.module.backward(self.views(flat_params), cache, dout, self.views(flat_grad),
-                                    grads_zero=grads_zero)
+                 entry: str | None = None, grads_zero: bool = False) -> np.ndarray:
+        return self._layer(entry).backward(self.views(flat_params), cache, dout, self.views(flat_grad),
+                                           grads_zero=grads_zero)

@@ -1,15 +1,16 @@
 """trainer.sharding: DDP, ZeRO-1/2 and ZeRO-3/FSDP over the same flat-buffer model.
 
     from trainer.sharding import TrainConfig, make_strategy
-    model = mlp(64, (256, 256), 10, pad_to=world.size)
-    strategy = make_strategy("zero3", model, TrainConfig(lr=2e-3), world)
+    model = mlp(64, (256, 256), 10)               # or GPT(GPTConfig(...)); padding is the strategy's
+    strategy = make_strategy("zero3", model, TrainConfig(lr=2e-3), world)   # loss=MSELoss() for another loss
     await strategy.setup()
     result = await strategy.train_step([(x_local, y_local, offset, global_size)])
     strategy.close()
 
-Files: base.py (the contract, TrainConfig, StepResult), common.py (the step every
-strategy shares), comm.py (accounted collectives and the compute-thread bridge),
-ddp.py, zero.py (stages 1 and 2), fsdp.py (stage 3).
+Files: base.py (the contract, TrainConfig, StepResult), data_parallel.py (the
+data-parallel base: the step every strategy shares), accounted.py (the collectives a
+strategy runs, counted and timed, and the compute-thread bridge), ddp.py, zero.py
+(stages 1 and 2), fsdp.py (stage 3).
 
 What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no loop.
 """
@@ -17,19 +18,21 @@ What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no
 from __future__ import annotations
 
 from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
-from trainer.sharding.common import STRATEGIES
+from trainer.sharding.data_parallel import DECAY_GROUPS, STRATEGIES, make_codec
 
-__all__ = ["STRATEGIES", "ReplicaMismatchError", "StepResult", "Strategy", "TrainConfig", "make_strategy"]
+__all__ = ["STRATEGIES", "DECAY_GROUPS", "ReplicaMismatchError", "StepResult", "Strategy", "TrainConfig",
+           "make_strategy", "make_codec"]
 
 
 def make_strategy(name: str, model, config: TrainConfig, group, **kw) -> Strategy:
     """The strategy called ``name`` (ddp | zero1 | zero2 | zero3 | fsdp) over ``model`` on ``group``.
 
     ``kw`` goes to the strategy (e.g. ``schedule=`` a callable step -> lr that
-    replaces the one TrainConfig describes). Call ``await setup()`` next.
+    replaces the one TrainConfig describes, ``loss=`` a loss object other than the
+    model's). Call ``await setup()`` next.
 
     Raises:
-        ValueError: an unknown name, or a model whose padding does not fit the group size.
+        ValueError: an unknown name or a bad TrainConfig field.
     """
     if name == "ddp":
         from trainer.sharding.ddp import DDPStrategy

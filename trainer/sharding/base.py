@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+__all__ = ["TrainConfig", "StepResult", "ReplicaMismatchError", "Strategy"]
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -48,6 +50,7 @@ class TrainConfig:
     optimizer: str = "adamw"          # adamw | sgd
     lr: float = 2e-3                  # peak learning rate
     weight_decay: float = 0.01
+    decay: str = "matrices"           # which parameters decay: matrices (not biases, norms, embeddings) | all
     momentum: float = 0.9             # sgd only
     nesterov: bool = False            # sgd only
     adam_kernel: str = "numba"        # adamw kernel: numba (fused, releases the GIL) | numpy (reference)
@@ -68,6 +71,9 @@ class TrainConfig:
     growth_interval: int = 2000       # good steps before the loss scale doubles
     seed: int = 0
     check_every: int = 0              # every N steps check replicated state is equal across ranks (0: never)
+    activation_checkpointing: bool = False  # recompute the calls marked checkpoint (GPT blocks) in backward
+    offload: str | None = None        # None | "optimizer" | "params": to memory-mapped files (trainer/parallel/offload.py)
+    offload_dir: str | None = None    # where those files go, e.g. "/scratch" (default: the temporary directory)
 
 
 @dataclass
@@ -78,6 +84,7 @@ class StepResult:
     comm_bytes: int = 0               # bytes this rank sent in this step (ring-algorithm volume)
     timings: dict = field(default_factory=dict)  # compute_s, comm_s, exposed_comm_s, step_s
     loss_scale: float = 1.0           # loss scale this step's backward used
+    comm_bytes_by_dim: dict = field(default_factory=dict)  # under a mesh: {"dp": 4096, "tp": 81920, "pp": 2048, ...}
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -89,9 +96,10 @@ class ReplicaMismatchError(RuntimeError):
 
 
 class Strategy(abc.ABC):
-    """Args of every strategy: ``model`` (trainer.nn.Model built with
-    ``pad_to`` a multiple of ``group.size``), ``config`` (TrainConfig), ``group``
-    (runtime ProcessGroup)."""
+    """Args of every strategy: ``model`` (trainer.nn.Model; the strategy pads its
+    units to its world size), ``config`` (TrainConfig), ``group`` (runtime
+    ProcessGroup), and keyword ``loss`` (default ``model.loss``: the loss object the
+    step trains on and whose metrics ``evaluate`` returns)."""
 
     name: str
     step: int  # train_step calls done so far (restored by load_state_dict)
@@ -104,7 +112,7 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     async def train_step(self, micro_batches: list[tuple[np.ndarray, np.ndarray, int, int]]) -> StepResult:
-        """One optimizer step over ``grad_accum`` micro-batches.
+        """One optimizer step over the micro-batches given (``grad_accum`` of them in ``fit``).
 
         Each micro-batch is ``(x_local, y_local, offset, global_size)``: this
         rank's rows of a global micro-batch of ``global_size`` rows starting at
@@ -122,14 +130,15 @@ class Strategy(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """(sum of losses, number correct) over this rank's rows of an evaluation set.
+    async def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """The loss's metric SUMS over this rank's rows of an evaluation set, e.g.
+        ``{"loss": 41.2, "accuracy": 57.0}`` (``loss.metrics``: sums of per-sample values).
         Every rank calls it (zero3 gathers parameters), with any number of rows, 0 included."""
 
     @abc.abstractmethod
     async def full_params(self) -> list[np.ndarray]:
         """The full parameters of every unit as unpadded flat arrays of the master
-        dtype (``unit.numel`` each), identical on every rank."""
+        dtype (``unit.numel`` each), identical on every rank; ``model.forward`` takes them."""
 
     async def check_replicas(self) -> None:
         """Checksums replicated state on every rank and compares them.
@@ -155,7 +164,9 @@ class Strategy(abc.ABC):
         """Bytes this rank holds now: ``{"params", "grads", "optim", "total",
         "gathered_peak", ...}``; params/grads/optim are the persistent buffers
         (ZeRO accounting), gathered_peak the most bytes of gathered (unsharded)
-        parameter units alive at once since setup or :meth:`reset_peak`."""
+        parameter units alive at once since setup or :meth:`reset_peak`, and
+        activations_peak the most bytes of activations the model held for its
+        backward (trainer.nn.ActivationMeter)."""
 
     def reset_peak(self) -> None:
         """Restarts the ``gathered_peak`` measurement."""

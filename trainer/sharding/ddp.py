@@ -4,13 +4,15 @@ How it works:
 
     setup:     every rank initialises from config.seed; rank 0's parameters are then
                broadcast (as torch DDP does), so replicas start bit-identical.
-    buckets:   units are grouped in BACKWARD order (last unit first) into buckets of
-               at most bucket_cap_mb of gradient bytes (a unit larger than the cap gets
-               its own bucket). Each bucket is one flat buffer in reduce_dtype, and every
+    buckets:   units are grouped in the order their gradients complete
+               (model.grad_ready_order(): last unit first) into buckets of
+               at most bucket_cap_mb of gradient bytes, the first of at most 1 MiB as
+               torch DDP's (so the first gradients ready leave early even when the whole
+               model fits one bucket); a unit larger than the cap gets its own bucket. Each bucket is one flat buffer in reduce_dtype, and every
                unit's gradient buffer is a VIEW into it (torch DDP's
                gradient_as_bucket_view), so "bucket_copy_in" and "bucket_copy_out" are
                free and the collective works on the gradients themselves.
-    backward:  after_unit_backward(i) for the LOWEST unit index of a bucket means every
+    backward:  grad_ready(i) for the LAST unit of a bucket to complete means every
                unit of that bucket has its gradient: all_reduce(sum) of the bucket is
                launched right then, as a task on the event loop, while the compute thread
                goes on with the backward of the next units (the overlap).
@@ -38,13 +40,20 @@ import asyncio
 import numpy as np
 
 from trainer.precision import cast_to
-from trainer.sharding.common import DataParallelBase
+from trainer.sharding.data_parallel import DataParallelStrategy
+
+__all__ = ["Bucket", "plan_buckets", "DDPStrategy", "FIRST_BUCKET_NBYTES"]
+
+FIRST_BUCKET_NBYTES = 1 << 20  # torch DDP's _DEFAULT_FIRST_BUCKET_BYTES: the first gradients travel early
 
 
 class Bucket:
-    """Consecutive units whose gradients are views into one flat buffer."""
+    """Units that complete one after the other, their gradients views into one flat buffer.
+
+    `unit_ids` in completion order, e.g. [2, 1]: the buffer holds them by index."""
 
     def __init__(self, unit_ids: list[int], sizes: list[int], dtype) -> None:
+        self.ready_after = unit_ids[-1]  # the unit whose grad_ready completes the bucket
         self.unit_ids = sorted(unit_ids)  # e.g. [1, 2]
         self.buffer = np.zeros(sum(sizes[i] for i in self.unit_ids), dtype=dtype)  # (sum of padded numels,)
         self.views: dict[int, np.ndarray] = {}
@@ -53,20 +62,19 @@ class Bucket:
             self.views[i] = self.buffer[offset : offset + sizes[i]]
             offset += sizes[i]
 
-    @property
-    def ready_after(self) -> int:
-        """The unit whose after_unit_backward completes the bucket (backward runs high to low)."""
-        return self.unit_ids[0]
 
+def plan_buckets(sizes_nbytes: list[int], cap_nbytes: int, order: list[int] | None = None,
+                 first_cap_nbytes: int | None = None) -> list[list[int]]:
+    """Units grouped in completion `order` (default: highest index first) with at most cap bytes each
+    (the first bucket at most `first_cap_nbytes`, default the cap).
 
-def plan_buckets(sizes_nbytes: list[int], cap_nbytes: int) -> list[list[int]]:
-    """Units grouped in backward order (highest index first) with at most cap bytes each.
-
-    plan_buckets([4, 4, 4], 8) == [[2, 1], [0]]; a unit above the cap is alone.
+    plan_buckets([4, 4, 4], 8) == [[2, 1], [0]]; plan_buckets([4, 4, 4], 8, first_cap_nbytes=4) ==
+    [[2], [1, 0]]; a unit above the cap is alone.
     """
     buckets, current, used = [], [], 0
-    for i in reversed(range(len(sizes_nbytes))):
-        if current and used + sizes_nbytes[i] > cap_nbytes:
+    for i in (reversed(range(len(sizes_nbytes))) if order is None else order):
+        cap = cap_nbytes if buckets or first_cap_nbytes is None else min(cap_nbytes, first_cap_nbytes)
+        if current and used + sizes_nbytes[i] > cap:
             buckets.append(current)
             current, used = [], 0
         current.append(i)
@@ -76,7 +84,7 @@ def plan_buckets(sizes_nbytes: list[int], cap_nbytes: int) -> list[list[int]]:
     return buckets
 
 
-class DDPStrategy(DataParallelBase):
+class DDPStrategy(DataParallelStrategy):
     """See the module docstring."""
 
     name = "ddp"
@@ -84,12 +92,14 @@ class DDPStrategy(DataParallelBase):
     replicated_grads = True
 
     def _allocate(self, full: list[np.ndarray]) -> None:
-        self.master = full  # (padded_numel,) each, master dtype
+        self.master = full  # (lengths[i],) each, master dtype
         self.separate = self.param_dtype != self.master_dtype
         self.compute = [cast_to(m, self.param_dtype) for m in full] if self.separate else self.master
-        sizes = [u.padded_numel for u in self.units]
+        self._cast = False  # this step's update already cast every unit (_after_shard_update)
+        sizes = self.lengths
         cap = max(1, int(self.config.bucket_cap_mb * 2**20))
-        plan = plan_buckets([s * self.reduce_dtype.itemsize for s in sizes], cap)
+        plan = plan_buckets([s * self.reduce_dtype.itemsize for s in sizes], cap, self.model.grad_ready_order(),
+                            FIRST_BUCKET_NBYTES)
         self.buckets = [Bucket(ids, sizes, self.reduce_dtype) for ids in plan]  # in launch order
         self.grads: list[np.ndarray] = [None] * len(self.units)
         self._bucket_of: dict[int, Bucket] = {b.ready_after: b for b in self.buckets}
@@ -98,21 +108,30 @@ class DDPStrategy(DataParallelBase):
                 self.grads[i] = b.views[i]
 
     def _owned(self, i: int) -> tuple[int, int]:
-        return 0, self.units[i].padded_numel
+        return 0, self.lengths[i]
 
     def _master_shard(self, i: int) -> np.ndarray:
         return self.master[i]
 
     async def _sync_initial_params(self) -> None:
-        await asyncio.gather(*(self.comm.broadcast(m, 0) for m in self.master))
+        await asyncio.gather(*(self.collectives.broadcast(m, 0) for m in self.master))
         await self._after_update(True)
 
+    def _after_shard_update(self, i: int) -> None:
+        """See base class: unit i's compute copy follows its master at once, on the compute thread
+        (while the master is in memory: offload writes it back right after)."""
+        if self.separate:
+            cast_to(self.master[i], self.param_dtype, out=self.compute[i])
+        self._cast = i == len(self.units) - 1  # the update steps every unit, in index order
+
     async def _after_update(self, applied: bool) -> None:
-        if applied and self.separate:
+        if applied and self.separate and not self._cast:  # a load_state_dict, or an update without the hook
             for m, c in zip(self.master, self.compute):
                 cast_to(m, self.param_dtype, out=c)
+        self._cast = False
 
     def _begin_step(self) -> None:
+        self._cast = False
         for b in self.buckets:
             b.buffer.fill(0)
 
@@ -126,13 +145,13 @@ class DDPStrategy(DataParallelBase):
         if not sync:
             return {}
 
-        def after_unit_backward(i: int) -> None:
+        def grad_ready(i: int) -> None:
             bucket = self._bucket_of.get(i)
             if bucket is not None:  # its last unit is done: reduce the whole bucket now
                 # key: the bucket's codec state (error feedback) follows the bucket from step to step
-                self.comm.launch(self.comm.all_reduce(bucket.buffer, grad=True, key=bucket.ready_after))
+                self.collectives.launch(self.collectives.all_reduce(bucket.buffer, grad=True, key=bucket.ready_after))
 
-        return {"after_unit_backward": after_unit_backward}
+        return {"grad_ready": grad_ready}
 
     def _opt_shards(self) -> list:
         return [(self.master[i], self.grads[i], self.states[i]) for i in range(len(self.units))]

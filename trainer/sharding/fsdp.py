@@ -7,16 +7,21 @@ owns [r S_i, (r + 1) S_i) of every unit):
                     param_dtype differs (the all-gather's input), gradient shard
                     (S_i, reduce dtype), optimizer state (S_i each).
     forward i:      before_unit_forward(i): launch all_gather(unit i) if not yet
-                    launched, then (prefetch) launch unit i+1's, then wait for unit i
-                    only; unit i+1's gather travels while unit i computes.
+                    launched, then (prefetch) launch the next call's unit's, then wait for
+                    unit i only; the next unit's gather travels while unit i computes.
                     after_unit_forward(i): free the gathered unit (reshard_after_forward),
-                    except the last unit, whose backward starts right away.
-    backward i:     before_unit_backward(i): (re)gather unit i, prefetch unit i-1, wait
-                    for unit i; allocate unit i's full gradient (zeros).
-                    after_unit_backward(i): free the gathered unit; at the last
+                    except after the last call, whose backward starts right away.
+    backward i:     before_unit_backward(i): (re)gather unit i, prefetch the unit of the
+                    next backward call, wait for unit i; allocate unit i's full gradient
+                    (zeros; kept across a unit's two calls, as the GPT's tied unit 0).
+                    after_unit_backward(i): free the gathered unit.
+                    grad_ready(i) (its last backward call is done): at the last
                     micro-batch launch reduce_scatter(grad shard <- full gradient) and
                     free the full gradient when it is done (earlier micro-batches keep
                     accumulating into it: communication only at the boundary).
+    call order:     "next" follows model.calls (forward) and its reverse (backward): for
+                    the MLP that is unit i+1 / i-1; for the GPT, whose unit 0 runs first
+                    (embedding) and last (head), unit 0 is gathered twice in each pass.
     step:           the optimizer updates the master shard; its cast refreshes the
                     compute shard; nothing is gathered until the next forward.
     reshard_after_forward=False keeps every gathered unit from its forward to its
@@ -41,10 +46,12 @@ import asyncio
 import numpy as np
 
 from trainer.precision import cast_to
-from trainer.sharding.common import DataParallelBase
+from trainer.sharding.data_parallel import DataParallelStrategy
+
+__all__ = ["FSDPStrategy"]
 
 
-class FSDPStrategy(DataParallelBase):
+class FSDPStrategy(DataParallelStrategy):
     """See the module docstring. ``name`` is "zero3" or "fsdp" (the same strategy)."""
 
     def __init__(self, model, config, group, *, name: str = "zero3", **kw) -> None:
@@ -53,9 +60,10 @@ class FSDPStrategy(DataParallelBase):
 
     def _allocate(self, full: list[np.ndarray]) -> None:
         self.separate = self.param_dtype != self.master_dtype
-        self.slices = [u.shard_slice(self.rank, self.N) for u in self.units]
+        self.slices = [self._shard(i) for i in range(len(self.units))]
         self.master = [f[s].copy() for f, s in zip(full, self.slices)]  # (S_i,) each; the full init is dropped
         self.compute_shards = [cast_to(m, self.param_dtype) for m in self.master] if self.separate else self.master
+        self._cast = False  # this step's update already cast every unit (_after_shard_update)
         self.grad_shards = [np.zeros(s.stop - s.start, self.reduce_dtype) for s in self.slices]
         U = len(self.units)
         self._gathered: list[tuple[np.ndarray, object] | None] = [None] * U  # (buffer, pending future | None)
@@ -70,10 +78,18 @@ class FSDPStrategy(DataParallelBase):
     async def _sync_initial_params(self) -> None:
         pass  # every rank cut its shard from the same config.seed initialisation
 
+    def _after_shard_update(self, i: int) -> None:
+        """See base class: unit i's compute shard follows its master at once, on the compute thread
+        (while the master is in memory: offload writes it back right after)."""
+        if self.separate:
+            cast_to(self.master[i], self.param_dtype, out=self.compute_shards[i])
+        self._cast = i == len(self.units) - 1  # the update steps every unit, in index order
+
     async def _after_update(self, applied: bool) -> None:
-        if applied and self.separate:
+        if applied and self.separate and not self._cast:  # a load_state_dict, or an update without the hook
             for m, c in zip(self.master, self.compute_shards):
                 cast_to(m, self.param_dtype, out=c)
+        self._cast = False
 
     # ---- gathering (compute thread) ---------------------------------------------
 
@@ -81,15 +97,15 @@ class FSDPStrategy(DataParallelBase):
         """Launches unit i's all_gather unless it is gathered or on its way."""
         if self._gathered[i] is not None:
             return
-        buf = np.empty(self.units[i].padded_numel, self.param_dtype)  # (L_i,) the gathered unit
+        buf = np.empty(self.lengths[i], self.param_dtype)  # (L_i,) the gathered unit
         self._track(buf.nbytes, "gathered")
-        self._gathered[i] = (buf, self.comm.launch(self.comm.all_gather(buf, self.compute_shards[i])))
+        self._gathered[i] = (buf, self.collectives.launch(self.collectives.all_gather(buf, self.compute_shards[i])))
 
     def _wait_gather(self, i: int) -> np.ndarray:
         self._start_gather(i)
         buf, fut = self._gathered[i]
         if fut is not None:
-            self.comm.wait(fut)
+            self.collectives.wait(fut)
             self._gathered[i] = (buf, None)
         return buf
 
@@ -109,38 +125,49 @@ class FSDPStrategy(DataParallelBase):
 
     # ---- hooks --------------------------------------------------------------------
 
+    def _prefetch(self, order: list[int], pos: int, i: int) -> None:
+        """Launches the gather of the unit of call `pos + 1` in `order` (if any, and not unit i)."""
+        if self.config.prefetch and pos + 1 < len(order) and order[pos + 1] != i:
+            self._start_gather(order[pos + 1])
+
     def _forward_hooks(self, params: list, *, keep_last: bool, reshard: bool) -> dict:
-        last = len(self.units) - 1
+        order = [c.unit for c in self.model.calls]  # the forward's calls, by unit
+        cursor = {"pos": -1}  # the call now running
 
         def before_unit_forward(i: int) -> None:
+            cursor["pos"] += 1
             self._start_gather(i)
-            if self.config.prefetch and i < last:
-                self._start_gather(i + 1)
+            self._prefetch(order, cursor["pos"], i)
             params[i] = self._wait_gather(i)
 
         def after_unit_forward(i: int) -> None:
-            if reshard and not (keep_last and i == last):
+            if reshard and not (keep_last and cursor["pos"] == len(order) - 1):
                 self._free_gather(i, params)
 
         return {"before_unit_forward": before_unit_forward, "after_unit_forward": after_unit_forward}
 
     def _hooks(self, sync: bool, params: list, grads: list) -> dict:
         hooks = self._forward_hooks(params, keep_last=True, reshard=self.config.reshard_after_forward)
+        order = [c.unit for c in reversed(self.model.calls)]  # the backward's calls, by unit
+        cursor = {"pos": -1}
 
         def before_unit_backward(i: int) -> None:
+            cursor["pos"] += 1
             self._start_gather(i)
-            if self.config.prefetch and i > 0:
-                self._start_gather(i - 1)
+            self._prefetch(order, cursor["pos"], i)
             params[i] = self._wait_gather(i)
             self._alloc_full_grad(i)  # grads is self._full_grads
 
         def after_unit_backward(i: int) -> None:
             self._free_gather(i, params)
+
+        def grad_ready(i: int) -> None:
             if sync:
                 self._launch_reduce_scatter(i)
 
         hooks["before_unit_backward"] = before_unit_backward
         hooks["after_unit_backward"] = after_unit_backward
+        hooks["grad_ready"] = grad_ready
         return hooks
 
     def _eval_hooks(self, params: list) -> dict:
@@ -148,6 +175,7 @@ class FSDPStrategy(DataParallelBase):
         return self._forward_hooks(params, keep_last=False, reshard=True)
 
     def _begin_step(self) -> None:
+        self._cast = False
         self._reset_gathers()
 
     def _compute_params(self) -> list:
@@ -170,6 +198,6 @@ class FSDPStrategy(DataParallelBase):
     async def full_params(self) -> list[np.ndarray]:
         """See base class."""
         await self._ensure_fresh()
-        out = [np.empty(u.padded_numel, self.master_dtype) for u in self.units]
-        await asyncio.gather(*(self.comm.all_gather(o, m) for o, m in zip(out, self.master)))
+        out = [np.empty(n, self.master_dtype) for n in self.lengths]
+        await asyncio.gather(*(self.collectives.all_gather(o, m) for o, m in zip(out, self.master)))
         return [o[: u.numel] for o, u in zip(out, self.units)]

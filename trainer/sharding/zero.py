@@ -1,15 +1,15 @@
 """ZeRO stage 1 and 2: optimizer state (and, at stage 2, gradients) sharded; parameters replicated.
 
 How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r
-owns [r S_i, (r + 1) S_i) of every unit, trainer.nn.Unit.shard_slice):
+owns [r S_i, (r + 1) S_i) of every unit, trainer.nn.shard_bounds):
 
     zero1  backward accumulates into FULL gradient buffers (4P, kept between steps);
-           at the last micro-batch, after_unit_backward(i) launches
+           at the last micro-batch, grad_ready(i) launches
            reduce_scatter(scratch S_i <- full grad i) and copies the reduced chunk
            back into this rank's slice of the full buffer; the optimizer steps the
            slice with its 1/N optimizer state.
     zero2  no full gradient buffer survives a step: before_unit_backward(i) allocates
-           unit i's full gradient, after_unit_backward(i) launches
+           unit i's full gradient, grad_ready(i) launches
            reduce_scatter(grad shard S_i <- full grad i) and frees the full buffer as
            soon as the collective is done; only the shard (4P/N) is kept. Under
            gradient accumulation the full buffers live until the last micro-batch
@@ -52,10 +52,12 @@ import asyncio
 import numpy as np
 
 from trainer.precision import cast_to
-from trainer.sharding.common import DataParallelBase
+from trainer.sharding.data_parallel import DataParallelStrategy
+
+__all__ = ["ZeroStrategy"]
 
 
-class ZeroStrategy(DataParallelBase):
+class ZeroStrategy(DataParallelStrategy):
     """See the module docstring; ``stage`` is 1 or 2."""
 
     def __init__(self, model, config, group, *, stage: int, **kw) -> None:
@@ -67,7 +69,7 @@ class ZeroStrategy(DataParallelBase):
 
     def _allocate(self, full: list[np.ndarray]) -> None:
         self.separate = self.param_dtype != self.master_dtype
-        self.slices = [u.shard_slice(self.rank, self.N) for u in self.units]
+        self.slices = [self._shard(i) for i in range(len(self.units))]
         if self.separate:
             self.full = [cast_to(f, self.param_dtype) for f in full]  # replicated compute copy
             self.master = [f[s].copy() for f, s in zip(full, self.slices)]  # (S_i,) float32 master shards
@@ -77,7 +79,7 @@ class ZeroStrategy(DataParallelBase):
         self.blocks = [f[s] for f, s in zip(self.full, self.slices)]  # this rank's block of each replica
         self._launched = False  # this step's update launched every unit's all_gather (_after_shard_update)
         if self.stage == 1:
-            self.grads = [np.zeros(u.padded_numel, self.reduce_dtype) for u in self.units]
+            self.grads = [np.zeros(n, self.reduce_dtype) for n in self.lengths]
         else:
             self.grad_shards = [np.zeros(s.stop - s.start, self.reduce_dtype) for s in self.slices]
             self._full_grads: list[np.ndarray | None] = [None] * len(self.units)
@@ -96,7 +98,7 @@ class ZeroStrategy(DataParallelBase):
         rank's block of ``full[i]`` is the input (the master itself, or its cast, written here)."""
         if self.separate:
             cast_to(self.master[i], self.param_dtype, out=self.blocks[i])
-        self.comm.launch(self.comm.all_gather(self.full[i], self.blocks[i]))
+        self.collectives.launch(self.collectives.all_gather(self.full[i], self.blocks[i]))
 
     def _after_shard_update(self, i: int) -> None:
         """See base class: unit i's shard is final, so its all_gather leaves now and travels
@@ -113,7 +115,7 @@ class ZeroStrategy(DataParallelBase):
             for i in range(len(self.units)):
                 self._launch_gather(i)
         self._launched = False
-        await self.comm.drain()  # the wait is exposed communication
+        await self.collectives.drain()  # the wait is exposed communication
 
     def load_state_dict(self, state: dict) -> None:
         """See base class."""
@@ -141,13 +143,13 @@ class ZeroStrategy(DataParallelBase):
         if not sync:
             return hooks
 
-        def after_unit_backward(i: int) -> None:
+        def grad_ready(i: int) -> None:
             if self.stage == 1:
-                self.comm.launch(self._reduce_into_slice(i))
+                self.collectives.launch(self._reduce_into_slice(i))
             else:
                 self._launch_reduce_scatter(i)
 
-        hooks["after_unit_backward"] = after_unit_backward
+        hooks["grad_ready"] = grad_ready
         return hooks
 
     async def _reduce_into_slice(self, i: int) -> None:
@@ -155,7 +157,7 @@ class ZeroStrategy(DataParallelBase):
         chunk = np.empty(self.slices[i].stop - self.slices[i].start, self.reduce_dtype)  # scratch (S_i,)
         self._track(chunk.nbytes)
         try:
-            await self.comm.reduce_scatter(chunk, self.grads[i], key=i)  # key: unit i's codec state
+            await self.collectives.reduce_scatter(chunk, self.grads[i], key=i)  # key: unit i's codec state
             self.grads[i][self.slices[i]] = chunk
         finally:
             self._untrack(chunk.nbytes)
@@ -177,6 +179,6 @@ class ZeroStrategy(DataParallelBase):
         await self._ensure_fresh()
         if not self.separate:
             return [f[: u.numel].copy() for f, u in zip(self.full, self.units)]
-        out = [np.empty(u.padded_numel, self.master_dtype) for u in self.units]
-        await asyncio.gather(*(self.comm.all_gather(o, m) for o, m in zip(out, self.master)))
+        out = [np.empty(n, self.master_dtype) for n in self.lengths]
+        await asyncio.gather(*(self.collectives.all_gather(o, m) for o, m in zip(out, self.master)))
         return [o[: u.numel] for o, u in zip(out, self.units)]

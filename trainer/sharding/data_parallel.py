@@ -1,14 +1,16 @@
-"""What every strategy shares: the step skeleton, the compute thread, the update, checksums, state.
+"""The data-parallel strategy base: the step skeleton, the compute thread, the update, checksums, state.
 
-What it is: `DataParallelBase`, the concrete half of the Strategy contract.
-A step is
+What it is: `DataParallelStrategy`, the concrete half of the Strategy contract
+that ddp, zero1/2 and zero3/fsdp share. A step is
 
     compute thread:  for each micro-batch j (sync = last j):
                          model.forward_backward(params, grads, x_j, y_j,
                              Context(step, batch_offset = rows before j + offset_j),
+                             loss = the strategy's loss (the model's, or the caller's),
                              loss_denominator = rows of ALL micro-batches,
-                             grad_scale = loss scale, **strategy hooks(sync))
-                     (the hooks gather parameters and launch gradient collectives)
+                             grad_scale = loss scale, checkpoint = activation checkpointing,
+                             **strategy hooks(sync))
+                     (the hooks gather parameters and, at grad_ready, launch gradient collectives)
     event loop:      drain the launched collectives -> this rank's reduced gradient shards
                      unscale; local found_inf; local sum of squares
                      ONE all_reduce(sum) of [loss, found_inf, sum of squares]:
@@ -18,21 +20,28 @@ A step is
                          global norm = sqrt(sum of squares over every shard)
     compute thread:  clip (coef = clip / (norm + 1e-6), as torch.nn.utils.clip_grad_norm_),
                      optimizer step on this rank's shards (lr = schedule(step)), unit by
-                     unit; after each, _after_shard_update(i) (zero1/2: launch unit i's
-                     all-gather, which travels while the next units step)
+                     unit, weight decay by parameter group (TrainConfig.decay: "matrices"
+                     decays the layers' matrices only, `unit.decay_segments`); after each,
+                     _after_shard_update(i) (zero1/2: launch unit i's all-gather, which
+                     travels while the next units step)
     event loop:      strategy's after-update work (zero1/2: wait for those all-gathers)
 
 Gradients are SUMMED across ranks, never averaged: each rank's loss is divided
 by the global row count (trainer.nn.loss), which makes every strategy equal
 single-process training on the same global batches.
 
+Padding is the strategy's: unit i's buffers have `lengths[i]` = numel rounded up
+to a multiple of the world size, whatever the model was built with, and rank r
+owns `shard_bounds(lengths[i], r, N)` of them (zero/fsdp).
+
 The model's forward/backward is synchronous, so it runs on one compute thread
-per strategy while the event loop moves collectives (see comm.py); the hooks
+per strategy while the event loop moves collectives (see accounted.py); the hooks
 block only when a gathered unit is not there yet.
 
 Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks:
 
     _allocate(full_init)          buffers from the full initial params (master dtype)
+    _before_shard_update(i)       compute thread, right before unit i's shard steps
     _after_shard_update(i)        compute thread, right after unit i's shard stepped (may launch)
     _after_update(applied)        async; re-derive compute params after the optimizer step
     _compute_params()             list handed to the model (entries may be None: fsdp)
@@ -61,14 +70,17 @@ from typing import Callable
 
 import numpy as np
 
-from trainer.nn import EVAL, Context, Model
-from trainer.nn.loss import cross_entropy_forward
+from trainer.nn import EVAL, ActivationMeter, Context, Loss, Model, shard_bounds
 from trainer.optim import SGD, AdamW, Constant, WarmupCosine
 from trainer.precision import DynamicLossScaler, PrecisionPolicy, dtype_name, has_inf_or_nan, resolve_dtype, unscale_
 from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
-from trainer.sharding.comm import Comm
+from trainer.sharding.accounted import AccountedCollectives
+
+__all__ = ["STRATEGIES", "DECAY_GROUPS", "DataParallelStrategy", "make_optimizer", "make_schedule", "make_codec",
+           "clip_coefficient"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+DECAY_GROUPS = ("matrices", "all")  # TrainConfig.decay: the layers' matrices only (nanoGPT), or every parameter
 
 
 def make_optimizer(config: TrainConfig):
@@ -118,23 +130,30 @@ def clip_coefficient(total_norm: float, clip_norm: float) -> float:
     return min(1.0, clip_norm / (total_norm + 1e-6))
 
 
-class DataParallelBase(Strategy):
+class DataParallelStrategy(Strategy):
     """The shared machinery; see the module docstring. Not used directly."""
 
     name = "base"
     replicated_state = False  # ddp: master params and optimizer state are the same on every rank
     replicated_grads = False  # ddp: the reduced gradient is whole on every rank (norm needs no sum)
 
-    def __init__(self, model: Model, config: TrainConfig, group, *, schedule: Callable[[int], float] | None = None):
+    def __init__(self, model: Model, config: TrainConfig, group, *, schedule: Callable[[int], float] | None = None,
+                 loss: Loss | None = None):
         if config.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum must be >= 1, got {config.grad_accum}")
         if config.clip_norm is not None and not config.clip_norm > 0:
             raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {config.clip_norm}")
+        if config.decay not in DECAY_GROUPS:
+            raise ValueError(f"TrainConfig.decay must be one of {DECAY_GROUPS}, got {config.decay!r}")
+        if config.offload is not None and not getattr(self, "supports_offload", False):
+            raise ValueError(f"TrainConfig.offload={config.offload!r}: build the strategy with "
+                             f"trainer.parallel.make_offload_strategy (or make_parallel_strategy)")
         self.model, self.config, self.group = model, config, group
         self.units = model.units
         self.N, self.rank = group.size, group.rank
-        for u in self.units:
-            u.shard_slice(self.rank, self.N)  # raises, naming the unit, if pad_to does not fit the world
+        self.lengths = [u.padded_length(self.N) for u in self.units]  # this strategy's padding, any model
+        self.loss = loss if loss is not None else model.loss
+        self.meter = ActivationMeter()  # activation bytes the model holds (memory_bytes()["activations_peak"])
         self.policy = PrecisionPolicy(master=config.master_dtype, compute=config.param_dtype,
                                       reduce=config.reduce_dtype)
         self.master_dtype = resolve_dtype(config.master_dtype)
@@ -144,12 +163,12 @@ class DataParallelBase(Strategy):
         self.schedule = schedule or make_schedule(config)
         scaling = self.policy.needs_loss_scaling if config.loss_scale is None else bool(config.loss_scale)
         self.scaler = DynamicLossScaler(config.init_scale, growth_interval=config.growth_interval, enabled=scaling)
-        self.comm = Comm(group, codec=make_codec(config.compression))
-        if self.comm.codec is not None:
+        self.collectives = AccountedCollectives(group, codec=make_codec(config.compression))
+        if self.collectives.codec is not None:
             from collectives import compressed
             if not self.replicated_grads:  # gradients are reduce-scattered
-                compressed.check_blockwise(self.comm.codec)  # refuses powersgd here, not at the first step
-            elif compressed.compresses_matrices(self.comm.codec):
+                compressed.check_blockwise(self.collectives.codec)  # refuses powersgd here, not at the first step
+            elif compressed.compresses_matrices(self.collectives.codec):
                 # DDP all-reduces flat 1-D buckets, which PowerSGD sends uncompressed: it sent every
                 # byte while saying it compressed.
                 raise ValueError("compression 'powersgd' compresses matrices, and ddp all-reduces flat "
@@ -169,11 +188,12 @@ class DataParallelBase(Strategy):
 
     async def setup(self) -> None:
         """See base class."""
-        full = [p.astype(self.master_dtype) for p in self.model.init_params(self.config.seed)]
+        full = [u.init_params(self.config.seed, n, self.master_dtype) for u, n in zip(self.units, self.lengths)]
         self._allocate(full)
         self.states = [self.optimizer.init_state(self._owned(i)[1] - self._owned(i)[0], self.master_dtype)
                        for i in range(len(self.units))]
-        self.comm.loop = asyncio.get_running_loop()
+        self._segments = [self._decay_segments(i) for i in range(len(self.units))]
+        self.collectives.loop = asyncio.get_running_loop()
         await self._sync_initial_params()
         self._is_setup = True
         if self.config.check_every:
@@ -186,6 +206,17 @@ class DataParallelBase(Strategy):
     def close(self) -> None:
         """See base class."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _shard(self, i: int) -> slice:
+        """This rank's part of unit i's padded buffer (zero/fsdp sharding)."""
+        return shard_bounds(self.lengths[i], self.rank, self.N)
+
+    def _decay_segments(self, i: int) -> list[tuple[int, int, bool]]:
+        """[(lo, hi, decayed)] of this rank's optimizer shard of unit i (TrainConfig.decay)."""
+        start, stop = self._owned(i)
+        if self.config.decay == "all":
+            return [(0, stop - start, True)]
+        return self.units[i].decay_segments(start, stop)
 
     # ---- memory ---------------------------------------------------------------
 
@@ -207,22 +238,37 @@ class DataParallelBase(Strategy):
         optim = sum(s.nbytes for s in self.states)
         return {"params": params, "grads": grads, "optim": optim, "total": params + grads + optim,
                 "gathered_peak": self._peak["gathered"], "grads_transient_peak": self._peak["grads"],
-                "transient_now": sum(self._transient.values())}
+                "transient_now": sum(self._transient.values()), "activations_peak": self.meter.peak}
 
     def reset_peak(self) -> None:
         """See base class."""
         with self._mem_lock:
             self._peak = dict(self._transient)
+        self.meter.reset_peak()
 
     # ---- testing hook -----------------------------------------------------------
 
     def inject_overflow(self, step: int, ranks: list[int] | None = None) -> None:
         """Test hook: at ``step`` (the value of ``self.step`` when train_step starts)
         the gradient of unit 0, element 0, becomes +inf on ``ranks`` (default: every
-        rank) just before it is communicated, as an fp16 overflow would. With
+        rank) at grad_ready(0), just before it is communicated, as an fp16 overflow would. With
         ``ranks=[0]`` under zero2/zero3 only rank 0's shard sees it, which tests that
         the skip is agreed by all ranks."""
         self._overflow_at[int(step)] = None if ranks is None else {int(r) for r in ranks}
+
+    def _with_injection(self, hooks: dict, grads: list) -> dict:
+        """The last micro-batch's hooks, with inject_overflow's inf put into unit 0 at grad_ready(0)."""
+        if self._overflow_at:
+            ready = hooks.get("grad_ready")
+
+            def ready_with_injection(i):
+                if i == 0:
+                    self._inject(grads)
+                if ready is not None:
+                    ready(i)
+
+            hooks["grad_ready"] = ready_with_injection
+        return hooks
 
     def _inject(self, grads: list) -> None:
         if self.step in self._overflow_at:
@@ -246,8 +292,8 @@ class DataParallelBase(Strategy):
     async def _ensure_fresh(self) -> None:
         if not self._is_setup:
             raise RuntimeError(f"{self.name}: call `await setup()` before training or evaluating")
-        self.comm.loop = asyncio.get_running_loop()
-        self.comm.aborted = False
+        self.collectives.loop = asyncio.get_running_loop()
+        self.collectives.aborted = False
         if self._stale:
             self._stale = False
             await self._after_update(True)
@@ -256,26 +302,20 @@ class DataParallelBase(Strategy):
         """Compute thread: forward/backward of every micro-batch; returns the local loss sum."""
         loss, rows_before = 0.0, 0
         params = self._compute_params()
+        self.meter.clear()  # what a failed step may have left
         for j, (x, y, offset, global_size) in enumerate(micro_batches):
             sync = j == len(micro_batches) - 1
             grads = self._grad_list()
             hooks = self._hooks(sync, params, grads)
-            if sync and self._overflow_at:
-                after = hooks.get("after_unit_backward")
-
-                def after_with_injection(i, after=after, grads=grads):
-                    if i == 0:
-                        self._inject(grads)
-                    if after is not None:
-                        after(i)
-
-                hooks["after_unit_backward"] = after_with_injection
+            if sync:
+                self._with_injection(hooks, grads)
             ctx = Context(training=True, seed=self.config.seed, step=self.step, batch_offset=rows_before + int(offset))
             # grads_zero at j == 0: _begin_step zeroed every gradient buffer (ddp, zero1) or dropped
             # them, and before_unit_backward allocates them as zeros (zero2, zero3/fsdp)
-            loss += self.model.forward_backward(params, grads, self._cast_input(x), y, ctx,
+            loss += self.model.forward_backward(params, grads, self._cast_input(x), y, ctx, loss=self.loss,
                                                 loss_denominator=denominator, grad_scale=scale,
-                                                grads_zero=j == 0, **hooks)
+                                                grads_zero=j == 0, checkpoint=self.config.activation_checkpointing,
+                                                meter=self.meter, **hooks)
             rows_before += int(global_size)
         return loss
 
@@ -285,7 +325,7 @@ class DataParallelBase(Strategy):
             raise ValueError("train_step needs at least one micro-batch")
         await self._ensure_fresh()
         t_start = time.perf_counter()
-        self.comm.reset_counters()
+        self.collectives.reset_counters()
         denominator = float(sum(int(mb[3]) for mb in micro_batches))
         if denominator <= 0:
             raise ValueError(f"the step's global batch is empty (global sizes {[mb[3] for mb in micro_batches]})")
@@ -295,10 +335,10 @@ class DataParallelBase(Strategy):
             t0 = time.perf_counter()
             loss_local = await self._in_thread(self._compute, micro_batches, denominator, scale)
             thread_s = time.perf_counter() - t0
-            thread_exposed = self.comm.exposed_s
+            thread_exposed = self.collectives.exposed_s
             await self._finish_grads()
         except BaseException:
-            await self.comm.cancel_pending()
+            await self._cancel_pending()
             raise
         shards = self._opt_shards()
         # grads in the master dtype (a cast copy only when reduce != master), unscaled, checked
@@ -307,12 +347,9 @@ class DataParallelBase(Strategy):
         for g in grads:
             local_inf |= unscale_(g, scale) if scale != 1.0 else has_inf_or_nan(g)
         with np.errstate(over="ignore", invalid="ignore"):
-            sumsq = float(sum(float(np.dot(g, g)) for g in grads))
-        # one all_reduce decides for every rank: [loss, found_inf flags, sum of squares]
-        stats = np.array([loss_local, float(local_inf), 0.0 if self.replicated_grads else sumsq], dtype=np.float64)
-        await self.comm.exposed(self.comm.all_reduce(stats))
-        loss, found_inf = float(stats[0]), bool(stats[1] > 0)
-        grad_norm = math.sqrt(sumsq if self.replicated_grads else float(stats[2])) if not found_inf else math.inf
+            sumsq = self._grad_sumsq(grads)
+        loss, found_inf, total_sumsq = await self._agree(loss_local, local_inf, sumsq)
+        grad_norm = math.sqrt(total_sumsq) if not found_inf else math.inf
         applied = self.scaler.update(found_inf) and not found_inf
         t_update = time.perf_counter()
         if applied:
@@ -321,45 +358,58 @@ class DataParallelBase(Strategy):
             try:
                 await self._in_thread(self._update, shards, grads, coef, lr)
             except BaseException:
-                await self.comm.cancel_pending()  # what _after_shard_update launched before the failure
+                await self._cancel_pending()  # what _after_shard_update launched before the failure
                 raise
         update_s = time.perf_counter() - t_update
         await self._after_update(applied)
         self.step += 1
         if self.config.check_every and self.step % self.config.check_every == 0:
             await self.check_replicas()
-        timings = {"compute_s": max(0.0, thread_s - thread_exposed) + update_s, "comm_s": self.comm.comm_s,
-                   "exposed_comm_s": self.comm.exposed_s, "step_s": time.perf_counter() - t_start}
-        return StepResult(loss=loss, skipped=not applied, grad_norm=grad_norm, comm_bytes=self.comm.bytes_sent,
+        timings = {"compute_s": max(0.0, thread_s - thread_exposed) + update_s, "comm_s": self.collectives.comm_s,
+                   "exposed_comm_s": self.collectives.exposed_s, "step_s": time.perf_counter() - t_start}
+        return StepResult(loss=loss, skipped=not applied, grad_norm=grad_norm, comm_bytes=self.collectives.bytes_sent,
                           timings=timings, loss_scale=scale)
+
+    def _grad_sumsq(self, grads: list) -> float:
+        """This rank's share of the squared global gradient norm: the sum of squares of its shards."""
+        return float(sum(float(np.dot(g, g)) for g in grads))
+
+    async def _agree(self, loss_local: float, local_inf: bool, sumsq: float) -> tuple[float, bool, float]:
+        """One all_reduce decides for every rank: [loss, found_inf flags, sum of squares] ->
+        (the global loss, whether any rank found inf/NaN, the squared global norm)."""
+        stats = np.array([loss_local, float(local_inf), 0.0 if self.replicated_grads else sumsq], dtype=np.float64)
+        await self.collectives.exposed(self.collectives.all_reduce(stats))
+        return float(stats[0]), bool(stats[1] > 0), sumsq if self.replicated_grads else float(stats[2])
+
+    async def _cancel_pending(self) -> None:
+        """After a failure: cancels and reaps every collective the step launched."""
+        await self.collectives.cancel_pending()
 
     def _update(self, shards, grads, coef: float, lr: float) -> None:
         """Compute thread: clip and step this rank's shards, unit by unit in index order (the
         order of the collectives _after_shard_update may launch, the same on every rank)."""
         for i, ((param, _, state), g) in enumerate(zip(shards, grads)):
+            self._before_shard_update(i)
             if coef < 1.0:
                 g *= coef
-            self.optimizer.step(param, g, state, lr)
+            self.optimizer.step(param, g, state, lr, segments=self._segments[i])
             self._after_shard_update(i)
 
     # ---- evaluation -------------------------------------------------------------
 
-    async def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    async def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """See base class."""
         await self._ensure_fresh()
         params = self._compute_params()
         hooks = self._eval_hooks(params)
         try:
             forward = functools.partial(self.model.forward, params, self._cast_input(x), EVAL, **hooks)
-            logits = await self._in_thread(forward)
-            await self.comm.drain()
+            out = await self._in_thread(forward)
+            await self.collectives.drain()
         except BaseException:
-            await self.comm.cancel_pending()
+            await self._cancel_pending()
             raise
-        if len(y) == 0:
-            return 0.0, 0.0
-        loss_sum, _ = cross_entropy_forward(np.asarray(logits, dtype=np.float64), y, 1.0)
-        return float(loss_sum), float((np.asarray(logits).argmax(axis=1) == y).sum())
+        return {k: float(v) for k, v in self.loss.metrics(out, y).items()}
 
     def _eval_hooks(self, params: list) -> dict:
         return {}
@@ -379,7 +429,7 @@ class DataParallelBase(Strategy):
         """See base class."""
         mine = self._digest()
         every = np.zeros(self.N, dtype=np.int64)
-        await self.comm.all_gather(every, mine)
+        await self.collectives.all_gather(every, mine)
         values, counts = np.unique(every, return_counts=True)
         if len(values) == 1:
             return
@@ -452,20 +502,20 @@ class DataParallelBase(Strategy):
 
     def _alloc_full_grad(self, i: int) -> None:
         """before_unit_backward(i): unit i's full gradient (zeros), kept across micro-batches
-        until the boundary."""
+        until the boundary (and across a unit's two backward calls)."""
         if self._full_grads[i] is None:
-            self._full_grads[i] = np.zeros(self.units[i].padded_numel, self.reduce_dtype)
+            self._full_grads[i] = np.zeros(self.lengths[i], self.reduce_dtype)
             self._track(self._full_grads[i].nbytes)
 
     def _launch_reduce_scatter(self, i: int) -> None:
-        """after_unit_backward(i) at the boundary: reduce-scatter unit i's full gradient into
+        """grad_ready(i) at the boundary: reduce-scatter unit i's full gradient into
         its kept shard; the full buffer is dropped when the collective is done."""
         full, self._full_grads[i] = self._full_grads[i], None
-        self.comm.launch(self._reduce_and_free(i, full))
+        self.collectives.launch(self._reduce_and_free(i, full))
 
     async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
         try:
-            await self.comm.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
+            await self.collectives.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
         finally:
             self._untrack(full.nbytes)
 
@@ -481,8 +531,11 @@ class DataParallelBase(Strategy):
     def _begin_step(self) -> None:
         pass
 
+    def _before_shard_update(self, i: int) -> None:
+        """Compute thread, right before the optimizer steps unit i's shard (offload reads ahead here)."""
+
     def _after_shard_update(self, i: int) -> None:
         """Compute thread, right after the optimizer stepped unit i's shard (applied steps only)."""
 
     async def _finish_grads(self) -> None:
-        await self.comm.drain()
+        await self.collectives.drain()

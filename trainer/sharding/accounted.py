@@ -1,7 +1,8 @@
-"""The strategies' one door to collectives/: counted, timed, and callable from the compute thread.
+"""AccountedCollectives: the strategies' one door to collectives/, counted, timed, and callable
+from the compute thread.
 
-What it is: `Comm` wraps the four collectives a strategy uses (all_reduce,
-all_gather, reduce_scatter, broadcast) with
+What it is: `AccountedCollectives` wraps the four collectives a strategy uses (all_reduce,
+all_gather, reduce_scatter, broadcast), and the point-to-point send / recv a pipeline uses, with
 
 * accounting: bytes this rank sends, estimated with the ring algorithm's
   volume (all_reduce 2 (N-1)/N n, reduce_scatter and all_gather (N-1)/N n,
@@ -33,6 +34,8 @@ from typing import Any, Awaitable
 
 import numpy as np
 
+__all__ = ["AccountedCollectives"]
+
 
 def _collectives():
     import collectives  # local: the strategies import without it, e.g. for memory maths
@@ -40,9 +43,9 @@ def _collectives():
     return collectives
 
 
-class Comm:
-    """Collectives on one group, accounted. Loop-thread methods are ``async``;
-    ``launch``/``wait`` are for the compute thread."""
+class AccountedCollectives:
+    """Collectives on one group, accounted (bytes sent, time in flight, time waited on).
+    Loop-thread methods are ``async``; ``launch``/``wait`` are for the compute thread."""
 
     def __init__(self, group, *, codec=None, timeout_s: float | None = None):
         self.group = group
@@ -136,6 +139,14 @@ class Comm:
         # the root sends n (a ring or tree forwards it, but the root's share is what we count)
         await self._timed(x.nbytes if self.rank == src else 0, _collectives().broadcast(x, src, group=self.group))
 
+    async def send(self, x: np.ndarray, dst: int, tag: int) -> None:
+        """Point-to-point (collectives/p2p.py) to group rank ``dst``; counts ``x.nbytes``."""
+        await self._timed(x.nbytes, _collectives().send(x, dst, tag, group=self.group))
+
+    async def recv(self, x: np.ndarray, src: int, tag: int) -> None:
+        """Point-to-point into ``x`` from group rank ``src`` (checks dtype and shape)."""
+        await self._timed(0, _collectives().recv(x, src, tag, group=self.group))
+
     async def exposed(self, coro: Awaitable) -> Any:
         """Awaits ``coro`` on the loop, counting the wait as exposed communication."""
         t0 = time.perf_counter()
@@ -177,6 +188,14 @@ class Comm:
             pending, self._pending = self._pending, []
         if pending:
             await self.exposed(asyncio.gather(*(asyncio.wrap_future(f) for f in pending)))
+
+    def cancel_nowait(self) -> None:
+        """On the loop, at once (a failure found elsewhere): cancels what was launched, so a compute
+        thread waiting on it wakes; ``cancel_pending`` reaps it later."""
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            f.cancel()
 
     async def cancel_pending(self) -> None:
         """On the loop, after a failure: cancels and reaps what was launched (never raises)."""

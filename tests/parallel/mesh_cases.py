@@ -1,0 +1,85 @@
+"""Shared pieces of the mesh tests: the tiny float64 GPT, its single-process reference, and a runner
+of a dp x tp x pp mesh whose ranks are tasks of one process.
+
+The model: 4 heads of size 2 (tp = 4 splits them), a vocabulary of 11 (tp = 4 cuts it 3 3 3 2),
+4 blocks (pp = 4 gives each stage one), dropout 0.1 everywhere (the attention's masks cut by heads,
+the residual ones replicated). The data: random windows of 5 tokens, global batches of 8 windows.
+The reference is the plain model and AdamW in one process on the same global batches, weight
+decay on the matrices only, clipping by the global norm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from runtime.testing import run_ranks
+from trainer.data import iter_local_batches
+from trainer.nn import GPT, Context, GPTConfig
+from trainer.optim import AdamW
+from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
+from trainer.sharding import TrainConfig
+from trainer.text import RandomWindows
+
+CONFIG = GPTConfig(vocab_size=11, block_size=5, n_layer=4, n_head=4, n_embd=8, dropout=0.1)
+TOKENS = np.random.default_rng(8).integers(0, 11, size=300)
+WINDOWS = RandomWindows(TOKENS, CONFIG.block_size, num_windows=24, seed=3)
+GLOBAL_BATCH, STEPS, LR, SEED = 8, 3, 2e-2, 5
+F64 = dict(param_dtype="float64", reduce_dtype="float64", master_dtype="float64", adam_kernel="numpy")
+
+
+def make_config(**kw) -> TrainConfig:
+    return TrainConfig(**F64, lr=LR, seed=SEED, weight_decay=0.1, **kw)
+
+
+@functools.cache
+def reference(clip_norm: float | None = None, steps: int = STEPS):
+    """Single-process training: (unpadded params per unit, losses, grad norms)."""
+    model = GPT(CONFIG, dtype=np.float64)
+    params = model.init_params(SEED)
+    opt = AdamW(weight_decay=0.1, kernel="numpy")
+    states = [opt.init_state(p.size, p.dtype) for p in params]
+    batches = list(iter_local_batches(len(WINDOWS), GLOBAL_BATCH, seed=SEED, epoch=0))
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = WINDOWS.get(batches[step].indices, 0)
+        grads = model.zeros()
+        losses.append(model.forward_backward(params, grads, x, y, Context(seed=SEED, step=step)))
+        norm = math.sqrt(sum(float(np.dot(g, g)) for g in grads))
+        norms.append(norm)
+        if clip_norm:
+            for g in grads:
+                g *= min(1.0, clip_norm / (norm + 1e-6))
+        for p, g, s, u in zip(params, grads, states, model.units):
+            opt.step(p, g, s, LR, segments=u.decay_segments(0, len(p)))
+    return [p[: u.numel] for p, u in zip(params, model.units)], losses, norms
+
+
+def step_batches(dp: int, dp_rank: int, accum: int):
+    """This dp rank's micro-batches of each step: [(x, y, offset, global size)]."""
+    micro = GLOBAL_BATCH // accum
+    local = list(iter_local_batches(len(WINDOWS), micro, dp, dp_rank, seed=SEED, epoch=0))
+    steps = [local[k : k + accum] for k in range(0, len(local), accum)]
+    return [[(*WINDOWS.get(b.indices, 0), b.offset, b.global_size) for b in mbs] for mbs in steps]
+
+
+async def train_mesh(strategy: str, *, dp: int = 1, tp: int = 1, pp: int = 1, steps: int = STEPS,
+                     parallel: ParallelConfig | None = None, body_hook=None, **config_kw):
+    """Per rank: (full params, step results, strategy) after ``steps`` steps on a dp x tp x pp mesh."""
+    config = make_config(**config_kw)
+
+    async def body(world):
+        mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
+        s = make_parallel_strategy(strategy, CONFIG, config, mesh, parallel=parallel)
+        try:
+            await s.setup()
+            batches = step_batches(dp, mesh.coords["dp"], config.grad_accum)
+            results = [await s.train_step(mbs) for mbs in batches[:steps]]
+            extra = await body_hook(s) if body_hook is not None else None
+            return await s.full_params(), results, s, extra
+        finally:
+            s.close()
+
+    return await run_ranks(dp * tp * pp, body)

@@ -1,0 +1,23 @@
+"""trainer.parallel: the trainer's other dimensions, tensor and pipeline parallelism on a device mesh.
+
+    mesh = Mesh(world, tp=2, pp=2)                       # dp: what is left
+    strategy = make_parallel_strategy("fsdp", GPTConfig(...), TrainConfig(...), mesh,
+                                      parallel=ParallelConfig(schedule="1f1b", micro_batches=8))
+    await strategy.setup(); await strategy.train_step(micro_batches)     # as any Strategy
+
+Files: mesh.py (the mesh of process groups), comm.py (the tp group from the compute thread),
+tensor.py (Megatron's f / g, column- and row-parallel Linear, attention and MLP), vocab.py
+(vocabulary-parallel embedding, head and cross-entropy), gpt.py (the GPT's units per tp rank
+and their maps to the full layout), pipeline.py (stages and balancing), schedules.py (GPipe
+and 1F1B as action lists), executor.py (running a stage's schedule), strategy.py (dp x tp x pp
+with any data-parallel strategy), offload.py (optimizer state and master weights on disk).
+
+What it is not: no implementation lives here.
+"""
+
+from trainer.parallel.mesh import DIMS, Mesh
+from trainer.parallel.schedules import SCHEDULES, bubble_formula, format_table, schedule
+from trainer.parallel.strategy import ParallelConfig, make_parallel_strategy
+
+__all__ = ["DIMS", "Mesh", "SCHEDULES", "bubble_formula", "format_table", "schedule", "ParallelConfig",
+           "make_parallel_strategy"]

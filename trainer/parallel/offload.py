@@ -1,0 +1,238 @@
+"""Offload (DeepSpeed's ZeRO-Offload / ZeRO-Infinity for a CPU trainer): a rank's optimizer state,
+and its fp32 master weights, in memory-mapped files on disk.
+
+What it is: `Offload(kind, directory, rank)` moves a strategy's per-unit arrays into one file per
+rank, each array at a page-aligned offset, and pages them in and out around the optimizer step,
+the only time they are read (the step goes unit by unit, trainer/sharding/data_parallel.py):
+
+    kind "optimizer"   every unit's optimizer state (AdamW's exp_avg and exp_avg_sq)
+    kind "params"      that, and the master weights the optimizer updates (the strategy's
+                       float32 master, kept apart from the compute copy: needs param_dtype
+                       lower than master_dtype, as ZeRO-Offload's float32 master beside
+                       float16 / bfloat16 parameters)
+
+    update:  prefetch(0)                          madvise(WILLNEED): the kernel reads ahead
+             for unit i:  prefetch(i + 1)         read ahead one unit while unit i steps
+                          step unit i
+                          release(i)              on the writer thread, behind the step:
+                                                  msync (written back to the file), then
+                                                  madvise(DONTNEED): out of this process's memory
+             finish()                             waits for the writer
+
+So between steps the offloaded bytes live in the files (the page cache may keep some, as it
+does for any file, but they are not this process's memory), and during the update at most
+about two units' worth are resident: the one stepping and the one read ahead (plus the one
+being written back). Resident bytes = the strategy's params + grads + optimizer state minus
+the offloaded ones (`memory_bytes()["resident"]`). The numbers are the same bits: the
+optimizer computes on the same values, only their storage moved (tests compare bytes).
+
+Files are ours alone: a fresh directory (mkdtemp: mode 0700) under `directory`, the file made
+with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600; `close()` removes both.
+
+What it is not: no offload of gradients or of the compute copy, no asynchronous I/O library (the
+kernel's readahead and writeback do the work), no NVMe-specific tuning.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import ctypes.util
+import mmap
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from trainer.parallel.bases import strategy_class
+
+__all__ = ["Offload", "OffloadMixin", "make_offload_strategy", "KINDS", "return_freed_memory"]
+
+KINDS = ("optimizer", "params")
+PAGE = mmap.PAGESIZE  # arrays start on a page: madvise works on whole pages
+
+
+def return_freed_memory() -> None:
+    """Asks glibc to hand the memory of freed arrays back to the system (malloc_trim). Large NumPy
+    arrays freed after the first few are kept in malloc's heap (its mmap threshold grows as big blocks
+    are freed), so the RAM copies offload replaced would stay resident without it. No-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:  # pragma: no cover - no C library to load
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+class Offload:
+    """See the module docstring. ``adopt(units)`` with ``units[i]`` = {name: array} moves the
+    arrays into the file and returns the same dicts holding memory-mapped arrays (same values)."""
+
+    def __init__(self, kind: str, directory: str | None, rank: int) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"offload must be one of {KINDS}, got {kind!r}")
+        self.kind = kind
+        base = directory or tempfile.gettempdir()
+        os.makedirs(base, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix=f"ringweave-offload-r{rank}-", dir=base)  # mode 0700, ours
+        self.path = os.path.join(self.dir, f"rank{rank}.{kind}")
+        self._mm: mmap.mmap | None = None
+        self._ranges: list[tuple[int, int]] = []  # per unit: [lo, hi) of its pages in the file
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-offload-r{rank}")
+        self._behind: list[concurrent.futures.Future] = []
+        self.nbytes = 0  # bytes of arrays in the file
+
+    def adopt(self, units: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        layout, offset = [], 0
+        for arrays in units:
+            start = offset
+            spots = {}
+            for name, a in arrays.items():
+                spots[name] = offset
+                offset += _align(a.nbytes)
+            layout.append((start, offset, spots))
+        size = max(offset, PAGE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the file open
+        out = []
+        for arrays, (start, stop, spots) in zip(units, layout):
+            mapped = {}
+            for name, a in arrays.items():
+                m = np.frombuffer(self._mm, dtype=a.dtype, count=a.size, offset=spots[name])
+                m[...] = a  # the values move; the RAM copy is dropped by the caller
+                mapped[name] = m
+                self.nbytes += a.nbytes
+            out.append(mapped)
+            self._ranges.append((start, stop))
+        for i in range(len(units)):
+            self._release(i)
+        return out
+
+    # ---- around the optimizer step -----------------------------------------------------
+
+    def prefetch(self, i: int) -> None:
+        """Asks the kernel to read unit i's pages now (returns at once)."""
+        if self._mm is not None and 0 <= i < len(self._ranges):
+            lo, hi = self._ranges[i]
+            if hi > lo:
+                self._mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+
+    def _release(self, i: int) -> None:
+        lo, hi = self._ranges[i]
+        if hi > lo:
+            self._mm.flush(lo, hi - lo)  # msync: the step's values are in the file
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # and no longer this process's memory
+
+    def release(self, i: int) -> None:
+        """Writes unit i back and drops it from memory, on the writer thread (behind the step)."""
+        if self._mm is not None:
+            self._behind.append(self._writer.submit(self._release, i))
+
+    def finish(self) -> None:
+        """Waits for every write-back (re-raising an I/O error)."""
+        behind, self._behind = self._behind, []
+        for f in behind:
+            f.result()
+
+    def release_all(self) -> None:
+        """Drops every unit from memory now (after something read them all: a checkpoint)."""
+        self.finish()
+        for i in range(len(self._ranges)):
+            self._release(i)
+
+    def close(self) -> None:
+        """Stops the writer and removes the file and its directory (idempotent). The arrays stay
+        readable while referenced (the mapping lives until they go)."""
+        self._writer.shutdown(wait=True)
+        if os.path.isdir(self.dir):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class OffloadMixin:
+    """Offload for any data-parallel strategy class (put in front of it: `make_offload_strategy`, or
+    `make_parallel_strategy` when TrainConfig.offload is set): after setup the per-unit arrays move
+    to the file; the update reads each unit ahead and writes it back behind (module docstring)."""
+
+    supports_offload = True
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        kind = self.config.offload
+        if kind not in KINDS:
+            raise ValueError(f"TrainConfig.offload must be one of {KINDS}, got {kind!r}")
+        if kind == "params" and self.param_dtype == self.master_dtype:
+            raise ValueError(f"offload 'params' keeps the {self.master_dtype} master weights on disk beside a "
+                             f"compute copy in memory; with param_dtype == master_dtype they are one array: "
+                             f"set --param-dtype bfloat16 (or float16), or offload 'optimizer'")
+        self.offload: Offload | None = None
+
+    async def setup(self) -> None:
+        await super().setup()
+        kind = self.config.offload
+        self.offload = Offload(kind, self.config.offload_dir, self.group.rank)
+        units = []
+        for i in range(len(self.units)):
+            arrays = dict(self.states[i].buffers)
+            if kind == "params":
+                arrays["master"] = self.master[i]
+            units.append(arrays)
+        for i, mapped in enumerate(self.offload.adopt(units)):
+            if kind == "params":
+                self.master[i] = mapped.pop("master")
+            self.states[i].buffers = mapped
+        del units
+        return_freed_memory()  # the RAM copies just replaced
+
+    def _begin_step(self) -> None:
+        super()._begin_step()
+        if self.offload is not None:
+            self.offload.prefetch(0)  # unit 0's state is read while the forward and backward run
+
+    def _before_shard_update(self, i: int) -> None:
+        super()._before_shard_update(i)
+        self.offload.prefetch(i + 1)  # read ahead one unit
+
+    def _after_shard_update(self, i: int) -> None:
+        super()._after_shard_update(i)  # (ddp, fsdp: the compute copy is cast; zero: its gather leaves)
+        self.offload.release(i)  # written back behind
+
+    def _update(self, shards, grads, coef: float, lr: float) -> None:
+        try:
+            super()._update(shards, grads, coef, lr)
+        finally:
+            self.offload.finish()
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.offload.release_all()
+
+    def memory_bytes(self) -> dict:
+        mem = super().memory_bytes()
+        offloaded = self.offload.nbytes if self.offload is not None else 0
+        mem.update(offloaded=offloaded, resident=mem["total"] - offloaded)
+        return mem
+
+    def close(self) -> None:
+        super().close()
+        if self.offload is not None:
+            self.offload.close()
+
+
+def make_offload_strategy(name: str, model, config, group, **kw):
+    """The data-parallel strategy ``name`` (trainer.sharding.make_strategy's) with its optimizer
+    state (``config.offload="optimizer"``) or also its master weights (``"params"``) on disk."""
+    if config.offload is None:
+        raise ValueError("make_offload_strategy needs TrainConfig.offload ('optimizer' or 'params')")
+    cls, extra = strategy_class(name, OffloadMixin)
+    return cls(model, config, group, **extra, **kw)

@@ -1,0 +1,276 @@
+"""Tensor parallelism (Megatron-LM): the conjugate f / g pairs, column- and row-parallel Linear,
+attention with its heads split across the tp group, and the MLP split column-then-row.
+
+How it works (t ranks, Megatron-LM core/tensor_parallel/layers.py and mappings.py). A matrix
+multiply Y = X A is split two ways:
+
+    column-parallel  A = [A_1 ... A_t] by columns:  Y_i = X A_i      every rank needs all of X
+    row-parallel     A = [A_1; ...; A_t] by rows,   X = [X_1 ... X_t]:  Y = sum_i X_i A_i
+
+and the two communications are conjugate functions, each a forward and a backward:
+
+    f  copy_to_tp       forward: identity           backward: all_reduce(sum) of dX
+    g  reduce_from_tp   forward: all_reduce(sum)    backward: identity
+
+A column-parallel layer runs f on its input (each rank's dX is a partial sum over its
+columns), a row-parallel layer g on its output. Chained column-then-row, the part between
+needs nothing: the MLP's fc (C -> 4C) splits its 4C columns, GELU runs on each rank's
+columns alone, proj (4C -> C) splits the same 4C rows; attention's qkv splits the heads
+(each head's q, k, v columns: the fused weight viewed as (C, 3, H, hs), cut along H), the
+attention core runs on this rank's H/t heads alone, proj splits the same heads' rows. So
+each half of a block costs one all_reduce of the (B, T, C) activations in the forward (g)
+and one in the backward (f): per block and micro-batch 2 + 2, and 2 more when activation
+checkpointing runs the forward again. The row-parallel bias is added after the sum (it is
+whole on every rank); LayerNorms and the biases after a g are replicated: every tp rank
+holds them whole and computes the same gradient for them (inputs equal bit for bit, since
+an all-reduce hands every rank the same bits).
+
+Dropout. The residual dropouts act on replicated activations: the same mask on every tp rank
+(the mask is a function of the Context and the layer's stream, never of the rank). The
+attention dropout acts on this rank's heads: `HeadDropout` draws exactly the elements of the
+single-process (B, H, T, T) mask that belong to heads [h0, h1), skipping the rest with the
+generator's `advance`, so a tp run has the masks of a tp = 1 run.
+
+Every layer here names how its parameters cut the full ones (`tp_split(name)` -> Split, or
+None: replicated); trainer/parallel/gpt.py turns that into index maps between a rank's flat
+buffer and the full model's (initialisation, checkpoints, full_params).
+
+What it is not: no sequence parallelism (LayerNorm and dropout stay replicated), no
+overlap of the tp all-reduce with the next matmul, no fp8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer.nn.attention import attention_backward, attention_forward
+from trainer.nn.gpt import MLP
+from trainer.nn.layers import GELU, Container, Dropout, Layer, Linear, check_kernel
+from trainer.parallel.comm import TPComm, part
+
+__all__ = ["Split", "copy_to_tp", "copy_to_tp_backward", "reduce_from_tp", "reduce_from_tp_backward",
+           "ColumnParallelLinear", "RowParallelLinear", "HeadDropout", "ParallelSelfAttention", "ParallelMLP"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a local parameter cuts the full one: the full parameter reshaped to ``view``, elements
+    [lo, hi) along ``axis``, read in C order. E.g. qkv's weight (C, 3C) on tp rank 1 of 2 with
+    H = 4 heads: Split(view=(C, 3, 4, hs), axis=2, lo=2, hi=4)."""
+    view: tuple[int, ...]
+    axis: int
+    lo: int
+    hi: int
+
+
+# ---- the conjugate pairs (mappings) ---------------------------------------------------
+
+
+def copy_to_tp(x: np.ndarray, comm: TPComm) -> np.ndarray:
+    """f forward: identity (every rank holds the whole input)."""
+    return x
+
+
+def copy_to_tp_backward(dx: np.ndarray, comm: TPComm) -> np.ndarray:
+    """f backward: the input's gradient is the sum of every rank's partial one."""
+    return comm.all_reduce(dx)
+
+
+def reduce_from_tp(y: np.ndarray, comm: TPComm) -> np.ndarray:
+    """g forward: the output is the sum of every rank's partial one."""
+    return comm.all_reduce(y)
+
+
+def reduce_from_tp_backward(dy: np.ndarray, comm: TPComm) -> np.ndarray:
+    """g backward: identity (every rank's partial output had the whole gradient)."""
+    return dy
+
+
+# ---- linear layers ------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(Layer):
+    """Y_i = f(X) A_i + b_i: this rank's columns of Linear(in, out).
+
+    The output columns are cut as `out_view` along `out_axis` (default: plain columns); this
+    rank holds part `rank` of `size` of that axis, e.g. out_view=(3, H, hs), out_axis=1 for
+    the fused qkv. The output stays split (Megatron's gather_output=False).
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
+                 init_std: float | None = None, out_view: tuple[int, ...] | None = None, out_axis: int = 0) -> None:
+        self.out_view = tuple(out_view) if out_view is not None else (out_features,)
+        if math.prod(self.out_view) != out_features:
+            raise ValueError(f"out_view {self.out_view} must hold {out_features} features")
+        self.out_axis, self.comm = out_axis, comm
+        n = self.out_view[out_axis]
+        if n < comm.size:
+            raise ValueError(f"{n} columns (axis {out_axis} of {self.out_view}) cannot split over tp={comm.size}")
+        self.lo, self.hi = part(n, comm.rank, comm.size)
+        local = out_features // n * (self.hi - self.lo)
+        self.linear = Linear(in_features, local, bias, init_std=init_std)
+        self.in_features, self.out_features, self.bias = in_features, out_features, bias
+
+    def param_shapes(self):
+        return self.linear.param_shapes()
+
+    def decay(self, name):
+        return self.linear.decay(name)
+
+    def tp_split(self, name: str) -> Split:
+        if name == "weight":
+            return Split((self.in_features, *self.out_view), 1 + self.out_axis, self.lo, self.hi)
+        return Split(self.out_view, self.out_axis, self.lo, self.hi)
+
+    def forward(self, params, x, ctx):
+        return self.linear.forward(params, copy_to_tp(x, self.comm), ctx)
+
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
+        dx = self.linear.backward(params, cache, dout, grads, grads_zero=grads_zero)
+        return copy_to_tp_backward(dx, self.comm)
+
+
+class RowParallelLinear(Layer):
+    """Y = g(sum_i X_i A_i) + b: this rank's rows of Linear(in, out); X arrives split (the
+    output of a column-parallel layer), b is whole and added after the sum.
+
+    forward:  y = all_reduce(x_i W_i) + b                 # x_i (N, in/t), W_i (in/t, out)
+    backward: dW_i += x_i^T dy;  db += sum_n dy;  dx_i = dy W_i^T      (no communication)
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
+                 init_std: float | None = None, in_lo: int | None = None, in_hi: int | None = None) -> None:
+        self.comm = comm
+        if in_features < comm.size:
+            raise ValueError(f"{in_features} rows cannot split over tp={comm.size}")
+        self.lo, self.hi = part(in_features, comm.rank, comm.size) if in_lo is None else (in_lo, in_hi)
+        self.linear = Linear(self.hi - self.lo, out_features, bias, init_std=init_std)
+        self.in_features, self.out_features, self.bias = in_features, out_features, bias
+
+    def param_shapes(self):
+        return self.linear.param_shapes()
+
+    def decay(self, name):
+        return self.linear.decay(name)
+
+    def tp_split(self, name: str) -> Split | None:
+        if name == "weight":
+            return Split((self.in_features, self.out_features), 0, self.lo, self.hi)
+        return None  # the bias: replicated
+
+    def forward(self, params, x, ctx):
+        local = self.hi - self.lo
+        x2 = x.reshape(-1, local)  # (N, in/t)
+        y = reduce_from_tp(x2 @ params["weight"], self.comm)  # (N, out): the sum over ranks
+        if self.bias:
+            y += params["bias"]
+        return y.reshape(*x.shape[:-1], self.out_features), (x2, x.shape)
+
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
+        dout = reduce_from_tp_backward(dout, self.comm)
+        return self.linear.backward(params, cache, dout, grads, grads_zero=grads_zero)
+
+
+# ---- attention and MLP ------------------------------------------------------------------------
+
+
+class HeadDropout(Dropout):
+    """Dropout on (N, H_local, ...) attention probabilities with the single-process mask of heads
+    [h0, h1) out of H: per row n, the generator skips to element ((offset + n) H + h0) * inner
+    of the (N, H, ...) stream (Dropout's layout) and draws H_local * inner values."""
+
+    def __init__(self, p: float, n_head: int, h0: int, h1: int) -> None:
+        super().__init__(p)
+        self.n_head, self.h0, self.h1 = n_head, h0, h1
+
+    def mask(self, shape, dtype, ctx):
+        N, local = shape[0], shape[1]
+        if local != self.h1 - self.h0:
+            raise ValueError(f"HeadDropout holds heads [{self.h0}, {self.h1}), got {local} in shape {shape}")
+        inner = math.prod(shape[2:])
+        row = self.n_head * inner  # elements per sample of the whole mask
+        rng = ctx.rng(self.stream)
+        u = np.empty(shape, np.float64)
+        rng.bit_generator.advance(ctx.batch_offset * row + self.h0 * inner)  # to this rank's first element
+        for n in range(N):
+            u[n] = rng.random(shape[1:])
+            rng.bit_generator.advance(row - local * inner)  # the other ranks' heads of this row
+        return ((u >= self.p) / (1.0 - self.p)).astype(dtype)
+
+
+class ParallelSelfAttention(Container):
+    """Causal self-attention over this rank's heads [h0, h1) (trainer/nn/attention.py's math).
+
+    Children, as CausalSelfAttention's (same order, so the same dropout streams): qkv
+    ColumnParallelLinear(C, 3C) cut by heads, proj RowParallelLinear(C, C) cut by the same
+    heads' rows, attn_drop (HeadDropout), resid_drop (replicated).
+    """
+
+    def __init__(self, n_embd: int, n_head: int, comm: TPComm, *, dropout: float = 0.0, bias: bool = True,
+                 init_std: float | None = 0.02, proj_init_std: float | None = None, kernel: str = "fast") -> None:
+        if n_head % comm.size:
+            raise ValueError(f"n_head={n_head} heads do not split over tp={comm.size}: choose --tp dividing "
+                             f"the heads")
+        self.n_embd, self.n_head, self.head_size = n_embd, n_head, n_embd // n_head
+        self.h0, self.h1 = part(n_head, comm.rank, comm.size)
+        self.local_heads = self.h1 - self.h0
+        self.kernel = check_kernel(kernel)
+        hs = self.head_size
+        self.attn_drop, self.resid_drop = HeadDropout(dropout, n_head, self.h0, self.h1), Dropout(dropout)
+        self.children = [
+            ("qkv", ColumnParallelLinear(n_embd, 3 * n_embd, comm, bias=bias, init_std=init_std,
+                                         out_view=(3, n_head, hs), out_axis=1)),
+            ("proj", RowParallelLinear(n_embd, n_embd, comm, bias=bias,
+                                       init_std=init_std if proj_init_std is None else proj_init_std,
+                                       in_lo=self.h0 * hs, in_hi=self.h1 * hs)),
+            ("attn_drop", self.attn_drop),
+            ("resid_drop", self.resid_drop),
+        ]
+        self._index()
+        self.qkv, self.proj = self._by_name["qkv"], self._by_name["proj"]
+
+    def forward(self, params, x, ctx):
+        B, T, _ = x.shape
+        Hl, hs = self.local_heads, self.head_size
+        h, c_qkv = self.qkv.forward(self.sub(params, "qkv"), x, ctx)  # (B, T, 3 Hl hs)
+        q, k, v = (h.reshape(B, T, 3, Hl, hs)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # (B, Hl, T, hs)
+        y, c_att = attention_forward(q, k, v, dropout=self.attn_drop, ctx=ctx, kernel=self.kernel)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, Hl * hs)  # merge this rank's heads (a copy)
+        out, c_proj = self.proj.forward(self.sub(params, "proj"), y, ctx)  # (B, T, C), summed over ranks
+        out, c_drop = self.resid_drop.forward({}, out, ctx)
+        return out, (c_qkv, c_att, c_proj, c_drop)
+
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
+        c_qkv, c_att, c_proj, c_drop = cache
+        B, T, _ = dout.shape
+        Hl, hs = self.local_heads, self.head_size
+        d = self.resid_drop.backward({}, c_drop, dout, {})
+        dy = self.proj.backward(self.sub(params, "proj"), c_proj, d, self.sub(grads, "proj"), grads_zero=grads_zero)
+        dq, dk, dv = attention_backward(dy.reshape(B, T, Hl, hs).transpose(0, 2, 1, 3), c_att, kernel=self.kernel)
+        dqkv = np.empty((B, T, 3, Hl, hs), dtype=dq.dtype)  # merge [dq | dk | dv]
+        for j, d_part in enumerate((dq, dk, dv)):
+            dqkv[:, :, j] = d_part.transpose(0, 2, 1, 3)
+        return self.qkv.backward(self.sub(params, "qkv"), c_qkv, dqkv.reshape(B, T, 3 * Hl * hs),
+                                 self.sub(grads, "qkv"), grads_zero=grads_zero)
+
+
+class ParallelMLP(MLP):
+    """The block's MLP split column-then-row: fc ColumnParallelLinear(C, 4C) -> GELU on this rank's
+    columns -> proj RowParallelLinear(4C, C) over the same rows -> dropout (replicated).
+    Forward and backward are MLP's (a loop over the children)."""
+
+    def __init__(self, n_embd: int, hidden: int, comm: TPComm, *, gelu: str = "tanh", dropout: float = 0.0,
+                 bias: bool = True, init_std: float | None = 0.02, proj_init_std: float | None = None,
+                 kernel: str = "fast") -> None:
+        lo, hi = part(hidden, comm.rank, comm.size)
+        self.children = [
+            ("fc", ColumnParallelLinear(n_embd, hidden, comm, bias=bias, init_std=init_std)),
+            ("act", GELU(gelu, kernel=kernel)),
+            ("proj", RowParallelLinear(hidden, n_embd, comm, bias=bias, in_lo=lo, in_hi=hi,
+                                       init_std=init_std if proj_init_std is None else proj_init_std)),
+            ("drop", Dropout(dropout)),
+        ]
+        self._index()

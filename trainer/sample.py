@@ -1,0 +1,79 @@
+"""`python -m trainer.sample`: text from a GPT checkpoint, decoded with a KV cache.
+
+    python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp --checkpoint-dir ckpt
+    python -m trainer.sample --checkpoint ckpt --prompt "The assert statement" --tokens 200 \\
+        --temperature 0.8 --seed 0 [--top-k 40]
+
+It reads the newest checkpoint under --checkpoint (or that checkpoint directory),
+from its files alone: no ranks, whatever world size and strategy saved it. The
+model is rebuilt from the checkpoint's "model" entry (`GPT.spec()`), the prompt is
+encoded as UTF-8 bytes, and `GPT.generate` samples one byte at a time, each
+costing one position thanks to the KV cache (see trainer/nn/gpt.py). The prompt
+and the generated text go to stdout.
+
+What it is not: no batching of prompts, no beam search, no server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from trainer.checkpoint import CheckpointError, read_unit_params
+from trainer.nn import GPT
+from trainer.text import decode, encode
+
+__all__ = ["build_parser", "load_model", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.sample", description="Generate text from a GPT checkpoint.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoint directory, or the --checkpoint-dir of a run (its newest checkpoint)")
+    p.add_argument("--prompt", default="\n", help="the text to continue (default a newline)")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the arg-max")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="recompute the whole context for every byte (the reference for the KV cache)")
+    return p
+
+
+def load_model(path) -> tuple[GPT, list[np.ndarray]]:
+    """The GPT of a checkpoint and its parameters (float32, the unpadded units)."""
+    flats, meta = read_unit_params(path)
+    spec = meta.get("model")
+    if not spec or spec.get("kind") != "gpt":
+        raise CheckpointError(f"{meta['path']} holds no GPT (its model is {spec!r}); train with --model gpt")
+    model = GPT.from_spec(spec)
+    for unit, flat in zip(model.units, flats):
+        if flat.size != unit.numel:
+            raise CheckpointError(f"{meta['path']}: unit {unit.index} has {flat.size} parameters, the spec's "
+                                  f"model {unit.numel}")
+    return model, [np.asarray(f, dtype=np.float32) for f in flats]
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tokens < 0:
+        build_parser().error(f"--tokens must be >= 0, got {args.tokens}")
+    if args.top_k is not None and args.top_k < 1:
+        build_parser().error(f"--top-k must be >= 1, got {args.top_k}")
+    try:
+        model, params = load_model(args.checkpoint)
+    except CheckpointError as exc:
+        print(f"trainer.sample: {exc}", file=sys.stderr)
+        return 1
+    prompt = encode(args.prompt) if args.prompt else encode("\n")
+    ids = model.generate(params, prompt[None, :], args.tokens, temperature=args.temperature, top_k=args.top_k,
+                         seed=args.seed, use_cache=args.cache)
+    sys.stdout.write(decode(ids[0]) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
