@@ -40,7 +40,7 @@ import numbers
 import sys
 import time
 
-from runtime import env, wire
+from runtime import env, turns, wire
 from runtime.actor import Actor
 from runtime.trace import Tracer
 from runtime.turns import LoopTurns
@@ -385,8 +385,9 @@ class ProcessGroup:
                                  "outcome": outcome})
         # A call that never waited on anything unfinished (a small shared-memory call, frames read
         # straight off the socket) never handed the loop back: back to back, such calls would
-        # starve every other task of the loop. One clock read says whether it is time for a turn.
-        if LoopTurns.for_loop(call.loop).due():
+        # starve every other task of the loop. One clock read says whether it is time for a turn;
+        # where ranks share cores, less often (turns.SHARED_TURN_S).
+        if LoopTurns.for_loop(call.loop).due(rt.call_turn_s):
             await asyncio.sleep(0)
 
     async def _not_arrived(self, call: Call) -> tuple[list[int], dict[int, str]]:
@@ -640,6 +641,7 @@ class Runtime:
         global _live_runtimes
         _live_runtimes += 1  # Call.sendrecv waits off the loop only while this is the process's one runtime
         self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)
+        self.call_turn_s = turns.call_turn_s(local_world_size)  # ProcessGroup.run's loop turns
         self.groups: dict[int, ProcessGroup] = {}
         self.world = self._add_group(list(range(actor.world_size)))
         actor.add_lost_listener(self._on_peer_lost)

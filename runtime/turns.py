@@ -27,6 +27,7 @@ segments, runtime/shm.py between sleeps, the compiled paths' slices).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import weakref
 
@@ -35,7 +36,22 @@ import weakref
 # loop's other tasks wait at most this plus one piece.
 TURN_S = 0.002
 
+# Between whole calls where the node's ranks share cores: there a turn of the loop is a point at
+# which the kernel hands the core to another rank, and turns every TURN_S made small calls 1.5-3x
+# slower at 4 ranks on 2 cores (bench/results/dataplane.md#the-loops-turns).
+SHARED_TURN_S = 0.025
+
 _clock = time.perf_counter
+
+
+def call_turn_s(local_ranks: int) -> float:
+    """The turn interval between whole calls: TURN_S when this process's cores are at least the
+    node's ranks, else SHARED_TURN_S."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return TURN_S if cores >= max(1, local_ranks) else SHARED_TURN_S
 
 
 class LoopTurns:
@@ -50,15 +66,15 @@ class LoopTurns:
         self._quiet_until = 0.0  # the loop turned just before this: no need to arm yet
         self.yields = 0  # times a check said "due" (statistics)
 
-    def due(self) -> bool:
-        """True when the loop has had no turn for TURN_S since this was armed (the caller then
+    def due(self, turn_s: float = TURN_S) -> bool:
+        """True when the loop has had no turn for ``turn_s`` since this was armed (the caller then
         awaits ``asyncio.sleep(0)``)."""
         now = _clock()
         if not self._armed:
             if now < self._quiet_until:
                 return False
             self._armed = True
-            self._due = now + TURN_S
+            self._due = now + turn_s
             self._loop().call_soon(self._turned)
             return False
         if now >= self._due:
