@@ -18,7 +18,8 @@ is exactly the "the loop had a turn" event, whoever caused it (this code yieldin
 an unfinished future). So a check costs a clock read, a callback at most every millisecond (calls
 of a few microseconds that each let the loop turn would otherwise pay one each), and forces a
 yield only when the loop really has not turned for :data:`TURN_S` since it was armed: no other
-task waits longer than 1.5 x TURN_S plus one piece of work.
+task waits longer than 1.5 x TURN_S plus one piece of work (between whole calls where the node's
+ranks share cores: :data:`SHARED_TURN_S`).
 
 Not here: where the checks are made (runtime/group.py after each call, collectives' loops over
 segments, runtime/shm.py between sleeps, the compiled paths' slices).
