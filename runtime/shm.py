@@ -122,7 +122,7 @@ import time
 import weakref
 import zlib
 
-from runtime import env, turns
+from runtime import env
 from runtime.errors import CollectiveError, CollectiveMismatchError, PeerLostError, RingweaveError
 
 log = logging.getLogger("ringweave.shm")
@@ -810,7 +810,7 @@ class Domain:
                     return
                 self._check(call, watched, check_fp)
                 self.statistics_["sleeps"] += 1
-                if not futex_wait(address, rung, SLICE_S) or turns.due():  # a slice passed without a ring
+                if not futex_wait(address, rung, SLICE_S):  # a slice passed without a ring
                     await asyncio.sleep(0)  # let the loop see a lost peer, a cancellation, a deadline
         finally:
             me.value = 0
