@@ -57,9 +57,8 @@ async def timed_block(g, x, algorithm, iters: int) -> tuple[float, float]:
 
 
 def tcp_choice(nbytes: int, n: int) -> str:
-    """The TCP table's algorithm (the first rule that is not a shared-memory one)."""
-    return next(r.algorithm for r in registry.TABLES["all_reduce"]
-                if r.algorithm not in ("shm", "hierarchical") and r.applies(nbytes, n))
+    """The table's algorithm without shared memory, on one host (what a compressed sub-call runs)."""
+    return registry.choose("all_reduce", nbytes, n, subcall=True)[0]
 
 
 async def main():

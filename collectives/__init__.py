@@ -22,11 +22,28 @@ _FROM = {  # public name -> the module that defines it
 
 __all__ = list(_FROM)
 
+# The machinery behind these names, imported only from inside collectives/ (tests/tree/test_surfaces.py):
+# choosing and opening a call, the host and device paths behind api.py, argument checks, shared
+# sizes, and the algorithms (one file each, reached through registry.ALGORITHMS). The other modules
+# are public: api, blocking, p2p, uneven, objects, bucket, compressed, compress, kernels, registry,
+# comm (the Comm protocol an algorithm receives).
+_INTERNAL = ("core", "host", "device", "device_pool", "ops", "tuning", "shm",
+             "all_gather_bruck", "all_gather_direct", "all_gather_recursive_doubling", "all_gather_ring",
+             "all_gather_v_ring", "all_reduce_halving_doubling", "all_reduce_recursive_doubling", "all_reduce_ring",
+             "all_to_all_direct", "all_to_all_v_direct", "barrier_dissemination", "broadcast_chain", "broadcast_flat",
+             "broadcast_tree", "gather_direct", "gather_tree", "gather_v_direct", "reduce_rabenseifner",
+             "reduce_scatter_ring", "reduce_tree", "scatter_direct", "scatter_tree", "scatter_v_direct")
+
+
+def __dir__() -> list[str]:
+    """The API (loaded on first use, so not yet in the module's globals) beside what is loaded."""
+    return sorted(set(globals()) | set(__all__))
+
 
 def __getattr__(name):
     where = _FROM.get(name)
     if where is None:
         raise AttributeError(f"module 'collectives' has no attribute {name!r}")
-    import importlib
+    import importlib  # lazy: keeps `import collectives` free of any import but the first use's
     value = globals()[name] = getattr(importlib.import_module(f"collectives.{where}"), name)  # loaded once
     return value

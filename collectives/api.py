@@ -55,20 +55,21 @@ Contract of every call:
   (a rank died or left), ``CollectiveTimeoutError``; after any of them the
   group is failed and every later call on it raises the same error.
 
-Not here: the blocking facade (blocking.py), point-to-point (p2p.py), counts per rank
-(uneven.py), Python values (objects.py), algorithms (one file each), selection
-(registry.py), checks and fingerprints (ops.py).
+Not here: the calls on host arrays once dispatched (host.py), compressed (compressed.py) and
+device (device.py) collectives, the blocking facade (blocking.py), point-to-point (p2p.py), counts
+per rank (uneven.py), Python values (objects.py), algorithms (one file each), selection
+(registry.py), opening a call (core.py), checks and fingerprints (ops.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives import ops, registry
+from collectives import compressed, host, ops
+from collectives.core import group_of
 from collectives.kernels import is_device_array
 from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
 from runtime.group import check_timeout
-from runtime.init import current as current_runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
            "all_to_all", "barrier", "send", "recv"]
@@ -81,18 +82,11 @@ def _on_device(a) -> bool:
     return type(a) is not np.ndarray and is_device_array(a)
 
 
-def _group(group):
-    return group if group is not None else current_runtime().world
-
-
-def _start(group, collective: str, nbytes: int, algorithm, timeout, **fp):
-    """Chooses the algorithm and opens the call (takes the sequence number). No waiting.
-    Returns (call, fn) where ``fn(call, *args)`` runs the algorithm: the call is the
-    ``comm`` it talks through (``runtime.group.Call``: rank, size, send, irecv, recv_into)."""
-    name, run = registry.choose(collective, nbytes, group.size, algorithm, group=group)
-    call = group.open_call(ops.fingerprint(collective, algo=name, **fp), timeout)
-    call.algorithm = name  # shown by runtime tracing
-    return call, run
+def _device():
+    """collectives/device.py, imported at the first device array (lazy: it imports numba.cuda, which
+    takes seconds and a CUDA driver or the simulator, and a program of NumPy arrays never needs it)."""
+    from collectives import device  # lazy: numba.cuda, needed by device arrays only
+    return device
 
 
 async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float | None = None,
@@ -121,20 +115,11 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
     """
     timeout = check_timeout(timeout)
     if _on_device(x):  # collectives/device.py: staged through the host
-        from collectives import device
-        return await device.all_reduce(x, op, group, timeout, algorithm, compression, key)
+        return await _device().all_reduce(x, op, group, timeout, algorithm, compression, key)
     if compression is not None:  # collectives/compressed.py
-        from collectives import compressed
         return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
                                            algorithm=algorithm, key=key)
-    group = _group(group)
-    ops.check_array("x", x)
-    ops.check_op(op)
-    call, fn = _start(group, "all_reduce", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype, count=x.size)
-    flat = ops.flat(x)
-    await group.run(call, fn, flat, ops.kernel_op(op))
-    ops.finish_avg(flat, op, group.size)
-    return x
+    return await host.all_reduce(x, op, group, timeout, algorithm)
 
 
 async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
@@ -154,19 +139,10 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
     """
     timeout = check_timeout(timeout)
     if _on_device(out) or _on_device(x):  # collectives/device.py
-        from collectives import device
-        group = _group(group)
+        group = group_of(group)
         ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)  # pipelined per segment
-        return await device.all_gather(out, x, group, timeout, algorithm)
-    group = _group(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
-    ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
-    ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)
-    call, fn = _start(group, "all_gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
-    await group.run(call, fn, ops.flat(out), ops.flat(x))
-    return out
+        return await _device().all_gather(out, x, group, timeout, algorithm)
+    return await host.all_gather(out, x, group, timeout, algorithm)
 
 
 async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=None,
@@ -193,28 +169,16 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
     """
     timeout = check_timeout(timeout)
     if _on_device(out) or _on_device(x):  # collectives/device.py
-        from collectives import device
         ops.check_no_overlap("reduce_scatter", "x", x, "out", out)  # its segments are read and written in turn
-        return await device.reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
-    group = _group(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
-    ops.check_op(op)
-    ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
-    ops.check_no_overlap("reduce_scatter", "x", x, "out", out)
-    if compression is not None:  # collectives/compressed.py
-        from collectives import compressed
-        if algorithm is not None:
-            raise ValueError(f"reduce_scatter(compression=...) has one algorithm (all_to_all of encoded blocks); "
-                             f"got algorithm={algorithm!r}")
-        return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
-    call, fn = _start(group, "reduce_scatter", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype,
-                      count=out.size)
-    flat = ops.flat(out)
-    await group.run(call, fn, flat, ops.flat(x), ops.kernel_op(op))
-    ops.finish_avg(flat, op, group.size)
-    return out
+        return await _device().reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
+    if compression is None:
+        return await host.reduce_scatter(out, x, op, group, timeout, algorithm)
+    group = group_of(group)  # collectives/compressed.py
+    host.check_reduce_scatter(out, x, op, group)
+    if algorithm is not None:
+        raise ValueError(f"reduce_scatter(compression=...) has one algorithm (all_to_all of encoded blocks); "
+                         f"got algorithm={algorithm!r}")
+    return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
 
 
 async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | None = None,
@@ -230,14 +194,8 @@ async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | No
     """
     timeout = check_timeout(timeout)
     if _on_device(x):  # collectives/device.py
-        from collectives import device
-        return await device.broadcast(x, src, group, timeout, algorithm)
-    group = _group(group)
-    ops.check_array("x", x)
-    src = ops.check_root("src", src, group.size)
-    call, fn = _start(group, "broadcast", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size, root=src)
-    await group.run(call, fn, ops.flat(x), src)
-    return x
+        return await _device().broadcast(x, src, group, timeout, algorithm)
+    return await host.broadcast(x, src, group, timeout, algorithm)
 
 
 async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeout: float | None = None,
@@ -251,17 +209,7 @@ async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeo
         await reduce(x, dst=0, op="sum")
         # Rank 0: [4 6]   Rank 1: [3 4]
     """
-    timeout = check_timeout(timeout)
-    group = _group(group)
-    ops.check_array("x", x)
-    ops.check_op(op)
-    dst = ops.check_root("dst", dst, group.size)
-    call, fn = _start(group, "reduce", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype, count=x.size, root=dst)
-    flat = ops.flat(x)
-    await group.run(call, fn, flat, dst, ops.kernel_op(op))
-    if group.rank == dst:
-        ops.finish_avg(flat, op, group.size)
-    return x
+    return await host.reduce(x, dst, op, group, check_timeout(timeout), algorithm)
 
 
 async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None, timeout: float | None = None,
@@ -278,20 +226,7 @@ async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None
         await gather(out, x, dst=0)
         # Rank 0: out = [1 2 3 4]    Rank 1: (nothing)
     """
-    timeout = check_timeout(timeout)
-    group = _group(group)
-    ops.check_array("x", x, writeable=False)
-    dst = ops.check_root("dst", dst, group.size)
-    if group.rank == dst:
-        if out is None:
-            raise ValueError(f"gather: out is None on the destination rank {dst}")
-        ops.check_array("out", out)
-        ops.check_same_dtype("out", out, "x", x)
-        ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
-        ops.check_no_overlap("gather", "out", out, "x", x, own_block=dst)
-    call, fn = _start(group, "gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size, root=dst)
-    await group.run(call, fn, ops.flat(out) if group.rank == dst else None, ops.flat(x), dst)
-    return out
+    return await host.gather(out, x, dst, group, check_timeout(timeout), algorithm)
 
 
 async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=None, timeout: float | None = None,
@@ -308,20 +243,7 @@ async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=Non
         await scatter(out, x, src=0)
         # Rank 0: out = [1 2]     Rank 1: out = [3 4]
     """
-    timeout = check_timeout(timeout)
-    group = _group(group)
-    ops.check_array("out", out)
-    src = ops.check_root("src", src, group.size)
-    if group.rank == src:
-        if x is None:
-            raise ValueError(f"scatter: x is None on the source rank {src}")
-        ops.check_array("x", x, writeable=False)
-        ops.check_same_dtype("out", out, "x", x)
-        ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
-        ops.check_no_overlap("scatter", "x", x, "out", out, own_block=src)
-    call, fn = _start(group, "scatter", out.nbytes, algorithm, timeout, dtype=out.dtype, count=out.size, root=src)
-    await group.run(call, fn, ops.flat(out), ops.flat(x) if group.rank == src else None, src)
-    return out
+    return await host.scatter(out, x, src, group, check_timeout(timeout), algorithm)
 
 
 async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
@@ -338,18 +260,7 @@ async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         await all_to_all(out, x)
         # Rank 0: out = [1 3]   Rank 1: out = [2 4]
     """
-    timeout = check_timeout(timeout)
-    group = _group(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
-    if x.size % group.size:
-        raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the group size {group.size}")
-    ops.check_size("out", out, x.size, "the same as x")
-    ops.check_no_overlap("all_to_all", "out", out, "x", x)
-    call, fn = _start(group, "all_to_all", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
-    await group.run(call, fn, ops.flat(out), ops.flat(x))
-    return out
+    return await host.all_to_all(out, x, group, check_timeout(timeout), algorithm)
 
 
 async def barrier(group=None, timeout: float | None = None, algorithm: str | None = None) -> None:
@@ -360,7 +271,4 @@ async def barrier(group=None, timeout: float | None = None, algorithm: str | Non
         # Rank 0: await barrier()   Rank 1: await asyncio.sleep(1); await barrier()
         # both return after about 1 s
     """
-    timeout = check_timeout(timeout)
-    group = _group(group)
-    call, fn = _start(group, "barrier", 0, algorithm, timeout)
-    await group.run(call, fn)
+    await host.barrier(group, check_timeout(timeout), algorithm)

@@ -45,6 +45,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from collectives import api, compressed, ops
+from collectives.compress import get_codec
+
 MiB = 1 << 20
 
 __all__ = ["GradBucketer", "BucketerStatistics", "all_reduce_bucketed", "bucket_copy_in", "bucket_copy_out",
@@ -187,7 +190,6 @@ class GradBucketer:
 
     def __init__(self, group=None, bucket_cap_mb: float = 25, first_bucket_mb: float = 1, op: str = "avg",
                  compression=None, timeout: float | None = None):
-        from collectives import ops
         ops.check_op(op)
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket sizes must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb}, "
@@ -199,7 +201,6 @@ class GradBucketer:
         self.timeout = timeout
         self.codec = None
         if compression is not None:
-            from collectives.compress import get_codec
             self.codec = get_codec(compression)  # one object: its state lives across steps
         self._pool: dict[tuple, np.ndarray] = {}   # (opened ordinal, dtype) -> buffer, reused
         self._reset()
@@ -272,11 +273,10 @@ class GradBucketer:
         self._tasks.append(asyncio.ensure_future(self._reduce(b)))  # awaited by wait()
 
     async def _reduce(self, b: _Bucket) -> None:
-        from collectives import api
         flat = b.buffer[:b.used]
         codec = self.codec if flat.dtype.kind == "f" else None
         if codec is not None and codec.reduction == "powersgd-phases":
-            from collectives import compressed  # low-rank per member: compress the matrices, not the buffer
+            # low-rank per member: compress the matrices, not the buffer
             await compressed.powersgd_phases(bucket_views(flat, [m.shape for m in b.members]), codec, op=self.op,
                                              group=self.group, timeout=self.timeout, key=b.index)
         else:

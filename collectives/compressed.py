@@ -72,7 +72,8 @@ flight together on one group (the api's ordering contract). The second call
 therefore runs after calls with later numbers may have started, which the
 TCP algorithms allow (frames are matched by call) but the shared-memory ones
 do not (a rank's calls enter a domain in the order they run): the sub-calls
-use the TCP table's algorithm (:func:`_start`). Compression is for slow
+take the table's choice without shared memory, for the group's hosts (its rules
+for groups that span hosts included; :func:`_start`). Compression is for slow
 networks; on one machine the uncompressed shm all_reduce is the faster choice.
 
 Not here: the codecs' maths (collectives/compress), device arrays (device.py),
@@ -83,20 +84,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.compress import ErrorFeedback, PowerSGDCodec, get_codec
+from collectives import host, ops
+from collectives.compress import PowerSGDCodec, get_codec
 from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
+from collectives.compress.wire import layout_nbytes, message_nbytes, pack_all, split, unpack
+from collectives.core import group_of, open_call
 
 STYLES = ("shard", "gather", "ring", "phases")
 # fp16/bf16 by the ring: the same bytes as shard in about half the time (shard encodes all n and
 # re-encodes a shard), a slightly larger error (bench/results/compression.md#fp16-ring-against-shard).
 # Pass algorithm="shard" for the smaller error at large W.
 DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
-_ALIGN = 8  # payload pieces start at multiples of 8 bytes, so unpacked views are aligned
 
 __all__ = ["STYLES", "all_reduce", "cast_ring", "check_blockwise", "codec_at", "compresses_matrices",
-           "gather_decode_sum", "powersgd_phases", "reduce_scatter", "reduce_scatter_wire_nbytes", "resolve", "shard_decode_sum",
-           "wire_nbytes"]
+           "gather_decode_sum", "open_shard_calls", "powersgd_phases", "reduce_scatter", "reduce_scatter_wire_nbytes",
+           "resolve", "shard_decode_sum", "style_of", "wire_nbytes"]
 
 
 def resolve(compression) -> Codec:
@@ -104,16 +107,12 @@ def resolve(compression) -> Codec:
     return get_codec(compression)
 
 
-def _split(codec: Codec) -> tuple[ErrorFeedback | None, Codec]:
-    return (codec, codec.codec) if isinstance(codec, ErrorFeedback) else (None, codec)
-
-
 def codec_at(codec, key=None, *, advance: bool = False) -> Codec:
     """The codec a call of stream ``key`` uses now: a warm-up step's codec (top-k's
     ``warmup_steps``: a larger ratio, same error-feedback residuals) or ``codec`` itself.
     ``advance=True`` counts the call (all_reduce does; wire-byte estimates do not)."""
     codec = resolve(codec)
-    ef, inner = _split(codec)
+    ef, inner = split(codec)
     if not getattr(inner, "warmup_steps", 0):
         return codec
     step = inner.steps.get(key, 0)
@@ -125,8 +124,13 @@ def codec_at(codec, key=None, *, advance: bool = False) -> Codec:
     return ef.sharing(now) if ef is not None else now
 
 
-def _style(codec: Codec, algorithm: str | None) -> str:
-    _, inner = _split(codec)
+def style_of(codec: Codec, algorithm: str | None) -> str:
+    """The compressed all_reduce style ``codec`` runs: ``algorithm`` if given, else its default.
+
+    Raises:
+        ValueError: an unknown style, or one that cannot reduce this codec's payload.
+    """
+    _, inner = split(codec)
     style = algorithm or DEFAULT_STYLE.get(inner.reduction)
     if style not in STYLES:
         raise ValueError(f"all_reduce(compression={codec!r}): algorithm={algorithm!r} is not a compressed "
@@ -139,69 +143,20 @@ def _style(codec: Codec, algorithm: str | None) -> str:
     return style
 
 
-# ---- payload <-> bytes ----------------------------------------------------------------------
-
-def _layout(payload) -> list[tuple[int, np.dtype, tuple]]:
-    """(byte offset, dtype, shape) of each payload array in a packed message."""
-    out, off = [], 0
-    for a in payload:
-        out.append((off, a.dtype, a.shape))
-        off += _aligned(a.nbytes)
-    return out
-
-
-def _layout_nbytes(payload) -> int:
-    return sum(_aligned(a.nbytes) for a in payload)
-
-
-def _pack(payload, out: np.ndarray) -> None:
-    """Payload arrays into the uint8 message ``out`` at their aligned offsets."""
-    for a, (off, _, _) in zip(payload, _layout(payload)):
-        b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        out[off:off + b.size] = b
-
-
-def _unpack(msg: np.ndarray, layout) -> tuple:
-    """Views of one packed message as payload arrays (no copy)."""
-    return tuple(msg[off:off + int(np.prod(shape, dtype=np.int64)) * dt.itemsize].view(dt).reshape(shape)
-                 for off, dt, shape in layout)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _pack_all(payloads, msg: np.ndarray | None = None) -> tuple[list, int, np.ndarray]:
-    """Payloads of one codec (same layout) packed one after another into one uint8
-    message, block j = payload j: into ``msg`` (exactly that many bytes) when given, else
-    a new array. Returns (layout, bytes per block, message)."""
-    layout, nb = _layout(payloads[0]), _layout_nbytes(payloads[0])
-    if msg is None:
-        msg = np.empty(len(payloads) * nb, np.uint8)
-    for j, p in enumerate(payloads):
-        _pack(p, msg[j * nb:(j + 1) * nb])
-    return layout, nb, msg
-
-
-def _message_nbytes(inner: Codec, n: int) -> int:
-    """Bytes of one packed message of ``inner``'s payload for ``n`` elements: each array at an
-    aligned offset, as :func:`_pack` lays them out (from the codec's ``payload_nbytes``, not
-    by encoding: an encode could advance a codec's state, e.g. int8's stochastic rounding)."""
-    return sum(_aligned(nbytes) for nbytes in inner.payload_nbytes(n))
-
+# ---- wire bytes ----------------------------------------------------------------------------
 
 def wire_nbytes(codec, n: int, world: int, algorithm: str | None = None) -> int:
     """Payload bytes one rank sends in a compressed all_reduce of ``n`` float elements
     (``shard`` / ``gather`` styles; frame headers not included)."""
     codec = resolve(codec)
-    _, inner = _split(codec)
-    style = _style(codec, algorithm)
+    _, inner = split(codec)
+    style = style_of(codec, algorithm)
     if world == 1:
         return 0
     if style == "shard":
-        return 2 * (world - 1) * _message_nbytes(inner, -(-n // world))
+        return 2 * (world - 1) * message_nbytes(inner, -(-n // world))
     if style == "gather":
-        return (world - 1) * _message_nbytes(inner, n)
+        return (world - 1) * message_nbytes(inner, n)
     raise ValueError(f"wire_nbytes: style {style!r} depends on the all_reduce algorithm; measure it")
 
 
@@ -220,17 +175,16 @@ async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeo
     Raises:
         ValueError: another op, an unknown style. TypeError: a non-float array.
     """
-    from collectives import api, ops
     codec = resolve(codec)
     ops.check_array("x", x)
     _check_op_dtype("all_reduce", op, x)
-    if _split(codec)[1].reduction == "sum":  # the identity codec
-        return await api.all_reduce(x, op=op, group=group, timeout=timeout)
-    style = _style(codec, algorithm)
-    group = api._group(group)
+    if split(codec)[1].reduction == "sum":  # the identity codec
+        return await host.all_reduce(x, op, group, timeout, None)
+    style = style_of(codec, algorithm)
+    group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await api.all_reduce(x, op=op, group=group, timeout=timeout)
+        return await host.all_reduce(x, op, group, timeout, None)
     if style == "phases":
         await powersgd_phases([x], codec, op=op, group=group, timeout=timeout, key=key)
     else:
@@ -273,24 +227,23 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
             block (powersgd: low-rank all_reduces of whole matrices).
         TypeError: a non-float array.
     """
-    from collectives import api, ops
     codec = resolve(codec)
     _check_op_dtype("reduce_scatter", op, x)
     check_blockwise(codec)
-    if _split(codec)[1].reduction == "sum":  # the identity codec
-        return await api.reduce_scatter(out, x, op=op, group=group, timeout=timeout)
-    group = api._group(group)
+    if split(codec)[1].reduction == "sum":  # the identity codec
+        return await host.reduce_scatter(out, x, op, group, timeout, None)
+    group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await api.reduce_scatter(out, x, op=op, group=group, timeout=timeout)
-    ef, inner = _split(codec)
+        return await host.reduce_scatter(out, x, op, group, timeout, None)
+    ef, inner = split(codec)
     W, m = group.size, out.size
     payloads = _encode_shards(ef, inner, ops.flat(x), key, W, m)  # block j -> rank j (no padding: x is W m)
-    nb = _layout_nbytes(payloads[0])
+    nb = layout_nbytes(payloads[0])
     raw = [ops.scratch_pool.take(W * nb) for _ in range(2)] + [ops.scratch_pool.take(4 * m)]
     send, recv = (r[:W * nb] for r in raw[:2])
     acc = raw[2][:4 * m].view(np.float32)  # (m,) the float32 sum of my block
-    layout, _, _ = _pack_all(payloads, send)
+    layout, _, _ = pack_all(payloads, send)
     del payloads
     call, a2a = _start(group, "all_to_all", send.nbytes, timeout, dtype=send.dtype, count=send.size)
     await group.run(call, a2a, recv, send)  # block j of recv: rank j's payload of my block
@@ -305,13 +258,13 @@ def compresses_matrices(codec) -> bool:
     """Whether ``codec`` (name or object) compresses whole matrices (PowerSGD's low-rank
     all_reduces) rather than any 1-D array element- or block-wise: it cannot compress a
     reduce_scatter's blocks, and it sends a flat 1-D array uncompressed."""
-    return _split(resolve(codec))[1].reduction == "powersgd-phases"
+    return split(resolve(codec))[1].reduction == "powersgd-phases"
 
 
 def check_blockwise(codec) -> None:
     """Raises ValueError unless ``codec`` (name or object) can compress a reduce_scatter."""
     if compresses_matrices(codec):
-        raise ValueError(f"compressed reduce_scatter encodes block by block; {_split(resolve(codec))[1].name} "
+        raise ValueError(f"compressed reduce_scatter encodes block by block; {split(resolve(codec))[1].name} "
                          f"compresses whole matrices (low-rank all_reduces): use int8, topk, fp16 or bf16, or "
                          f"compression=None")
 
@@ -321,19 +274,17 @@ def reduce_scatter_wire_nbytes(codec, count: int, world: int) -> int:
     elements: (W-1) packed messages of one block (frame headers not included)."""
     codec = resolve(codec)
     check_blockwise(codec)
-    _, inner = _split(codec)
-    return 0 if world == 1 else (world - 1) * _message_nbytes(inner, count)
+    _, inner = split(codec)
+    return 0 if world == 1 else (world - 1) * message_nbytes(inner, count)
 
 
 def _start(group, collective: str, nbytes: int, timeout, **fp):
-    """Opens a sub-call (takes its sequence number now) on the TCP table's algorithm
-    (``registry.first_tcp_rule``: the table without its shared-memory rule; see the module docstring)."""
-    from collectives import api, registry
-    name, _ = registry.first_tcp_rule(collective, nbytes, group.size)
-    return api._start(group, collective, nbytes, name, timeout, **fp)
+    """Opens a sub-call (takes its sequence number now) on the table's algorithm without shared
+    memory (``registry.choose(subcall=True)``: see the module docstring)."""
+    return open_call(group, collective, nbytes, None, timeout, subcall=True, **fp)
 
 
-def _open_shard_calls(group, send: np.ndarray, nb: int, timeout):
+def open_shard_calls(group, send: np.ndarray, nb: int, timeout):
     """The shard style's two sub-calls, opened now (both sequence numbers before the first
     wait): the all_to_all of the packed shards ``send`` and the all_gather of one
     ``nb``-byte reduced shard. Returns (a2a_call, a2a, ag_call, ag)."""
@@ -371,19 +322,18 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
     the float32 sum of my shard come from ``ops.scratch_pool``, kept across calls
     (fresh arrays of that size cost a page fault per 4 KiB on every call).
     """
-    from collectives import api, ops
-    ef, inner = _split(codec)
-    group = api._group(group)
+    ef, inner = split(codec)
+    group = group_of(group)
     W, n = group.size, flat.size
     chunk = -(-n // W)
     payloads = _encode_shards(ef, inner, flat, key, W, chunk)  # shard j -> rank j
-    nb = _layout_nbytes(payloads[0])
+    nb = layout_nbytes(payloads[0])
     raw = [ops.scratch_pool.take(W * nb) for _ in range(3)] + [ops.scratch_pool.take(4 * chunk + nb)]
     send, recv, gathered = (r[:W * nb] for r in raw[:3])
     acc, mine = raw[3][:4 * chunk].view(np.float32), raw[3][4 * chunk:4 * chunk + nb]  # (chunk,) sum, my message
-    layout, _, _ = _pack_all(payloads, send)
+    layout, _, _ = pack_all(payloads, send)
     del payloads
-    a2a_call, a2a, ag_call, ag = _open_shard_calls(group, send, nb, timeout)
+    a2a_call, a2a, ag_call, ag = open_shard_calls(group, send, nb, timeout)
     await group.run(a2a_call, a2a, recv, send)  # block j of recv: rank j's payload of my shard
     _decode_sum_into(acc, inner, recv, layout, W, op)
     if ef is not None:  # the owner's own error feedback on the re-encoding
@@ -392,12 +342,12 @@ async def shard_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=N
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    _pack_all([mine_payload], mine)
+    pack_all([mine_payload], mine)
     await group.run(ag_call, ag, gathered, mine)  # every rank's reduced shard
     for j in range(W):  # decode each shard straight into its place (the padding is dropped)
         lo, hi = j * chunk, min(n, (j + 1) * chunk)
         if hi > lo:
-            dec = inner.decode(_unpack(gathered[j * nb:(j + 1) * nb], layout), chunk)
+            dec = inner.decode(unpack(gathered[j * nb:(j + 1) * nb], layout), chunk)
             np.copyto(flat[lo:hi], dec.reshape(-1)[:hi - lo], casting="unsafe")
     for r in raw:  # only after success: a failed call may still have frames landing in them
         ops.scratch_pool.give(r)
@@ -418,7 +368,7 @@ def _decode_sum_into(acc: np.ndarray, inner: Codec, recv: np.ndarray, layout, W:
     nb = recv.size // W
     acc.fill(0)
     for j in range(W):
-        inner.decode_add(_unpack(recv[j * nb:(j + 1) * nb], layout), acc)
+        inner.decode_add(unpack(recv[j * nb:(j + 1) * nb], layout), acc)
     if op == "avg":
         acc /= np.float32(W)
 
@@ -452,29 +402,27 @@ async def gather_decode_sum(flat: np.ndarray, codec, *, op: str, group, timeout=
         payloads: r0 enc(x0), r1 enc(x1)  -> both hold [enc(x0), enc(x1)]
         both: out = dec(enc(x0)) + dec(enc(x1))
     """
-    from collectives import api
-    ef, inner = _split(codec)
-    group = api._group(group)
+    ef, inner = split(codec)
+    group = group_of(group)
     W, n = group.size, flat.size
     y = _compensated(ef, inner, flat, key)
     payload = inner.encode(y)
     if ef is not None:
         inner.residual_into(y, payload, ef.errors[key].reshape(-1))
-    layout, nb, mine = _pack_all([payload])
+    layout, nb, mine = pack_all([payload])
     call, ag = _start(group, "all_gather", nb, timeout, dtype=mine.dtype, count=nb)
     gathered = np.empty(W * nb, np.uint8)
     await group.run(call, ag, gathered, mine)
     acc = np.zeros(n, np.float32)
     for j in range(W):
-        inner.decode_add(_unpack(gathered[j * nb:(j + 1) * nb], layout), acc)
+        inner.decode_add(unpack(gathered[j * nb:(j + 1) * nb], layout), acc)
     _finish(flat, acc, op, W)
 
 
 async def cast_ring(flat: np.ndarray, codec, *, op: str, group, timeout=None, key=None) -> None:
     """fp16 / bf16: the table's all_reduce on the 16-bit array (float32 adds, rounded every step)."""
-    from collectives import api, ops
-    ef, inner = _split(codec)
-    group = api._group(group)
+    ef, inner = split(codec)
+    group = group_of(group)
     y = _compensated(ef, inner, flat, key)
     (h,) = payload = inner.encode(y)
     if ef is not None:
@@ -498,11 +446,10 @@ async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, 
     all_reduce(avg) of [Q_1 .. Q_k] (the warm start for the next step);
     M_i = P_i Q_i^T. State per ``(key, i)``.
     """
-    from collectives import api
-    ef, inner = _split(codec)
+    ef, inner = split(codec)
     if not isinstance(inner, PowerSGDCodec):
         raise TypeError(f"powersgd_phases needs a PowerSGDCodec, got {inner!r}")
-    group = api._group(group)
+    group = group_of(group)
     W, r = group.size, inner.rank
     mats, plain = [], []  # indices of the arrays compressed / riding uncompressed
     for i, a in enumerate(arrays):

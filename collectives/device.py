@@ -55,7 +55,10 @@ import dataclasses
 import numpy as np
 from numba import cuda
 
-from collectives import api, compressed, ops
+from collectives import compressed, host, ops
+from collectives.compress import cuda as ccuda
+from collectives.compress.wire import pack_all, split, unpack
+from collectives.core import group_of, open_call
 from collectives.device_pool import DEVICE, PINNED
 from collectives.kernels import cuda as kcuda
 from collectives.kernels import is_device_array
@@ -169,10 +172,11 @@ async def _pipeline(segs, slots: _Slots, step) -> None:
 
 def _open(group, collective: str, nbytes: int, algorithm, timeout, nsegs: int, **fp):
     """A segment's sub-call: the registry's choice (``algorithm`` honoured) when the call has one
-    segment, else the TCP table's (calls of a pipeline run out of the order they were opened)."""
+    segment, else the table's without shared memory (calls of a pipeline run out of the order they
+    were opened: ``registry.choose(subcall=True)``)."""
     if nsegs == 1:
-        return api._start(group, collective, nbytes, algorithm, timeout, **fp)
-    return compressed._start(group, collective, nbytes, timeout, **fp)
+        return open_call(group, collective, nbytes, algorithm, timeout, **fp)
+    return open_call(group, collective, nbytes, None, timeout, subcall=True, **fp)
 
 
 def _whole(collective: str, op, n: int) -> str:
@@ -193,7 +197,7 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     """See the module docstring; ``x`` a device array, in place; returns ``x``."""
     xd, dtype = _flat("x", x)
     ops.check_op(op)
-    group = api._group(group)
+    group = group_of(group)
     cuda.synchronize()  # the caller's work on every stream is done (module docstring)
     if compression is not None:
         await _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, compression, key)
@@ -207,10 +211,10 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     whole = _whole("all_reduce", op, n)
     calls = []
     for block in blocks:  # every sequence number before the first wait
-        a2a = compressed._start(group, "all_to_all", W * block * dtype.itemsize, timeout, dtype=dtype,
-                                count=W * block, op=whole)  # fmt: skip
-        ag = compressed._start(group, "all_gather", block * dtype.itemsize, timeout, dtype=dtype, count=block,
-                               op=whole)  # fmt: skip
+        a2a = open_call(group, "all_to_all", W * block * dtype.itemsize, None, timeout, subcall=True,
+                        dtype=dtype, count=W * block, op=whole)
+        ag = open_call(group, "all_gather", block * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
+                       count=block, op=whole)
         calls.append((a2a, ag))
     kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
     most = max(blocks) * dtype.itemsize
@@ -248,13 +252,16 @@ async def _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, compressi
     n = xd.size
     buf = PINNED.take(n * dtype.itemsize)
     try:
-        host = _host(buf, n, _storage_dtype(dtype))
+        staged = _host(buf, n, _storage_dtype(dtype))
         if n:
-            xd.copy_to_host(host)
-        await api.all_reduce(host.view(dtype), op=op, group=group, timeout=timeout, algorithm=algorithm,
-                             compression=compression, key=key)
+            xd.copy_to_host(staged)
+        if compression is None:
+            await host.all_reduce(staged.view(dtype), op, group, timeout, algorithm)
+        else:
+            await compressed.all_reduce(staged.view(dtype), compression, op=op, group=group, timeout=timeout,
+                                        algorithm=algorithm, key=key)
         if n:
-            xd.copy_to_device(host)
+            xd.copy_to_device(staged)
     finally:
         PINNED.give(buf)
 
@@ -269,7 +276,7 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
     od, dtype = _flat("out", out)
     xd, xdtype = _flat("x", x)
     ops.check_op(op)
-    group = api._group(group)
+    group = group_of(group)
     W, m, sdt = group.size, od.size, _storage_dtype(dtype)
     if xdtype != dtype:
         raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
@@ -279,12 +286,12 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
         raise ValueError(f"device reduce_scatter has one algorithm (all_to_all, device fold); got {algorithm!r}")
     cuda.synchronize()
     if compression is not None:  # on the host, whole
-        await _staged(xd, od, dtype, lambda hx, ho: api.reduce_scatter(
-            ho, hx, op=op, group=group, timeout=timeout, compression=compression, key=key))
+        await _staged(xd, od, dtype, lambda hx, ho: _compressed_reduce_scatter(ho, hx, op, group, timeout,
+                                                                              compression, key))
         return out
     segs = segments(m, W * dtype.itemsize, 1)
-    calls = [compressed._start(group, "all_to_all", W * (hi - lo) * dtype.itemsize, timeout, dtype=dtype,
-                               count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]  # fmt: skip
+    calls = [open_call(group, "all_to_all", W * (hi - lo) * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
+                       count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]
     kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, W * most)
@@ -311,7 +318,7 @@ async def all_gather(out, x, group=None, timeout=None, algorithm=None):
     """Device ``out`` (W x x.size elements) gets every rank's device ``x``, in rank order."""
     od, dtype = _flat("out", out)
     xd, xdtype = _flat("x", x)
-    group = api._group(group)
+    group = group_of(group)
     W, n, sdt = group.size, xd.size, _storage_dtype(dtype)
     if xdtype != dtype:
         raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
@@ -343,7 +350,7 @@ async def all_gather(out, x, group=None, timeout=None, algorithm=None):
 async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
     """Device ``x`` of group rank ``src`` into every rank's device ``x``; one network step per segment."""
     xd, dtype = _flat("x", x)
-    group = api._group(group)
+    group = group_of(group)
     src = ops.check_root("src", src, group.size)
     cuda.synchronize()
     segs, sdt = segments(xd.size, dtype.itemsize, 1), _storage_dtype(dtype)
@@ -369,6 +376,12 @@ async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
     return x
 
 
+async def _compressed_reduce_scatter(out, x, op, group, timeout, compression, key):
+    """The compressed reduce_scatter of host arrays (staged: out, x in pinned host memory)."""
+    host.check_reduce_scatter(out, x, op, group)
+    return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
+
+
 async def _staged(xd, od, dtype, host_call) -> None:
     """Whole arrays through the host: ``await host_call(host_x, host_out)`` between the copies."""
     sdt = _storage_dtype(dtype)
@@ -390,8 +403,8 @@ async def _staged(xd, od, dtype, host_call) -> None:
 async def _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, compression, key) -> None:
     # as compressed.all_reduce: a warm-up step's codec (top-k's warmup_steps), counting the call
     codec = compressed.codec_at(compressed.resolve(compression), key, advance=xd.size > 0)
-    _, inner = compressed._split(codec)
-    style = compressed._style(codec, algorithm) if inner.reduction != "sum" else None
+    _, inner = split(codec)
+    style = compressed.style_of(codec, algorithm) if inner.reduction != "sum" else None
     if style == "shard" and dtype == np.float32 and xd.size:
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
@@ -410,9 +423,7 @@ def _payload_to_device(payload) -> tuple:
 
 async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=None) -> None:
     """collectives.compressed.shard_decode_sum with the codec maths on the device (same steps)."""
-    from collectives.compress import cuda as ccuda
-
-    ef, inner = compressed._split(codec)
+    ef, inner = split(codec)
     W, n = group.size, flat.size
     chunk = -(-n // W)
     y = ef.compensate(flat, key=key) if ef is not None else flat  # (n,) device float32
@@ -425,13 +436,13 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         for j, p in enumerate(payloads):
             inner.residual_into(segs[j], p, err[j * chunk:(j + 1) * chunk])
         ef.errors[key].reshape(n).copy_to_device(err[:n])
-    layout, nb, send = compressed._pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
-    a2a_call, a2a, ag_call, ag = compressed._open_shard_calls(group, send, nb, timeout)
+    layout, nb, send = pack_all([_payload_to_host(p) for p in payloads])  # synchronized copies
+    a2a_call, a2a, ag_call, ag = compressed.open_shard_calls(group, send, nb, timeout)
     recv = np.empty(W * nb, np.uint8)
     await group.run(a2a_call, a2a, recv, send)
     acc = ccuda.zeros(chunk)
     for j in range(W):  # decode-add on the device, in rank order
-        inner.decode_add(_payload_to_device(compressed._unpack(recv[j * nb:(j + 1) * nb], layout)), acc)
+        inner.decode_add(_payload_to_device(unpack(recv[j * nb:(j + 1) * nb], layout)), acc)
     if op == "avg":  # a division, like the host path, for the same bits
         kcuda.fold_into(acc, acc, 1, "sum", W)
     if ef is not None:
@@ -440,11 +451,11 @@ async def _shard_decode_sum(flat, codec, *, op: str, group, timeout=None, key=No
         inner.residual_into(owner, mine_payload, ef.errors[("owner", key)])
     else:
         mine_payload = inner.encode(acc)
-    _, _, mine = compressed._pack_all([_payload_to_host(mine_payload)])
+    _, _, mine = pack_all([_payload_to_host(mine_payload)])
     gathered = np.empty(W * nb, np.uint8)
     await group.run(ag_call, ag, gathered, mine)
     for j in range(W):
-        dec = inner.decode(_payload_to_device(compressed._unpack(gathered[j * nb:(j + 1) * nb], layout)), chunk)
+        dec = inner.decode(_payload_to_device(unpack(gathered[j * nb:(j + 1) * nb], layout)), chunk)
         lo, hi = j * chunk, min(n, (j + 1) * chunk)
         if hi > lo:
             flat[lo:hi].copy_to_device(dec[:hi - lo])

@@ -130,9 +130,7 @@ class Pool:
 
 
 def _pinned(nbytes: int) -> np.ndarray:
-    from numba import (
-        cuda,  # the device collectives import numba.cuda first; see collectives/device.py
-    )
+    from numba import cuda  # lazy: numba.cuda, imported first by the device collectives (device.py)
 
     return cuda.pinned_array(nbytes, np.uint8)
 
@@ -142,7 +140,7 @@ def _pageable(nbytes: int) -> np.ndarray:
 
 
 def _device(nbytes: int):
-    from numba import cuda
+    from numba import cuda  # lazy: numba.cuda, imported first by the device collectives (device.py)
 
     return cuda.device_array(nbytes, np.uint8)
 

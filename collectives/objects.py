@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 
 from collectives import api, uneven
+from collectives.core import member_group_of
 from collectives.ops import check_root
 from runtime.errors import BadFrameError, CollectiveError
 
@@ -78,7 +79,7 @@ async def broadcast_object(obj, src: int = 0, group=None, timeout: float | None 
         # Rank 0: await broadcast_object({"lr": 0.1}, src=0)   Rank 1: await broadcast_object(None, src=0)
         # both return {"lr": 0.1}
     """
-    group = uneven._group(group)
+    group = member_group_of(group)
     src = check_root("src", src, group.size)
     data, error = _encode("broadcast_object", obj) if group.rank == src else (b"", None)
     size = np.array([_FAILED if error else len(data)], np.int64)
@@ -119,7 +120,7 @@ async def all_gather_object(obj, group=None, timeout: float | None = None) -> li
         # Rank 0: await all_gather_object("a")   Rank 1: await all_gather_object([1, 2])
         # both return ["a", [1, 2]]
     """
-    group = uneven._group(group)
+    group = member_group_of(group)
     data, sizes = await _sizes_everywhere("all_gather_object", obj, group, timeout)
     out = np.empty(sum(sizes), np.uint8)
     await uneven.all_gather_v(out, _as_array(data), sizes, group=group, timeout=timeout)
@@ -133,7 +134,7 @@ async def gather_object(obj, dst: int = 0, group=None, timeout: float | None = N
 
         # Rank 0: await gather_object(0.5, dst=0) -> [0.5, "x"]   Rank 1: await gather_object("x", dst=0) -> None
     """
-    group = uneven._group(group)
+    group = member_group_of(group)
     dst = check_root("dst", dst, group.size)
     data, sizes = await _sizes_everywhere("gather_object", obj, group, timeout)
     out = np.empty(sum(sizes), np.uint8) if group.rank == dst else None
@@ -150,7 +151,7 @@ async def scatter_object(objs, src: int = 0, group=None, timeout: float | None =
         # Rank 0: await scatter_object(["a", {"k": 1}], src=0) -> "a"
         # Rank 1: await scatter_object(None, src=0)            -> {"k": 1}
     """
-    group = uneven._group(group)
+    group = member_group_of(group)
     src = check_root("src", src, group.size)
     error = None
     parts: list[bytes] = []

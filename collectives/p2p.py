@@ -23,15 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from collectives import ops
+from collectives.core import group_of
 from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError
 from runtime.group import check_timeout
-from runtime.init import current as current_runtime
 
 __all__ = ["send", "recv"]
-
-
-def _group(group):
-    return group if group is not None else current_runtime().world
 
 
 def _p2p_tag(group, tag) -> tuple:
@@ -83,7 +79,7 @@ async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float
         # Rank 1: x = np.empty(2, np.int64); await recv(x, src=0)   -> x = [1 2]
     """
     timeout = check_timeout(timeout)  # first: a bad one fails here on every rank alike (api.py)
-    group = _group(group)
+    group = group_of(group)
     ops.check_array("x", x, writeable=False)
     key, peer = _p2p_tag(group, tag), _peer(group, "dst", dst)
     actor, payload = group.runtime.actor, ops.as_bytes(x)
@@ -104,7 +100,7 @@ async def recv(x: np.ndarray, src: int | None = None, tag: int = 0, group=None, 
         PeerLostError: ``src`` went away. CollectiveTimeoutError: nothing came in time.
     """
     timeout = check_timeout(timeout)
-    group = _group(group)
+    group = group_of(group)
     ops.check_array("x", x)
     key = _p2p_tag(group, tag)
     actor, buf = group.runtime.actor, ops.as_bytes(x)

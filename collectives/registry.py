@@ -1,33 +1,40 @@
 """Which algorithm runs a collective: name -> function, and the default selection table.
 
-Every collective has a table, an ordered list of :class:`Rule`; the first rule
-whose ``applies(nbytes, world)`` holds names the algorithm (``nbytes`` is the
-size of one rank's input, ``world`` the group size). Overrides, first wins:
+Every collective has a table, an ordered list of :class:`Rule`; the first rule that fits the
+group's hosts (``Rule.hosts``) and whose ``applies(nbytes, world)`` holds names the algorithm
+(``nbytes`` is the size of one rank's input, ``world`` the group size). Overrides, first wins:
 
 1. ``algorithm="ring"`` on the call;
 2. the environment, ``RINGWEAVE_ALGO_<COLLECTIVE>=<name>``, e.g.
    ``RINGWEAVE_ALGO_ALL_REDUCE=ring`` (read at each call);
 3. the table.
 
-Every rank must run the same algorithm, so its name is part of the call's
-fingerprint (collectives/ops.py): a rank whose override differs gets a
-``CollectiveMismatchError`` naming both choices, not a hang. The table itself
-depends only on values that are already in the fingerprint (bytes, group
-size) and on facts that are the same on every member (whether the group spans
-hosts, ``Rule.hosts``; whether shared memory is usable), so ranks that agree on
-the call agree on the table's choice.
+Some algorithms can run only somewhere (:data:`NEEDS`): the shared-memory ones need it on, and
+"shm" every rank on one host. The table skips them elsewhere, and an override naming one there
+gets the table's choice instead. :func:`choose` is the one way in; what it returns is what runs,
+so the call's fingerprint and trace name it.
 
-Not here: the algorithms (one file each, ``collectives/<collective>_<name>.py``),
-argument checks (ops.py), the public calls (api.py).
+Every rank must run the same algorithm, so its name is part of the call's fingerprint
+(collectives/ops.py): a rank whose override differs gets a ``CollectiveMismatchError`` naming
+both choices, not a hang. The table depends only on values that are already in the fingerprint
+(bytes, group size) and on facts that are the same on every member (the group's
+``topology``, whether shared memory is on: agreed at init), so ranks that agree on the call
+agree on the table's choice.
+
+Not here: the algorithms (one file each, ``collectives/<collective>_<name>.py`` and
+``collectives/shm/``), argument checks (ops.py), opening the call (core.py).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from runtime import env
 from runtime.errors import SettingError
+from runtime.shm import shm_usable
+from runtime.topology import LAYOUTS
 
 from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
                          all_gather_v_ring, all_reduce_halving_doubling, all_reduce_recursive_doubling,
@@ -35,20 +42,26 @@ from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursi
                          broadcast_chain, broadcast_flat, broadcast_tree, gather_direct, gather_tree, gather_v_direct,
                          reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct, scatter_tree,
                          scatter_v_direct)
+from collectives.shm import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm, barrier_shm, broadcast_shm,
+                             reduce_scatter_shm)
+
+__all__ = ["ALGORITHMS", "HOSTS", "NEEDS", "TABLES", "Rule", "always", "choose", "env_var"]
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_reduce": {"ring": all_reduce_ring.run,
                    "halving_doubling": all_reduce_halving_doubling.run,
-                   "recursive_doubling": all_reduce_recursive_doubling.run},
+                   "recursive_doubling": all_reduce_recursive_doubling.run,
+                   "shm": all_reduce_shm.run, "hierarchical": all_reduce_hierarchical.run},
     "all_gather": {"ring": all_gather_ring.run, "bruck": all_gather_bruck.run, "direct": all_gather_direct.run,
-                   "recursive_doubling": all_gather_recursive_doubling.run},
-    "reduce_scatter": {"ring": reduce_scatter_ring.run},
-    "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run, "chain": broadcast_chain.run},
+                   "recursive_doubling": all_gather_recursive_doubling.run, "shm": all_gather_shm.run},
+    "reduce_scatter": {"ring": reduce_scatter_ring.run, "shm": reduce_scatter_shm.run},
+    "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run, "chain": broadcast_chain.run,
+                  "shm": broadcast_shm.run},
     "reduce": {"tree": reduce_tree.run, "rabenseifner": reduce_rabenseifner.run},
     "gather": {"tree": gather_tree.run, "direct": gather_direct.run},
     "scatter": {"tree": scatter_tree.run, "direct": scatter_direct.run},
     "all_to_all": {"direct": all_to_all_direct.run},
-    "barrier": {"dissemination": barrier_dissemination.run},
+    "barrier": {"dissemination": barrier_dissemination.run, "shm": barrier_shm.run},
     # a count per rank (collectives/uneven.py)
     "all_gather_v": {"ring": all_gather_v_ring.run},
     "all_to_all_v": {"direct": all_to_all_v_direct.run},
@@ -59,24 +72,31 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of a selection table: use ``algorithm`` when ``applies(nbytes, world)``, and,
-    for a rule with ``hosts="several"``, only when the group spans more than one host (its
-    messages cross a network; on one host TCP runs over loopback, where the kernel's copies,
-    not any link, bound the time, and the best algorithm can differ). ``hosts="spread"`` and
-    ``"packed"`` narrow that to a layout (collectives.shm.common.host_layout): every rank on a
-    host of its own, or each host holding one contiguous run of ranks, several on at least one
-    (the launcher's layout with ``-n K`` per node). ``why``: one line of reason and the
-    measurement behind it (bench/results/)."""
+    """One row of a selection table: use ``algorithm`` when ``applies(nbytes, world)`` and the
+    group's ranks sit on hosts as ``hosts`` says (``ProcessGroup.topology.layout``, see
+    runtime/topology.py): "any"; "one" host; "several" hosts (messages cross a network: on one
+    host TCP runs over loopback, where the kernel's copies, not any link, bound the time);
+    "spread" (a host per rank), "packed" (each host one contiguous run of ranks, the launcher's
+    layout) or "grouped" (several hosts, some with several ranks: packed or mixed). ``why``: one
+    line of reason and the measurement behind it (bench/results/)."""
     algorithm: str
     applies: Callable[[int, int], bool]
     why: str = ""
-    hosts: str = "any"  # "any" | "several" | "spread" | "packed"
+    hosts: str = "any"  # a key of HOSTS
 
     def fits(self, layout: str) -> bool:
-        """Whether the rule may apply to ranks laid out so on hosts (a host_layout)."""
-        if self.hosts == "any":
-            return True
-        return layout != "one" if self.hosts == "several" else layout == self.hosts
+        """Whether the rule may apply to ranks laid out so on hosts (a topology's layout)."""
+        return layout in HOSTS[self.hosts]
+
+
+HOSTS = {"any": LAYOUTS, "one": ("one",), "several": ("spread", "packed", "mixed"), "spread": ("spread",),
+         "packed": ("packed",), "grouped": ("packed", "mixed")}
+
+# Where an algorithm can run at all, (shared memory on, layout) -> bool; the rest run anywhere.
+NEEDS: dict[str, Callable[[bool, str], bool]] = {
+    "shm": lambda shm, layout: shm and layout == "one",  # every rank maps every peer's segments
+    "hierarchical": lambda shm, layout: shm,  # shared memory inside each host, TCP between hosts
+}
 
 
 def always(nbytes: int, world: int) -> bool:
@@ -89,8 +109,12 @@ def _pow2(world: int) -> bool:
 
 # The default tables, first rule that applies wins. Sizes: nbytes is one rank's input (all_gather:
 # its block, so the gathered output is nbytes * world). Figures: bench/results/<collective>.md.
+SHM = "one copy in, one copy out: bench/results/shm.md#beside-openmpi"
 TABLES: dict[str, list[Rule]] = {
     "all_reduce": [
+        Rule("shm", always, why=SHM),
+        Rule("hierarchical", lambda nbytes, world: nbytes > 64 << 10, hosts="grouped",
+             why="shm in hosts, TCP among one leader each: bench/results/all_reduce.md#hierarchical-flat-path"),
         Rule("ring", lambda nbytes, world: nbytes >= 256 << 10, hosts="packed",
              why="crosses hosts twice a step, not K/2 arrays: bench/results/all_reduce.md#several-ranks-per-host"),
         Rule("recursive_doubling", lambda nbytes, world: nbytes <= (256 << 10 if world <= 4 else 64 << 10),
@@ -103,6 +127,7 @@ TABLES: dict[str, list[Rule]] = {
              why="other world sizes: bench/results/all_reduce.md#first-table-on-a-loaded-machine"),
     ],
     "all_gather": [
+        Rule("shm", always, why=SHM),
         Rule("ring", lambda nbytes, world: world >= 8 and nbytes * world >= 2 << 20, hosts="several",
              why="link-bound at 8+ ranks: bench/results/all_gather.md#across-hosts-at-8-and-16-ranks"),
         Rule("ring", lambda nbytes, world: nbytes * world >= 1 << 20, hosts="packed",
@@ -118,8 +143,10 @@ TABLES: dict[str, list[Rule]] = {
              why="ceil(log2 n) messages, not n-1: bench/results/all_gather.md#bruck-against-ring"),
         Rule("ring", always, why="bandwidth optimum, segmented: bench/results/all_gather.md#bruck-against-ring"),
     ],
-    "reduce_scatter": [Rule("ring", always, why="bench/results/reduce_scatter.md#ring-blocks-on-the-fast-path")],
+    "reduce_scatter": [Rule("shm", always, why=SHM),
+                       Rule("ring", always, why="bench/results/reduce_scatter.md#ring-blocks-on-the-fast-path")],
     "broadcast": [
+        Rule("shm", always, why=SHM),
         Rule("tree", lambda nbytes, world: 128 << 10 <= nbytes < 1 << 20, hosts="packed",
              why="crosses between hosts as seldom as the chain: bench/results/broadcast.md#several-ranks-per-host"),
         Rule("chain", lambda nbytes, world: nbytes >= (128 << 10 if world <= 8 else 512 << 10) and world <= 16,
@@ -148,7 +175,7 @@ TABLES: dict[str, list[Rule]] = {
         Rule("tree", always, why="log2(n) rounds for small blocks on 9+ ranks (not measured)"),
     ],
     "all_to_all": [Rule("direct", always, why="bench/results/all_to_all.md#rounds-of-sendrecv-against-posted-receives")],
-    "barrier": [Rule("dissemination", always)],
+    "barrier": [Rule("shm", always, why=SHM), Rule("dissemination", always)],
     "all_gather_v": [Rule("ring", always, "one algorithm (not measured): bandwidth-optimal whatever the counts")],
     "all_to_all_v": [Rule("direct", always, "one algorithm (not measured), as all_to_all")],
     "gather_v": [Rule("direct", always, "one algorithm (not measured): a block per message to the root")],
@@ -156,32 +183,21 @@ TABLES: dict[str, list[Rule]] = {
 }
 
 
-# -- shared memory (collectives/shm) ----------------------------------------------------------
-# "shm" heads the tables of the collectives it serves, whenever RINGWEAVE_SHM is not "0" and
-# /dev/shm is writable (the same on every rank of a node). The table cannot see the group, so
-# the shm algorithms check the rest themselves (every rank the same way): a group spanning
-# nodes runs all_reduce "hierarchical" (shm inside nodes, TCP among one leader per node) and the
-# others the first non-shm rule below. Figures: bench/results/shm.md.
-from collectives import shm as _shm  # noqa: E402  (after the tables it extends)
-from runtime.shm import shm_usable as _shm_usable  # noqa: E402
-from collectives.shm.common import host_layout as _host_layout  # noqa: E402
-
-for _collective, _algorithms in _shm.ALGORITHMS.items():
-    ALGORITHMS[_collective].update(_algorithms)
-    TABLES[_collective].insert(0, Rule("shm", lambda nbytes, world: _shm_usable(),
-                                       why="one copy in, one copy out: bench/results/shm.md#beside-openmpi"))
-
-
 def env_var(collective: str) -> str:
     """The variable that overrides ``collective``'s table (runtime/env.py ``ALGO``)."""
     return env.ALGO[collective].name
 
 
-def choose(collective: str, nbytes: int, world: int, override: str | None = None,
-           group=None) -> tuple[str, Callable]:
-    """The algorithm (name, run function) for one call. ``group``, when given, may
-    rule the shared-memory path out (``group.shm_enabled`` False: a communicator
-    built with ``shm=False``).
+def choose(collective: str, nbytes: int, world: int, override: str | None = None, group=None, *,
+           subcall: bool = False) -> tuple[str, Callable]:
+    """The algorithm (name, run function) that runs one call: the override where it can run
+    (:data:`NEEDS`), else the table's choice. ``group`` (a ProcessGroup) gives the hosts
+    (``group.topology``; without one: a single host) and may rule shared memory out
+    (``group.shm_enabled``; ``RINGWEAVE_SHM=0`` and an unwritable /dev/shm rule it out
+    everywhere). ``subcall``: a call that another collective opens (compressed.py, device.py)
+    takes the table's choice without shared memory, whatever the environment says: it may run
+    after calls opened later, which the shared-memory algorithms cannot (a rank's calls enter a
+    domain in the order they run).
 
     Raises:
         ValueError: an unknown collective, or an override naming an algorithm
@@ -191,7 +207,13 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
     algorithms = ALGORITHMS.get(collective)
     if algorithms is None:
         raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
-    from_env = override is None
+    if group is None:
+        layout, hosts = "one", 1
+    else:
+        topology = group.topology
+        layout, hosts = topology.layout, topology.hosts
+    shm = not subcall and (group is None or group.shm_enabled) and shm_usable()
+    from_env = override is None and not subcall
     if from_env:
         override = env.ALGO.get(collective)
     if override is not None:
@@ -200,55 +222,42 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
             error = SettingError if from_env else ValueError
             where = f"environment variable {env_var(collective)}=" if from_env else "algorithm="
             raise error(f"{where}{override!r} is not a {collective} algorithm; choose from {sorted(algorithms)}")
-        return override, fn
-    shm_off = (group is not None and not getattr(group, "shm_enabled", True)) or not _shm_usable()
-    return _chosen(collective, nbytes, world, shm_off, _host_layout(group) if group is not None else "one")
+        need = NEEDS.get(override)
+        if need is None or need(shm, layout):
+            return override, _parts(collective, override, fn, nbytes, hosts)
+    return _chosen(collective, nbytes, world, shm, layout, hosts)
 
 
-def spans_hosts(group) -> bool:
-    """Whether the group's members are on more than one host (the same on every member)."""
-    return _host_layout(group) != "one"
+def _parts(collective: str, name: str, fn: Callable, nbytes: int, hosts: int) -> Callable:
+    """``fn``, given the parts the table chooses for it: the hierarchical all_reduce gets its
+    leaders' all_reduce (one rank per host, "spread", over TCP) as ``across``."""
+    if name != "hierarchical":
+        return fn
+    return functools.partial(fn, across=_chosen(collective, nbytes, hosts, False, "spread", hosts)[1])
 
 
-def _chosen(collective: str, nbytes: int, world: int, shm_off: bool, layout: str) -> tuple[str, Callable]:
-    """:func:`_from_table`, remembered (_CHOSEN)."""
-    key = (collective, nbytes, world, shm_off, layout)
+def _chosen(collective: str, nbytes: int, world: int, shm: bool, layout: str, hosts: int) -> tuple[str, Callable]:
+    """The table's choice (the first rule that can run, fits and applies) for ranks on ``hosts``
+    hosts laid out as ``layout``, remembered (_CHOSEN)."""
+    key = (collective, nbytes, world, shm, layout, hosts)
     chosen = _CHOSEN.get(key)
     if chosen is None:
-        chosen = _from_table(collective, nbytes, world, shm_off, layout)
+        for rule in TABLES[collective]:
+            need = NEEDS.get(rule.algorithm)
+            if (need is None or need(shm, layout)) and rule.fits(layout) and rule.applies(nbytes, world):
+                fn = _parts(collective, rule.algorithm, ALGORITHMS[collective][rule.algorithm], nbytes, hosts)
+                chosen = rule.algorithm, fn
+                break
+        else:  # pragma: no cover - every table ends with a rule that always applies
+            raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks ({layout})")
         if len(_CHOSEN) > 4096:
             _CHOSEN.clear()
         _CHOSEN[key] = chosen
     return chosen
 
 
-def _from_table(collective: str, nbytes: int, world: int, shm_off: bool, layout: str) -> tuple[str, Callable]:
-    """The first rule that applies; ``layout`` is the group's host_layout ("one" without a group)."""
-    for rule in TABLES[collective]:
-        if (shm_off and rule.algorithm == "shm") or not rule.fits(layout):
-            continue
-        if rule.applies(nbytes, world):
-            return rule.algorithm, ALGORITHMS[collective][rule.algorithm]
-    raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks")  # pragma: no cover
-
-
-def first_tcp_rule(collective: str, nbytes: int, world: int, layout: str = "one") -> tuple[str, Callable]:
-    """The algorithm (name, run function) of the first rule of ``collective``'s table that
-    applies and is not the shared-memory one: the table's choice with shm ruled out, ignoring
-    overrides. For calls that must run over TCP (compressed.py's sub-calls, whose order is not
-    the order they run in) and for the shm algorithms' fallback (collectives/shm/common.py).
-    ``layout``: how the ranks that will run it sit on hosts (collectives.shm.common.host_layout;
-    default one host), which decides whether the rules with ``Rule.hosts`` apply.
-
-    Raises:
-        ValueError: no such rule (not with the default tables: each ends with one that always applies).
-    """
-    return _chosen(collective, nbytes, world, True, layout)
-
-
-# (collective, nbytes, world, shm ruled out, layout) -> the table's choice. The rules are pure
-# functions of those, the shared-memory one of RINGWEAVE_SHM and /dev/shm (read per call into "shm
-# ruled out"): a training loop's calls repeat, and a look-up is cheaper than walking the lambdas
-# (bench/results/runtime.md#choosing-from-the-table). The tables are fixed at import; code that
-# edits them afterwards must call _CHOSEN.clear().
+# (collective, nbytes, world, shared memory on, layout, hosts) -> the table's choice. The rules are
+# pure functions of those: a training loop's calls repeat, and a look-up is cheaper than walking
+# the lambdas (bench/results/runtime.md#choosing-from-the-table). The tables are fixed at import;
+# code that edits them afterwards must call _CHOSEN.clear().
 _CHOSEN: dict[tuple, tuple[str, Callable]] = {}

@@ -1,8 +1,9 @@
 """Sizes that shape the TCP algorithms' messages, shared by several algorithm files.
 
 One constant per line, each with its reason and the measurement behind it. Constants that only
-one algorithm uses stay in its file (``EXCHANGE_NBYTES``, ``FLAT_MAX_NBYTES``, ...), and the
-runtime's settings (``RINGWEAVE_*``) in runtime/env.py.
+one algorithm uses stay in its file (``EXCHANGE_NBYTES``, ...), the sizes that choose an algorithm
+in the selection table (collectives/registry.py), and the runtime's settings (``RINGWEAVE_*``) in
+runtime/env.py.
 """
 
 from __future__ import annotations

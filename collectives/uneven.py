@@ -27,19 +27,11 @@ import zlib
 
 import numpy as np
 
-from collectives import ops, registry
+from collectives import ops
+from collectives.core import member_group_of, open_call
 from runtime.group import check_timeout
-from runtime.init import current as current_runtime
 
 __all__ = ["all_gather_v", "all_to_all_v", "gather_v", "scatter_v"]
-
-
-def _group(group):
-    """The group (default: the world of the calling task's runtime), of which this rank must be a member."""
-    group = group if group is not None else current_runtime().world
-    if group.rank < 0:
-        raise ValueError(f"rank {group.runtime.rank} is not a member of group {group.gid} {group.ranks}")
-    return group
 
 
 def offsets_of(name: str, counts, size: int) -> list[int]:
@@ -64,15 +56,13 @@ def offsets_of(name: str, counts, size: int) -> list[int]:
     return offsets
 
 
-def _counts_fingerprint(collective: str, name: str, dtype, offsets: list[int], root=None) -> str:
-    crc = zlib.crc32(np.diff(np.asarray(offsets, np.int64)).tobytes())
-    return f"{ops.fingerprint(collective, dtype=dtype, count=offsets[-1], root=root, algo=name)} counts={crc:08x}"
+def _counts_crc(offsets: list[int]) -> str:
+    """A checksum of the counts, in the fingerprint: ranks whose counts differ fail with a mismatch."""
+    return f"{zlib.crc32(np.diff(np.asarray(offsets, np.int64)).tobytes()):08x}"
 
 
-async def _run(group, collective: str, nbytes: int, algorithm, timeout, fingerprint, *args) -> None:
-    name, run = registry.choose(collective, nbytes, group.size, algorithm, group=group)
-    call = group.open_call(fingerprint(name), timeout)
-    call.algorithm = name
+async def _run(group, collective: str, nbytes: int, algorithm, timeout, *args, counts: str = "", **fp) -> None:
+    call, run = open_call(group, collective, nbytes, algorithm, timeout, counts=counts, **fp)
     await group.run(call, run, *args)
 
 
@@ -94,7 +84,7 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
         # every rank: out = [0 1 20]
     """
     timeout = check_timeout(timeout)
-    group = _group(group)
+    group = member_group_of(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
     ops.check_same_dtype("out", out, "x", x)
@@ -103,9 +93,8 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
         ops.check_size("x", x, offsets[group.rank + 1] - offsets[group.rank], f"counts[{group.rank}]")
     ops.check_size("out", out, offsets[-1], "sum(counts)")
     ops.check_no_overlap("all_gather_v", "out", out, "x", x, own_offset=offsets[group.rank])
-    await _run(group, "all_gather_v", out.nbytes, algorithm, timeout,
-               lambda name: _counts_fingerprint("all_gather_v", name, x.dtype, offsets),
-               ops.flat(out), ops.flat(x), offsets)
+    await _run(group, "all_gather_v", out.nbytes, algorithm, timeout, ops.flat(out), ops.flat(x), offsets,
+               counts=_counts_crc(offsets), dtype=x.dtype, count=offsets[-1])
     return out
 
 
@@ -125,7 +114,7 @@ async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts,
         # Rank 0: out = [1]    Rank 1: out = [2 3 4]
     """
     timeout = check_timeout(timeout)
-    group = _group(group)
+    group = member_group_of(group)
     ops.check_array("out", out)
     ops.check_array("x", x, writeable=False)
     ops.check_same_dtype("out", out, "x", x)
@@ -134,9 +123,8 @@ async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts,
     ops.check_size("x", x, send_offsets[-1], "sum(send_counts)")
     ops.check_size("out", out, recv_offsets[-1], "sum(recv_counts)")
     ops.check_no_overlap("all_to_all_v", "out", out, "x", x)
-    await _run(group, "all_to_all_v", x.nbytes, algorithm, timeout,
-               lambda name: ops.fingerprint("all_to_all_v", dtype=x.dtype, algo=name),
-               ops.flat(out), ops.flat(x), send_offsets, recv_offsets)
+    await _run(group, "all_to_all_v", x.nbytes, algorithm, timeout, ops.flat(out), ops.flat(x), send_offsets,
+               recv_offsets, dtype=x.dtype)
     return out
 
 
@@ -154,7 +142,7 @@ async def gather_v(out: np.ndarray | None, x: np.ndarray, counts, dst: int = 0, 
         # Rank 0: out = [5 7 8]
     """
     timeout = check_timeout(timeout)
-    group = _group(group)
+    group = member_group_of(group)
     ops.check_array("x", x, writeable=False)
     dst = ops.check_root("dst", dst, group.size)
     offsets = offsets_of("counts", counts, group.size)
@@ -166,9 +154,8 @@ async def gather_v(out: np.ndarray | None, x: np.ndarray, counts, dst: int = 0, 
         ops.check_same_dtype("out", out, "x", x)
         ops.check_size("out", out, offsets[-1], "sum(counts)")
         ops.check_no_overlap("gather_v", "out", out, "x", x, own_offset=offsets[dst])
-    await _run(group, "gather_v", x.nbytes, algorithm, timeout,
-               lambda name: _counts_fingerprint("gather_v", name, x.dtype, offsets, dst),
-               ops.flat(out) if group.rank == dst else None, ops.flat(x), offsets, dst)
+    await _run(group, "gather_v", x.nbytes, algorithm, timeout, ops.flat(out) if group.rank == dst else None,
+               ops.flat(x), offsets, dst, counts=_counts_crc(offsets), dtype=x.dtype, count=offsets[-1], root=dst)
     return out
 
 
@@ -185,7 +172,7 @@ async def scatter_v(out: np.ndarray, x: np.ndarray | None, counts, src: int = 0,
         # Rank 0: out = [5]   Rank 1: out = []   Rank 2: out = [7 8]
     """
     timeout = check_timeout(timeout)
-    group = _group(group)
+    group = member_group_of(group)
     ops.check_array("out", out)
     src = ops.check_root("src", src, group.size)
     offsets = offsets_of("counts", counts, group.size)
@@ -197,7 +184,7 @@ async def scatter_v(out: np.ndarray, x: np.ndarray | None, counts, src: int = 0,
         ops.check_same_dtype("out", out, "x", x)
         ops.check_size("x", x, offsets[-1], "sum(counts)")
         ops.check_no_overlap("scatter_v", "x", x, "out", out, own_offset=offsets[src])
-    await _run(group, "scatter_v", out.nbytes, algorithm, timeout,
-               lambda name: _counts_fingerprint("scatter_v", name, out.dtype, offsets, src),
-               ops.flat(out), ops.flat(x) if group.rank == src else None, offsets, src)
+    await _run(group, "scatter_v", out.nbytes, algorithm, timeout, ops.flat(out),
+               ops.flat(x) if group.rank == src else None, offsets, src, counts=_counts_crc(offsets),
+               dtype=out.dtype, count=offsets[-1], root=src)
     return out

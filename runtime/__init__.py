@@ -10,6 +10,8 @@ process groups and the launcher. It knows bytes, never arrays.
     runtime.run(main())                # asyncio.run with uvloop when it is installed
 """
 
+import asyncio
+
 from runtime.errors import *  # noqa: F401,F403 - the typed errors are part of the API
 from runtime.group import Call, ProcessGroup, Runtime
 from runtime.init import abort, current, init, read_env, shutdown, world
@@ -20,11 +22,14 @@ def run(main, *, debug: bool | None = None):
     """Runs coroutine ``main`` to completion on a new event loop: uvloop's when
     installed (faster sockets), asyncio's otherwise. Returns its result."""
     try:
-        import uvloop
+        import uvloop  # lazy: an optional dependency (Linux only)
     except ImportError:  # pragma: no cover - uvloop is a Linux dependency
-        import asyncio
         return asyncio.run(main, debug=debug)
     return uvloop.run(main, debug=debug)
 
 
 __all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]
+# Imported only from inside runtime/ (tests/tree/test_surfaces.py): the listener's accept loop,
+# child processes, what a scheduler (SLURM, mpirun) tells the launcher and init, and the
+# connections' sender and receiver threads.
+_INTERNAL = ("acceptor", "dataplane", "procs", "scheduler")

@@ -438,7 +438,7 @@ README_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m runtime.env``: exit status 1 when a setting's value does not parse."""
-    import argparse
+    import argparse  # lazy: only python -m runtime.env parses arguments; every process imports this module
     p = argparse.ArgumentParser(prog="python -m runtime.env", description=__doc__.splitlines()[0])
     p.add_argument("--readme", nargs="?", const=README_PATH, metavar="PATH",
                    help="rewrite the settings table in PATH (default: the project's README.md)")

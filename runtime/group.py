@@ -42,6 +42,7 @@ import time
 
 from runtime import env, turns, wire
 from runtime.actor import Actor
+from runtime.topology import HostTopology
 from runtime.trace import Tracer
 from runtime.turns import LoopTurns
 from runtime.transport import RECV_NOW_NBYTES
@@ -260,6 +261,7 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self.error: BaseException | None = None
         self._shm_enabled: bool | None = None  # None: follow the runtime
+        self._topology: HostTopology | None = None  # worked out when first asked (topology)
         self._seq = 0
         self.calls: dict[int, Call] = {}  # seq -> calls in flight
         self._finished: dict[int, str] = {}  # seq -> fingerprint of recently finished calls
@@ -274,6 +276,16 @@ class ProcessGroup:
     @shm_enabled.setter
     def shm_enabled(self, value: bool) -> None:
         self._shm_enabled = bool(value)
+
+    @property
+    def topology(self) -> HostTopology:
+        """How the group's ranks sit on hosts (``runtime.topology``), from the node ids its runtime
+        was given at init (``Runtime.nodes``): the same on every member. Worked out once."""
+        topology = self._topology
+        if topology is None:
+            nodes = self.runtime.nodes
+            topology = self._topology = HostTopology.of([nodes[r] for r in self.ranks])
+        return topology
 
     @property
     def is_member(self) -> bool:
@@ -622,9 +634,12 @@ class Runtime:
     """One rank's runtime: actor, store, groups."""
 
     def __init__(self, actor: Actor, store=None, *, timeout_s: float | None = None,
-                 local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None):
+                 local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None,
+                 nodes: list[str] | None = None):
         """``timeout_s``: the default deadline of every call; None: ``RINGWEAVE_TIMEOUT_S`` as it is
-        now (``runtime.env.timeout_s``)."""
+        now (``runtime.env.timeout_s``). ``nodes``: the node id of every world rank, as published
+        at init (the same list on every rank); None: all on one node (ranks that are tasks of one
+        process, runtime.testing)."""
         if timeout_s is None:
             timeout_s = env.timeout_s()
         self.actor = actor
@@ -643,6 +658,7 @@ class Runtime:
         self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)
         self.call_turn_s = turns.call_turn_s(local_world_size)  # ProcessGroup.run's loop turns
         self.groups: dict[int, ProcessGroup] = {}
+        self._nodes = list(nodes) if nodes is not None else ["local"] * actor.world_size
         self.world = self._add_group(list(range(actor.world_size)))
         actor.add_lost_listener(self._on_peer_lost)
         actor.add_abort_listener(self._on_abort)
@@ -658,6 +674,23 @@ class Runtime:
     @property
     def world_size(self) -> int:
         return self.actor.world_size
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node id of every world rank (``runtime.init.node_id``, published with the addresses
+        at init): the source of every group's ``topology``. Do not change the list in place."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, node_ids) -> None:
+        """Replaces the node ids (tests pretend to span hosts this way); every group works its
+        topology out again. Every rank must be given the same ids."""
+        node_ids = list(node_ids)
+        if len(node_ids) != self.world_size:
+            raise ValueError(f"nodes: {len(node_ids)} node ids for a world of {self.world_size} ranks")
+        self._nodes = node_ids
+        for group in self.groups.values():
+            group._topology = None
 
     def _add_group(self, ranks: list[int]) -> ProcessGroup:
         gid = len(self.groups)

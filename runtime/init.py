@@ -52,7 +52,8 @@ from runtime import env as settings
 from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
-from runtime.store import PrefixStore
+from runtime.store import MemoryStore, PrefixStore
+from runtime.store_tcp import StoreServer, TCPStore
 
 try:  # limits BLAS / OpenMP pools already loaded when the launcher implies a thread count
     from threadpoolctl import threadpool_limits
@@ -275,8 +276,6 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
         if world_size > 1:
             master_addr = await _resolve_master(master_addr, addr_source, env)
             loopback = auth.is_loopback(master_addr)
-        from runtime.store import MemoryStore
-        from runtime.store_tcp import StoreServer, TCPStore
         if world_size == 1 and (master_port is None or env["master_port_derived"] and master_port_arg is None):
             store = MemoryStore(timeout_s)  # one process: no server (unless a MASTER_PORT asks for one)
         else:
@@ -329,8 +328,7 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
             await server.close()
         raise
     rt = Runtime(actor, prefixed, timeout_s=timeout_s, local_rank=local_rank or 0,
-                 local_world_size=local_world_size or 1)
-    rt.nodes = nodes
+                 local_world_size=local_world_size or 1, nodes=nodes)
     if not shm_everywhere:
         rt.shm_enabled = False
         if shm_usable():

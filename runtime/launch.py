@@ -145,11 +145,12 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
-from runtime import auth, jobfile, procs
+from runtime import auth, jobfile, procs, shm
 from runtime import env as settings
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.scheduler import THREAD_VARS, usable_cores
+from runtime.store_tcp import StoreServer
 
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
@@ -577,8 +578,6 @@ async def hosted_store(host: str, port: int, secret: str | None, job: str):
 
     The only places the launcher touches the store (runtime.store_tcp): here and
     :func:`abort_record`."""
-    from runtime.store_tcp import StoreServer
-
     server = StoreServer(host, port, secret=secret.encode() if secret else None, job=job)
     await server.start()
     try:
@@ -691,7 +690,6 @@ def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
     """Shared-memory clean-up at the end of an attempt (runtime/shm.py): unlinks the /dev/shm
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
-    from runtime import shm
     job = settings.JOB.given(envs[0]) if envs else None
     return shm.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 

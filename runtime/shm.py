@@ -582,7 +582,7 @@ class Domain:
         """The data slot (capacity ``1 << data_log2`` bytes) of member ``domain_rank``."""
         return self.data[domain_rank].mm
 
-    # -- a call's start and end (collectives/shm/common.session, or inline on a hot path)
+    # -- a call's start and end (collectives/shm/common.DomainCall, or inline on a hot path)
     def try_begin(self, call) -> bool:
         """Starts ``call`` now if nothing has to wait: the domain is set up and free, and every
         peer has finished the call two back. Then this call holds the domain; else nothing

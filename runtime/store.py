@@ -471,7 +471,7 @@ class PrefixStore(Store):
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A fresh event loop for a thread we own: uvloop where installed, else asyncio's."""
     try:
-        import uvloop
+        import uvloop  # lazy: an optional dependency (Linux only)
     except ImportError:  # pragma: no cover - uvloop is a Linux dependency
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
@@ -593,9 +593,9 @@ class BlockingStore:
     timeouts, so no call blocks forever; Ctrl-C in the calling thread cancels
     the call. Do not call it from the loop thread itself.
 
-    Build it with :meth:`connect` (a TCP store) or :meth:`create` (any async
-    store made on the owned loop, e.g. ``BlockingStore.create(MemoryStore)``).
-    Grammar: ``create|connect -> (method call)* -> close -> end``.
+    Build it with :meth:`create` (any async store made on the owned loop, e.g.
+    ``BlockingStore.create(MemoryStore)``; a TCP client: ``runtime.store_tcp.connect_blocking``).
+    Grammar: ``create -> (method call)* -> close -> end``.
     """
 
     def __init__(self, loop_thread: LoopThread, store: Store):
@@ -629,16 +629,6 @@ class BlockingStore:
             lt.close()
             raise
         return cls(lt, store)
-
-    @classmethod
-    def connect(cls, host: str, port: int, *, secret: bytes | None, job: str = "ringweave",
-                timeout_s: float = DEFAULT_TIMEOUT_S, who: dict | None = None,
-                connect_timeout_s: float | None = None) -> "BlockingStore":
-        """A blocking client of the TCP store at ``host:port``; see :meth:`TCPStore.connect`."""
-        from runtime.store_tcp import TCPStore  # the network lives one layer over; imported on use
-
-        return cls.create(TCPStore.connect, host, port, secret=secret, job=job, timeout_s=timeout_s,
-                          who=who, connect_timeout_s=connect_timeout_s)
 
     def set(self, key: str, value: bytes) -> None:
         """See :meth:`Store.set`."""

@@ -65,6 +65,7 @@ from runtime.errors import (
 )
 from runtime.store import (
     DEFAULT_TIMEOUT_S,
+    BlockingStore,
     LoopThread,
     MemoryStore,
     Store,
@@ -754,6 +755,15 @@ class TCPStore(Store):
         self._reader_task.cancel()
         await asyncio.wait([self._reader_task])
         await _close_writer(self._writer)
+
+
+def connect_blocking(host: str, port: int, *, secret: bytes | None, job: str = "ringweave",
+                     timeout_s: float = DEFAULT_TIMEOUT_S, who: dict | None = None,
+                     connect_timeout_s: float | None = None) -> BlockingStore:
+    """A blocking client of the TCP store at ``host:port``, for code that is not asyncio: a
+    :class:`runtime.store.BlockingStore` over :meth:`TCPStore.connect` (same arguments)."""
+    return BlockingStore.create(TCPStore.connect, host, port, secret=secret, job=job, timeout_s=timeout_s,
+                                who=who, connect_timeout_s=connect_timeout_s)
 
 
 def _int(reply: dict, addr: str) -> int:

@@ -17,3 +17,6 @@ What it is not: no autograd, no devices; the collectives live in collectives/.
 
 __all__ = ["nn", "optim", "data", "text", "precision", "sharding", "parallel", "checkpoint", "loop", "history",
            "callbacks", "cli", "sample"]
+# Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): malloc's tuning for a
+# step's temporaries, and the preemption handling the loop installs.
+_INTERNAL = ("allocator", "preempt")

@@ -30,6 +30,9 @@ CODECS = {cls.name: cls for cls in (NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, 
 
 __all__ = ["CODECS", "Bf16Codec", "Codec", "ErrorFeedback", "Fp16Codec", "Int8Codec", "NoneCodec",
            "PowerSGDCodec", "TopKCodec", "get_codec"]  # fmt: skip
+# Imported only from inside collectives/ (tests/tree/test_surfaces.py): the array maths behind the
+# codecs and their wire format; the codec classes are public through the names above.
+_INTERNAL = ("cpu", "cuda", "reference", "wire")
 
 
 def get_codec(name_or_obj="none", *, error_feedback: bool = False, **kwargs) -> Codec:

@@ -49,7 +49,7 @@ def flat_f32(x):
     """A 1-D float32 view (host: converted if needed; device: a numba view of any device array,
     CuPy and torch included, that must already be C-contiguous float32)."""
     if is_device_array(x):
-        from ..kernels import cuda  # numba.cuda on the first device array only (NUMBA_ENABLE_CUDASIM)
+        from ..kernels import cuda  # lazy: numba.cuda, at the first device array only
 
         d = cuda.as_device(x)
         if np.dtype(d.dtype) != np.float32 or not d.is_c_contiguous():
@@ -118,7 +118,7 @@ class Codec(abc.ABC):
     def residual_into(self, compensated, payload: Payload, error) -> None:
         """``error = compensated - decode(payload)``; fused by codecs that can."""
         if is_device_array(compensated):
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             cuda.ef_residual(compensated, self.decode(payload, compensated.shape), error)
             return

@@ -42,7 +42,7 @@ class _CastCodec(Codec):
         if backend == "numpy":
             return (reference.cast_encode(flat, self.dtype16),)
         if backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             return (cuda.cast_encode(flat, bf16),)
         h = np.empty(flat.size, np.uint16)
@@ -58,7 +58,7 @@ class _CastCodec(Codec):
         if backend == "numpy":
             return reference.cast_decode(h).reshape(shape)
         if backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             return cuda.cast_decode(h, bf16).reshape(shape)
         out = np.empty(h.size, np.float32)

@@ -43,7 +43,7 @@ class ErrorFeedback(Codec):
     def compensate(self, x, *, key=None):
         """y = x + carried error (float32, the shape of ``x``); zero error at first."""
         if is_device_array(x):
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             err = self.errors.get(key)
             if err is None:

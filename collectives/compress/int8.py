@@ -64,7 +64,7 @@ class Int8Codec(Codec):
         if backend == "numpy":
             return reference.int8_encode(flat, self.block, key)
         if backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             return cuda.int8_encode(flat, self.block, key)
         q = np.empty(flat.size, np.int8)
@@ -80,7 +80,7 @@ class Int8Codec(Codec):
         if backend == "numpy":
             return reference.int8_decode(q, scale, self.block).reshape(shape)
         if backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             return cuda.int8_decode(q, scale, self.block).reshape(shape)
         out = np.empty(q.size, np.float32)
@@ -93,7 +93,7 @@ class Int8Codec(Codec):
         if backend == "numba":
             cpu.int8_decode_add(payload[0], payload[1], self.block, out.reshape(-1))
         elif backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             cuda.int8_decode_add(payload[0], payload[1], self.block, out)
         else:
@@ -106,7 +106,7 @@ class Int8Codec(Codec):
             q, scale = payload
             cpu.int8_residual(compensated.reshape(-1), q, scale, self.block, error.reshape(-1))
         elif backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             cuda.int8_residual(compensated, payload[0], payload[1], self.block, error)
         else:

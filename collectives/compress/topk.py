@@ -98,7 +98,7 @@ class TopKCodec(Codec):
         if backend == "numpy":
             return reference.topk_encode(flat, k)
         if backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             return cuda.topk_encode(flat, k)
         values, indices = np.empty(k, np.float32), np.empty(k, np.int32)
@@ -114,7 +114,7 @@ class TopKCodec(Codec):
         if backend == "numpy":
             return reference.topk_decode(values, indices, n).reshape(shape)
         if backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             return cuda.topk_decode(values, indices, n).reshape(shape)
         out = np.zeros(n, np.float32)
@@ -128,7 +128,7 @@ class TopKCodec(Codec):
         if backend == "numba":
             cpu.topk_decode(values, indices, out.reshape(-1), True)
         elif backend == "cuda":
-            from . import cuda
+            from . import cuda  # lazy: numba.cuda, for device arrays only
 
             cuda.topk_decode_add(values, indices, out)
         else:

@@ -31,6 +31,9 @@ BACKENDS = ("numpy", "numba", "cuda")
 ENV_VAR = env.KERNELS.name
 
 __all__ = ["BACKENDS", "DTYPES", "OPS", "choose_backend", "divide_into", "is_device_array", "reduce_into", "scale_into"]
+# Imported only from inside collectives/ (tests/tree/test_surfaces.py): the backends, reached
+# through reduce_into and choose_backend; jitcache is public (trainer's kernels use it).
+_INTERNAL = ("cpu", "cuda", "halfbits", "reference")
 
 
 def is_device_array(a) -> bool:
@@ -69,10 +72,10 @@ def _module(name: str):
     if name == "numpy":
         return reference
     if name == "numba":
-        from . import cpu
+        from . import cpu  # lazy: numba, compiled or loaded from its cache at first use
 
         return cpu
-    from . import cuda
+    from . import cuda  # lazy: numba.cuda, for device arrays only
 
     return cuda
 

@@ -23,16 +23,13 @@ from collectives.shm import common
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
-    comm = common.Link(comm)
     n, r = comm.size, comm.rank
     m = x.size  # elements per block
     if n == 1:
         if not np.shares_memory(out, x):
             np.copyto(out, x)
         return
-    if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("all_gather", x.nbytes, n, common.host_layout(comm.group))(comm, out, x)
-    async with common.session(comm, list(range(n))) as dom:
+    async with common.DomainCall(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, m, small) for p in range(n)]
         await common.copy_off_loop(dom, x.nbytes, [(slots[r], x)])  # 1. publish my block

@@ -1,5 +1,5 @@
 """Shared-memory all_reduce: one copy in, a parallel reduce-scatter by reading the peers' slots,
-one copy out. For groups whose ranks are all on one node (else the hierarchical algorithm or TCP).
+one copy out. For groups whose ranks are all on one host (registry.NEEDS).
 
 How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped by everyone):
 
@@ -14,7 +14,7 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
   2. wait for every peer's phase 1; reduce my chunk: x[r] = x[r] <op> S_p[r] for p != r in rank
      order (Numba, nogil, on a worker thread when large); publish it: S_r[r] = x[r]; post phase 2;
   3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
-  Then EXIT (posted by the session): the next call that writes the slots waits for it.
+  Then EXIT (posted by DomainCall): the next call that writes the slots waits for it.
 
 Copy-in and copy-out of arrays of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB) and up use non-temporal
 stores (``kernels.stream_copy``): such copies go to memory anyway, and skipping the read of each
@@ -45,14 +45,10 @@ from runtime import shm
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
-    comm = common.Link(comm)
     n = comm.size
     if n == 1:
         return
-    if not common.shm_available(comm.group):  # every rank decides the same
-        from collectives.shm import all_reduce_hierarchical
-        return await all_reduce_hierarchical.run(comm, x, op)
-    if x.nbytes <= shm.SMALL_NBYTES:  # the session, written out: this path is all overhead
+    if x.nbytes <= shm.SMALL_NBYTES:  # DomainCall, written out: this path is all overhead
         dom = shm.domain(comm.group, None)
         if not dom.try_begin(comm):
             await dom.begin(comm)
@@ -66,7 +62,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         finally:
             dom.end(comm, ok, post_exit=False)  # phase 1 of our next call says it (Domain.end)
         return
-    async with common.session(comm, list(range(n))) as dom:
+    async with common.DomainCall(comm, list(range(n))) as dom:
         if x.nbytes <= ONE_PHASE_MAX_NBYTES:
             await dom.claim_data(comm, x.nbytes)
             await _small(comm, dom, x, op, [common.data_view(dom, p, x.dtype, x.size) for p in range(n)])

@@ -11,18 +11,15 @@ Signature: ``await run(comm)`` like collectives/barrier_dissemination.py.
 
 from __future__ import annotations
 
-from collectives.shm import common, fastpath
+from collectives.shm import fastpath
 from runtime import shm
 
 
 async def run(comm) -> None:
-    comm = common.Link(comm)
     n = comm.size
     if n == 1:
         return
-    if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("barrier", 0, n, common.host_layout(comm.group))(comm)
-    dom = shm.domain(comm.group, None)  # common.session written out (all_reduce_shm's small path)
+    dom = shm.domain(comm.group, None)  # common.DomainCall written out (all_reduce_shm's small path)
     if not dom.try_begin(comm):
         await dom.begin(comm)
     ok = False

@@ -24,13 +24,10 @@ from collectives.shm import common
 
 
 async def run(comm, x: np.ndarray, root: int) -> None:
-    comm = common.Link(comm)
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("broadcast", x.nbytes, n, common.host_layout(comm.group))(comm, x, root)
-    async with common.session(comm, list(range(n))) as dom:
+    async with common.DomainCall(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         source = common.slot(dom, root, x.dtype, x.size, small)
         if r == root:

@@ -1,8 +1,8 @@
-"""What the shared-memory algorithms share: who is on which node, the per-call session on a
-domain, array views of the slots, running big copies and reductions off the event loop, a
-sub-communicator over a subset of a call's ranks, and the TCP fallback.
+"""What the shared-memory algorithms share: one call on a domain (:class:`DomainCall`), array
+views of the slots, running big copies and reductions off the event loop.
 
-Not here: segments and waiting (runtime/shm.py), the algorithms (one file each).
+Not here: segments and waiting (runtime/shm.py), the algorithms (one file each), where they may
+run (collectives/registry.py ``NEEDS``; the hosts: ``ProcessGroup.topology``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ import os
 
 import numpy as np
 
+from collectives.comm import Comm
 from collectives.shm import kernels
 from runtime import env, shm, turns
+
+__all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
+           "copy_pairs", "data_view", "own_cores", "reduce_off_loop", "slot", "small_view", "small_views", "streams"]
 
 # Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
 # and NumPy copies release the GIL) when the peers are tasks of this same process
@@ -26,76 +30,6 @@ OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
 # loop gets a turn between pieces when it is due (runtime/turns.py): a piece is 0.1-1 ms of work,
 # so a 64 MiB call no longer holds the loop for its 30 ms; a turn check costs one clock read.
 PIECE_NBYTES = 2 << 20
-
-
-def node_ids(group) -> list[str]:
-    """The node id of every group rank. Runtimes made by ``runtime.testing`` have no
-    ``nodes``: their ranks are tasks of this one process, hence on one node."""
-    nodes = getattr(group.runtime, "nodes", None)
-    if nodes is None:
-        return ["local"] * group.size
-    return [nodes[g] for g in group.ranks]
-
-
-def _per_group(group, attr: str, work_out):
-    """``work_out(group)``, remembered on the group (as ``attr``) for as long as its runtime's
-    ``nodes`` list is the same object: that list is set once at start, except in tests."""
-    nodes = getattr(group.runtime, "nodes", None)
-    known = getattr(group, attr, None)
-    if known is not None and known[0] is nodes:
-        return known[1]
-    value = work_out(group)
-    try:
-        setattr(group, attr, (nodes, value))
-    except AttributeError:  # pragma: no cover - a group type with slots: work it out every time
-        pass
-    return value
-
-
-def nodes_of(group) -> list[list[int]]:
-    """The group ranks of each node, nodes in order of their lowest group rank (found once per
-    group; the lists are shared between calls: do not change them).
-
-    >>> # nodes a, b, a, b  ->  [[0, 2], [1, 3]]
-    """
-    return _per_group(group, "_shm_nodes_of", _nodes_of)
-
-
-def _nodes_of(group) -> list[list[int]]:
-    order: dict[str, list[int]] = {}
-    for r, node in enumerate(node_ids(group)):
-        order.setdefault(node, []).append(r)
-    return list(order.values())
-
-
-def shm_available(group) -> bool:
-    """True when every member of ``group`` is on one node, ``RINGWEAVE_SHM`` is not ``"0"``,
-    the group's ``shm_enabled`` attribute (a communicator option) is not False, and /dev/shm
-    is writable. The same on every rank of the group (given the same environment)."""
-    return shm_enabled(group) and one_node(group)
-
-
-def one_node(group) -> bool:
-    """Whether every member of ``group`` is on one node (found once per group)."""
-    return _per_group(group, "_shm_one_node", lambda g: len(set(node_ids(g))) == 1)
-
-
-def host_layout(group) -> str:
-    """How the group's ranks sit on hosts (the same on every member; found once per group):
-    ``"one"`` (a single host), ``"spread"`` (every rank on a host of its own), ``"packed"``
-    (several hosts, each holding one contiguous run of group ranks, at least one of them more than
-    one rank: the launcher's layout) or ``"mixed"`` (the rest)."""
-    return _per_group(group, "_shm_host_layout", _host_layout)
-
-
-def _host_layout(group) -> str:
-    ids = node_ids(group)
-    runs = [ids[0]] if ids else []
-    for node in ids[1:]:
-        if node != runs[-1]:
-            runs.append(node)
-    hosts = len(set(ids))
-    return "one" if hosts <= 1 else "spread" if hosts == len(ids) else "packed" if len(runs) == hosts else "mixed"
 
 
 def own_cores(group, local_ranks: int) -> bool:
@@ -113,45 +47,16 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def shm_enabled(group) -> bool:
-    """:func:`shm_available` without the one-node condition (all_reduce_hierarchical's test)."""
-    return bool(getattr(group, "shm_enabled", True)) and shm.shm_usable()
-
-
-class Link:
-    """The call behind an algorithm's ``comm``: its group, sequence number and fingerprint (from
-    the :class:`runtime.group.Call`), and its messages (``send``, ``irecv`` and ``sendrecv``,
-    forwarded to ``comm``, so whatever a caller wrapped around them still applies). ``comm`` is
-    the Call itself (what collectives/api.py hands algorithms), a wrapper that offers it as
-    ``comm.call`` (SubComm), or one whose bound ``send`` belongs to it."""
-
-    def __init__(self, comm):
-        call = getattr(comm, "call", None)  # api's wrapper first: the usual case
-        if call is None:
-            call = comm if hasattr(comm, "group") else comm.send.__self__
-        self.comm = comm
-        self.group = call.group
-        self.seq = call.seq
-        self.fingerprint = call.fingerprint
-        self.rank = comm.rank
-        self.size = comm.size
-        self.send = comm.send
-        self.irecv = comm.irecv
-        self.sendrecv = comm.sendrecv
-
-    async def recv_into(self, src: int, buf) -> None:
-        await self.irecv(src, buf)
-
-
-class session:
-    """``async with session(comm, members, index) as dom``: one call on the domain of ``members``
-    (group ranks, this rank among them). Takes the domain's lock (calls run in sequence order),
-    sets the domain up on first use, enters the call; on success posts EXIT. On failure the
-    domain is closed (the group is failed anyway). A class, not a generator: it runs per call."""
+class DomainCall:
+    """``async with DomainCall(comm, members, index) as dom``: one call on the shared-memory domain
+    of ``members`` (group ranks, this rank among them). Takes the domain's lock (calls run in
+    sequence order), sets the domain up on first use, enters the call; on success posts EXIT. On
+    failure the domain is closed (the group is failed anyway). A class, not a generator: it runs
+    per call."""
 
     __slots__ = ("comm", "dom")
 
-    def __init__(self, comm, members: list[int], index: int = 0):
+    def __init__(self, comm: Comm, members: list[int], index: int = 0):
         self.comm = comm
         self.dom = shm.domain(comm.group, members, index)
 
@@ -256,38 +161,3 @@ def streams(nbytes: int) -> bool:
     from ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB). At 1 MiB the plain copy wins while the caches hold the
     data and loses less than it gains back when they do not (bench/results/shm.md#streaming-copies)."""
     return nbytes >= env.SHM_STREAM_MIN.get()
-
-
-class SubComm:
-    """The ranks ``members`` (group ranks) of a call, renumbered 0..len-1, so an existing TCP
-    algorithm can run among them (e.g. one leader per node). Messages are the call's own (same
-    tag and fingerprint), so they are matched in order and checked like any other."""
-
-    def __init__(self, call, members: list[int]):
-        self.call = call
-        self.members = list(members)
-        self.rank = self.members.index(call.rank)
-        self.size = len(self.members)
-        self.group = call.group
-        self.seq = call.seq
-        self.fingerprint = call.fingerprint
-
-    async def send(self, dst: int, buf) -> None:
-        await self.call.send(self.members[dst], buf)
-
-    def irecv(self, src: int, buf):
-        return self.call.irecv(self.members[src], buf)
-
-    async def recv_into(self, src: int, buf) -> None:
-        await self.call.recv_into(self.members[src], buf)
-
-    async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf) -> None:
-        await self.call.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)
-
-
-def tcp_algorithm(collective: str, nbytes: int, world: int, layout: str):
-    """The run function the TCP table would choose for ``world`` ranks laid out on hosts as
-    ``layout`` (:func:`host_layout` of the ranks that run it; :func:`collectives.registry.
-    first_tcp_rule`)."""
-    from collectives import registry  # here: registry imports collectives.shm
-    return registry.first_tcp_rule(collective, nbytes, world, layout)[1]

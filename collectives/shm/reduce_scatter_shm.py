@@ -24,15 +24,12 @@ from collectives.shm import common
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
-    comm = common.Link(comm)
     n, r = comm.size, comm.rank
     m = out.size  # elements per block
     if n == 1:
         np.copyto(out, x)
         return
-    if not common.shm_available(comm.group):
-        return await common.tcp_algorithm("reduce_scatter", x.nbytes, n, common.host_layout(comm.group))(comm, out, x, op)
-    async with common.session(comm, list(range(n))) as dom:
+    async with common.DomainCall(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, x.size, small).reshape(n, m) for p in range(n)]
         blocks = x.reshape(n, m)

@@ -11,23 +11,22 @@ from types import SimpleNamespace
 import pytest
 
 from collectives import registry
-from collectives.shm import common
+from runtime.topology import HostTopology
 
 
 def group_on(nodes: str):
-    """A stand-in group whose rank i is on host nodes[i]."""
-    return SimpleNamespace(runtime=SimpleNamespace(nodes=list(nodes)), ranks=list(range(len(nodes))),
-                           size=len(nodes), shm_enabled=True)
+    """A stand-in group whose rank i is on host nodes[i] (what registry.choose reads of a group)."""
+    return SimpleNamespace(topology=HostTopology.of(nodes), size=len(nodes), shm_enabled=True)
 
 
 @pytest.mark.parametrize("shm", ["0", "1"])
 def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     monkeypatch.setenv("RINGWEAVE_SHM", shm)
     two_hosts, one_host = group_on("abab"), group_on("aaaa")
-    assert registry.spans_hosts(two_hosts) and not registry.spans_hosts(one_host)
+    assert not two_hosts.topology.one_host and one_host.topology.one_host
 
-    def tcp(collective, nbytes, world, group=None):  # the TCP table's choice for a group's layout
-        return registry.first_tcp_rule(collective, nbytes, world, common.host_layout(group) if group else "one")
+    def tcp(collective, nbytes, world, group=None):  # the table's choice without shared memory, by hosts
+        return registry.choose(collective, nbytes, world, group=group, subcall=True)
 
     assert tcp("broadcast", 128 << 10, 4, two_hosts)[0] == "chain"
     assert tcp("broadcast", 64 << 10, 4, two_hosts)[0] == "flat"       # below the chain's sizes
@@ -37,11 +36,10 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     assert tcp("broadcast", 16 << 20, 17, group_on("ab" * 8 + "a"))[0] == "tree"  # more ranks: not measured
     assert tcp("broadcast", 1 << 20, 4, one_host)[0] == "tree"
     assert tcp("broadcast", 1 << 20, 4)[0] == "tree"                    # no group: one host
-    # the default table: over TCP the chain itself; with shared memory on, "shm", whose
-    # fallback for a group across hosts takes the TCP table with the group
-    assert registry.choose("broadcast", 1 << 20, 4, group=two_hosts)[0] == ("chain" if shm == "0" else "shm")
+    # the default table: across hosts the chain, shared memory or not ("shm" needs one host); on
+    # one host "shm" when shared memory is on
+    assert registry.choose("broadcast", 1 << 20, 4, group=two_hosts) == ("chain", registry.ALGORITHMS["broadcast"]["chain"])
     assert registry.choose("broadcast", 1 << 20, 4, group=one_host)[0] == ("tree" if shm == "0" else "shm")
-    assert common.tcp_algorithm("broadcast", 1 << 20, 4, "mixed") is registry.ALGORITHMS["broadcast"]["chain"]
     # reduce: Rabenseifner from 1 MiB across hosts, from 16 MiB on one
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
@@ -55,7 +53,7 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     # all_gather from 1 MiB gathered across hosts: direct with one rank per host, ring with each
     # host's ranks in one run (the launcher's layout); interleaved ranks keep the one-host choice
     four_hosts, packed = group_on("abcd"), group_on("aabb")
-    assert [common.host_layout(g) for g in (one_host, four_hosts, packed, two_hosts)] == \
+    assert [g.topology.layout for g in (one_host, four_hosts, packed, two_hosts)] == \
         ["one", "spread", "packed", "mixed"]
     assert tcp("all_gather", 256 << 10, 4, four_hosts)[0] == "direct"
     assert tcp("all_gather", 256 << 10, 4, packed)[0] == "ring"

@@ -318,11 +318,12 @@ async def test_powersgd_rank_deficient_average_is_exact(ranks):
 
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_sub_calls_use_the_tcp_table_whatever_the_shm_setting(monkeypatch, shm):
-    """compressed._start and the shm fallback both take registry.first_tcp_rule: the table's
-    first rule that applies once the shared-memory one is left out (figures: registry.py)."""
+    """The sub-calls of compressed and device collectives (registry.choose(subcall=True)): the
+    table's first rule that applies once the shared-memory ones are left out, whatever
+    RINGWEAVE_SHM and RINGWEAVE_ALGO_* say (figures: registry.py)."""
     from collectives import registry
-    from collectives.shm import common
     monkeypatch.setenv("RINGWEAVE_SHM", shm)
+    monkeypatch.setenv("RINGWEAVE_ALGO_ALL_REDUCE", "ring")  # not for sub-calls
     for (collective, nbytes, world), want in {("all_reduce", 4, 4): "recursive_doubling",
                                               ("all_reduce", 2 << 20, 4): "halving_doubling",
                                               ("all_reduce", 2 << 20, 3): "ring",
@@ -332,6 +333,20 @@ def test_sub_calls_use_the_tcp_table_whatever_the_shm_setting(monkeypatch, shm):
                                               ("all_gather", 64, 5): "direct",
                                               ("all_gather", 64, 16): "bruck",
                                               ("all_gather", 1 << 20, 16): "ring"}.items():
-        name, fn = registry.first_tcp_rule(collective, nbytes, world)
+        name, fn = registry.choose(collective, nbytes, world, subcall=True)
         assert (name, fn) == (want, registry.ALGORITHMS[collective][want])
-        assert common.tcp_algorithm(collective, nbytes, world, "one") is fn  # one host
+
+
+async def test_sub_calls_take_the_rules_for_the_groups_hosts(ranks, tmp_path):
+    """A compressed all_reduce of a group that spans hosts opens its sub-call with the table's
+    rules for that layout: fp16's all_reduce of 256 KiB at 4 ranks, two per host in runs
+    ("packed"), is the ring (on one host: recursive doubling); the call's fingerprint names it."""
+    async def body(g):
+        g.runtime.nodes = ["a", "a", "b", "b"]
+        g.runtime.tracer.out_dir = str(tmp_path)  # record calls, with their fingerprints
+        x = np.full(128 << 10, g.rank + 1.0, np.float32)
+        await C.all_reduce(x, compression="fp16", group=g)
+        np.testing.assert_array_equal(x, 10.0)
+        return [e["args"]["op"] for e in g.runtime.tracer.events]
+    for ops in await ranks(4, body):
+        assert len(ops) == 1 and ops[0].startswith("all_reduce ") and ops[0].endswith(" algo=ring"), ops

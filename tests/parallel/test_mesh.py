@@ -7,7 +7,7 @@ import pytest
 from runtime.testing import run_ranks
 from trainer.nn import GPTConfig
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
-from trainer.parallel.comm import part
+from trainer.parallel.tp_group import part
 from trainer.parallel.gpt import check_divides
 from trainer.parallel.pipeline import PipelineLayout, balance
 from trainer.sharding import TrainConfig

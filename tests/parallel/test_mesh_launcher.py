@@ -71,19 +71,19 @@ TP2_PP2_STEP = r'''
 from trainer.data import iter_local_batches
 from trainer.nn import GPTConfig
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
-from trainer.parallel import comm as tp_comm
+from trainer.parallel import tp_group
 from trainer.sharding import TrainConfig
 from trainer.text import RandomWindows
 
 step_now = [0]
 if RANK == 3:  # the last stage's tp rank 1 dies inside a tensor-parallel all-reduce of step 2
-    real = tp_comm.TPComm.all_reduce
+    real = tp_group.TPGroup.all_reduce
     def all_reduce(self, x, op="sum"):
         if step_now[0] == 2:
             print("rank 3: dying in a tp all-reduce of step 2", flush=True)
             die()
         return real(self, x, op)
-    tp_comm.TPComm.all_reduce = all_reduce
+    tp_group.TPGroup.all_reduce = all_reduce
 
 async def body(rt):
     mesh = Mesh(rt.world, tp=2, pp=2)

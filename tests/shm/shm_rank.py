@@ -65,7 +65,7 @@ async def matrix(g) -> None:
     g.runtime.nodes = ["A", "B"] * (n // 2) + ["A"] * (n % 2)  # pretend: two nodes
     for count in (0, 5, 300_001):
         x = np.full(count, r + 1, np.float64)
-        await C.all_reduce(x, group=g)  # "shm" runs the hierarchical algorithm now
+        await C.all_reduce(x, group=g)  # the table: hierarchical over 64 KiB, TCP below
         assert np.all(x == n * (n + 1) / 2), (count, x[:4])
     assert set(shm.statistics(g)) == {"0d0", "0d1" if r % 2 == 0 else "0d2"}, shm.statistics(g)
     say("OK", r)

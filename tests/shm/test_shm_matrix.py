@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import collectives as C
-from collectives.shm import shm_available
+from collectives import registry
 from runtime import shm
 
 pytestmark = pytest.mark.timeout(120)
-# the suite also runs with RINGWEAVE_SHM=0 (the "shm" algorithms then fall back to TCP): tests
+# the suite also runs with RINGWEAVE_SHM=0 (calls naming "shm" then run the table's choice): tests
 # about the shared memory itself are skipped then, the answers are checked either way
 SHM_ON = shm.shm_usable()
 needs_shm = pytest.mark.skipif(not SHM_ON, reason="RINGWEAVE_SHM=0: no shared memory to look at")
@@ -219,11 +219,11 @@ async def test_hierarchical_on_fake_nodes(ranks, n, transport):
 
     async def body(g):
         g.runtime.nodes = list(layout)
-        assert not shm_available(g)
+        assert not g.topology.one_host
         for count in (0, 1, 7, 100_003):
             for dtype, op in [(np.dtype(np.float32), "sum"), (np.dtype(np.int64), "max"),
                               (DTYPES[1], "avg"), (np.dtype(np.int32), "prod"), (np.dtype(np.float16), "min")]:
-                for algo in ("shm", "hierarchical"):  # "shm" falls back to hierarchical across nodes
+                for algo in ("shm", "hierarchical"):  # "shm" needs one host: the table's choice runs
                     x = contribution(g.rank, n, count, dtype, op)
                     await C.all_reduce(x, op=op, group=g, algorithm=algo)
                     same(x, expected(n, count, dtype, op), f"rank {g.rank} {algo} {dtype} {op} {count}")
@@ -234,48 +234,48 @@ async def test_hierarchical_on_fake_nodes(ranks, n, transport):
         assert names == ([] if alone else [f"0d{1 + sorted(set(layout), key=layout.index).index(layout[r])}"])
 
 
-async def test_hierarchical_small_arrays_run_flat_over_tcp(ranks):
-    """Up to 64 KiB the hierarchical algorithm runs the TCP table's choice over the whole group
-    (no shared-memory phase); above it, each node's ranks meet in shared memory."""
+async def test_hierarchical_small_arrays_run_flat_over_tcp(ranks, tmp_path):
+    """Up to 64 KiB the table runs its TCP choice over the whole group (no shared-memory phase);
+    above it, with shared memory on, the hierarchical algorithm: each host's ranks meet in shared
+    memory. The trace names what ran."""
     small = (64 << 10) // 4  # float32: exactly 64 KiB
 
     async def body(g):
         g.runtime.nodes = list("ABAB")
+        g.runtime.tracer.out_dir = str(tmp_path)  # record calls, with their algorithm
         x = contribution(g.rank, 4, small, np.float32, "sum")
-        await C.all_reduce(x, group=g, algorithm="hierarchical")
+        await C.all_reduce(x, group=g)
         same(x, expected(4, small, np.float32, "sum"), "flat")
         flat = sorted(shm.statistics(g))
         x = contribution(g.rank, 4, small + 1, np.float32, "sum")
-        await C.all_reduce(x, group=g, algorithm="hierarchical")
+        await C.all_reduce(x, group=g)
         same(x, expected(4, small + 1, np.float32, "sum"), "hierarchical")
-        return flat, sorted(shm.statistics(g))
+        return flat, sorted(shm.statistics(g)), [e["args"]["algorithm"] for e in g.runtime.tracer.events]
     results = await ranks(4, body, transport="tcp")
-    for r, (flat, after) in enumerate(results):
+    for r, (flat, after, ran) in enumerate(results):
         assert flat == [], (r, flat)
+        assert ran == ["recursive_doubling", "hierarchical" if SHM_ON else "recursive_doubling"], ran
         if SHM_ON:
             assert after == [f"0d{1 + r % 2}"], (r, after)
 
 
-@pytest.mark.skipif(not SHM_ON, reason="no usable /dev/shm: the hierarchical path runs flat")
-async def test_hierarchical_asks_the_table_for_each_part_by_its_layout(ranks, monkeypatch):
+@pytest.mark.skipif(not SHM_ON, reason="no usable /dev/shm: no hierarchical algorithm")
+async def test_hierarchical_asks_the_table_for_each_part_by_its_layout(ranks):
     """A small array runs flat with the whole group's layout ("packed": hosts A A B B); the
-    leaders' all_reduce of a large one with theirs, one per host ("spread")."""
-    from collectives import registry
-    asked, first = [], registry.first_tcp_rule
-
-    def recording(collective, nbytes, world, layout="one"):
-        asked.append((collective, world, layout))
-        return first(collective, nbytes, world, layout)
-    monkeypatch.setattr(registry, "first_tcp_rule", recording)
-
+    leaders' all_reduce of a large one runs the table's choice for theirs, one per host
+    ("spread"): halving-doubling for 2 ranks, where the whole group's layout would give the ring."""
     async def body(g):
         g.runtime.nodes = list("AABB")
+        assert registry.choose("all_reduce", 64, 4, group=g)[0] == "recursive_doubling"
+        name, fn = registry.choose("all_reduce", 1_200_000, 4, group=g)
+        assert name == "hierarchical"
+        assert fn.keywords["across"] is registry.ALGORITHMS["all_reduce"]["halving_doubling"]
+        assert registry.choose("all_reduce", 1_200_000, 4, group=g, subcall=True)[0] == "ring"  # packed
         for count in (16, 300_000):
             x = contribution(g.rank, 4, count, np.float32, "sum")
             await C.all_reduce(x, group=g, algorithm="hierarchical")
             same(x, expected(4, count, np.float32, "sum"), f"rank {g.rank} count {count}")
     await ranks(4, body, transport="tcp")
-    assert set(asked) == {("all_reduce", 4, "packed"), ("all_reduce", 2, "spread")}, asked
 
 
 async def test_hierarchical_on_one_node_is_plain_shm(ranks):
@@ -296,7 +296,7 @@ async def test_switched_off_runs_tcp(ranks, monkeypatch, how):
     async def body(g):
         if how == "group":
             g.shm_enabled = False
-        assert not shm_available(g)
+        assert registry.choose("barrier", 0, 4, group=g)[0] == "dissemination"
         x = contribution(g.rank, 4, 100_001, np.float32, "sum")
         await C.all_reduce(x, group=g, algorithm="shm")
         same(x, expected(4, 100_001, np.float32, "sum"), "fallback")

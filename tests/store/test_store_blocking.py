@@ -9,7 +9,7 @@ import pytest
 
 from runtime.errors import ClosedError, StoreTimeoutError
 from runtime.store import BlockingStore, MemoryStore, PrefixStore
-from runtime.store_tcp import ServerThread
+from runtime.store_tcp import ServerThread, connect_blocking
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,7 +23,7 @@ def server():
 
 
 def connect(srv: ServerThread) -> BlockingStore:
-    return BlockingStore.connect(srv.host, srv.port, secret=SECRET, timeout_s=5.0)
+    return connect_blocking(srv.host, srv.port, secret=SECRET, timeout_s=5.0)
 
 
 def test_threads_add_and_barrier(server):

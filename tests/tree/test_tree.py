@@ -103,8 +103,7 @@ def test_every_size_rule_of_the_table_points_at_its_measurement():
 
 
 # The work diary's words: an issue number, a numbered or ordinal session, an engineer. The other
-# "session"s are the project's own: a POSIX session (start_new_session) and the shared-memory
-# call on a domain (collectives/shm/common.session).
+# "session"s are the project's own: a POSIX session (start_new_session).
 DIARY = re.compile(
     r"\bissues? ?#?\d+|\bissue's|\(\w+ issue\)|\bthe issue\b|\bengineers?\b|\bsessions? \d+|\bsessions\b|"
     r"\b(?:this|last|next|previous|earlier|later|that|same|first|second|third|fourth|fifth|sixth|seventh|"

@@ -56,3 +56,5 @@ __all__ = [
     "cross_entropy_forward", "cross_entropy_backward", "softmax_cross_entropy",
     "ParamSpec", "Unit", "round_up", "shard_bounds", "Call", "Tape", "Model", "mlp", "ActivationMeter",
 ]
+# Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): the layers' fast kernels.
+_INTERNAL = ("kernels",)

@@ -5,7 +5,7 @@
                                       parallel=ParallelConfig(schedule="1f1b", micro_batches=8))
     await strategy.setup(); await strategy.train_step(micro_batches)     # as any Strategy
 
-Files: mesh.py (the mesh of process groups), comm.py (the tp group from the compute thread),
+Files: mesh.py (the mesh of process groups), tp_group.py (the tp group from the compute thread),
 tensor.py (Megatron's f / g, column- and row-parallel Linear, attention and MLP), vocab.py
 (vocabulary-parallel embedding, head and cross-entropy), gpt.py (the GPT's units per tp rank
 and their maps to the full layout), pipeline.py (stages and balancing), schedules.py (GPipe
@@ -21,3 +21,6 @@ from trainer.parallel.strategy import ParallelConfig, make_parallel_strategy
 
 __all__ = ["DIMS", "Mesh", "SCHEDULES", "bubble_formula", "format_table", "schedule", "ParallelConfig",
            "make_parallel_strategy"]
+# Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): the strategy classes made
+# with mixins, running a stage's schedule, the tp group the layers talk through.
+_INTERNAL = ("bases", "executor", "tp_group")

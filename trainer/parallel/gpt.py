@@ -1,7 +1,7 @@
 """The GPT's units for one tensor-parallel rank, and the maps between their flat buffers and the
 full model's.
 
-What it is: `gpt_units(config, comm)` -> (every unit of the GPT for tp rank comm.rank, the loss).
+What it is: `gpt_units(config, tp)` -> (every unit of the GPT for tp rank tp.rank, the loss).
 At tp = 1 they are trainer.nn.gpt's own units and CrossEntropyLoss. At tp = t > 1 each unit is
 a `ShardedUnit`: the same module tree with the tensor-parallel layers in place (tensor.py,
 vocab.py) and beside it the full unit it cuts:
@@ -36,7 +36,7 @@ import numpy as np
 from trainer.nn.gpt import GPT, Block, GPTConfig, GPTEnds
 from trainer.nn.layers import Container
 from trainer.nn.unit import Unit
-from trainer.parallel.comm import TPComm
+from trainer.parallel.tp_group import TPGroup
 from trainer.parallel.tensor import ParallelMLP, ParallelSelfAttention
 from trainer.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead
 
@@ -116,23 +116,23 @@ def replicated_ranges(unit: Unit) -> list[tuple[int, int]]:
     return unit.replicated_ranges() if isinstance(unit, ShardedUnit) else []
 
 
-def gpt_units(config: GPTConfig, comm: TPComm, *, dtype=np.float32) -> tuple[list[Unit], object]:
-    """Every unit of the GPT for tp rank ``comm.rank`` of ``comm.size``, and the loss."""
+def gpt_units(config: GPTConfig, tp: TPGroup, *, dtype=np.float32) -> tuple[list[Unit], object]:
+    """Every unit of the GPT for tp rank ``tp.rank`` of ``tp.size``, and the loss."""
     full = GPT(config, dtype=dtype)
-    if comm.size == 1:
+    if tp.size == 1:
         return full.units, full.loss
-    check_divides(config, comm.size, 1)
+    check_divides(config, tp.size, 1)
     C = config.n_embd
-    ends = GPTEnds(config, wte=VocabParallelEmbedding(config.vocab_size, C, comm))
-    ends.head = VocabParallelHead(ends, comm)
+    ends = GPTEnds(config, wte=VocabParallelEmbedding(config.vocab_size, C, tp))
+    ends.head = VocabParallelHead(ends, tp)
     units = [ShardedUnit(ends, full.units[0], dtype=dtype, entries=ends.entries())]
     proj_std = 0.02 / np.sqrt(2 * config.n_layer)
     for block in range(1, config.n_layer + 1):
-        attn = ParallelSelfAttention(C, config.n_head, comm, dropout=config.dropout, bias=config.bias,
+        attn = ParallelSelfAttention(C, config.n_head, tp, dropout=config.dropout, bias=config.bias,
                                      proj_init_std=proj_std, kernel=config.kernel)
-        mlp = ParallelMLP(C, 4 * C, comm, gelu=config.gelu, dropout=config.dropout, bias=config.bias,
+        mlp = ParallelMLP(C, 4 * C, tp, gelu=config.gelu, dropout=config.dropout, bias=config.bias,
                           proj_init_std=proj_std, kernel=config.kernel)
         units.append(ShardedUnit(Block(config, attn=attn, mlp=mlp), full.units[block], dtype=dtype))
     for i, unit in enumerate(units):
         unit.index = i
-    return units, VocabParallelCrossEntropy(config.vocab_size, comm)
+    return units, VocabParallelCrossEntropy(config.vocab_size, tp)

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer.nn.gpt import GPT, GPTConfig
-from trainer.parallel.comm import TPComm, part
+from trainer.parallel.tp_group import TPGroup, part
 from trainer.parallel.executor import StageRun
 from trainer.parallel.gpt import check_divides, full_index, gpt_units, replicated_ranges
 from trainer.parallel.mesh import Mesh
@@ -94,12 +94,12 @@ class MeshMixin:
         self.mesh, self.parallel = mesh, parallel or ParallelConfig()
         self.config_model = gpt_config
         dtype = np.dtype(dtype or (np.float64 if config.master_dtype == "float64" else np.float32))
-        self.tp_comm = TPComm(AccountedCollectives(mesh["tp"]))
+        self.tp_group = TPGroup(AccountedCollectives(mesh["tp"]))
         self.pp_acc = AccountedCollectives(mesh["pp"])
         self.world_acc = AccountedCollectives(mesh.world)
         self.emb_acc = AccountedCollectives(mesh.embedding_group) if mesh.embedding_group is not None else None
         self.logical_model = GPT(gpt_config, dtype=dtype)  # the full model: checkpoints' layout and metadata
-        units, loss = gpt_units(gpt_config, self.tp_comm, dtype=dtype)
+        units, loss = gpt_units(gpt_config, self.tp_group, dtype=dtype)
         self._all_units = units  # every unit for this tp rank (global index)
         full = self.logical_model.units
         self.layout = PipelineLayout.build(gpt_config.n_layer, pp, mesh.coords["pp"], self.parallel.stage_layers,
@@ -118,7 +118,7 @@ class MeshMixin:
     # ---- plumbing ------------------------------------------------------------------------
 
     def _accs(self) -> list[AccountedCollectives]:
-        return [a for a in (self.tp_comm.acc, self.pp_acc, self.world_acc, self.emb_acc) if a is not None]
+        return [a for a in (self.tp_group.acc, self.pp_acc, self.world_acc, self.emb_acc) if a is not None]
 
     async def _ensure_fresh(self) -> None:
         await super()._ensure_fresh()
@@ -218,7 +218,7 @@ class MeshMixin:
     async def train_step(self, micro_batches) -> StepResult:
         """See base class; the result also gives bytes per mesh dimension and the pipeline's timings."""
         result = await super().train_step(micro_batches)
-        tp, pp, world, emb = self.tp_comm.acc, self.pp_acc, self.world_acc, self.emb_acc
+        tp, pp, world, emb = self.tp_group.acc, self.pp_acc, self.world_acc, self.emb_acc
         by_dim = {"dp": self.collectives.bytes_sent, "tp": tp.bytes_sent,
                   "pp": pp.bytes_sent + (emb.bytes_sent if emb else 0), "stats": world.bytes_sent}
         bubble = self.last_run.wait_s if self.last_run else 0.0
@@ -262,15 +262,15 @@ class MeshMixin:
     def _tp_units(self, g: int) -> list:
         """Unit g as every tp rank builds it (their cuts of the full unit)."""
         if g not in self._tp_layouts:
-            tp = self.tp_comm.size
+            tp = self.tp_group.size
             self._tp_layouts[g] = [
-                gpt_units(self.config_model, TPComm.shape_only(t, tp), dtype=self.logical_model.units[0].dtype)[0][g]
-                if t != self.tp_comm.rank else self._all_units[g] for t in range(tp)]
+                gpt_units(self.config_model, TPGroup.shape_only(t, tp), dtype=self.logical_model.units[0].dtype)[0][g]
+                if t != self.tp_group.rank else self._all_units[g] for t in range(tp)]
         return self._tp_layouts[g]
 
     async def _gather_tp(self, g: int, local: np.ndarray) -> np.ndarray:
         """Unit g's full flat buffer (unpadded) from every tp rank's unpadded local one."""
-        tp = self.tp_comm.size
+        tp = self.tp_group.size
         if tp == 1:
             return local
         units = self._tp_units(g)
@@ -279,7 +279,7 @@ class MeshMixin:
         mine = np.zeros(width, local.dtype)
         mine[: local.size] = local
         every = np.empty(tp * width, local.dtype)
-        await self.tp_comm.acc.all_gather(every, mine)
+        await self.tp_group.acc.all_gather(every, mine)
         full = np.empty(self.logical_model.units[g].numel, local.dtype)
         for t, unit in enumerate(units):
             full[unit.full_index()] = every[t * width : t * width + counts[t]]
@@ -347,8 +347,8 @@ class MeshMixin:
         await self._ensure_fresh()
         base = super().state_dict()
         shards, layout = {}, {}
-        writers = self.mesh.dim_size("dp") * self.tp_comm.size
-        writer = self.mesh.coords["dp"] * self.tp_comm.size + self.tp_comm.rank
+        writers = self.mesh.dim_size("dp") * self.tp_group.size
+        writer = self.mesh.coords["dp"] * self.tp_group.size + self.tp_group.rank
         for i, g in enumerate(self.global_index):
             if self.layout.owner(g) != self.layout.stage:
                 continue  # the embedding's second copy: the first stage saves it

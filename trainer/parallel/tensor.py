@@ -49,7 +49,7 @@ import numpy as np
 from trainer.nn.attention import attention_backward, attention_forward
 from trainer.nn.gpt import MLP
 from trainer.nn.layers import GELU, Container, Dropout, Layer, Linear, check_kernel
-from trainer.parallel.comm import TPComm, part
+from trainer.parallel.tp_group import TPGroup, part
 
 __all__ = ["Split", "copy_to_tp", "copy_to_tp_backward", "reduce_from_tp", "reduce_from_tp_backward",
            "ColumnParallelLinear", "RowParallelLinear", "HeadDropout", "ParallelSelfAttention", "ParallelMLP"]
@@ -69,22 +69,22 @@ class Split:
 # ---- the conjugate pairs (mappings) ---------------------------------------------------
 
 
-def copy_to_tp(x: np.ndarray, comm: TPComm) -> np.ndarray:
+def copy_to_tp(x: np.ndarray, tp: TPGroup) -> np.ndarray:
     """f forward: identity (every rank holds the whole input)."""
     return x
 
 
-def copy_to_tp_backward(dx: np.ndarray, comm: TPComm) -> np.ndarray:
+def copy_to_tp_backward(dx: np.ndarray, tp: TPGroup) -> np.ndarray:
     """f backward: the input's gradient is the sum of every rank's partial one."""
-    return comm.all_reduce(dx)
+    return tp.all_reduce(dx)
 
 
-def reduce_from_tp(y: np.ndarray, comm: TPComm) -> np.ndarray:
+def reduce_from_tp(y: np.ndarray, tp: TPGroup) -> np.ndarray:
     """g forward: the output is the sum of every rank's partial one."""
-    return comm.all_reduce(y)
+    return tp.all_reduce(y)
 
 
-def reduce_from_tp_backward(dy: np.ndarray, comm: TPComm) -> np.ndarray:
+def reduce_from_tp_backward(dy: np.ndarray, tp: TPGroup) -> np.ndarray:
     """g backward: identity (every rank's partial output had the whole gradient)."""
     return dy
 
@@ -100,16 +100,16 @@ class ColumnParallelLinear(Layer):
     the fused qkv. The output stays split (Megatron's gather_output=False).
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, *, bias: bool = True,
                  init_std: float | None = None, out_view: tuple[int, ...] | None = None, out_axis: int = 0) -> None:
         self.out_view = tuple(out_view) if out_view is not None else (out_features,)
         if math.prod(self.out_view) != out_features:
             raise ValueError(f"out_view {self.out_view} must hold {out_features} features")
-        self.out_axis, self.comm = out_axis, comm
+        self.out_axis, self.tp = out_axis, tp
         n = self.out_view[out_axis]
-        if n < comm.size:
-            raise ValueError(f"{n} columns (axis {out_axis} of {self.out_view}) cannot split over tp={comm.size}")
-        self.lo, self.hi = part(n, comm.rank, comm.size)
+        if n < tp.size:
+            raise ValueError(f"{n} columns (axis {out_axis} of {self.out_view}) cannot split over tp={tp.size}")
+        self.lo, self.hi = part(n, tp.rank, tp.size)
         local = out_features // n * (self.hi - self.lo)
         self.linear = Linear(in_features, local, bias, init_std=init_std)
         self.in_features, self.out_features, self.bias = in_features, out_features, bias
@@ -126,11 +126,11 @@ class ColumnParallelLinear(Layer):
         return Split(self.out_view, self.out_axis, self.lo, self.hi)
 
     def forward(self, params, x, ctx):
-        return self.linear.forward(params, copy_to_tp(x, self.comm), ctx)
+        return self.linear.forward(params, copy_to_tp(x, self.tp), ctx)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
         dx = self.linear.backward(params, cache, dout, grads, grads_zero=grads_zero)
-        return copy_to_tp_backward(dx, self.comm)
+        return copy_to_tp_backward(dx, self.tp)
 
 
 class RowParallelLinear(Layer):
@@ -141,12 +141,12 @@ class RowParallelLinear(Layer):
     backward: dW_i += x_i^T dy;  db += sum_n dy;  dx_i = dy W_i^T      (no communication)
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, *, bias: bool = True,
                  init_std: float | None = None, in_lo: int | None = None, in_hi: int | None = None) -> None:
-        self.comm = comm
-        if in_features < comm.size:
-            raise ValueError(f"{in_features} rows cannot split over tp={comm.size}")
-        self.lo, self.hi = part(in_features, comm.rank, comm.size) if in_lo is None else (in_lo, in_hi)
+        self.tp = tp
+        if in_features < tp.size:
+            raise ValueError(f"{in_features} rows cannot split over tp={tp.size}")
+        self.lo, self.hi = part(in_features, tp.rank, tp.size) if in_lo is None else (in_lo, in_hi)
         self.linear = Linear(self.hi - self.lo, out_features, bias, init_std=init_std)
         self.in_features, self.out_features, self.bias = in_features, out_features, bias
 
@@ -164,13 +164,13 @@ class RowParallelLinear(Layer):
     def forward(self, params, x, ctx):
         local = self.hi - self.lo
         x2 = x.reshape(-1, local)  # (N, in/t)
-        y = reduce_from_tp(x2 @ params["weight"], self.comm)  # (N, out): the sum over ranks
+        y = reduce_from_tp(x2 @ params["weight"], self.tp)  # (N, out): the sum over ranks
         if self.bias:
             y += params["bias"]
         return y.reshape(*x.shape[:-1], self.out_features), (x2, x.shape)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
-        dout = reduce_from_tp_backward(dout, self.comm)
+        dout = reduce_from_tp_backward(dout, self.tp)
         return self.linear.backward(params, cache, dout, grads, grads_zero=grads_zero)
 
 
@@ -209,21 +209,21 @@ class ParallelSelfAttention(Container):
     heads' rows, attn_drop (HeadDropout), resid_drop (replicated).
     """
 
-    def __init__(self, n_embd: int, n_head: int, comm: TPComm, *, dropout: float = 0.0, bias: bool = True,
+    def __init__(self, n_embd: int, n_head: int, tp: TPGroup, *, dropout: float = 0.0, bias: bool = True,
                  init_std: float | None = 0.02, proj_init_std: float | None = None, kernel: str = "fast") -> None:
-        if n_head % comm.size:
-            raise ValueError(f"n_head={n_head} heads do not split over tp={comm.size}: choose --tp dividing "
+        if n_head % tp.size:
+            raise ValueError(f"n_head={n_head} heads do not split over tp={tp.size}: choose --tp dividing "
                              f"the heads")
         self.n_embd, self.n_head, self.head_size = n_embd, n_head, n_embd // n_head
-        self.h0, self.h1 = part(n_head, comm.rank, comm.size)
+        self.h0, self.h1 = part(n_head, tp.rank, tp.size)
         self.local_heads = self.h1 - self.h0
         self.kernel = check_kernel(kernel)
         hs = self.head_size
         self.attn_drop, self.resid_drop = HeadDropout(dropout, n_head, self.h0, self.h1), Dropout(dropout)
         self.children = [
-            ("qkv", ColumnParallelLinear(n_embd, 3 * n_embd, comm, bias=bias, init_std=init_std,
+            ("qkv", ColumnParallelLinear(n_embd, 3 * n_embd, tp, bias=bias, init_std=init_std,
                                          out_view=(3, n_head, hs), out_axis=1)),
-            ("proj", RowParallelLinear(n_embd, n_embd, comm, bias=bias,
+            ("proj", RowParallelLinear(n_embd, n_embd, tp, bias=bias,
                                        init_std=init_std if proj_init_std is None else proj_init_std,
                                        in_lo=self.h0 * hs, in_hi=self.h1 * hs)),
             ("attn_drop", self.attn_drop),
@@ -262,14 +262,14 @@ class ParallelMLP(MLP):
     columns -> proj RowParallelLinear(4C, C) over the same rows -> dropout (replicated).
     Forward and backward are MLP's (a loop over the children)."""
 
-    def __init__(self, n_embd: int, hidden: int, comm: TPComm, *, gelu: str = "tanh", dropout: float = 0.0,
+    def __init__(self, n_embd: int, hidden: int, tp: TPGroup, *, gelu: str = "tanh", dropout: float = 0.0,
                  bias: bool = True, init_std: float | None = 0.02, proj_init_std: float | None = None,
                  kernel: str = "fast") -> None:
-        lo, hi = part(hidden, comm.rank, comm.size)
+        lo, hi = part(hidden, tp.rank, tp.size)
         self.children = [
-            ("fc", ColumnParallelLinear(n_embd, hidden, comm, bias=bias, init_std=init_std)),
+            ("fc", ColumnParallelLinear(n_embd, hidden, tp, bias=bias, init_std=init_std)),
             ("act", GELU(gelu, kernel=kernel)),
-            ("proj", RowParallelLinear(hidden, n_embd, comm, bias=bias, in_lo=lo, in_hi=hi,
+            ("proj", RowParallelLinear(hidden, n_embd, tp, bias=bias, in_lo=lo, in_hi=hi,
                                        init_std=init_std if proj_init_std is None else proj_init_std)),
             ("drop", Dropout(dropout)),
         ]

@@ -2,7 +2,7 @@
 embedding, the tied head and the loss with the vocabulary split across the tp group, so no rank
 ever holds the full (B, T, V) logits.
 
-How it works (t ranks; rank i holds vocabulary rows [lo_i, hi_i), comm.part: the first V % t
+How it works (t ranks; rank i holds vocabulary rows [lo_i, hi_i), tp.part: the first V % t
 ranks one row more, so any V >= t splits):
 
     embedding   out = g(E_i[idx - lo_i] where lo_i <= idx < hi_i, else 0)        # (B, T, C)
@@ -33,24 +33,24 @@ import numpy as np
 from trainer.nn import kernels
 from trainer.nn.layers import Layer
 from trainer.nn.loss import CrossEntropyLoss, Loss, _denominator
-from trainer.parallel.comm import TPComm, part
+from trainer.parallel.tp_group import TPGroup, part
 from trainer.parallel.tensor import Split, copy_to_tp, copy_to_tp_backward, reduce_from_tp
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "VocabParallelCrossEntropy"]
 
 
-def _check_vocab(vocab_size: int, comm: TPComm) -> tuple[int, int]:
-    if vocab_size < comm.size:
-        raise ValueError(f"a vocabulary of {vocab_size} tokens cannot split over tp={comm.size}")
-    return part(vocab_size, comm.rank, comm.size)
+def _check_vocab(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    if vocab_size < tp.size:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens cannot split over tp={tp.size}")
+    return part(vocab_size, tp.rank, tp.size)
 
 
 class VocabParallelEmbedding(Layer):
     """Token embedding whose rows [lo, hi) live on this rank (the module docstring)."""
 
-    def __init__(self, num_embeddings: int, dim: int, comm: TPComm, *, init_std: float = 0.02) -> None:
-        self.num_embeddings, self.dim, self.comm, self.init_std = num_embeddings, dim, comm, init_std
-        self.lo, self.hi = _check_vocab(num_embeddings, comm)
+    def __init__(self, num_embeddings: int, dim: int, tp: TPGroup, *, init_std: float = 0.02) -> None:
+        self.num_embeddings, self.dim, self.tp, self.init_std = num_embeddings, dim, tp, init_std
+        self.lo, self.hi = _check_vocab(num_embeddings, tp)
 
     def param_shapes(self):
         return [("weight", (self.hi - self.lo, self.dim))]
@@ -71,7 +71,7 @@ class VocabParallelEmbedding(Layer):
         here = (local >= 0) & (local < self.hi - self.lo)
         out = np.zeros((local.size, self.dim), dtype=w.dtype)  # (N, C)
         out[here] = w[local[here]]
-        reduce_from_tp(out, self.comm)
+        reduce_from_tp(out, self.tp)
         return out.reshape(*idx.shape, self.dim), (local[here], here)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
@@ -88,14 +88,14 @@ class VocabParallelEmbedding(Layer):
 class VocabParallelHead(Layer):
     """GPTEnds' "head" entry over this rank's vocabulary rows: logits_i = f(ln_f(h)) wte_i^T."""
 
-    def __init__(self, ends, comm: TPComm) -> None:
-        self.ends, self.comm = ends, comm
+    def __init__(self, ends, tp: TPGroup) -> None:
+        self.ends, self.tp = ends, tp
 
     def forward(self, params, h, ctx):
         e = self.ends
         z, c_ln = e.ln_f.forward(e.sub(params, "ln_f"), h, ctx)  # (B, T, C)
         w = params["wte.weight"]  # (V_i, C)
-        return np.matmul(copy_to_tp(z, self.comm), w.T), (z, c_ln)  # (B, T, V_i)
+        return np.matmul(copy_to_tp(z, self.tp), w.T), (z, c_ln)  # (B, T, V_i)
 
     def backward(self, params, cache, dout, grads, *, grads_zero=False):
         e = self.ends
@@ -103,7 +103,7 @@ class VocabParallelHead(Layer):
         w = params["wte.weight"]  # (V_i, C)
         d2 = dout.reshape(-1, w.shape[0])  # (N, V_i)
         grads["wte.weight"] += d2.T @ z.reshape(-1, w.shape[1])  # the embedding adds to the same rows
-        dz = copy_to_tp_backward(np.ascontiguousarray((d2 @ w).reshape(z.shape)), self.comm)  # (B, T, C)
+        dz = copy_to_tp_backward(np.ascontiguousarray((d2 @ w).reshape(z.shape)), self.tp)  # (B, T, C)
         return e.ln_f.backward(e.sub(params, "ln_f"), c_ln, dz, e.sub(grads, "ln_f"), grads_zero=grads_zero)
 
 
@@ -111,14 +111,14 @@ class VocabParallelCrossEntropy(Loss):
     """Cross-entropy over logits split by vocabulary (the module docstring); shapes as
     CrossEntropyLoss: out (N, [T,] V_i), target (N, [T]) with ids of the whole vocabulary."""
 
-    def __init__(self, vocab_size: int, comm: TPComm) -> None:
-        self.vocab_size, self.comm = vocab_size, comm
-        self.lo, self.hi = _check_vocab(vocab_size, comm)
+    def __init__(self, vocab_size: int, tp: TPGroup) -> None:
+        self.vocab_size, self.tp = vocab_size, tp
+        self.lo, self.hi = _check_vocab(vocab_size, tp)
 
     def _split(self, out, target):
         logits, y, T = CrossEntropyLoss._flatten(out, target)
         if logits.shape[1] != self.hi - self.lo:
-            raise ValueError(f"rank {self.comm.rank} holds vocabulary [{self.lo}, {self.hi}), got logits {out.shape}")
+            raise ValueError(f"rank {self.tp.rank} holds vocabulary [{self.lo}, {self.hi}), got logits {out.shape}")
         if y.size and (y.min() < 0 or y.max() >= self.vocab_size):
             raise ValueError(f"labels must be in [0, {self.vocab_size}), got range [{y.min()}, {y.max()}]")
         local = y - self.lo
@@ -128,13 +128,13 @@ class VocabParallelCrossEntropy(Loss):
     def _softmax_parts(self, logits, here, cols):
         """(e = exp(logits - m), S = sum_k e over every rank, p = the target's z) per row."""
         m = logits.max(axis=1)  # (N,)
-        self.comm.all_reduce(m, "max")
+        self.tp.all_reduce(m, "max")
         z = logits - m[:, None]  # (N, V_i)
         sums = np.zeros((2, len(logits)), np.float64)  # [sum_k e, z of the target] per row
         sums[1, here] = z[here, cols]
         e = np.exp(z, out=z)  # in place: z is not needed past the target's
         sums[0] = e.sum(axis=1)
-        self.comm.all_reduce(sums)
+        self.tp.all_reduce(sums)
         return e, sums[0], sums[1]
 
     def forward_backward(self, out, target, denominator=None, dloss=1.0):
@@ -162,9 +162,9 @@ class VocabParallelCrossEntropy(Loss):
             return {"loss": 0.0, "accuracy": 0.0}
         _, S, p = self._softmax_parts(logits, here, cols)
         m = logits.max(axis=1)
-        self.comm.all_reduce(m, "max")
+        self.tp.all_reduce(m, "max")
         at_max = logits == m[:, None]  # (N, V_i)
         first = np.where(at_max.any(axis=1), self.lo + at_max.argmax(axis=1), self.vocab_size).astype(np.float64)
-        self.comm.all_reduce(first, "min")  # the global arg-max's index
+        self.tp.all_reduce(first, "min")  # the global arg-max's index
         y = np.asarray(target).reshape(-1)
         return {"loss": float((np.log(S) - p).sum()) / T, "accuracy": float((first == y).sum()) / T}

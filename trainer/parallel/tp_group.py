@@ -1,6 +1,6 @@
 """The tensor-parallel group as the layers see it: blocking calls from the compute thread, and parts.
 
-What it is: `TPComm`, what the tensor-parallel layers (tensor.py, vocab.py) talk through. The
+What it is: `TPGroup`, what the tensor-parallel layers (tensor.py, vocab.py) talk through. The
 model's forward and backward run on the strategy's compute thread (trainer/sharding/
 accounted.py), so a layer that needs the sum of its partial results over the tp group
 launches the collective on the event loop and blocks until it is done: a tensor-parallel
@@ -8,9 +8,9 @@ all-reduce sits on the critical path by nature (the next matmul needs its result
 time blocked is counted as exposed communication of the tp dimension. At tp = 1 every call
 returns at once (the layers then equal the plain ones).
 
-    comm = TPComm(AccountedCollectives(mesh["tp"]))   # or TPComm() alone
-    comm.all_reduce(y)              # in place, sum over the tp group (y C-contiguous)
-    comm.rank, comm.size            # this rank's tp coordinate and the tp size
+    tp = TPGroup(AccountedCollectives(mesh["tp"]))   # or TPGroup() alone
+    tp.all_reduce(y)                                 # in place, sum over the tp group (y C-contiguous)
+    tp.rank, tp.size                                 # this rank's tp coordinate and the tp size
 
 `part(n, rank, size)` is the split every tensor-parallel dimension uses: contiguous, the
 first n % size ranks one element more (np.array_split), e.g. 11 vocabulary rows over 4
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["TPComm", "part"]
+__all__ = ["TPGroup", "part"]
 
 
 def part(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -35,7 +35,7 @@ def part(n: int, rank: int, size: int) -> tuple[int, int]:
     return lo, lo + base + (1 if rank < extra else 0)
 
 
-class TPComm:
+class TPGroup:
     """See the module docstring. ``accounted``: an AccountedCollectives over the tp group
     (None: a group of one)."""
 
@@ -46,15 +46,15 @@ class TPComm:
         self.calls = 0  # collectives run (tests count them against the formulas)
 
     @classmethod
-    def shape_only(cls, rank: int, size: int) -> "TPComm":
-        """A comm that knows a rank and a size and cannot communicate: builds another rank's
+    def shape_only(cls, rank: int, size: int) -> "TPGroup":
+        """A TPGroup that knows a rank and a size and cannot communicate: builds another rank's
         layers to learn how they cut the parameters (checkpoints, full_params)."""
-        comm = cls()
-        comm.rank, comm.size = rank, size
-        return comm
+        tp = cls()
+        tp.rank, tp.size = rank, size
+        return tp
 
     def __repr__(self) -> str:
-        return f"TPComm(rank={self.rank}, size={self.size})"
+        return f"TPGroup(rank={self.rank}, size={self.size})"
 
     def all_reduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
         """``x`` reduced over the tp group, in place (x must be C-contiguous and writeable); returns x."""

@@ -1,0 +1,78 @@
+"""What an algorithm talks through: the :class:`Comm` protocol, and :class:`SubComm`, a Comm over
+some of a call's ranks.
+
+Every algorithm file exports ``async def run(comm, ...)``; ``comm`` is one collective call seen
+from one rank: ``runtime.group.Call`` (what collectives/core.py opens and hands to the algorithm)
+or a :class:`SubComm` of one (e.g. the leaders of the hierarchical all_reduce, one per host).
+Algorithms use only the members below, so any object that has them can run one.
+
+Not here: choosing the algorithm (registry.py), opening the call (core.py), the frames and the
+matching behind ``send``/``irecv`` (runtime/group.py ``Call``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Comm", "SubComm"]
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """One collective call, as the algorithm running it on one rank sees it.
+
+    Ranks are this call's ranks, 0..size-1; buffers are bytes-like (memoryviews of arrays),
+    received into at their exact length. Messages between one pair of ranks are matched in
+    the order they are sent, and each is checked against the receiver's ``fingerprint``.
+    """
+
+    rank: int  # this rank, 0..size-1
+    size: int  # ranks in the call
+    group: object  # the runtime.group.ProcessGroup the call runs on (shared-memory domains are per group)
+    seq: int  # the call's sequence number on its group, the same on every rank
+    fingerprint: str  # what the call is, e.g. "all_reduce op=sum dtype=float32 count=1000 algo=ring"
+
+    async def send(self, dst: int, buf) -> None:
+        """Sends ``buf`` to rank ``dst``; returns when ``buf`` may be reused."""
+
+    def irecv(self, src: int, buf) -> asyncio.Future:
+        """Posts a receive from rank ``src`` into ``buf``; returns a future to await."""
+
+    async def recv_into(self, src: int, buf) -> None:
+        """``await irecv(src, buf)``."""
+
+    async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf) -> None:
+        """Sends ``sbuf`` to ``dst`` (None: nothing) and receives ``src``'s message into ``rbuf``."""
+
+
+class SubComm:
+    """The ranks ``members`` of ``comm`` (a :class:`Comm`), renumbered 0..len-1, so that an existing
+    algorithm can run among them (e.g. one leader per host). Its messages are the call's own (same
+    tag and fingerprint), so they are matched in order and checked like any other.
+
+    >>> # comm of 4 ranks, members [0, 2]: rank 2 of comm is rank 1 of the SubComm
+    """
+
+    __slots__ = ("comm", "members", "rank", "size", "group", "seq", "fingerprint")
+
+    def __init__(self, comm: Comm, members: list[int]):
+        self.comm = comm
+        self.members = list(members)
+        self.rank = self.members.index(comm.rank)
+        self.size = len(self.members)
+        self.group = comm.group
+        self.seq = comm.seq
+        self.fingerprint = comm.fingerprint
+
+    async def send(self, dst: int, buf) -> None:
+        await self.comm.send(self.members[dst], buf)
+
+    def irecv(self, src: int, buf) -> asyncio.Future:
+        return self.comm.irecv(self.members[src], buf)
+
+    async def recv_into(self, src: int, buf) -> None:
+        await self.comm.recv_into(self.members[src], buf)
+
+    async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf) -> None:
+        await self.comm.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)

@@ -1,0 +1,54 @@
+"""The Comm protocol (collectives/comm.py) is what every algorithm receives: ``runtime.group.Call``
+and ``SubComm`` both satisfy it, a SubComm renumbers its members, and an algorithm runs on a
+SubComm as on a call (its messages are the call's own, checked the same way)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collectives import all_reduce_ring, ops
+from collectives.comm import Comm, SubComm
+from runtime.group import Call
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_call_and_subcomm_are_comms_and_a_subcomm_runs_an_algorithm(ranks):
+    """Ranks 1 and 3 of a 4-rank call all_reduce among themselves over a SubComm of it."""
+    async def body(g):
+        call = g.open_call(ops.fingerprint("all_reduce", op="sum", dtype=np.float64, count=3, algo="ring"), None)
+        assert isinstance(call, Call) and isinstance(call, Comm)
+        x = np.full(3, float(g.rank))
+
+        async def run(comm):
+            if comm.rank in (1, 3):
+                sub = SubComm(comm, [1, 3])
+                assert isinstance(sub, Comm)
+                assert (sub.rank, sub.size, sub.seq, sub.fingerprint, sub.group) == (
+                    [1, 3].index(comm.rank), 2, comm.seq, comm.fingerprint, comm.group)
+                await all_reduce_ring.run(sub, x, "sum")
+        await g.run(call, run)
+        return x
+    out = await ranks(4, body)
+    for r, x in enumerate(out):
+        np.testing.assert_array_equal(x, 4.0 if r in (1, 3) else float(r))
+
+
+def test_a_thing_without_the_members_is_not_a_comm():
+    class Half:
+        rank, size = 0, 1
+
+        async def send(self, dst, buf):
+            pass
+    assert not isinstance(Half(), Comm)
+
+
+def test_no_algorithm_looks_behind_its_comm():
+    """Algorithms read what they need from the Comm, never through it (``comm.send.__self__``)."""
+    found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "collectives").rglob("*.py"))
+             if "__self__" in p.read_text()]
+    assert not found, found
