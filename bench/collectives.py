@@ -376,16 +376,66 @@ class Variant:
     times: list = field(default_factory=list)
 
 
-async def timed_call(v: Variant, case: Case, record: bool) -> None:
+class Ticker:
+    """A task that asks the event loop for a turn every millisecond, as a user's own task would (a
+    heartbeat, a progress bar, a data loader feeding the next batch): the largest gap between two of
+    its turns while ringweave's calls run (``busy``, barriers included: they are collectives too), and
+    with nothing running (``idle``, :meth:`idle_for`), the same machine's floor for that gap. Gloo's
+    and MPI's calls block the loop by design and are left out (the ticker neither counts nor idles)."""
+
+    PERIOD_S = 0.001
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.state = None  # "busy" | "idle" | None (not counted)
+        self.gaps = {"busy": 0.0, "idle": 0.0}
+        self.task = None
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.PERIOD_S)
+            self._tick()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.state is not None:
+            self.gaps[self.state] = max(self.gaps[self.state], now - self.last)
+        self.last = now
+
+    def begin(self, state: str) -> None:
+        self.last = time.perf_counter()  # the gap counts from here (a peer's call may have held the loop)
+        self.state = state
+
+    def end(self) -> None:
+        self._tick()  # the gap still open (a call that never let the ticker run counts whole)
+        self.state = None
+
+    async def idle_for(self, seconds: float) -> None:
+        self.begin("idle")
+        await asyncio.sleep(seconds)
+        self.end()
+
+    def take(self) -> tuple[float, float]:
+        """(busy, idle) largest gaps in seconds since the last take."""
+        out = self.gaps["busy"], self.gaps["idle"]
+        self.gaps = {"busy": 0.0, "idle": 0.0}
+        return out
+
+
+async def timed_call(v: Variant, case: Case, record: bool, ticker: Ticker | None = None) -> None:
     """``reset; barrier; t0; call; t1; barrier`` with the library's own barrier."""
     case.reset()
     lib = v.lib
     if lib.is_async:
+        if ticker is not None:
+            ticker.begin("busy")
         await lib.barrier()
         t0 = time.perf_counter()
         await v.fn()
         t1 = time.perf_counter()
         await lib.barrier()
+        if ticker is not None:
+            ticker.end()
     else:
         lib.barrier()
         t0 = time.perf_counter()
@@ -412,7 +462,8 @@ def ringweave_variants(rw: Ringweave, op: str, case: Case, choice: str, notes: s
     return [Variant(rw, None, default + "*")]
 
 
-def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: dict) -> dict:
+def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: dict,
+               gaps: tuple[float, float] | None = None) -> dict:
     """One row of the JSON: ringweave's figures, each peer's under its label, the noise
     (``copy_fraction`` is filled in at the end, once the memory reference is measured)."""
     s = stats(times)
@@ -422,7 +473,9 @@ def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: di
            "time_us": s["median_s"] * 1e6, "min_us": s["min_s"] * 1e6, "p25_us": s["p25_s"] * 1e6,
            "p75_us": s["p75_s"] * 1e6, "iters": s["n"],
            "algbw_gbps": gbps(case.nbytes, s["median_s"]),
-           "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor, "copy_fraction": None}
+           "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor, "copy_fraction": None,
+           "tick_gap_ms": None if gaps is None else gaps[0] * 1e3,
+           "idle_gap_ms": None if gaps is None else gaps[1] * 1e3}
     spread = [(s["p75_s"] - s["p25_s"]) / s["median_s"] if s["median_s"] > 0 else 0.0]
     for label, (ptimes, why) in peers.items():
         if why:
@@ -445,7 +498,8 @@ def make_table(peer_labels: list[str]) -> Table:
     for label in peer_labels:
         cols += [(f"{label}.time_us", f"{label}(us)", max(9, len(label) + 4), us),
                  (f"{label}.busbw_gbps", "busbw", 7, ".3f"), (f"{label}.ratio", f"x{label}", 7, ".2f")]
-    cols += [("noise_pct", "noise%", 6, ".0f"), ("ok", "check", 5, "s")]
+    cols += [("tick_gap_ms", "tick(ms)", 8, ".1f"), ("idle_gap_ms", "idle(ms)", 8, ".1f"),
+             ("noise_pct", "noise%", 6, ".0f"), ("ok", "check", 5, "s")]
     return Table(cols)
 
 
@@ -515,6 +569,13 @@ async def rank_main(args) -> None:
             f"{p.label} ({meta['torch'] if p is gloo else meta['mpi']})" for p in peers))
     say("# time = median over iterations of the slowest rank; ratio x<peer> = peer time / ringweave time "
         "(>1: ringweave faster); * = the default table's choice")
+    ticker = None
+    if not args.no_ticker:
+        ticker = Ticker()
+        ticker.task = asyncio.get_running_loop().create_task(ticker.run())
+        say("# tick(ms) = the largest gap between the turns of a 1 ms ticker task in each rank's event loop "
+            "while the row's ringweave calls ran (slowest rank); idle(ms) = the same with nothing running, "
+            "just after the row")
     table = make_table([p.label for p in peers])
     if rank == 0:
         table.header()
@@ -552,21 +613,36 @@ async def rank_main(args) -> None:
                 await timed_call(v, case, record=False)
                 check(case, v.lib, f"{v.lib.label} {v.shown}", rank)
             total = args.warmup + args.iters
+            gaps = np.zeros((len(variants), 2))  # per variant: largest ticker gap busy, idle (s)
             for start in range(0, total, args.block):  # 2. rounds of every variant in turn
-                for v in variants:  # --block calls of one variant, then the next one's
+                for i, v in enumerate(variants):  # --block calls of one variant, then the next one's
                     for it in range(start, min(start + args.block, total)):
-                        await timed_call(v, case, record=it >= args.warmup)
+                        await timed_call(v, case, record=it >= args.warmup, ticker=ticker)
+                    if ticker is not None:
+                        gaps[i, 0] = max(gaps[i, 0], ticker.take()[0])
+            if ticker is not None:  # the floor: as long as the row's ringweave calls took (50 ms .. 0.5 s)
+                ours_s = sum(sum(v.times) for v in variants if v.lib is rw)
+                await ticker.idle_for(min(0.5, max(0.05, ours_s)))
+                gaps[:, 1] = ticker.take()[1]
             every = np.array([v.times for v in variants], np.float64)  # (variants, iters)
+            every = np.concatenate([every, gaps], axis=1)
             every = (await max_over_ranks(every)) if n > 1 else every
+            every, gaps = every[:, :-2], every[:, -2:]
             if rank != 0:
                 continue
-            ours = [(v, every[i]) for i, v in enumerate(variants) if v.lib is rw]
+            ours = [(v, every[i], gaps[i]) for i, v in enumerate(variants) if v.lib is rw]
             theirs = {v.lib.label: (every[i], None) for i, v in enumerate(variants) if v.lib is not rw}
             theirs.update({label: (None, why) for label, why in skipped.items()})
-            for v, times in ours:
-                rec = row_record(n, dtype, case, v, times, theirs)
+            for v, times, gap in ours:
+                rec = row_record(n, dtype, case, v, times, theirs, None if ticker is None else tuple(gap))
                 rows.append(rec)
                 table.row(flat_row(rec, v.shown))
+    if ticker is not None:
+        ticker.task.cancel()
+        try:
+            await ticker.task
+        except asyncio.CancelledError:
+            pass
     if gloo:
         await api.barrier()
         gloo.close()
@@ -688,6 +764,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="JSON path (default: OUT_DIR/collectives.json)")
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/collectives.png); '' for none")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio event loop")
+    p.add_argument("--no-ticker", action="store_true",
+                   help="leave out the 1 ms ticker task (the tick(ms) and idle(ms) columns)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: device arrays (numba, CuPy) against Gloo on torch CUDA tensors (bench/device.py); "
                         "refuses to run without a GPU")

@@ -48,6 +48,7 @@ import numpy as np
 
 from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_now, scratch_pool
 from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
+from runtime import turns
 from runtime.transport import RECV_NOW_NBYTES
 
 EXCHANGE_NBYTES = 2 * RECV_NOW_NBYTES  # arrays up to this: one sendrecv per step (messages up to half: 1 MiB)
@@ -149,6 +150,8 @@ async def _posted(comm, x: np.ndarray, op: str, span, rs: list, ag: list, bounds
             for fut, dst, src in zip(arrived, segments(kept), segments(mine)):
                 await fut  # this segment of the partner's copy is here
                 reduce_now(dst, src, op)  # our half <op> the partner's copy
+                if turns.due():  # segments that all arrived at once: the loop's other tasks still run
+                    await asyncio.sleep(0)
 
         await asyncio.gather(send_all(comm, partner, span(*give)), reduce_each())
     for i, (partner, theirs, ours) in enumerate(ag):

@@ -46,10 +46,13 @@ place, ``op`` a kernel op (sum, prod, min, max; avg is handled by the caller).
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_now, scratch_pool
 from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
+from runtime import turns
 
 LOOKAHEAD_STEPS = 3  # steps of receives posted ahead (bounded by SCRATCH_NBYTES)
 
@@ -104,6 +107,8 @@ async def run(comm, x: np.ndarray, op: str) -> None:
             if s < n - 1:  # reduce it into x (reduce-scatter phase)
                 seg = segment(chunk, k)
                 reduce_now(seg, scratch[s % slots, k, :seg.size], op)
+                if turns.due():  # segments that all arrived at once: the loop's other tasks still run
+                    await asyncio.sleep(0)
             if s + 1 < steps:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(segment(chunk, k)))
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it

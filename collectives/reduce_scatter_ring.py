@@ -38,10 +38,13 @@ elements, ``out`` 1-D, ``op`` a kernel op (sum, prod, min, max).
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from collectives.ops import as_bytes, chunk_bounds, reduce_now, scratch_pool
 from collectives.tuning import SEGMENT_NBYTES
+from runtime import turns
 from runtime.transport import RECV_NOW_NBYTES
 
 EXCHANGE_NBYTES = RECV_NOW_NBYTES  # blocks up to this: one sendrecv per step (1 MiB)
@@ -94,6 +97,8 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
             await pending[k]  # the left's partial of block, segment k
             dst = out[sb[k]:sb[k + 1]] if s == last else scratch[s % 2, sb[k]:sb[k + 1]]
             reduce_now(dst, own(block, k), op)  # partial = received <op> ours
+            if turns.due():  # segments that all arrived at once: the loop's other tasks still run
+                await asyncio.sleep(0)
             if s < last:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(dst))
         pending = upcoming

@@ -30,5 +30,6 @@ def run(main, *, debug: bool | None = None):
 
 __all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]
 # Imported only from inside runtime/ (tests/tree/test_surfaces.py): the listener's accept loop,
-# child processes, and what a scheduler (SLURM, mpirun) tells the launcher and init.
-_INTERNAL = ("acceptor", "procs", "scheduler")
+# child processes, what a scheduler (SLURM, mpirun) tells the launcher and init, and the
+# connections' sender and receiver threads.
+_INTERNAL = ("acceptor", "dataplane", "procs", "scheduler")

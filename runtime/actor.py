@@ -499,15 +499,26 @@ class Actor:
         return [header for header, _ in kept] if kept else []
 
     def unpost(self, key: tuple, fut: asyncio.Future) -> None:
-        """Withdraws a posted receive whose waiter gave up (timeout, cancel)."""
+        """Withdraws a posted receive whose waiter gave up (timeout, cancel). One whose frame is
+        arriving now gets none of the bytes still to come (``Connection.divert``): after this,
+        nothing more is written into its buffer."""
         q = self._posted.get(key)
         if q:
             for r in q:
                 if r.fut is fut:
                     q.remove(r)
-                    break
+                    if not q:
+                        del self._posted[key]
+                    return
             if not q:
                 del self._posted[key]
+        peer = key[1] if key[0] == "c" else key[0]
+        incoming = self._incoming.get(peer)
+        if incoming is not None and incoming[0] == "direct" and incoming[1].fut is fut:
+            self._incoming[peer] = ("drop", None, None)
+            conn = self.conns.get(peer)
+            if conn is not None:
+                conn.divert()
 
     def _poll_failed(self, src: int, fut: asyncio.Future) -> None:
         exc = self._poisoned.get(src) or self._lost.get(src)

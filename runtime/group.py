@@ -40,10 +40,11 @@ import numbers
 import sys
 import time
 
-from runtime import env, wire
+from runtime import env, turns, wire
 from runtime.actor import Actor
 from runtime.topology import HostTopology
 from runtime.trace import Tracer
+from runtime.turns import LoopTurns
 from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
                             CollectiveTimeoutError, PeerAbortedError, PeerLostError, RingweaveError)
@@ -394,6 +395,12 @@ class ProcessGroup:
                                 {"op": call.fingerprint, "seq": call.seq, "group": self.gid,
                                  "bytes_sent": call.bytes_sent, "algorithm": call.algorithm,
                                  "outcome": outcome})
+        # A call that never waited on anything unfinished (a small shared-memory call, frames read
+        # straight off the socket) never handed the loop back: back to back, such calls would
+        # starve every other task of the loop. One clock read says whether it is time for a turn;
+        # where ranks share cores, less often (turns.SHARED_TURN_S).
+        if LoopTurns.for_loop(call.loop).due(rt.call_turn_s):
+            await asyncio.sleep(0)
 
     async def _not_arrived(self, call: Call) -> tuple[list[int], dict[int, str]]:
         """Asks every other member, when ``call`` timed out, whether it reached it.
@@ -649,6 +656,7 @@ class Runtime:
         global _live_runtimes
         _live_runtimes += 1  # Call.sendrecv waits off the loop only while this is the process's one runtime
         self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)
+        self.call_turn_s = turns.call_turn_s(local_world_size)  # ProcessGroup.run's loop turns
         self.groups: dict[int, ProcessGroup] = {}
         self._nodes = list(nodes) if nodes is not None else ["local"] * actor.world_size
         self.world = self._add_group(list(range(actor.world_size)))

@@ -138,20 +138,20 @@ MIN_DATA_LOG2 = 16  # smallest data slot: 64 KiB
 TOKEN_NBYTES = 8  # random bytes in each file's name (16 hex digits)
 CREATE_TRIES = 8  # names tried (each with a fresh token) before a taken name fails the call
 
-_OFF_SEQ = 0  # u32 sequence word, written by the owner only
-_OFF_PID = 4  # u32 owner pid
-_OFF_FP = 64  # two fingerprint slots of _FP_NBYTES: u32 seq, u32 crc32, u32 length, bytes
-_OFF_BELL = 2048  # u32 doorbell (the futex word the owner sleeps on), rung by the peers
-_OFF_WANT = 2056  # u64 what the owner waits for: kind << 62 | peer << 32 | target (0: nothing)
-_WANT_ALL, _WANT_ONE = 1, 2  # every other member has reached target / member `peer` has
-_SEEN_MASK = 0x3FFF  # want bits 48..61: the doorbell value the waiter saw before sleeping
-_FP_NBYTES = 512
-_FP_MAX = _FP_NBYTES - 12
+OFF_SEQ = 0  # u32 sequence word, written by the owner only
+OFF_PID = 4  # u32 owner pid
+OFF_FP = 64  # two fingerprint slots of FP_NBYTES: u32 seq, u32 crc32, u32 length, bytes
+OFF_BELL = 2048  # u32 doorbell (the futex word the owner sleeps on), rung by the peers
+OFF_WANT = 2056  # u64 what the owner waits for: kind << 62 | peer << 32 | target (0: nothing)
+WANT_ALL, WANT_ONE = 1, 2  # every other member has reached target / member `peer` has
+SEEN_MASK = 0x3FFF  # want bits 48..61: the doorbell value the waiter saw before sleeping
+FP_NBYTES = 512
+FP_MAX = FP_NBYTES - 12
 
 PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
 LEFT_WAIT_S = 2.0  # Domain._attach: a member whose name is gone tells its error within its answer budget (1 s)
-SLICE_S = 0.005  # one futex sleep: the event loop's other tasks get a turn at least this often
+SLICE_S = 0.002  # one futex sleep: the event loop's other tasks get a turn at least this often (runtime/turns.py)
                  # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
 
 
@@ -450,6 +450,7 @@ class Domain:
         self._fp_text: list[str | None] = [None, None]  # the fingerprint text in each of our slots
         self._fp_crc: dict[str, int] = {}  # fingerprint -> crc32 of its (cut) text
         self.views: dict = {}  # the layer above keeps its array views of the slots here
+        self.compiled = None  # and the state of its compiled path (collectives/shm/fastpath.py); None: not made
         self._prefix = ""  # ringweave-<job>-, once set up
         self._tokens: list[dict[str, str]] = [{} for _ in self.members]  # by domain rank: what -> token
         self._closed = False
@@ -491,17 +492,17 @@ class Domain:
         self._prefix = job_prefix(job)
         own = await self._create_own(call, "ctl", CONTROL_NBYTES)  # every control segment exists
         self.ctl[self.rank] = own
-        struct.pack_into("<I", own.mm, _OFF_PID, os.getpid())
+        struct.pack_into("<I", own.mm, OFF_PID, os.getpid())
         for p in range(self.size):
             if p != self.rank:
                 self.ctl[p] = await self._attach(call, p, "ctl", CONTROL_NBYTES)
-        self._words = [ctypes.c_uint32.from_buffer(s.mm, _OFF_SEQ) for s in self.ctl]
-        self._bells = [ctypes.c_uint32.from_buffer(s.mm, _OFF_BELL) for s in self.ctl]
-        self._wants = [ctypes.c_uint64.from_buffer(s.mm, _OFF_WANT) for s in self.ctl]
-        self._pids = [struct.unpack_from("<I", s.mm, _OFF_PID)[0] for s in self.ctl]
+        self._words = [ctypes.c_uint32.from_buffer(s.mm, OFF_SEQ) for s in self.ctl]
+        self._bells = [ctypes.c_uint32.from_buffer(s.mm, OFF_BELL) for s in self.ctl]
+        self._wants = [ctypes.c_uint64.from_buffer(s.mm, OFF_WANT) for s in self.ctl]
+        self._pids = [struct.unpack_from("<I", s.mm, OFF_PID)[0] for s in self.ctl]
         self._cooperative = any(pid == os.getpid() for p, pid in enumerate(self._pids) if p != self.rank)
         self._others = [p for p in range(self.size) if p != self.rank]
-        self._fp_headers = [[ctypes.c_uint64.from_buffer(s.mm, _OFF_FP + k * _FP_NBYTES) for k in (0, 1)]
+        self._fp_headers = [[ctypes.c_uint64.from_buffer(s.mm, OFF_FP + k * FP_NBYTES) for k in (0, 1)]
                             for s in self.ctl]
         await self._all_to_all(call)  # everyone has mapped everyone's: the names can go
         own.unlink()
@@ -673,10 +674,10 @@ class Domain:
         if crc is None:
             if len(self._fp_crc) > 256:
                 self._fp_crc.clear()
-            crc = self._fp_crc[fingerprint] = zlib.crc32(fingerprint.encode()[:_FP_MAX])
+            crc = self._fp_crc[fingerprint] = zlib.crc32(fingerprint.encode()[:FP_MAX])
         if self._fp_text[parity] != fingerprint:  # a loop's calls repeat: the text is there already
-            fp = fingerprint.encode()[:_FP_MAX]
-            struct.pack_into(f"<I{len(fp)}s", self.ctl[self.rank].mm, _OFF_FP + parity * _FP_NBYTES + 8, len(fp), fp)
+            fp = fingerprint.encode()[:FP_MAX]
+            struct.pack_into(f"<I{len(fp)}s", self.ctl[self.rank].mm, OFF_FP + parity * FP_NBYTES + 8, len(fp), fp)
             self._fp_text[parity] = fingerprint
         # the header (seq, crc32) in ONE aligned 8-byte store, after the text: struct.pack_into
         # zeroes then writes byte by byte, and a peer could read this call's number with stale text
@@ -707,21 +708,21 @@ class Domain:
         wants, bells = self._wants, self._bells
         for q in self._others:
             want = wants[q].value
-            if want and (want >> 48) & _SEEN_MASK == bells[q].value & _SEEN_MASK and self._satisfied(q, want):
+            if want and (want >> 48) & SEEN_MASK == bells[q].value & SEEN_MASK and self._satisfied(q, want):
                 self._ring(q)
 
     def _satisfied(self, q: int, want: int) -> bool:
         """Is the condition peer ``q`` published (``want``) true now?"""
         target = want & 0xFFFFFFFF
         words = self._words
-        if want >> 62 == _WANT_ONE:
+        if want >> 62 == WANT_ONE:
             return reached(words[(want >> 32) & 0xFFFF].value, target)
         return all(reached(words[p].value, target) for p in range(self.size) if p != q)
 
     def _ring(self, q: int) -> None:
         bell = self._bells[q]
         bell.value = (bell.value + 1) & 0xFFFFFFFF
-        futex_wake(self.ctl[q].address + _OFF_BELL)
+        futex_wake(self.ctl[q].address + OFF_BELL)
         self.statistics_["rings"] += 1
 
     def arrived(self, call, phase: int) -> bool:
@@ -772,10 +773,10 @@ class Domain:
         watched = self._others if peers is None else peers
         if not self._reached(watched, target):  # not there yet: sleep
             if peers is None:
-                want = (_WANT_ALL << 62) | target
+                want = (WANT_ALL << 62) | target
             else:
                 (one,) = peers
-                want = (_WANT_ONE << 62) | (one << 32) | target
+                want = (WANT_ONE << 62) | (one << 32) | target
             await self._sleep_until(call, watched, target, want, check_fp)
         if check_fp:
             self._compare_fingerprints(call, watched)
@@ -799,11 +800,11 @@ class Domain:
                 return
         me = self._wants[self.rank]
         bell = self._bells[self.rank]
-        address = self.ctl[self.rank].address + _OFF_BELL
+        address = self.ctl[self.rank].address + OFF_BELL
         try:
             while True:
                 rung = bell.value
-                me.value = want | ((rung & _SEEN_MASK) << 48)  # publish, then look once more
+                me.value = want | ((rung & SEEN_MASK) << 48)  # publish, then look once more
                 fence()
                 if done():
                     return
@@ -813,6 +814,26 @@ class Domain:
                     await asyncio.sleep(0)  # let the loop see a lost peer, a cancellation, a deadline
         finally:
             me.value = 0
+
+    @property
+    def fp_header(self) -> int:
+        """This member's fingerprint header of the current call: ``seq | crc32 << 32`` (see enter)."""
+        return self._fp_header
+
+    @property
+    def control_addresses(self) -> list[int]:
+        """The address of every member's control segment in this process, by domain rank (for
+        compiled code that runs the protocol on the words at the offsets above)."""
+        return [seg.address for seg in self.ctl]
+
+    def check_peers(self, call) -> None:
+        """What a wait checks between slices (``_check``): the group's error, every peer's
+        process, their fingerprints so far. Raises as :meth:`wait_all`."""
+        self._check(call, self._others, True)
+
+    def check_fingerprint(self, call, p: int) -> None:
+        """Raises CollectiveMismatchError when member ``p`` published another call than ours."""
+        self._check_fingerprint(call, p)
 
     def _check(self, call, watched: list[int], check_fp: bool) -> None:
         """Between sleeps: the group's error, the peers' processes, their fingerprints so far."""
@@ -849,9 +870,9 @@ class Domain:
                 return  # not there yet (or two calls ahead: caught when it posts)
             theirs = "a call with another sequence number"
         else:
-            off = _OFF_FP + self.parity * _FP_NBYTES + 8
+            off = OFF_FP + self.parity * FP_NBYTES + 8
             length = struct.unpack_from("<I", self.ctl[p].mm, off)[0]
-            theirs = bytes(self.ctl[p].mm[off + 4:off + 4 + min(length, _FP_MAX)]).decode(errors="replace")
+            theirs = bytes(self.ctl[p].mm[off + 4:off + 4 + min(length, FP_MAX)]).decode(errors="replace")
         group = self.group
         exc = CollectiveMismatchError(
             f"collective mismatch in group {group.gid} at call #{call.seq}: rank {group.ranks[group.rank]} "
@@ -884,6 +905,7 @@ class Domain:
         self._closed = True
         self._words, self._bells, self._wants, self._fp_headers = [], [], [], []
         self.views.clear()
+        self.compiled = None
         for seg in self.ctl + self.data:
             if seg is not None:
                 seg.unlink()

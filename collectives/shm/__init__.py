@@ -24,5 +24,5 @@ bench/results/shm.md#beside-openmpi.
 __all__: list[str] = []  # the algorithms are reached through collectives.registry.ALGORITHMS
 
 # All of it is machinery, imported only from inside collectives/ (tests/tree/test_surfaces.py).
-_INTERNAL = ("all_gather_shm", "all_reduce_hierarchical", "all_reduce_shm", "barrier_shm", "broadcast_shm",
-             "common", "kernels", "reduce_scatter_shm")
+_INTERNAL = ("all_gather_shm", "all_reduce_hierarchical", "all_reduce_shm", "atomics", "barrier_shm", "broadcast_shm",
+             "common", "fastpath", "kernels", "reduce_scatter_shm")

@@ -32,11 +32,11 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
     async with common.DomainCall(comm, list(range(n))) as dom:
         small = await common.claim_slot(comm, dom, x.nbytes)
         slots = [common.slot(dom, p, x.dtype, m, small) for p in range(n)]
-        await common.off_loop(dom, x.nbytes, common.copy_pairs, [(slots[r], x)])  # 1. publish my block
+        await common.copy_off_loop(dom, x.nbytes, [(slots[r], x)])  # 1. publish my block
         dom.post(comm, 1)
         await dom.wait_all(comm, 1)  # 2. every block is there
         blocks = out.reshape(n, m) if m else None
         pairs = [(blocks[p], slots[p]) for p in range(n) if p != r] if m else []
         if m and not np.shares_memory(blocks[r], x):
             pairs.append((blocks[r], x))
-        await common.off_loop(dom, out.nbytes, common.copy_pairs, pairs)
+        await common.copy_off_loop(dom, out.nbytes, pairs)

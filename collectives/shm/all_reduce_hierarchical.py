@@ -54,13 +54,13 @@ async def run(comm: Comm, x: np.ndarray, op: str, across: Callable) -> None:
         others = [c for c in range(k) if c != p]
         if p == 0:
             await dom.wait_all(comm, 2)  # 3. the host's sum, gathered by the leader
-            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others])
+            await common.copy_off_loop(dom, x.nbytes, [(chunk(x, c), chunk(slots[c], c)) for c in others])
             await _across(comm, leaders, x, op, across)  # 4. leaders over TCP
-            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(slots[0], x)])  # 5. publish the result
+            await common.copy_off_loop(dom, x.nbytes, [(slots[0], x)])  # 5. publish the result
             dom.post(comm, 3)
         else:
             await dom.wait_all(comm, 3, peers=[0])  # 5. the leader's result
-            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(x, slots[0])])
+            await common.copy_off_loop(dom, x.nbytes, [(x, slots[0])])
 
 
 async def _across(comm: Comm, leaders: list[int], x: np.ndarray, op: str, across: Callable) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import chunk_bounds
-from collectives.shm import common, kernels
+from collectives.shm import common, fastpath, kernels
 from runtime import shm
 
 
@@ -54,7 +54,10 @@ async def run(comm, x: np.ndarray, op: str) -> None:
             await dom.begin(comm)
         ok = False
         try:
-            await _small(comm, dom, x, op, common.small_views(dom, x.dtype, x.size))
+            if fastpath.usable(x) and fastpath.enabled(dom):  # the same protocol, compiled (fastpath.py; _small is its reference)
+                await fastpath.all_reduce(comm, dom, x, op)
+            else:
+                await _small(comm, dom, x, op, common.small_views(dom, x.dtype, x.size))
             ok = True
         finally:
             dom.end(comm, ok, post_exit=False)  # phase 1 of our next call says it (Domain.end)
@@ -91,7 +94,7 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     await dom.wait_all(comm, 2)
     # 3. copy-out: every other chunk from its owner's slot
     others = [c for c in range(n) if c != r]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(x, c), chunk(slots[c], c)) for c in others],
+    await common.copy_off_loop(dom, x.nbytes, [(chunk(x, c), chunk(slots[c], c)) for c in others],
                           common.streams(x.nbytes))
 
 
@@ -112,16 +115,12 @@ async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
 
     # 1. copy-in: every chunk but mine into my slot
     others = [c for c in range(k) if c != p]
-    await common.off_loop(dom, x.nbytes, common.copy_pairs, [(chunk(slots[p], c), chunk(x, c)) for c in others],
+    await common.copy_off_loop(dom, x.nbytes, [(chunk(slots[p], c), chunk(x, c)) for c in others],
                           common.streams(x.nbytes))
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
     # 2. reduce my chunk from every peer's slot, in member order, then publish it in my slot
     mine = chunk(x, p)
-
-    def reduce_and_publish():
-        kernels.reduce_publish(mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
-
-    await common.off_loop(dom, mine.nbytes * k, reduce_and_publish)
+    await common.reduce_off_loop(dom, mine.nbytes * k, mine, [chunk(slots[q], p) for q in others], chunk(slots[p], p), op)
     dom.post(comm, 2)
     return slots, chunk

@@ -31,8 +31,8 @@ async def run(comm, x: np.ndarray, root: int) -> None:
         small = await common.claim_slot(comm, dom, x.nbytes)
         source = common.slot(dom, root, x.dtype, x.size, small)
         if r == root:
-            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(source, x)])  # 1. publish
+            await common.copy_off_loop(dom, x.nbytes, [(source, x)])  # 1. publish
             dom.post(comm, 1)
         else:
             await dom.wait_all(comm, 1, peers=[root])  # 2. the root's data is there
-            await common.off_loop(dom, x.nbytes, common.copy_pairs, [(x, source)])
+            await common.copy_off_loop(dom, x.nbytes, [(x, source)])

@@ -8,15 +8,16 @@ run (collectives/registry.py ``NEEDS``; the hosts: ``ProcessGroup.topology``).
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 
 from collectives.comm import Comm
 from collectives.shm import kernels
-from runtime import env, shm
+from runtime import env, shm, turns
 
-__all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "DomainCall", "claim_slot", "copy_pairs", "data_view",
-           "off_loop", "slot", "small_view", "small_views", "streams"]
+__all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
+           "copy_pairs", "data_view", "own_cores", "reduce_off_loop", "slot", "small_view", "small_views", "streams"]
 
 # Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
 # and NumPy copies release the GIL) when the peers are tasks of this same process
@@ -25,6 +26,25 @@ OFFLOAD_MIN_NBYTES = 4 << 20
 # When every peer is a process of its own, they run inline: each hand-off waits to be scheduled
 # twice on an oversubscribed machine (bench/results/shm.md#worker-threads).
 OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
+# Inline, a copy or reduction is cut into pieces of this many bytes (of its output), and the event
+# loop gets a turn between pieces when it is due (runtime/turns.py): a piece is 0.1-1 ms of work,
+# so a 64 MiB call no longer holds the loop for its 30 ms; a turn check costs one clock read.
+PIECE_NBYTES = 2 << 20
+
+
+def own_cores(group, local_ranks: int) -> bool:
+    """Whether every rank of this node can have a core of its own: the cores this process may run
+    on are at least the ranks that share the node (``local_ranks``, or the runtime's
+    ``local_world_size`` when larger). Then a waiting rank may spin on its core; else it yields it."""
+    local = max(local_ranks, getattr(group.runtime, "local_world_size", 1) or 1)
+    return _cpus() >= local
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 class DomainCall:
@@ -94,13 +114,35 @@ def slot(dom, p: int, dtype, count: int, small: bool) -> np.ndarray:
     return small_view(dom, p, dtype, count) if small else data_view(dom, p, dtype, count)
 
 
-async def off_loop(dom, nbytes: int, fn, *args) -> None:
-    """Runs ``fn(*args)``, on a worker thread when it moves at least :data:`OFFLOAD_MIN_NBYTES`
-    and ``dom``'s peers are tasks of this process (:data:`OFFLOAD_ALONE_MIN_NBYTES` otherwise)."""
+async def copy_off_loop(dom, nbytes: int, pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:
+    """``copy_pairs(pairs, stream)``: on a worker thread when it moves at least
+    :data:`OFFLOAD_MIN_NBYTES` and ``dom``'s peers are tasks of this process
+    (:data:`OFFLOAD_ALONE_MIN_NBYTES` otherwise); inline, in pieces of at most
+    :data:`PIECE_NBYTES` with the loop's turns between them."""
     if nbytes >= (OFFLOAD_MIN_NBYTES if dom.cooperative else OFFLOAD_ALONE_MIN_NBYTES):
-        await asyncio.to_thread(fn, *args)
-    else:
-        fn(*args)
+        await asyncio.to_thread(copy_pairs, pairs, stream)
+        return
+    for dst, src in pairs:
+        step = max(1, PIECE_NBYTES // max(1, dst.itemsize))
+        for lo in range(0, dst.size, step):
+            copy_pairs([(dst[lo:lo + step], src[lo:lo + step])], stream)
+            if turns.due():
+                await asyncio.sleep(0)
+
+
+async def reduce_off_loop(dom, nbytes: int, dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray,
+                          op: str) -> None:
+    """``kernels.reduce_publish(dst, srcs, pub, op)``, where and in pieces as :func:`copy_off_loop`
+    (element by element in the same order: the same bits)."""
+    if nbytes >= (OFFLOAD_MIN_NBYTES if dom.cooperative else OFFLOAD_ALONE_MIN_NBYTES):
+        await asyncio.to_thread(kernels.reduce_publish, dst, srcs, pub, op)
+        return
+    step = max(1, PIECE_NBYTES // max(1, dst.itemsize))
+    for lo in range(0, dst.size, step):
+        hi = lo + step
+        kernels.reduce_publish(dst[lo:hi], [s[lo:hi] for s in srcs], pub[lo:hi], op)
+        if turns.due():
+            await asyncio.sleep(0)
 
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.shm import common, kernels
+from collectives.shm import common
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
@@ -34,13 +34,10 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         slots = [common.slot(dom, p, x.dtype, x.size, small).reshape(n, m) for p in range(n)]
         blocks = x.reshape(n, m)
         others = [p for p in range(n) if p != r]
-        await common.off_loop(dom, x.nbytes, common.copy_pairs, [(slots[r][p], blocks[p]) for p in others])  # 1.
+        await common.copy_off_loop(dom, x.nbytes, [(slots[r][p], blocks[p]) for p in others])  # 1.
         dom.post(comm, 1)
         await dom.wait_all(comm, 1)  # 2. every block is there
 
-        def reduce_mine():
-            np.copyto(out, blocks[r])
-            kernels.reduce_publish(out, [slots[p][r] for p in others], out, op)  # one pass
-
         if m:
-            await common.off_loop(dom, out.nbytes * n, reduce_mine)
+            np.copyto(out, blocks[r])  # (a 1/n share of x: one piece of work, then the reduction in pieces)
+            await common.reduce_off_loop(dom, out.nbytes * n, out, [slots[p][r] for p in others], out, op)

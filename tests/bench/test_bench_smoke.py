@@ -68,6 +68,8 @@ def test_table_json_and_plot(tmp_path):
     assert len(data["rows"]) == len(rows)
     for r in data["rows"]:
         assert r["iters"] == 2 and r["time_us"] > 0 and r["busbw_gbps"] >= 0
+        assert r["tick_gap_ms"] > 0 and r["idle_gap_ms"] > 0  # the ticker beside every row
+    assert "tick(ms)" in stdout and "idle(ms)" in stdout
     assert {r["bytes"] for r in data["rows"] if r["op"] == "all_reduce"} == {4, 4096}
     check_plot(stdout, png)
 
@@ -175,6 +177,7 @@ def test_the_summary_compares_without_goals():
 @pytest.mark.parametrize("script, args, row", [
     ("shm_all_reduce.py", ["--sizes", "4,65536", "--reps", "2", "--spins", "0,5"], "shm/spin5"),
     ("measure_all_reduce.py", ["--max-mib", "0.01", "--runs", "3"], "recursive_doubling"),
+    ("shm_fastpath.py", ["--calls", "50", "--reps", "1", "--counts", "1"], "all_reduce 4 B"),
 ])
 def test_the_all_reduce_measurements_run_as_written(script, args, row):
     """The scripts behind bench/results/shm.md and all_reduce.md's first table run from bench/
@@ -184,3 +187,29 @@ def test_the_all_reduce_measurements_run_as_written(script, args, row):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     assert row in proc.stdout
+
+
+def test_before_after_takes_medians_and_marks_a_worse_ratio(tmp_path, capsys):
+    """bench/before_after.py: per row and peer the median ratio over the runs, before and after;
+    a ratio more than 10% worse after is marked and listed."""
+    sys.path.insert(0, str(ROOT))
+    from bench import before_after
+
+    def run(name, ratios, tick=None):
+        rows = [{"op": "all_reduce", "bytes": 4, "default": True, "time_us": 10.0, "gloo": {"ratio": ratios[0]},
+                 "tick_gap_ms": tick, "idle_gap_ms": tick},
+                {"op": "all_reduce", "bytes": 1 << 20, "default": True, "time_us": 99.0, "gloo": {"ratio": ratios[1]},
+                 "tick_gap_ms": tick, "idle_gap_ms": tick},
+                {"op": "all_reduce", "bytes": 4, "default": False, "time_us": 1.0, "gloo": {"ratio": 100.0}}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"command": "c"}, "rows": rows}))
+        return str(path)
+
+    before = [run("b1", (2.0, 1.0)), run("b2", (2.2, 1.0)), run("b3", (9.0, 1.0))]  # medians 2.2, 1.0
+    after = [run("a1", (2.0, 1.2), 3.0), run("a2", (1.9, 1.2), 4.0)]  # medians 1.95, 1.2
+    before_after.main(["--before", *before, "--after", *after])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| all_reduce")]
+    assert rows[0].split(" | ")[4:7] == ["2.20", "1.95", "0.89 **"] and "3.5" in rows[0]
+    assert rows[1].split(" | ")[4:7] == ["1.00", "1.20", "1.20"]
+    assert out.rstrip().endswith("ratios more than 10% worse after (**): all_reduce 4 B xgloo 0.89")

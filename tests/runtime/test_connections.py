@@ -15,24 +15,52 @@ async def test_connection_contract(check, transport):
     await check(transport)
 
 
-async def test_send_to_a_peer_that_stopped_reading_times_out_and_drops_the_half_frame():
+@pytest.mark.parametrize("check", check_connection.ALL, ids=lambda c: c.__name__.removeprefix("check_"))
+async def test_connection_contract_on_the_data_plane(check, monkeypatch):
+    """The same contract with payloads above 1 MiB moved by the connection's threads
+    (RINGWEAVE_DATA_PLANE=1, runtime/dataplane.py)."""
+    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", "1")
+    await check("tcp")
+
+
+@pytest.mark.parametrize("data_plane", ["0", "1"])
+async def test_send_to_a_peer_that_stopped_reading_times_out_and_drops_the_half_frame(data_plane, monkeypatch):
     """A sender whose peer stops reading fails naming it within its deadline. On plain
-    asyncio (pytest's loop) a large frame goes out in pieces, and one cut off midway
-    cannot be recalled, so that connection is closed, not left garbled."""
+    asyncio (pytest's loop) without the data plane a large frame goes out in pieces, and one
+    cut off midway cannot be recalled, so that connection is closed, not left garbled. On the
+    data plane the frame's unsent rest is copied and still goes out whole behind the caller's
+    back (as uvloop's buffer does): the next send waits behind it and times out too, and once
+    the peer reads again both frames arrive intact, in order."""
     import numpy as np
 
     from runtime.errors import PeerLostError, PeerTimeoutError
     from runtime.testing import make_runtimes
 
+    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", data_plane)
     rts = await make_runtimes(2, "tcp")
     try:
         rts[1].actor.conns[0]._proto.transport.pause_reading()  # rank 1 stops reading from rank 0
-        big = np.zeros(64 * 1024 * 1024, np.uint8)  # far more than the kernel buffers hold
+        big = (np.arange(64 * 1024 * 1024) % 251).astype(np.uint8)  # far more than the kernel buffers hold
         with pytest.raises(PeerTimeoutError, match="send to rank 1 under tag 'big' timed out after 0.5 s") as info:
             await rts[0].actor.send(1, "big", big, timeout_s=0.5)
         assert info.value.rank == 1
-        with pytest.raises(PeerLostError):
-            await rts[0].actor.send(1, "after", b"x", timeout_s=5)
+        if data_plane == "0":
+            with pytest.raises(PeerLostError):
+                await rts[0].actor.send(1, "after", b"x", timeout_s=5)
+            return
+        sent = big.copy()
+        big[:] = 7  # the caller owns its buffer again: what is still to go was copied
+        with pytest.raises(PeerTimeoutError):
+            await rts[0].actor.send(1, "late", np.arange(3, dtype=np.uint8), timeout_s=0.3)  # never begun: dropped
+        rts[1].actor.conns[0]._proto.transport.resume_reading()
+        got = np.zeros_like(sent)
+        await rts[1].actor.recv_into(0, "big", got, timeout_s=30)
+        assert np.array_equal(got, sent)
+        await rts[0].actor.send(1, "after", np.array([4, 5], np.uint8), timeout_s=5)
+        after = np.zeros(2, np.uint8)
+        await rts[1].actor.recv_into(0, "after", after, timeout_s=5)
+        assert after.tolist() == [4, 5]
+        assert rts[1].actor.statistics().unexpected_frames == 0  # the dropped frame never went out
     finally:
         for rt in rts:
             await rt.close()
@@ -57,6 +85,7 @@ async def test_large_payload_raises_rcvlowat_and_restores_it_at_the_frame_end(mo
         seen.append((nbytes, self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)))
 
     monkeypatch.setattr(tr._FrameProtocol, "_set_lowat", spy)
+    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", "0")  # the loop's own reads (runtime/dataplane.py's RecvJob does the same)
     rts = await make_runtimes(2, "tcp")
     try:
         proto = rts[1].actor.conns[0]._proto

@@ -3,7 +3,8 @@
     python tests/shm/shm_rank.py MODE      (RANK, WORLD_SIZE, MASTER_* from the launcher or the test)
 
 Modes: ``matrix`` (collectives through the default table, closed forms), ``kill`` (rank 3 is
-killed by the test while the others wait in an shm all_reduce), ``timeout`` (rank 3 never
+killed by the test while the others wait in an shm all_reduce; ``kill-small`` and ``kill-barrier``:
+in the compiled small all_reduce and barrier), ``timeout`` (rank 3 never
 calls), ``leftover`` (rank 1 creates a segment and SIGKILLs itself before it could unlink it).
 Lines the test reads: ``READY <rank>``, ``CAUGHT <rank> <exception> <time>``, ``OK <rank>``.
 """
@@ -120,14 +121,22 @@ async def main() -> None:
         return
     x = np.ones(100_000, np.float32)
     await C.all_reduce(x, group=g)  # the domain is set up: segments mapped, names gone
+    if mode in ("kill-small", "kill-barrier"):  # the compiled small path (collectives/shm/fastpath.py)
+        x = np.ones(16, np.float32)
+        await C.all_reduce(x, group=g)
+        await C.barrier(group=g)
     if g.rank == 3:
         say("READY", g.rank)
         await asyncio.sleep(4 if mode == "timeout" else 60)
         os._exit(0)
-    say("ENTER", g.rank)
+    dom = shm.domain(g, list(range(g.size)))
+    say("ENTER", g.rank, "compiled" if dom.compiled is not None and dom.compiled.enabled else "python")
     t = time.time()
     try:
-        await C.all_reduce(x, group=g, timeout=1.0 if mode == "timeout" else 60)
+        if mode == "kill-barrier":
+            await C.barrier(group=g, timeout=60)
+        else:
+            await C.all_reduce(x, group=g, timeout=1.0 if mode == "timeout" else 60)
         say("NOERROR", g.rank)
     except Exception as exc:  # noqa: BLE001 - the test reads the name
         say("CAUGHT", g.rank, type(exc).__name__, f"{time.time():.3f}", f"{time.time() - t:.3f}", str(exc)[:200])

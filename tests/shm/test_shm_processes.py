@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from collectives.shm import fastpath
 from runtime import shm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,12 +62,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_by_hand(n: int, mode: str, job: str) -> list[subprocess.Popen]:
+def _start_by_hand(n: int, mode: str, job: str, **extra) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for r in range(n):
         env = _env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RINGWEAVE_JOB=job, PYTHONUNBUFFERED="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RINGWEAVE_JOB=job, PYTHONUNBUFFERED="1", **extra)
         env.pop("RINGWEAVE_STORE_HOSTED", None)
         procs.append(subprocess.Popen([sys.executable, SCRIPT, mode], cwd=ROOT, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -94,13 +95,19 @@ def _finish(procs) -> None:
         p.stdout.close()
 
 
-def test_a_killed_rank_is_detected_within_seconds_and_dev_shm_is_clean():
-    job = _job("kill")
-    procs = _start_by_hand(4, "kill", job)
+@pytest.mark.parametrize("mode", ["kill", "kill-small", "kill-barrier"])
+def test_a_killed_rank_is_detected_within_seconds_and_dev_shm_is_clean(mode):
+    """A rank SIGKILLed while the others wait for it: in the large all_reduce (Python), in the
+    small one and in the barrier (compiled, collectives/shm/fastpath.py), every survivor raises
+    PeerLostError within seconds, none hangs."""
+    job = _job(mode)
+    procs = _start_by_hand(4, mode, job, RINGWEAVE_SHM_COMPILED="1")  # (auto: Python where ranks share cores)
     try:
         _read_until(procs[3], "READY")
         for p in procs[:3]:
-            _read_until(p, "ENTER")
+            words = _read_until(p, "ENTER").split()
+            if mode != "kill" and fastpath.SUPPORTED:
+                assert words[2] == "compiled", words
         time.sleep(0.5)  # the survivors are now asleep in the shared-memory wait
         killed_at = time.time()
         procs[3].send_signal(signal.SIGKILL)

@@ -1,0 +1,105 @@
+"""The compiled small shared-memory path (collectives/shm/fastpath.py), per call: how long a
+small all_reduce and a barrier take compiled and through the Python reference, and how much of
+the compiled call's time is Python (the API, the call's bookkeeping, the wrapper) rather than the
+compiled function itself.
+
+    python -m runtime.launch -n 2 bench/shm_fastpath.py [--calls 5000] [--reps 5] [--counts 1,256,16384]
+
+Per repetition and case: ``calls`` calls back to back, compiled then Python (``fastpath.usable``
+and ``fastpath.SUPPORTED`` switched off for the second), each rank timing its whole loop and, on
+the compiled path, the time spent inside the compiled function (``perf_counter`` around each call,
+which adds ~0.1 us). Python per call = (loop - inside) / calls. Printed by rank 0: medians over
+repetitions of the slowest rank, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # bench/collectives.py is named like the package
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
+
+import runtime  # noqa: E402
+from collectives import api  # noqa: E402
+from collectives.shm import fastpath  # noqa: E402
+from runtime import shm  # noqa: E402
+
+
+class Inside:
+    """Wraps a compiled function and sums the time spent in it."""
+
+    def __init__(self, fn):
+        self.fn, self.s = fn, 0.0
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args)
+        finally:
+            self.s += time.perf_counter() - t
+
+
+async def loop(g, what: str, x, calls: int) -> float:
+    await api.barrier(group=g, algorithm="shm")
+    t = time.perf_counter()
+    if what == "barrier":
+        for _ in range(calls):
+            await api.barrier(group=g, algorithm="shm")
+    else:
+        for _ in range(calls):
+            await api.all_reduce(x, group=g, algorithm="shm")
+    return time.perf_counter() - t
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--counts", default="1,256,16384", help="float32 elements of the all_reduces")
+    a = p.parse_args()
+    rt = await runtime.init()
+    g = rt.world
+    cases = [("barrier", None)] + [(f"all_reduce {int(c) * 4} B", np.ones(int(c), np.float32))
+                                   for c in a.counts.split(",")]
+    rows = {name: {"compiled": [], "python": [], "python_per_call": []} for name, _ in cases}
+    usable, supported = fastpath.usable, fastpath.SUPPORTED
+    for name, x in cases:  # warm-up: compile, set up the domain
+        await loop(g, name, x, 100)
+    fastpath._compiled(shm.domain(g, list(range(g.size)))).enabled = True  # whatever RINGWEAVE_SHM_COMPILED says
+    for _ in range(a.reps):
+        for name, x in cases:
+            inside_ar, inside_b = Inside(fastpath._all_reduce), Inside(fastpath._barrier)
+            fastpath._all_reduce, fastpath._barrier = inside_ar, inside_b
+            try:
+                compiled = await loop(g, name, x, a.calls)
+            finally:
+                fastpath._all_reduce, fastpath._barrier = inside_ar.fn, inside_b.fn
+            fastpath.usable, fastpath.SUPPORTED = (lambda x: False), False
+            try:
+                python = await loop(g, name, x, a.calls)
+            finally:
+                fastpath.usable, fastpath.SUPPORTED = usable, supported
+            own = np.array([compiled, python, compiled - inside_ar.s - inside_b.s]) / a.calls * 1e6
+            await api.all_reduce(own, op="max", group=g, algorithm="shm")
+            for k, v in zip(("compiled", "python", "python_per_call"), own):
+                rows[name][k].append(float(v))
+    if g.rank == 0:
+        print(f"# {g.size} ranks, {a.calls} calls x {a.reps} repetitions; us per call, medians of the slowest rank")
+        print(f"{'case':>22} {'compiled':>9} {'python':>9} {'ratio':>6} {'python work in compiled':>24}")
+        for name, _ in cases:
+            r = {k: statistics.median(v) for k, v in rows[name].items()}
+            print(f"{name:>22} {r['compiled']:9.2f} {r['python']:9.2f} {r['python'] / r['compiled']:6.2f} "
+                  f"{r['python_per_call']:24.2f}")
+    await runtime.shutdown(rt)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
