@@ -10,16 +10,10 @@ import time
 
 import pytest
 
+from tests.faults.harness import alive
+
 pytestmark = pytest.mark.timeout(60)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
 
 
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
@@ -43,9 +37,9 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if alive(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their SIGKILLed launcher"

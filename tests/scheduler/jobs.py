@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.faults.harness import alive
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 VENV_BIN = str(Path(sys.executable).parent)  # `python` on PATH is this interpreter (the recipes say `python`)
@@ -45,14 +47,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
 
 
 def wait_for(predicate, timeout_s: float, what, poll_s: float = 0.05):
