@@ -76,17 +76,6 @@ def switch(raw: str) -> bool:
     raise ValueError("must be 1 or 0 (true/false, on/off, yes/no)")
 
 
-def count(raw: str) -> int:
-    """An integer >= 0."""
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if value < 0:
-        raise ValueError("must be 0 or more")
-    return value
-
-
 def nbytes(raw: str) -> int:
     """A byte count >= 0: an integer, or with a K/M/G suffix (binary: ``4M`` is 4 MiB)."""
     word = raw.strip().upper().removesuffix("IB").removesuffix("B")
@@ -111,6 +100,20 @@ def number(unit: str, ok: Callable[[float], bool], must: str) -> Callable[[str],
             raise ValueError(must)
         return value
     parse.__doc__ = f"A number of {unit}: {must}."
+    return parse
+
+
+def integer(what: str, ok: Callable[[int], bool], must: str) -> Callable[[str], int]:
+    """A parser of ``what`` (an integer) for which ``ok`` holds, else ``must``."""
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"is not {what}") from None
+        if not ok(value):
+            raise ValueError(must)
+        return value
+    parse.__doc__ = f"{what[:1].upper()}{what[1:]}: {must}."
     return parse
 
 
@@ -141,17 +144,9 @@ def signal_names(raw: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def exit_code(raw: str) -> int:
-    """An exit code, 1..255 (0 would read as success)."""
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("is not an integer exit code") from None
-    if not 1 <= value <= 255:
-        raise ValueError("must be an exit code in 1..255 (0 would read as success)")
-    return value
-
-
+count = integer("an integer", lambda v: v >= 0, "must be 0 or more")
+exit_code = integer("an integer exit code", lambda v: 1 <= v <= 255,
+                    "must be an exit code in 1..255 (0 would read as success)")
 positive_seconds = number("seconds", lambda v: v > 0, "must be a positive number of seconds")
 check_seconds = number("seconds", lambda v: v >= 0, "must be 0 (off) or more seconds")
 microseconds = number("microseconds", lambda v: v >= 0, "must be 0 or more microseconds")
