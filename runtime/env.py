@@ -150,6 +150,8 @@ exit_code = integer("an integer exit code", lambda v: 1 <= v <= 255,
 positive_seconds = number("seconds", lambda v: v > 0, "must be a positive number of seconds")
 check_seconds = number("seconds", lambda v: v >= 0, "must be 0 (off) or more seconds")
 microseconds = number("microseconds", lambda v: v >= 0, "must be 0 or more microseconds")
+mebibytes = number("MiB", lambda v: v >= 0, "must be 0 or more MiB")
+kibibytes = number("KiB", lambda v: v >= 0, "must be 0 or more KiB")
 
 
 # -- the declarations ----------------------------------------------------------------------------------
@@ -299,13 +301,13 @@ RESTART = _("RINGWEAVE_RESTART", count, "0", "init",
             "how many times the job has restarted; store keys go under restart/N (the launcher sets it)")
 LAUNCHER_PID = _("RINGWEAVE_LAUNCHER_PID", count, None, "init",
                  "the launcher's pid: the rank dies with it, and takes the variable out (the launcher sets it)")
-PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", number("MiB", lambda v: v >= 0, "must be 0 or more MiB"), "256",
-                "each pool", "page-locked host memory the device collectives keep for staging, in MiB; "
+PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", mebibytes, "256", "each pool",
+                "page-locked host memory the device collectives keep for staging, in MiB; "
                 "beyond it a call stages through temporary pageable memory")
 DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more"), "4096",
                    "each call", "bytes per pipelined segment of a device collective, in KiB")
-DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", number("KiB", lambda v: v >= 0, "must be 0 or more KiB"),
-                       "256", "each call", "a device all_reduce up to this size is staged whole and reduced on the "
+DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "256", "each call",
+                       "a device all_reduce up to this size is staged whole and reduced on the "
                        "host, larger ones fold on the device (0: always fold)")
 WATCH_PARENT = _("RINGWEAVE_WATCH_PARENT", switch, "1", "init",
                  "0: a rank of a multi-rank job does not exit when its launcher (its parent process) dies "
