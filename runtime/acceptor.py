@@ -65,6 +65,7 @@ MAX_TOOLS = 16  # tool connections served at once; more are refused at the hands
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 FD_SHARE = 4  # strangers in the handshake may hold at most 1/FD_SHARE of the descriptor limit
 MIN_HANDSHAKING = 8  # ... but always this many (a tiny descriptor limit still lets peers in)
+JOIN_S = 5.0  # close(): how long the thread may take to end (it takes about a millisecond), then logged
 
 
 def handshaking_bound(wanted: int) -> int:
@@ -190,7 +191,10 @@ class Acceptor:
                 loop.call_soon_threadsafe(main.cancel)
             except RuntimeError:  # its loop has already closed
                 pass
-            self._thread.join()
+            self._thread.join(JOIN_S)
+            if self._thread.is_alive():
+                log.error("%s: the acceptor's thread did not end within %g s of close(); left running",
+                          self.name, JOIN_S)
         for sock in in_transit:
             sock.close()
         self._log.flush()

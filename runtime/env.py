@@ -76,17 +76,6 @@ def switch(raw: str) -> bool:
     raise ValueError("must be 1 or 0 (true/false, on/off, yes/no)")
 
 
-def count(raw: str) -> int:
-    """An integer >= 0."""
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if value < 0:
-        raise ValueError("must be 0 or more")
-    return value
-
-
 def nbytes(raw: str) -> int:
     """A byte count >= 0: an integer, or with a K/M/G suffix (binary: ``4M`` is 4 MiB)."""
     word = raw.strip().upper().removesuffix("IB").removesuffix("B")
@@ -111,6 +100,20 @@ def number(unit: str, ok: Callable[[float], bool], must: str) -> Callable[[str],
             raise ValueError(must)
         return value
     parse.__doc__ = f"A number of {unit}: {must}."
+    return parse
+
+
+def integer(what: str, ok: Callable[[int], bool], must: str) -> Callable[[str], int]:
+    """A parser of ``what`` (an integer) for which ``ok`` holds, else ``must``."""
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"is not {what}") from None
+        if not ok(value):
+            raise ValueError(must)
+        return value
+    parse.__doc__ = f"{what[:1].upper()}{what[1:]}: {must}."
     return parse
 
 
@@ -141,20 +144,14 @@ def signal_names(raw: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def exit_code(raw: str) -> int:
-    """An exit code, 1..255 (0 would read as success)."""
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("is not an integer exit code") from None
-    if not 1 <= value <= 255:
-        raise ValueError("must be an exit code in 1..255 (0 would read as success)")
-    return value
-
-
+count = integer("an integer", lambda v: v >= 0, "must be 0 or more")
+exit_code = integer("an integer exit code", lambda v: 1 <= v <= 255,
+                    "must be an exit code in 1..255 (0 would read as success)")
 positive_seconds = number("seconds", lambda v: v > 0, "must be a positive number of seconds")
 check_seconds = number("seconds", lambda v: v >= 0, "must be 0 (off) or more seconds")
 microseconds = number("microseconds", lambda v: v >= 0, "must be 0 or more microseconds")
+mebibytes = number("MiB", lambda v: v >= 0, "must be 0 or more MiB")
+kibibytes = number("KiB", lambda v: v >= 0, "must be 0 or more KiB")
 
 
 # -- the declarations ----------------------------------------------------------------------------------
@@ -304,13 +301,13 @@ RESTART = _("RINGWEAVE_RESTART", count, "0", "init",
             "how many times the job has restarted; store keys go under restart/N (the launcher sets it)")
 LAUNCHER_PID = _("RINGWEAVE_LAUNCHER_PID", count, None, "init",
                  "the launcher's pid: the rank dies with it, and takes the variable out (the launcher sets it)")
-PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", number("MiB", lambda v: v >= 0, "must be 0 or more MiB"), "256",
-                "each pool", "page-locked host memory the device collectives keep for staging, in MiB; "
+PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", mebibytes, "256", "each pool",
+                "page-locked host memory the device collectives keep for staging, in MiB; "
                 "beyond it a call stages through temporary pageable memory")
 DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more"), "4096",
                    "each call", "bytes per pipelined segment of a device collective, in KiB")
-DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", number("KiB", lambda v: v >= 0, "must be 0 or more KiB"),
-                       "256", "each call", "a device all_reduce up to this size is staged whole and reduced on the "
+DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "256", "each call",
+                       "a device all_reduce up to this size is staged whole and reduced on the "
                        "host, larger ones fold on the device (0: always fold)")
 WATCH_PARENT = _("RINGWEAVE_WATCH_PARENT", switch, "1", "init",
                  "0: a rank of a multi-rank job does not exit when its launcher (its parent process) dies "
@@ -330,9 +327,6 @@ DEFAULT_TIMEOUT_S: float = TIMEOUT.get({})
 DEFAULT_MISMATCH_CHECK_S: float = MISMATCH_CHECK.get({})
 DEFAULT_INLINE_WAIT_US: float = INLINE_WAIT.get({})
 DEFAULT_SPIN_US: float = SPIN.get({})
-DEFAULT_PINNED_POOL_MIB: float = PINNED_POOL.get({})
-DEFAULT_DEVICE_SEGMENT_KIB: float = DEVICE_SEGMENT.get({})
-DEFAULT_DEVICE_HOST_REDUCE_KIB: float = DEVICE_HOST_REDUCE.get({})
 
 
 def timeout_s() -> float:

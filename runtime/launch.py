@@ -71,9 +71,9 @@ Environment of every rank (the names torchrun uses, plus ours)::
                        environment does not set it
 
 Everything else is inherited from the launcher's environment. Ranks run with
-the launcher's Python (``sys.executable``), stdin from /dev/null, each in its
-own session (``start_new_session``): its process group is the rank and all it
-starts, and is what the launcher signals.
+the launcher's Python (``sys.executable``), stdin from /dev/null, each the
+leader of its own process group (``start_new_session``): that group is the rank
+and all it starts, and is what the launcher signals.
 
 Output
     Each line a rank writes to stdout (stderr) is written to the launcher's

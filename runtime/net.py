@@ -18,7 +18,6 @@ import time
 from runtime import env
 from runtime.errors import ConnectError
 
-SOCKET_BUFFER_NBYTES = env.SOCKET_BUFFER.get({})  # bigger kernel buffers: fewer wake-ups for large arrays
 # getaddrinfo answers that no retry can change (EAI_AGAIN, a DNS server that did not answer, is retried)
 PERMANENT_DNS_ERRORS = frozenset(getattr(socket, name) for name in (
     "EAI_NONAME", "EAI_FAIL", "EAI_NODATA", "EAI_SERVICE", "EAI_FAMILY", "EAI_ADDRFAMILY") if hasattr(socket, name))

@@ -3,9 +3,9 @@
 What this is:
 
 - :func:`spawn` starts one rank with fork+exec (``loop.subprocess_exec``, never
-  a multiprocessing fork of a process that has threads) in a new session, so
-  the rank's process group holds the rank and everything it starts, and one
-  ``killpg`` reaches all of it.
+  a multiprocessing fork of a process that has threads) as the leader of a new
+  process group (``start_new_session=True``), so that group holds the rank and
+  everything it starts, and one ``killpg`` reaches all of it.
 - :class:`RankProtocol` splits the rank's stdout and stderr into lines, writes
   each line prefixed ``[rank R] `` to the launcher's stdout / stderr, keeps the
   last lines for a failure report, and says when the rank exited. A traceback
@@ -248,7 +248,7 @@ class RankProcess:
 
 async def spawn(rank: int, argv: list[str], env: dict[str, str], sink: Sink,
                 tail_lines: int = 20, fold: Callable[[], str | None] = lambda: None) -> RankProcess:
-    """Starts one rank in its own session (``start_new_session=True``). ``fold()``, asked at
+    """Starts one rank in its own process group (``start_new_session=True``). ``fold()``, asked at
     each traceback the rank writes to stderr, says why to write it as one line (or None).
 
     Raises:

@@ -129,7 +129,6 @@ log = logging.getLogger("ringweave.shm")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ringweave-"
-ENV_SWITCH = env.SHM.name  # "0" turns the shared-memory path off
 
 HEADER_NBYTES = 4096
 SMALL_NBYTES = 64 * 1024  # one small slot; the control file holds two after the header

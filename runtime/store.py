@@ -33,9 +33,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
+from runtime.env import DEFAULT_TIMEOUT_S  # every wait that names no timeout waits this long at most
 from runtime.errors import ClosedError, StoreError, StoreTimeoutError, WouldBlock
-
-DEFAULT_TIMEOUT_S = 300.0  # every wait that names no timeout waits this long at most
 CLOSE_TIMEOUT_S = 30.0  # LoopThread.close: how long cancelled tasks may take to finish
 
 

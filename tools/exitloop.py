@@ -47,8 +47,9 @@ def run_once(index: int, script: str, args: list[str], nproc: int, timeout_s: fl
     cmd = [sys.executable, "-X", "faulthandler", "-m", "runtime.launch", "-n", str(nproc), script, *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    except subprocess.TimeoutExpired as exc:  # its output is bytes whatever text= said
+        out = "".join(b.decode(errors="replace") if isinstance(b, bytes) else b
+                      for b in (exc.stdout or "", exc.stderr or ""))
         return Run(index, 124, out + f"\n(timed out after {timeout_s:g} s)")
     return Run(index, proc.returncode, proc.stdout + proc.stderr)
 
