@@ -83,6 +83,24 @@ def test_the_file_is_made_exclusively_and_never_through_a_link(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_failed_write_back_names_the_unit_and_the_file(tmp_path):
+    off = Offload("optimizer", str(tmp_path), 0)
+    off.adopt([{"exp_avg": np.zeros(10, np.float32)}, {"exp_avg": np.zeros(10, np.float32)}])
+    real = off._mm
+
+    class FullDisk:  # the mapping's msync fails as on a full disk
+        def flush(self, *a):
+            raise OSError(28, "No space left on device")
+
+    off._mm = FullDisk()
+    off.release(1)
+    with pytest.raises(OSError, match="unit 1 back failed: No space left on device") as info:
+        off.finish()
+    assert info.value.errno == 28 and info.value.filename == off.path
+    off._mm = real
+    off.close()
+
+
 @pytest.mark.timeout(30)
 async def test_what_cannot_be_offloaded_is_refused():
     async def body(group):

@@ -164,15 +164,12 @@ class Unit:
         S = padded_numel // world_size, so world_size must divide padded_numel
         (build the model with pad_to = world_size or a multiple of it).
         """
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank} of {world_size}")
-        if self.padded_numel % world_size:
+        if 0 <= rank < world_size and self.padded_numel % world_size:  # a bad rank: shard_bounds says so
             raise ValueError(
                 f"unit {self.index}: padded_numel={self.padded_numel} (pad_to={self.pad_to}) is not divisible by "
                 f"world_size={world_size}; build the model with pad_to={world_size}"
             )
-        size = self.padded_numel // world_size
-        return slice(rank * size, (rank + 1) * size)
+        return shard_bounds(self.padded_numel, rank, world_size)
 
     def zeros(self, dtype=None) -> np.ndarray:
         """A zero flat buffer (padded length), e.g. a gradient buffer."""

@@ -177,7 +177,7 @@ class StageRun:
             self.s.wait_on(self.acc, self.acc.launch(self.acc.recv(inp, layout.stage - 1, EVAL_TAG)))
         out = s.model.forward(params, inp, EVAL, **hooks)
         if not layout.last:
-            self.s.wait_on(self.acc, self.acc.launch(self.acc.send(np.ascontiguousarray(out), layout.stage + 1,
-                                                                   EVAL_TAG)))
+            out = np.ascontiguousarray(out, dtype=s.activation_dtype)  # what the next stage posted, as in _send
+            self.s.wait_on(self.acc, self.acc.launch(self.acc.send(out, layout.stage + 1, EVAL_TAG)))
             return None
         return s.loss.metrics(out, y)

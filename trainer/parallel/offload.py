@@ -131,8 +131,11 @@ class Offload:
     def _release(self, i: int) -> None:
         lo, hi = self._ranges[i]
         if hi > lo:
-            self._mm.flush(lo, hi - lo)  # msync: the step's values are in the file
-            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # and no longer this process's memory
+            try:
+                self._mm.flush(lo, hi - lo)  # msync: the step's values are in the file
+                self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # and no longer this process's memory
+            except OSError as e:  # e.g. ENOSPC, EIO: say which unit and which file
+                raise OSError(e.errno, f"writing offloaded unit {i} back failed: {e.strerror}", self.path) from e
 
     def release(self, i: int) -> None:
         """Writes unit i back and drops it from memory, on the writer thread (behind the step)."""

@@ -52,7 +52,8 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS or self.mb < 0:
-            raise ValueError(f"bad action {self.kind!r} {self.mb}")
+            raise ValueError(f"a pipeline Action needs a kind in {KINDS} and a micro-batch >= 0, "
+                             f"got kind={self.kind!r} mb={self.mb}")
 
     def __str__(self) -> str:
         return f"{self.kind}{self.mb}"

@@ -113,6 +113,7 @@ class MeshMixin:
         self.last_run: StageRun | None = None
         self.pipeline_s = 0.0
         self._tp_layouts: dict[int, list] = {}  # global unit -> every tp rank's unit (how it cuts)
+        self._segments_cache: list[list[tuple[int, int]]] | None = None  # _norm_segments', made on first use
         mesh.add_failure_listener(self._on_mesh_failure)
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class MeshMixin:
 
     def _norm_segments(self) -> list[list[tuple[int, int]]]:
         """Per stage unit: the ranges of this rank's gradient shard the global norm counts here."""
-        if getattr(self, "_segments_cache", None) is None:
+        if self._segments_cache is None:
             out = []
             for i, unit in enumerate(self.units):
                 start, stop = self._owned(i)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainer.data import split_bounds
+
 __all__ = ["TPGroup", "part"]
 
 
@@ -30,9 +32,8 @@ def part(n: int, rank: int, size: int) -> tuple[int, int]:
     """[lo, hi) of rank ``rank``'s contiguous part of ``n`` items over ``size`` ranks (np.array_split)."""
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"need 0 <= rank < size, got rank={rank} size={size}")
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
+    bounds = split_bounds(n, size)  # the data loader's split: one copy of the arithmetic
+    return bounds[rank], bounds[rank + 1]
 
 
 class TPGroup:

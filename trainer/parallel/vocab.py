@@ -144,7 +144,8 @@ class VocabParallelCrossEntropy(Loss):
             return 0.0, np.zeros_like(out)
         e, S, p = self._softmax_parts(logits, here, cols)
         loss = float((np.log(S) - p).sum()) / denom
-        d = e / S[:, None].astype(e.dtype, copy=False)  # softmax over the whole vocabulary
+        d = e  # e (a fresh (N, V_i) array) becomes the gradient in place: no second logits-sized array
+        d /= S[:, None].astype(e.dtype, copy=False)  # softmax over the whole vocabulary
         d[here, cols] -= 1.0
         d *= dloss / denom
         return loss, d.reshape(out.shape)
