@@ -76,8 +76,8 @@ def _flat(name: str, a):
     """(1-D numba device array of ``a``'s storage, logical dtype), checked."""
     try:
         flat, dtype = kcuda.storage(a)
-    except ValueError:
-        raise ValueError(f"{name} must be a C-contiguous device array") from None
+    except ValueError as e:
+        raise ValueError(f"{name} must be a C-contiguous device array ({e})") from None
     if dtype not in ops.DTYPES:
         raise TypeError(f"{name} has dtype {dtype}; supported: {', '.join(ops.DTYPE_NAMES)}")
     return flat, dtype
