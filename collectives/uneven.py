@@ -87,8 +87,7 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
     group = member_group_of(group)
     ops.check_out_x(out, x)
     offsets = offsets_of("counts", counts, group.size)
-    if group.rank >= 0:
-        ops.check_size("x", x, offsets[group.rank + 1] - offsets[group.rank], f"counts[{group.rank}]")
+    ops.check_size("x", x, offsets[group.rank + 1] - offsets[group.rank], f"counts[{group.rank}]")
     ops.check_size("out", out, offsets[-1], "sum(counts)")
     ops.check_no_overlap("all_gather_v", "out", out, "x", x, own_offset=offsets[group.rank])
     await _run(group, "all_gather_v", out.nbytes, algorithm, timeout, ops.flat(out), ops.flat(x), offsets,
