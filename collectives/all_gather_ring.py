@@ -43,20 +43,28 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
         mine[...] = x  # our own block
     if n == 1:
         return
-    right, left = (r + 1) % n, (r - 1) % n
     seg_elems = max(1, SEGMENT_NBYTES // max(1, x.itemsize))
     nseg = max(1, -(-count // seg_elems))
     sb = chunk_bounds(count, nseg)  # segment k of a block: [sb[k], sb[k+1])
 
-    def segment(b: int, k: int) -> memoryview:
-        return as_bytes(out[b * count + sb[k]:b * count + sb[k + 1]])
+    def segments(b: int) -> list[memoryview]:
+        return [as_bytes(out[b * count + sb[k]:b * count + sb[k + 1]]) for k in range(nseg)]
 
-    # every receive, in (step, segment) order, straight into out
-    received = [[comm.irecv(left, segment((r - s - 1) % n, k)) for k in range(nseg)] for s in range(n - 1)]
-    for k in range(nseg):  # step 0: our own block
-        await comm.send(right, segment(r, k))
-    for s in range(n - 1):
-        for k in range(nseg):
-            await received[s][k]  # block (r-s-1) segment k is in place
+    await circulate(comm, segments(r), [segments((r - s - 1) % n) for s in range(n - 1)])
+
+
+async def circulate(comm, own: list[memoryview], arriving: list[list[memoryview]]) -> None:
+    """The n-1 steps of the ring (also all_gather_v_ring's): ``own`` are the segments of this rank's
+    block, ``arriving[s]`` those of the block that comes from the left at step s, as byte views of
+    their places in ``out``. Every receive is posted up front, in (step, segment) order; a segment
+    is forwarded to the right at step s+1 as soon as it arrived."""
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    received = [[comm.irecv(left, seg) for seg in block] for block in arriving]
+    for seg in own:  # step 0: our own block
+        await comm.send(right, seg)
+    for s, block in enumerate(arriving):
+        for seg, arrived in zip(block, received[s]):
+            await arrived  # this segment of block (r-s-1) is in place
             if s + 1 < n - 1:  # forward it at step s+1
-                await comm.send(right, segment((r - s - 1) % n, k))
+                await comm.send(right, seg)

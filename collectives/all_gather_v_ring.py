@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.all_gather_ring import circulate
 from collectives.ops import as_bytes, chunk_bounds
-
-SEGMENT_NBYTES = 4 << 20  # one message; as all_gather_ring's
+from collectives.tuning import SEGMENT_NBYTES
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, offsets: list[int]) -> None:
@@ -43,7 +43,6 @@ async def run(comm, out: np.ndarray, x: np.ndarray, offsets: list[int]) -> None:
         mine[...] = x  # our own block
     if n == 1:
         return
-    right, left = (r + 1) % n, (r - 1) % n
     seg_elems = max(1, SEGMENT_NBYTES // max(1, out.itemsize))
 
     def segments(b: int) -> list[memoryview]:
@@ -52,12 +51,4 @@ async def run(comm, out: np.ndarray, x: np.ndarray, offsets: list[int]) -> None:
         sb = chunk_bounds(count, max(1, -(-count // seg_elems)))
         return [as_bytes(out[lo + sb[k]:lo + sb[k + 1]]) for k in range(len(sb) - 1)]
 
-    blocks = [segments((r - s - 1) % n) for s in range(n - 1)]  # what arrives at step s
-    received = [[comm.irecv(left, seg) for seg in block] for block in blocks]  # posted up front
-    for seg in segments(r):  # step 0: our own block
-        await comm.send(right, seg)
-    for s in range(n - 1):
-        for seg, arrived in zip(blocks[s], received[s]):
-            await arrived  # this segment of block (r-s-1) is in place
-            if s + 1 < n - 1:  # forward it at step s+1
-                await comm.send(right, seg)
+    await circulate(comm, segments(r), [segments((r - s - 1) % n) for s in range(n - 1)])

@@ -76,11 +76,21 @@ def _flat(name: str, a):
     """(1-D numba device array of ``a``'s storage, logical dtype), checked."""
     try:
         flat, dtype = kcuda.storage(a)
-    except ValueError:
-        raise ValueError(f"{name} must be a C-contiguous device array") from None
+    except ValueError as e:
+        raise ValueError(f"{name} must be a C-contiguous device array ({e})") from None
     if dtype not in ops.DTYPES:
         raise TypeError(f"{name} has dtype {dtype}; supported: {', '.join(ops.DTYPE_NAMES)}")
     return flat, dtype
+
+
+def _flat_pair(out, x):
+    """(out, x, their dtype) for a call that writes device ``out`` from device ``x``: both flat,
+    checked, of one dtype."""
+    od, dtype = _flat("out", out)
+    xd, xdtype = _flat("x", x)
+    if xdtype != dtype:
+        raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
+    return od, xd, dtype
 
 
 def segments(n: int, itemsize: int, world: int, segment_bytes: int | None = None) -> list[tuple[int, int]]:
@@ -273,13 +283,10 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
                          key=None):
     """``out`` (device) = block ``rank`` of the reduction of every rank's device ``x`` (W blocks of
     ``out.size``); see api.reduce_scatter. The fold writes into ``out`` on the device."""
-    od, dtype = _flat("out", out)
-    xd, xdtype = _flat("x", x)
+    od, xd, dtype = _flat_pair(out, x)
     ops.check_op(op)
     group = group_of(group)
     W, m, sdt = group.size, od.size, _storage_dtype(dtype)
-    if xdtype != dtype:
-        raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
     if xd.size != W * m:
         raise ValueError(f"x has {xd.size} elements, expected group size {W} x out.size {m} = {W * m}")
     if algorithm is not None:
@@ -316,12 +323,9 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
 
 async def all_gather(out, x, group=None, timeout=None, algorithm=None):
     """Device ``out`` (W x x.size elements) gets every rank's device ``x``, in rank order."""
-    od, dtype = _flat("out", out)
-    xd, xdtype = _flat("x", x)
+    od, xd, dtype = _flat_pair(out, x)
     group = group_of(group)
     W, n, sdt = group.size, xd.size, _storage_dtype(dtype)
-    if xdtype != dtype:
-        raise TypeError(f"out has dtype {dtype} but x has {xdtype}; they must match")
     if od.size != W * n:
         raise ValueError(f"out has {od.size} elements, expected group size {W} x x.size {n} = {W * n}")
     cuda.synchronize()

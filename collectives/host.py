@@ -36,9 +36,7 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group, timeout: float | Non
                      algorithm: str | None) -> np.ndarray:
     """See ``collectives.api.all_gather``."""
     group = group_of(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
+    ops.check_out_x(out, x)
     ops.check_size("out", out, group.size * x.size, f"group size {group.size} x x.size {x.size}")
     ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)
     call, fn = open_call(group, "all_gather", x.nbytes, algorithm, timeout, dtype=x.dtype, count=x.size)
@@ -48,9 +46,7 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group, timeout: float | Non
 
 def check_reduce_scatter(out: np.ndarray, x: np.ndarray, op: str, group) -> None:
     """reduce_scatter's argument checks (also before a compressed one)."""
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
+    ops.check_out_x(out, x)
     ops.check_op(op)
     ops.check_size("x", x, group.size * out.size, f"group size {group.size} x out.size {out.size}")
     ops.check_no_overlap("reduce_scatter", "x", x, "out", out)
@@ -135,9 +131,7 @@ async def all_to_all(out: np.ndarray, x: np.ndarray, group, timeout: float | Non
                      algorithm: str | None) -> np.ndarray:
     """See ``collectives.api.all_to_all``."""
     group = group_of(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
+    ops.check_out_x(out, x)
     if x.size % group.size:
         raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the group size {group.size}")
     ops.check_size("out", out, x.size, "the same as x")

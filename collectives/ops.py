@@ -67,6 +67,13 @@ def check_same_dtype(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -
         raise TypeError(f"{name} has dtype {a.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
 
 
+def check_out_x(out, x) -> None:
+    """The checks of a call that writes ``out`` from ``x``: both arrays, ``out`` writeable, one dtype."""
+    check_array("out", out)
+    check_array("x", x, writeable=False)
+    check_same_dtype("out", out, "x", x)
+
+
 def check_size(name: str, a: np.ndarray, expected: int, why: str) -> None:
     if a.size != expected:
         raise ValueError(f"{name} has {a.size} elements (shape {a.shape}); expected {expected} ({why})")

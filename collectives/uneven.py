@@ -85,12 +85,9 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
     """
     timeout = check_timeout(timeout)
     group = member_group_of(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
+    ops.check_out_x(out, x)
     offsets = offsets_of("counts", counts, group.size)
-    if group.rank >= 0:
-        ops.check_size("x", x, offsets[group.rank + 1] - offsets[group.rank], f"counts[{group.rank}]")
+    ops.check_size("x", x, offsets[group.rank + 1] - offsets[group.rank], f"counts[{group.rank}]")
     ops.check_size("out", out, offsets[-1], "sum(counts)")
     ops.check_no_overlap("all_gather_v", "out", out, "x", x, own_offset=offsets[group.rank])
     await _run(group, "all_gather_v", out.nbytes, algorithm, timeout, ops.flat(out), ops.flat(x), offsets,
@@ -115,9 +112,7 @@ async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts,
     """
     timeout = check_timeout(timeout)
     group = member_group_of(group)
-    ops.check_array("out", out)
-    ops.check_array("x", x, writeable=False)
-    ops.check_same_dtype("out", out, "x", x)
+    ops.check_out_x(out, x)
     send_offsets = offsets_of("send_counts", send_counts, group.size)
     recv_offsets = offsets_of("recv_counts", recv_counts, group.size)
     ops.check_size("x", x, send_offsets[-1], "sum(send_counts)")

@@ -234,7 +234,7 @@ def storage(a, logical_dtype=None):
     else:
         dtype = np.dtype(d.dtype)
     if not d.is_c_contiguous():
-        raise ValueError("CUDA kernels need C-contiguous device arrays")
+        raise ValueError(f"CUDA kernels need C-contiguous device arrays; got shape {d.shape}, strides {d.strides}")
     flat = d.reshape(d.size)
     if dtype in reference.HALF_DTYPES and np.dtype(flat.dtype) != np.uint16:
         flat = flat.view(np.uint16)

@@ -148,6 +148,8 @@ async def test_bad_arguments_are_refused_before_any_message(ranks):
             await C.all_reduce(cuda.to_device(np.zeros(4, np.uint16)))
         with pytest.raises(TypeError, match="16-bit words"):
             as_bfloat16(x)
+        with pytest.raises(ValueError, match=r"x must be a C-contiguous device array .*shape \(3,\)"):
+            await C.all_gather(cuda.device_array(6, np.float32), x[::2])
 
     await ranks(2, body)
 
