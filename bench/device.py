@@ -8,8 +8,9 @@ contributes ``r + i % 3``; sums are exact in every dtype):
 
 * ``rw``: ringweave on numba device arrays, its default path (collectives/device.py);
 * ``rw-cupy``: the same call on CuPy arrays (``__cuda_array_interface__``), when CuPy imports;
-* ``rw-fold`` / ``rw-staged`` (all_reduce): the pipelined device fold, or the whole array staged and
-  reduced on the host (``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` 0 / 2**30), to place the threshold;
+* ``rw-fold`` / ``rw-staged``: the pipelined path (segments, fold on the device), or the whole array
+  staged through the host collectives (``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` 0 / 2**30), to place the
+  threshold;
 * ``gloo``: ``torch.distributed`` Gloo on torch CUDA tensors (``--compare gloo``).
 
 A timed call is ``barrier; t0; call; device synchronize; t1; barrier`` (every library's result is

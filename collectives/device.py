@@ -27,10 +27,13 @@ into ``out``), all_gather the second, broadcast one network step per segment. Al
 opened, in order, before the first wait (api's ordering contract), on the TCP table's algorithms
 (the shared-memory ones need calls to run in the order they were opened; see compressed.py).
 
-A small all_reduce (at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB``, default 256 KiB), or one with
-``algorithm=`` named, is staged whole: one copy down, the host all_reduce (the registry's choice,
-shared memory included), one copy up. The kernels' contract makes host and device reductions give
-the same bits per step (reference.py); the order of steps is the algorithm's, as on the host.
+A call whose larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (default 64 MiB), or one
+with ``algorithm=`` named, is staged whole: one copy down, the host collective (the registry's
+choice, shared memory included), one copy up. On an H200 with a core per rank, staging beat the
+pipeline at every size from 4 KiB to 64 MiB (bench/results/device.md): the host reduces 4 ranks'
+blocks over shared memory faster than the pipeline's TCP sub-calls move them. The kernels' contract
+makes host and device reductions give the same bits per step (reference.py); the order of steps is
+the algorithm's, as on the host.
 
 Stream semantics: a call first waits for all work queued on the device (``cuda.synchronize()``;
 a ``__cuda_array_interface__`` v3 producer stream is synchronized by numba as well), so the
@@ -196,6 +199,11 @@ def _whole(collective: str, op, n: int) -> str:
     return f"device-{collective}:{op or '-'}:n={n}"
 
 
+def _stage_whole(algorithm, nbytes: int) -> bool:
+    """True: the call goes through the host whole (module docstring); every rank decides alike."""
+    return algorithm is not None or nbytes <= env.device_host_reduce_bytes()
+
+
 def _storage_dtype(dtype) -> np.dtype:
     return np.dtype(np.uint16) if dtype in kcuda.reference.HALF_DTYPES else np.dtype(dtype)
 
@@ -212,7 +220,7 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     if compression is not None:
         await _compressed_all_reduce(x, xd, dtype, op, group, timeout, algorithm, compression, key)
         return x
-    if algorithm is not None or dtype.itemsize * xd.size <= env.device_host_reduce_bytes():
+    if _stage_whole(algorithm, dtype.itemsize * xd.size):
         await _staged_all_reduce(xd, dtype, op, group, timeout, algorithm)
         return x
     W, n, sdt = group.size, xd.size, _storage_dtype(dtype)
@@ -289,12 +297,13 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
     W, m, sdt = group.size, od.size, _storage_dtype(dtype)
     if xd.size != W * m:
         raise ValueError(f"x has {xd.size} elements, expected group size {W} x out.size {m} = {W * m}")
-    if algorithm is not None:
-        raise ValueError(f"device reduce_scatter has one algorithm (all_to_all, device fold); got {algorithm!r}")
     cuda.synchronize()
     if compression is not None:  # on the host, whole
         await _staged(xd, od, dtype, lambda hx, ho: _compressed_reduce_scatter(ho, hx, op, group, timeout,
                                                                               compression, key))
+        return out
+    if _stage_whole(algorithm, xd.size * dtype.itemsize):
+        await _staged(xd, od, dtype, lambda hx, ho: host.reduce_scatter(ho, hx, op, group, timeout, algorithm))
         return out
     segs = segments(m, W * dtype.itemsize, 1)
     calls = [open_call(group, "all_to_all", W * (hi - lo) * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
@@ -329,6 +338,9 @@ async def all_gather(out, x, group=None, timeout=None, algorithm=None):
     if od.size != W * n:
         raise ValueError(f"out has {od.size} elements, expected group size {W} x x.size {n} = {W * n}")
     cuda.synchronize()
+    if _stage_whole(algorithm, od.size * dtype.itemsize):
+        await _staged(xd, od, dtype, lambda hx, ho: host.all_gather(ho, hx, group, timeout, algorithm))
+        return out
     segs = segments(n, W * dtype.itemsize, 1)
     calls = [_open(group, "all_gather", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
                    count=hi - lo, op=_whole("all_gather", None, n)) for lo, hi in segs]  # fmt: skip
@@ -357,6 +369,9 @@ async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
     group = group_of(group)
     src = ops.check_root("src", src, group.size)
     cuda.synchronize()
+    if _stage_whole(algorithm, xd.size * dtype.itemsize):
+        await _staged_broadcast(xd, dtype, src, group, timeout, algorithm)
+        return x
     segs, sdt = segments(xd.size, dtype.itemsize, 1), _storage_dtype(dtype)
     calls = [_open(group, "broadcast", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
                    count=hi - lo, root=src, op=_whole("broadcast", None, xd.size)) for lo, hi in segs]  # fmt: skip
@@ -378,6 +393,21 @@ async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
 
     await _pipeline(segs, slots, step)
     return x
+
+
+async def _staged_broadcast(xd, dtype, src: int, group, timeout, algorithm) -> None:
+    """The whole array down on ``src``, the host broadcast, up on the others."""
+    n, root = xd.size, group.rank == src
+    buf = PINNED.take(n * dtype.itemsize)
+    try:
+        staged = _host(buf, n, _storage_dtype(dtype))
+        if root and n:
+            xd.copy_to_host(staged)
+        await host.broadcast(staged.view(dtype), src, group, timeout, algorithm)
+        if not root and n:
+            xd.copy_to_device(staged)
+    finally:
+        PINNED.give(buf)
 
 
 async def _compressed_reduce_scatter(out, x, op, group, timeout, compression, key):

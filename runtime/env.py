@@ -306,9 +306,10 @@ PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", mebibytes, "256", "each pool",
                 "beyond it a call stages through temporary pageable memory")
 DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more"), "4096",
                    "each call", "bytes per pipelined segment of a device collective, in KiB")
-DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "256", "each call",
-                       "a device all_reduce up to this size is staged whole and reduced on the "
-                       "host, larger ones fold on the device (0: always fold)")
+DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "65536", "each call",
+                       "a device collective whose larger array is up to this size is staged whole and run by the "
+                       "host collectives; larger ones are pipelined in segments, reduced on the device (0: always "
+                       "pipelined)")
 WATCH_PARENT = _("RINGWEAVE_WATCH_PARENT", switch, "1", "init",
                  "0: a rank of a multi-rank job does not exit when its launcher (its parent process) dies "
                  "(runtime/lifeline.py)")
@@ -360,7 +361,7 @@ def device_segment_bytes() -> int:
 
 
 def device_host_reduce_bytes() -> int:
-    """``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` in bytes: the largest device all_reduce reduced on the host."""
+    """``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` in bytes: the largest device collective staged whole through the host."""
     return int(DEVICE_HOST_REDUCE.get() * 1024)
 
 

@@ -243,6 +243,10 @@ BINS = 1 << max(bits for _, bits in DIGITS)
 SELECT_THREADS = 16 if SIMULATOR else 1024  # the one block that scans a histogram or the tile counts
 ITEMS = 2 if SIMULATOR else 16  # chunks of THREADS elements per tile
 TILE = THREADS * ITEMS
+# A kernel launched as one block of SELECT_THREADS declares it (.maxntid), so ptxas budgets its registers
+# for the whole block: without it _topk_scan_tiles took more than 64 a thread and every launch on an
+# H200 failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). The simulator's jit takes no launch bounds.
+_one_block = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=SELECT_THREADS)
 
 
 @cuda.jit
@@ -281,7 +285,7 @@ def _topk_hist(bits, state, shift, nbits, hist):
             cuda.atomic.add(hist, b, c)
 
 
-@cuda.jit
+@_one_block
 def _topk_select(hist, shift, nbits, state):
     """One block: the digit d where the count of keys from the top bin down reaches state[1];
     state becomes [prefix | d << shift, what is still needed inside bin d]."""
@@ -350,7 +354,7 @@ def _topk_count_tiles(bits, state, above, equal):
             equal[tile] = ne
 
 
-@cuda.jit
+@_one_block
 def _topk_scan_tiles(above, equal, state, offset, ties):
     """One block: ties[tile] = ties the tile keeps (the lowest indices first), offset[tile] = where
     its kept entries start in the output."""

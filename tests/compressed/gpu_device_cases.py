@@ -33,6 +33,18 @@ def segmented(monkeypatch):
     monkeypatch.setenv("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", "0")
 
 
+@pytest.fixture
+def staged(monkeypatch):
+    """Every call staged whole through the host collectives."""
+    monkeypatch.setenv("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", str(1 << 20))
+
+
+@pytest.fixture
+def pipelined_whole(monkeypatch):
+    """The pipelined path with one segment: no host staging, default segments."""
+    monkeypatch.setenv("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", "0")
+
+
 def contribution(rank: int, n: int, dtype) -> np.ndarray:
     """Rank r: (i % 5) + r + 1 (prod: 1 or 2), small integers that every dtype holds exactly."""
     return ((np.arange(n) % 5) + rank + 1).astype(dtype)
@@ -55,8 +67,7 @@ CASES = [(np.float32, "sum"), (np.float16, "sum"), (reference.BFLOAT16, "avg"), 
 @pytest.mark.parametrize("path", ["staged", "pipelined"])
 @pytest.mark.parametrize("dtype,op", CASES, ids=str)
 async def test_all_reduce_on_device_equals_closed_form(ranks, request, path, dtype, op):
-    if path == "pipelined":
-        request.getfixturevalue("segmented")
+    request.getfixturevalue("segmented" if path == "pipelined" else "staged")
     n = N if op != "prod" else 40  # prod of 3 ranks: at most 7**3
 
     async def body(g):
@@ -70,8 +81,10 @@ async def test_all_reduce_on_device_equals_closed_form(ranks, request, path, dty
     assert PINNED.statistics().in_use_bytes == 0
 
 
+@pytest.mark.parametrize("path", ["staged", "pipelined"])
 @pytest.mark.parametrize("dtype,op", [(np.float32, "sum"), (reference.BFLOAT16, "max"), (np.int32, "avg")], ids=str)
-async def test_reduce_scatter_on_device_equals_closed_form(ranks, segmented, dtype, op):
+async def test_reduce_scatter_on_device_equals_closed_form(ranks, request, path, dtype, op):
+    request.getfixturevalue("segmented" if path == "pipelined" else "staged")
     m = N
 
     async def body(g):
@@ -85,10 +98,10 @@ async def test_reduce_scatter_on_device_equals_closed_form(ranks, segmented, dty
         assert reference.bits_equal(got, full[r * m:(r + 1) * m])
 
 
-@pytest.mark.parametrize("seg", ["one segment", "segmented"])
-async def test_all_gather_and_broadcast_on_device(ranks, request, seg):
-    if seg == "segmented":
-        request.getfixturevalue("segmented")
+@pytest.mark.parametrize("path", ["staged", "one segment", "segmented"])
+async def test_all_gather_and_broadcast_on_device(ranks, request, path):
+    request.getfixturevalue({"staged": "staged", "one segment": "pipelined_whole",
+                             "segmented": "segmented"}[path])
 
     async def body(g):
         x = cuda.to_device(np.arange(N, dtype=np.int32) + 1000 * g.rank)

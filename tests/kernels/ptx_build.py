@@ -1,7 +1,8 @@
 """Compiles every CUDA kernel of the project to PTX for a real device, on a machine with no GPU.
 
 Run by test_kernels_ptx.py in a fresh interpreter (numba.cuda must not be simulating); prints one
-JSON object: kernel name -> {"error": message or null, "ops": the float instructions of its PTX}.
+JSON object: kernel name -> {"error": message or null, "ops": the float instructions of its PTX,
+"maxntid": the threads per block its launch bounds declare, or null}.
 
 What it catches that the simulator cannot: the simulator runs kernels as Python, so code that does
 not type under numba.cuda (``math.floor`` returns a float there, ``or_(int64, float64)`` has no
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from numba import cuda
 from numba.cuda import dispatcher
 
+MAXNTID = re.compile(r"\.maxntid\s+(\d+)")  # the kernel's launch bounds, as ptxas budgets registers for them
 FLOAT_OPS = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.r[nzmp])?(?:\.ftz)?\.f(?:32|64))\b")
 
 
@@ -48,10 +50,14 @@ def main() -> None:
         for name, kernel, sig in module.ptx_cases():
             listed.add(id(kernel))
             try:
-                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
-                results[f"{module.__name__}:{name}"] = {"error": None, "ops": sorted(set(FLOAT_OPS.findall(ptx)))}
+                bounds = kernel.targetoptions.get("launch_bounds")
+                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, launch_bounds=bounds)
+                maxntid = MAXNTID.search(ptx)
+                results[f"{module.__name__}:{name}"] = {"error": None, "ops": sorted(set(FLOAT_OPS.findall(ptx))),
+                                                        "maxntid": int(maxntid.group(1)) if maxntid else None}
             except Exception as e:  # reported per kernel by the test
-                results[f"{module.__name__}:{name}"] = {"error": f"{type(e).__name__}: {e}"[:3000], "ops": []}
+                results[f"{module.__name__}:{name}"] = {"error": f"{type(e).__name__}: {e}"[:3000], "ops": [],
+                                                        "maxntid": None}
     kernels = [(m.__name__, n, k) for m in (kcuda, ccuda) for n, k in vars(m).items() if _is_kernel(k)]
     kernels += [(kcuda.__name__, f"{op}.{n}", k) for op, ks in kcuda._KERNELS.items() for n, k in ks.items()]
     unlisted = sorted(f"{m}:{n}" for m, n, k in kernels if id(k) not in listed)

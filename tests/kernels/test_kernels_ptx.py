@@ -48,3 +48,12 @@ def test_int8_products_that_feed_an_addition_are_rounded_on_their_own(built, ker
     assert "mul.rn.f32" in ops and not any(op.startswith("fma") for op in ops), ops
     if kernel != "int8_decode":  # int8_decode's one plain mul.f32 is stored as is (decode, not decode_add)
         assert "mul.f32" not in ops, ops
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kernel", ["topk_select", "topk_scan_tiles"])
+def test_kernels_launched_as_one_large_block_declare_their_launch_bounds(built, kernel):
+    """A block of 1024 threads has at most 64 registers each (65536 per block on an H100): without
+    launch bounds ptxas gave topk_scan_tiles more, and every launch on an H200 failed with
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES. `.maxntid` makes ptxas budget registers for the block."""
+    assert built["results"][f"collectives.compress.cuda:{kernel}"]["maxntid"] == 1024  # SELECT_THREADS on a device
