@@ -156,3 +156,13 @@ def test_every_command_line_number_goes_through_runtime_args():
     found = [hit for package in ("runtime", "trainer", "tools", "collectives")
              for path in sorted((ROOT / package).rglob("*.py")) for hit in _bare_number_flags(path)]
     assert not found, f"flags without a rule (use runtime/args.py): {found}"
+
+
+@pytest.mark.parametrize("raw", ["99999", "65536", "-1"])
+def test_master_port_from_the_environment_must_be_a_port(raw):
+    """MASTER_PORT=99999 was taken, and a socket then used 99999 mod 65536 = 34463."""
+    from runtime import RingweaveError, read_env
+
+    with pytest.raises(RingweaveError, match=f"MASTER_PORT={int(raw)} is not a port"):
+        read_env({"MASTER_PORT": raw, "RANK": "0", "WORLD_SIZE": "2"})
+    assert read_env({"MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"})["master_port"] == 29500
