@@ -7,6 +7,7 @@ bounds that are too heavy for the test suite (tens of thousands of connections, 
     sudo .venv/bin/python bench/security.py squat
     sudo .venv/bin/python bench/security.py jobfile
     sudo .venv/bin/python bench/security.py status
+    sudo .venv/bin/python bench/security.py trace
     ... --repo /path/to/another/checkout       # the job runs that code (e.g. main, for "before")
 
 Each starts a real job (``python -m runtime.launch -n 4``, the launcher's fresh secret) whose
@@ -30,6 +31,11 @@ markdown per measurement, for bench/results/security.md:
   secret? Then a launcher is killed with SIGKILL: is its job file removed by the next one?
 * ``status``: the ranks run shared-memory all_reduces back to back; how many handshakes a second
   does a rank's port complete, and does ``tools.status`` see every rank?
+* ``trace``: the attacker makes the trace directory (0777) in a shared temporary directory before
+  the job starts with ``RINGWEAVE_TRACE`` naming it, watches /proc for the ranks and plants links
+  to a file of the job's owner under every name a rank would write (``trace-rank<R>.json`` and its
+  temporary ``.tmp<pid>``); then ``tools.trace -o`` into another directory of the attacker's, with a
+  link in the output's name. Is the owner's file overwritten?
 
 Not here: the small versions of each, which run in the suite (tests/security/).
 """
@@ -61,6 +67,7 @@ PY = sys.executable
 
 from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402 - after the path
 from tests.security.netutil import squat_shm_names  # noqa: E402
+from runtime import args as types  # noqa: E402
 
 
 
@@ -430,20 +437,104 @@ def status(args) -> None:
         job.cleanup()
 
 
+def _plant_trace_links(d: str, victim: str, secs: float) -> dict:
+    """As the attacker: the trace directory, open to all; for ``secs`` seconds, every process whose
+    command line is a bench job's ranks gets links to ``victim`` under the names a rank writes."""
+    os.mkdir(d)
+    os.chmod(d, 0o777)
+    seen: set[str] = set()
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or pid in seen:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if b"rw-sec-" not in cmdline or b"job.py" not in cmdline:
+                continue
+            seen.add(pid)
+            for r in range(4):
+                for name in (f"trace-rank{r}.json", f"trace-rank{r}.json.tmp{pid}"):
+                    try:
+                        os.symlink(victim, os.path.join(d, name))
+                    except FileExistsError:
+                        pass
+        time.sleep(0.02)
+    return {"processes": len(seen), "links": len(os.listdir(d))}
+
+
+def _plant_output_link(d: str, victim: str) -> None:
+    os.mkdir(d)
+    os.chmod(d, 0o777)
+    os.symlink(victim, os.path.join(d, "job.json"))
+
+
+PRECIOUS = "the job owner's file\n"
+
+
+def trace_attack(args) -> None:
+    shared = Path(tempfile.mkdtemp(prefix="rw-shared-", dir="/tmp"))
+    os.chmod(shared, 0o1777)
+    own = Path(tempfile.mkdtemp(prefix="rw-owner-"))  # 0700: the attacker may name its files, not read them
+    victim = own / "precious.txt"
+    victim.write_text(PRECIOUS)
+    d = str(shared / "traces")
+    pid, r = as_nobody(_plant_trace_links, d, str(victim), args.hold_s + 5)
+    time.sleep(0.3)
+    job = Job(args.repo, "steady", env=dict(os.environ, RINGWEAVE_TRACE=d))
+    try:
+        deadline = time.monotonic() + args.hold_s
+        while time.monotonic() < deadline and job.proc.poll() is None:
+            time.sleep(0.1)
+        code = job.stop()
+        planted = (result_of(pid, r).get("ok") or {})
+        said = [line for line in job.text().splitlines() if "RINGWEAVE_TRACE" in line][:1]
+        print(f"| trace directory made by uid nobody | {args.repo.name} | {planted.get('links', 0)} links for "
+              f"{planted.get('processes', 0)} processes of the job | owner's file overwritten: "
+              f"{'yes' if victim.read_text() != PRECIOUS else 'no'} | exit {code} | "
+              f"{said[0].strip()[:200] if said else ''} |")
+    finally:
+        job.cleanup()
+    victim.write_text(PRECIOUS)
+    traces = own / "traces"
+    traces.mkdir(mode=0o700)
+    for rank in range(2):
+        (traces / f"trace-rank{rank}.json").write_text(json.dumps(
+            {"traceEvents": [{"name": "all_reduce", "ph": "X", "ts": 1.0, "dur": 2.0, "pid": rank, "tid": 0,
+                              "args": {}}], "otherData": {"rank": rank, "dropped_events": 0}}))
+    out = str(shared / "out")
+    pid, r = as_nobody(_plant_output_link, out, str(victim))
+    result_of(pid, r)
+    proc = subprocess.run([PY, "-m", "tools.trace", str(traces), "-o", os.path.join(out, "job.json")],
+                          cwd=str(args.repo), env=dict(os.environ, PYTHONPATH=str(args.repo)),
+                          capture_output=True, text=True, timeout=60)
+    said = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1]
+    print(f"| tools.trace -o into uid nobody's directory | {args.repo.name} | a link in the output's name | "
+          f"owner's file overwritten: {'yes' if victim.read_text() != PRECIOUS else 'no'} | exit "
+          f"{proc.returncode} | {said[:200]} |")
+    shutil.rmtree(own, ignore_errors=True)
+    subprocess.run(["rm", "-rf", str(shared)], check=False)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status"])
-    p.add_argument("--connections", type=int, default=1100, help="per attacked port (flood, prefixes)")
-    p.add_argument("--fd-limit", type=int, default=1024, help="RLIMIT_NOFILE of every process of the job (flood)")
-    p.add_argument("--hold-s", type=float, default=5.0, help="how long the attack lasts")
-    p.add_argument("--header-nbytes", type=int, default=65536,
+    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status", "trace"])
+    p.add_argument("--connections", type=types.count, default=1100, help="per attacked port (flood, prefixes)")
+    p.add_argument("--fd-limit", type=types.positive_int, default=1024,
+                   help="RLIMIT_NOFILE of every process of the job (flood)")
+    p.add_argument("--hold-s", type=types.positive_seconds, default=5.0, help="how long the attack lasts")
+    p.add_argument("--header-nbytes", type=types.count, default=65536,
                    help="the header length each prefix announces (prefixes; 1..1024 passes the handshake's check)")
     p.add_argument("--repo", type=Path, default=REPO, help="the checkout whose code the job runs")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         p.error("run as root: the attacker is a child that drops to uid nobody")
     args.repo = args.repo.resolve()
-    {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status}[args.what](args)
+    {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status,
+     "trace": trace_attack}[args.what](args)
     return 0
 
 

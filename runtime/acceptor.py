@@ -28,7 +28,10 @@ Bounds (SECURITY.md states them, tests/security checks them):
 
 Tools (``who = {"tool": name}``) may be served here too, request by request (``serve_tool``):
 their handlers are read-only and thread-safe, so ``tools.status`` answers while the rank's loop
-is busy or stalled.
+is busy or stalled. At most ``MAX_TOOLS`` are served at once, and a tool connection that goes
+quiet is closed: each request must arrive whole, be answered (else the reply is an error) and
+its reply be taken, each within ``TOOL_IDLE_S`` seconds, so an authenticated tool that stops
+talking cannot keep one of the slots.
 
 Life (grammar): ``Acceptor(...) -> start -> (deliver | serve_tool)* -> close -> end``. ``close``
 stops the thread, joins it, and closes every socket it still holds, handed over or not. The
@@ -62,6 +65,7 @@ LOG_WINDOW_S = 10.0
 MAX_TOOL_HEADER_NBYTES = 1024  # a tool's request header: {k, i, n} with a handler name
 MAX_TOOL_PAYLOAD_NBYTES = 64 * 1024  # a tool's request arguments (msgpack)
 MAX_TOOLS = 16  # tool connections served at once; more are refused at the handshake
+TOOL_IDLE_S = 10.0  # a tool's next request (or its taking a reply) may wait this long; tools.status asks at once
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 FD_SHARE = 4  # strangers in the handshake may hold at most 1/FD_SHARE of the descriptor limit
 MIN_HANDSHAKING = 8  # ... but always this many (a tiny descriptor limit still lets peers in)
@@ -156,6 +160,7 @@ class Acceptor:
         self.max_handshaking = handshaking_bound(max_handshaking)
         self.handshake_timeout_s = handshake_timeout_s
         self._serve_tool, self._tool_schema = serve_tool, tool_schema
+        self.tool_idle_s = TOOL_IDLE_S  # read when made, so a test may lower the module's figure
         self._log = RefusalLog(name)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the thread's
@@ -344,31 +349,41 @@ class Acceptor:
     # -- tools, served on the thread ------------------------------------------------------------
     async def _serve_tool_connection(self, sock: socket.socket, who: dict, where: str) -> None:
         """Requests (``q {i, n}`` + msgpack args) and replies (``r {i, e?}`` + msgpack result) until
-        the tool says goodbye (``b``), closes, or breaks the format."""
+        the tool says goodbye (``b``), closes, breaks the format, or is quiet for ``tool_idle_s``
+        (a request not whole by then, a reply not taken)."""
         loop = asyncio.get_running_loop()
         what = f"tool {wire.shown(who.get('tool'))} at {where}"
         head = memoryview(bytearray(wire.PREFIX_NBYTES + MAX_TOOL_HEADER_NBYTES))
         try:
             while True:
-                if not await _fill(sock, head[:wire.PREFIX_NBYTES]):
-                    return
-                hlen, plen = wire.parse_prefix(head, MAX_TOOL_PAYLOAD_NBYTES, where=f" from {what}",
-                                               max_header_nbytes=MAX_TOOL_HEADER_NBYTES)
-                header_mv = head[wire.PREFIX_NBYTES:wire.PREFIX_NBYTES + hlen]
-                payload = memoryview(bytearray(plen))
-                if not await _fill(sock, header_mv) or not await _fill(sock, payload):
-                    return
+                async with asyncio.timeout(self.tool_idle_s):  # the next request, whole
+                    if not await _fill(sock, head[:wire.PREFIX_NBYTES]):
+                        return
+                    hlen, plen = wire.parse_prefix(head, MAX_TOOL_PAYLOAD_NBYTES, where=f" from {what}",
+                                                   max_header_nbytes=MAX_TOOL_HEADER_NBYTES)
+                    header_mv = head[wire.PREFIX_NBYTES:wire.PREFIX_NBYTES + hlen]
+                    payload = memoryview(bytearray(plen))
+                    if not await _fill(sock, header_mv) or not await _fill(sock, payload):
+                        return
                 header = wire.parse_header(header_mv, self._tool_schema, where=f" from {what}")
                 if header["k"] == "b":
                     return
                 try:
                     args = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-                    result = await self._serve_tool(header["n"], list(args) if isinstance(args, (list, tuple))
-                                                    else [args])
+                    async with asyncio.timeout(self.tool_idle_s):  # a handler waiting on a stalled loop
+                        result = await self._serve_tool(header["n"], list(args) if isinstance(args, (list, tuple))
+                                                        else [args])
                     reply, body = {"k": "r", "i": header["i"]}, msgpack.packb(result, use_bin_type=True)
+                except TimeoutError:
+                    reply, body = {"k": "r", "i": header["i"], "e": f"TimeoutError: no answer within "
+                                                                    f"{self.tool_idle_s:g} s"}, b""
                 except Exception as exc:  # the tool gets the error; the listener goes on
                     reply, body = {"k": "r", "i": header["i"], "e": f"{type(exc).__name__}: {exc}"}, b""
-                await loop.sock_sendall(sock, wire.encode_head(reply, len(body)) + body)
+                async with asyncio.timeout(self.tool_idle_s):  # a tool that does not read its replies
+                    await loop.sock_sendall(sock, wire.encode_head(reply, len(body)) + body)
+        except TimeoutError:
+            self._log.warning(f"dropped {what}: quiet for {self.tool_idle_s:g} s (a tool's slot is held "
+                              f"only while it talks)")
         except (BadFrameError, OSError) as exc:
             self._log.warning(f"dropped {what}: {exc}")
 

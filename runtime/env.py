@@ -90,16 +90,20 @@ def nbytes(raw: str) -> int:
 
 
 def number(unit: str, ok: Callable[[float], bool], must: str) -> Callable[[str], float]:
-    """A parser of a float in ``unit`` for which ``ok`` holds (NaN never does), else ``must``."""
+    """A parser of a finite float in ``unit`` (``""``: a plain number) for which ``ok`` holds, else
+    ``must``. NaN and the infinities never pass (nor ``1e309``, which reads as infinity): no deadline,
+    size or rate is meant by them, and each would fail later, far from the text that caused it."""
+    what = f"a number of {unit}" if unit else "a number"
+
     def parse(raw: str) -> float:
         try:
             value = float(raw)
         except ValueError:
-            raise ValueError(f"is not a number of {unit}") from None
-        if math.isnan(value) or not ok(value):
+            raise ValueError(f"is not {what}") from None
+        if not math.isfinite(value) or not ok(value):
             raise ValueError(must)
         return value
-    parse.__doc__ = f"A number of {unit}: {must}."
+    parse.__doc__ = f"{what[:1].upper()}{what[1:]}: {must}."
     return parse
 
 
@@ -147,11 +151,11 @@ def signal_names(raw: str) -> tuple[str, ...]:
 count = integer("an integer", lambda v: v >= 0, "must be 0 or more")
 exit_code = integer("an integer exit code", lambda v: 1 <= v <= 255,
                     "must be an exit code in 1..255 (0 would read as success)")
-positive_seconds = number("seconds", lambda v: v > 0, "must be a positive number of seconds")
-check_seconds = number("seconds", lambda v: v >= 0, "must be 0 (off) or more seconds")
-microseconds = number("microseconds", lambda v: v >= 0, "must be 0 or more microseconds")
-mebibytes = number("MiB", lambda v: v >= 0, "must be 0 or more MiB")
-kibibytes = number("KiB", lambda v: v >= 0, "must be 0 or more KiB")
+positive_seconds = number("seconds", lambda v: v > 0, "must be a positive, finite number of seconds")
+check_seconds = number("seconds", lambda v: v >= 0, "must be 0 (off) or a positive, finite number of seconds")
+microseconds = number("microseconds", lambda v: v >= 0, "must be 0 or more microseconds, finite")
+mebibytes = number("MiB", lambda v: v >= 0, "must be 0 or more MiB, finite")
+kibibytes = number("KiB", lambda v: v >= 0, "must be 0 or more KiB, finite")
 
 
 # -- the declarations ----------------------------------------------------------------------------------
@@ -304,8 +308,8 @@ LAUNCHER_PID = _("RINGWEAVE_LAUNCHER_PID", count, None, "init",
 PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", mebibytes, "256", "each pool",
                 "page-locked host memory the device collectives keep for staging, in MiB; "
                 "beyond it a call stages through temporary pageable memory")
-DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more"), "4096",
-                   "each call", "bytes per pipelined segment of a device collective, in KiB")
+DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more, finite"),
+                   "4096", "each call", "bytes per pipelined segment of a device collective, in KiB")
 DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "65536", "each call",
                        "a device collective whose larger array is up to this size is staged whole and run by the "
                        "host collectives; larger ones are pipelined in segments, reduced on the device (0: always "

@@ -40,6 +40,12 @@ class JobFileError(RingweaveError):
     The message names the path, what was found and what is expected."""
 
 
+class PrivateDirError(RingweaveError):
+    """A directory we write in where the user said (a trace directory, a tool's output;
+    runtime/owndir.py) is not safely ours: another owner, writable by group or others, a
+    symbolic link, or not a directory. The message names the path, why, and what to do."""
+
+
 class PeerLostError(RingweaveError):
     """A peer rank died, disconnected or left while we still needed it.
 

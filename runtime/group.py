@@ -791,7 +791,7 @@ class Runtime:
         self.watchdog.close()
         try:
             self.tracer.write()
-        except OSError as exc:
+        except (OSError, RingweaveError) as exc:  # PrivateDirError: the directory is no longer ours alone
             log.warning("rank %d: could not write its trace: %s", self.rank, exc)
         if "runtime.shm" in sys.modules:  # release this runtime's shared-memory mappings
             sys.modules["runtime.shm"].close_runtime(self)

@@ -45,7 +45,7 @@ import weakref
 
 import msgpack
 
-from runtime import auth, lifeline, scheduler
+from runtime import auth, lifeline, scheduler, trace
 from runtime.actor import Actor
 from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
 from runtime import env as settings
@@ -260,6 +260,7 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
     master_port = env["master_port"] if master_port is None else master_port
     job = job or env["job"]
     timeout_s = env_timeout_s() if timeout_s is None else timeout_s  # RINGWEAVE_TIMEOUT_S, read now
+    trace.check_dir(settings.TRACE.get())  # a trace directory others may write in is refused before joining
     if isinstance(secret, str):
         secret = secret.encode()
     secret = secret if secret is not None else auth.secret_from_env()

@@ -135,6 +135,7 @@ import enum
 import errno
 import functools
 import ipaddress
+import math
 import os
 import secrets
 import signal
@@ -145,6 +146,7 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
+from runtime import args as types
 from runtime import auth, jobfile, procs, shm
 from runtime import env as settings
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
@@ -203,28 +205,28 @@ def build_parser() -> argparse.ArgumentParser:
                "RINGWEAVE_JOB and RINGWEAVE_RESTART (see the module docstring: python -m pydoc runtime.launch). "
                "Exit code: 0 when every rank exited 0, else the code of the rank that failed first "
                "(128+N for signal N; 124 past --max-time-s; 2 for bad arguments).")
-    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True, metavar="N",
+    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=types.positive_int, required=True, metavar="N",
                    help="ranks to start on this node, e.g. 4")
-    p.add_argument("--nnodes", type=int, default=1, metavar="M",
+    p.add_argument("--nnodes", type=types.positive_int, default=1, metavar="M",
                    help="nodes in the job (default 1); every node runs N ranks and its own launcher")
-    p.add_argument("--node-rank", type=int, default=0, metavar="K",
+    p.add_argument("--node-rank", type=types.count, default=0, metavar="K",
                    help="this node, 0..M-1 (default 0); node 0 hosts the rendezvous store")
     p.add_argument("--master-addr", default=None, metavar="HOST",
                    help="address of node 0, where the store is (default 127.0.0.1; required with --nnodes > 1)")
-    p.add_argument("--master-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--master-port", type=types.port_or_any, default=None, metavar="PORT",
                    help="port of the store (single node: default 0, any free port; required with --nnodes > 1)")
     p.add_argument("--job-id", default=None, metavar="ID",
                    help="the run's id, the same on every node; names its shared-memory segments and lets "
                         "python -m tools.status find it (default: fresh on one node, HOST:PORT on several)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+    p.add_argument("--max-restarts", type=types.count, default=0, metavar="R",
                    help="restart every rank of this node after a failure, up to R times (default 0); "
                         "ranks see RINGWEAVE_RESTART=1, 2, ...")
-    p.add_argument("--grace-s", type=float, default=5.0, metavar="S",
+    p.add_argument("--grace-s", type=types.seconds, default=5.0, metavar="S",
                    help="when stopping ranks: seconds between SIGTERM and SIGKILL (default 5)")
-    p.add_argument("--timeout-s", type=float, default=None, metavar="T",
+    p.add_argument("--timeout-s", type=types.positive_seconds, default=None, metavar="T",
                    help="default timeout of every wait in the ranks, in seconds (sets RINGWEAVE_TIMEOUT_S; "
                         "default: the runtime's own, 300)")
-    p.add_argument("--max-time-s", type=float, default=None, metavar="T",
+    p.add_argument("--max-time-s", type=types.positive_seconds, default=None, metavar="T",
                    help="wall-clock limit of the whole job in seconds; past it every rank is stopped and "
                         "the launcher exits 124")
     p.add_argument("--force", action="store_true",
@@ -284,11 +286,11 @@ def check_config(cfg: LaunchConfig, max_nproc: int | None = None) -> None:
         raise ValueError(f"--master-port must be in 0..65535, got {cfg.master_port}")
     if cfg.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
-    if cfg.grace_s < 0:
-        raise ValueError(f"--grace-s must be >= 0, got {cfg.grace_s}")
+    if not (math.isfinite(cfg.grace_s) and cfg.grace_s >= 0):  # NaN fails every comparison: ask for what is wanted
+        raise ValueError(f"--grace-s must be 0 or a positive, finite number of seconds, got {cfg.grace_s}")
     for name, value in (("--timeout-s", cfg.timeout_s), ("--max-time-s", cfg.max_time_s)):
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
 
 
 def is_loopback_addr(host: str) -> bool:

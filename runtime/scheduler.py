@@ -230,8 +230,11 @@ def _overrides(env: Mapping[str, str], p: Placement) -> Placement:
             f"MASTER_ADDR is not set and this {p.launcher} job spans nodes ({p.local_world_size} of "
             f"{p.world_size} ranks on this one): set MASTER_ADDR to the host of rank 0 (the default, "
             f"127.0.0.1, is right on one node only)"))
-    if _int(env, "MASTER_PORT") is not None:
-        fields.update(master_port=_int(env, "MASTER_PORT"), master_port_source="MASTER_PORT")
+    port = _int(env, "MASTER_PORT")
+    if port is not None:
+        if not 0 <= port <= 65535:  # a socket call would take it modulo 65536: another port, silently
+            raise RingweaveError(f"environment variable MASTER_PORT={port} is not a port: it must be in 1..65535")
+        fields.update(master_port=port, master_port_source="MASTER_PORT")
     if settings.STORE_HOSTED.get(env):
         fields["hosts_store"] = False
     if settings.JOB.given(env) is not None:

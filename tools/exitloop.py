@@ -20,6 +20,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from runtime import args as types
+
 
 @dataclass
 class Run:
@@ -64,10 +66,10 @@ def run_loop(script: str, args: list[str] = (), *, runs: int = 50, parallel: int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.exitloop", description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=50, help="how many runs (default 50)")
-    p.add_argument("--parallel", type=int, default=5, help="runs at once (default 5)")
-    p.add_argument("-n", "--nproc", type=int, default=2, help="ranks per run (default 2)")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="one run's limit (default 120)")
+    p.add_argument("--runs", type=types.positive_int, default=50, help="how many runs (default 50)")
+    p.add_argument("--parallel", type=types.positive_int, default=5, help="runs at once (default 5)")
+    p.add_argument("-n", "--nproc", type=types.positive_int, default=2, help="ranks per run (default 2)")
+    p.add_argument("--timeout-s", type=types.positive_seconds, default=120.0, help="one run's limit (default 120)")
     p.add_argument("script", help="the script to launch")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import msgpack
 
+from runtime import args as types
 from runtime import auth, jobfile
 from runtime.errors import RingweaveError
 from runtime.init import JOB_INFO_KEY, read_env
@@ -30,7 +31,7 @@ from runtime.store_tcp import TCPStore
 def add_arguments(p) -> None:
     """The flags above, on an argparse parser (``--job`` is the caller's)."""
     p.add_argument("--master-addr", default=None, help="the job's store host (default: MASTER_ADDR or the scheduler's)")
-    p.add_argument("--master-port", type=int, default=None, help="the job's store port")
+    p.add_argument("--master-port", type=types.port, default=None, help="the job's store port")
     p.add_argument("--secret-file", default=None, help="file holding the job's secret (default: RINGWEAVE_SECRET)")
 
 

@@ -35,6 +35,7 @@ import sys
 
 import msgpack
 
+from runtime import args as types
 from runtime import auth, wire
 from runtime.actor import SCHEMA as _ACTOR_SCHEMA
 from runtime.errors import RingweaveError
@@ -112,7 +113,8 @@ def render(statuses: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", default=None)
-    p.add_argument("--timeout-s", type=float, default=2.0)
+    p.add_argument("--timeout-s", type=types.positive_seconds, default=2.0,
+                   help="how long each rank (and the store) may take to answer, in seconds (default 2)")
     p.add_argument("--json", action="store_true")
     locate.add_arguments(p)  # or through the job's store: tools/locate.py
     args = p.parse_args(argv)

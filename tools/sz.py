@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tokenize
 
+from runtime import args as types
+
 SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
         tokenize.ENCODING, tokenize.ENDMARKER}
 DEFAULT_DIRS = ("runtime", "collectives", "trainer", "tools", "bench")
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", help="a git revision: show the line change of each file since it")
     p.add_argument("--all", action="store_true", help="include tests/")
-    p.add_argument("--split", type=int, default=800, help="flag files with more code lines than this")
+    p.add_argument("--split", type=types.positive_int, default=800, help="flag files with more code lines than this")
     args = p.parse_args(argv)
     dirs = DEFAULT_DIRS + (("tests",) if args.all else ())
     delta = changes(args.base) if args.base else {}

@@ -47,6 +47,7 @@ import sys
 import numpy as np
 
 import runtime
+from runtime import args as types
 from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
@@ -73,25 +74,10 @@ MODEL_DEFAULTS = {
 }
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+# every number's type comes from runtime/args.py: finite, in range, argparse's one-line error
+_positive_int = types.positive_int
+_non_negative_int = types.count
+_positive_float = types.positive
 
 
 def _stage_layers(text: str) -> tuple[int, ...]:
@@ -169,13 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global micro-batch size, all ranks together: rows (mlp) or windows (gpt); default 64")
     g.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default 2e-3)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--weight-decay", type=types.non_negative, default=0.01)
     g.add_argument("--decay", choices=("matrices", "all"), default="matrices",
                    help="which parameters weight decay applies to: the layers' matrices, not biases, LayerNorm or "
                         "embeddings (default, as nanoGPT and DeepSpeed), or all")
-    g.add_argument("--momentum", type=float, default=0.9, help="sgd only")
+    g.add_argument("--momentum", type=types.fraction, default=0.9, help="sgd only")
     g.add_argument("--nesterov", action="store_true", help="sgd only")
-    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr / 100)")
+    g.add_argument("--min-lr", type=types.non_negative, default=None, help="cosine floor (default lr / 100)")
     g.add_argument("--adam-kernel", choices=("numba", "numpy"), default="numba")
     g.add_argument("--warmup-steps", type=_non_negative_int, default=None,
                    help="linear warm-up steps (default half an epoch)")
@@ -189,10 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--size", type=_positive_int, default=10000, help="synthetic: rows (default 10000)")
     g.add_argument("--in-dim", type=_positive_int, default=64, help="synthetic: features (default 64)")
     g.add_argument("--classes", type=_positive_int, default=10, help="synthetic: classes (default 10)")
-    g.add_argument("--val-fraction", type=float, default=0.2)
+    g.add_argument("--val-fraction", type=types.open_fraction, default=0.2)
     g.add_argument("--width", type=_positive_int, default=256, help="hidden width (default 256)")
     g.add_argument("--depth", type=_positive_int, default=2, help="hidden blocks (default 2)")
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--dropout", type=types.fraction, default=0.0)
     g.add_argument("--activation", choices=("gelu", "relu"), default="gelu", help="mlp: the activation")
     g.add_argument("--gelu", choices=("tanh", "erf"), default="tanh",
                    help="GELU form: tanh, the approximation GPT-2 uses (default here), or erf, the exact form "
@@ -217,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also save every N optimizer steps (default: end of each epoch only)")
     g.add_argument("--keep-last", type=_positive_int, default=2, help="checkpoints kept (default 2)")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    g.add_argument("--target-accuracy", type=float, default=None, metavar="ACC",
+    g.add_argument("--target-accuracy", type=types.probability, default=None, metavar="ACC",
                    help="stop once validation accuracy reaches ACC")
     g.add_argument("--patience", type=_positive_int, default=None,
                    help="stop when validation loss has not improved for N epochs")

@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from runtime import args as types
 from trainer.checkpoint import CheckpointError, read_unit_params
 from trainer.nn import GPT
 from trainer.text import decode, encode
@@ -33,10 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a checkpoint directory, or the --checkpoint-dir of a run (its newest checkpoint)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default a newline)")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the arg-max")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes only")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=types.count, default=200, help="bytes to generate (default 200)")
+    p.add_argument("--temperature", type=types.temperature, default=0.8,
+                   help="softmax temperature, >= 0.001; 0 takes the arg-max")
+    p.add_argument("--top-k", type=types.positive_int, default=None, help="sample among the k most likely bytes only")
+    p.add_argument("--seed", type=types.count, default=0)
     p.add_argument("--no-cache", dest="cache", action="store_false",
                    help="recompute the whole context for every byte (the reference for the KV cache)")
     return p
@@ -57,11 +59,7 @@ def load_model(path) -> tuple[GPT, list[np.ndarray]]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.tokens < 0:
-        build_parser().error(f"--tokens must be >= 0, got {args.tokens}")
-    if args.top_k is not None and args.top_k < 1:
-        build_parser().error(f"--top-k must be >= 1, got {args.top_k}")
+    args = build_parser().parse_args(argv)  # every number checked by its type (runtime/args.py)
     try:
         model, params = load_model(args.checkpoint)
     except CheckpointError as exc:

@@ -1,0 +1,125 @@
+"""A directory the user names for our output (``RINGWEAVE_TRACE``, ``tools.trace -o``), made and
+checked so that only its owner decides what is in it, and the files written there.
+
+The job file's rules (runtime/jobfile.py, whose open flags are used here), for any path:
+
+* the directory is opened once with ``O_DIRECTORY | O_NOFOLLOW`` and checked through that
+  descriptor: owned by this user and not writable by group or others. A missing one is made with
+  mode 0700 when asked (its parents as ``mkdir -p`` would). Anything else (another user's, one
+  that group or others may write in, a symbolic link) raises
+  :class:`~runtime.errors.PrivateDirError` naming the path, why and what to do: another user
+  who may write there could plant a link under the name we are about to write, and make us
+  overwrite the job owner's files;
+* files are made relative to that descriptor under a fresh random name with
+  ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, then renamed onto their name (:func:`replacing`):
+  nothing is ever written through a name that already exists, and a rename replaces a link
+  rather than following it;
+* files are read relative to a descriptor with ``O_NOFOLLOW | O_NONBLOCK``, regular files only
+  (:func:`read_file`: neither a link nor a FIFO planted in the name).
+
+Unlike the job file's directory, one that others may read or enter is accepted: a trace holds no
+secret, and a user may share one on purpose. What is refused is anyone else writing there.
+
+Not here: what is written (runtime/trace.py, tools/trace.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from typing import IO, Iterator
+
+from runtime.errors import PrivateDirError
+from runtime.jobfile import _DIR_FLAGS, _NEW_FILE_FLAGS, _READ_FLAGS
+
+
+def open_dir(path: str, *, create: bool, what: str = "directory") -> int:
+    """Opens ``path`` as a directory we may write in, making it (0700) first when ``create`` and
+    it is missing. Returns the descriptor (the caller closes it). ``what`` names it in errors,
+    e.g. ``"the trace directory (RINGWEAVE_TRACE)"``.
+
+    Raises:
+        PrivateDirError: not a directory of this user's that only it may write in.
+        FileNotFoundError: it is missing and ``create`` is false.
+    """
+    made = False
+    if create:
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            made = True
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symbolic link; ENOTDIR: a file
+        if os.path.islink(path):
+            raise PrivateDirError(f"{what} {path} is a symbolic link: give a directory of your own itself, not a "
+                                  f"link to one (a link can be changed by whoever owns it)") from None
+        raise PrivateDirError(f"{what} {path} cannot be opened as a directory ({exc.strerror})") from None
+    try:
+        _check(fd, path, what, made)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check(fd: int, path: str, what: str, made: bool) -> None:
+    st = os.fstat(fd)
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise PrivateDirError(f"{what} {path} belongs to uid {st.st_uid}, not to this user (uid {me}): its owner "
+                              f"could plant links there that make us overwrite your files; use a directory of "
+                              f"your own (a missing one is made, mode 0700)")
+    if made:
+        os.fchmod(fd, 0o700)  # whatever the umask left
+        st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise PrivateDirError(f"{what} {path} has mode {mode:04o}: group or others may write in it, and could "
+                              f"plant links there that make us overwrite your files; chmod go-w it, or use "
+                              f"another directory")
+
+
+@contextlib.contextmanager
+def replacing(dfd: int, name: str, mode: str = "w") -> Iterator[IO]:
+    """A new file, open for writing (``mode``: ``"w"`` or ``"wb"``), that becomes ``name`` in
+    directory ``dfd`` when the block ends without an exception, replacing what had that name;
+    on an exception it is removed and ``name`` is left as it was."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, _NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
+def read_file(dfd: int, name: str, where: str) -> bytes:
+    """The bytes of regular file ``name`` in directory ``dfd``, opened without following a link
+    and without blocking on a FIFO; ``where`` names the directory in errors.
+
+    Raises:
+        PrivateDirError: ``name`` is a link, a FIFO or anything but a regular file.
+        OSError: it cannot be read (FileNotFoundError: gone).
+    """
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise PrivateDirError(f"{os.path.join(where, name)} cannot be opened safely ({exc.strerror}): "
+                              f"not following a link") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise PrivateDirError(f"{os.path.join(where, name)} is not a regular file")
+        return f.read()
