@@ -361,8 +361,9 @@ def run_fields(args: argparse.Namespace, data) -> dict:
     and an MLP's shape (its activation has no parameter to tell it)."""
     if args.model == "gpt":
         return {"data": args.corpus}
-    return {"model": "mlp", "data": args.data, "in_dim": int(data.in_dim), "hidden": [args.width] * args.depth,
-            "classes": int(data.num_classes), "activation": args.activation, "gelu": args.gelu}
+    fields = {"model": "mlp", "data": args.data, "in_dim": int(data.in_dim), "hidden": [args.width] * args.depth,
+              "classes": int(data.num_classes), "activation": args.activation}
+    return fields | ({"gelu": args.gelu} if args.activation == "gelu" else {})
 
 
 def describe(args: argparse.Namespace, data, model, world_size: int, steps: int, mesh=None) -> str:
