@@ -329,8 +329,9 @@ class _Run:
         self.sums = EpochSums(**meta["carried"])
         self.history.epochs = [EpochStats(**e) for e in meta["history"]]
         self.history.resumed_from = (self.start_epoch, self.start_k)
+        note = f" ({opened.note})" if opened.note else ""
         self.progress.log(f"resumed from {path}: epoch {self.start_epoch + 1}, step {self.start_k} of "
-                          f"{self.steps_total} (optimizer step {self.state.step})" + (f" ({opened.note})" if opened.note else ""))
+                          f"{self.steps_total} (optimizer step {self.state.step}){note}")
 
     async def save(self, epoch: int, k: int, sums: EpochSums) -> None:
         meta = {"epoch": epoch, "step_in_epoch": k, "step": self.state.step, "carried": asdict(sums),

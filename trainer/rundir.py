@@ -143,6 +143,8 @@ async def open_run(directory, group, *, environ: Mapping[str, str], config: dict
     if group is None or group.rank == 0:
         try:
             answer = _decide_and_act(directory, environ, config, shapes, resume, move_aside)
+        except RunError as exc:  # a restart counter that is not a count
+            answer = {"refuse": str(exc)}
         except Exception as exc:  # told to every rank below, never left to hang them
             answer = {"refuse": f"cannot use the checkpoint directory {directory}: {type(exc).__name__}: {exc}"}
     if group is not None and group.size > 1:

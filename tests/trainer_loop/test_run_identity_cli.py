@@ -139,6 +139,30 @@ def test_resume_into_a_missing_directory_is_an_error_and_resume_auto_starts(tmp_
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "typo_dir")] == ["step-00000005"]
 
 
+def test_an_unnamed_checkpoint_resumes_when_its_model_matches_and_is_never_pruned(tmp_path):
+    """A checkpoint written before checkpoints named their run (no "run" in its metadata)."""
+    ckpt = tmp_path / "ckpt"
+    args = [*MLP, "--quiet", "--keep-last", "1", "--checkpoint-dir", str(ckpt)]
+    code, out = trainer([*args, "--epochs", "1"], tmp_path)
+    assert code == 0, out[-3000:]
+    meta_path = ckpt / "step-00000005" / checkpoint.METADATA
+    meta = json.loads(meta_path.read_text())
+    meta.pop("run", None)
+    meta_path.write_text(json.dumps(meta))
+
+    code, out = trainer([*args, "--epochs", "2", "--resume", "--width", "8"], tmp_path)
+    assert code == 2 and "cannot continue the unnamed run" in out and "params: 0.0.weight [8, 16] -> [8, 8]" in out
+    code, out = trainer([*args, "--epochs", "2"], tmp_path)  # a new run refuses it like any other
+    assert code == 2 and "holds the checkpoints of another run, an unnamed run" in out, out[-3000:]
+    code, out = trainer([*args, "--epochs", "3", "--resume"], tmp_path)
+    assert code == 0, out[-3000:]
+    [line] = [s for s in out.splitlines() if s.startswith("resumed from")]
+    assert line.startswith(f"resumed from {ckpt}/step-00000005: epoch 2, step 0 of 5 (optimizer step 5) (run ")
+    # the continued run has an id of its own; --keep-last 1 pruned its step 10, never the unnamed step 5
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step-00000005", "step-00000015"]
+    assert run_of(ckpt / "step-00000015") == line.split("(run ")[1].rstrip(")")
+
+
 def test_sample_reads_the_newest_valid_checkpoint_of_the_directorys_run_never_a_mix(tmp_path):
     old, new, mixed = tmp_path / "old", tmp_path / "new", tmp_path / "mixed"
     for where, extra in ((old, ["--seed", "1"]), (new, ["--checkpoint-every", "1", "--keep-last", "3"])):
