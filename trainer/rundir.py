@@ -36,7 +36,7 @@ from trainer.runid import Action, Resume, RunError, RunFound
 
 __all__ = ["Opened", "open_run", "runs_in", "move_aside", "checkpoints_to_read"]
 
-_UNREADABLE = "?"  # runs_in's key for checkpoints whose metadata cannot be read (never a run id)
+_UNREADABLE, _BAD_RUN = "?", "!"  # runs_in's keys (never run ids): metadata that cannot be read; a broken "run"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -46,9 +46,13 @@ def runs_in(root) -> list[RunFound]:
     for path in checkpoint.list_checkpoints(root):
         try:
             meta = checkpoint.read_metadata(path)
+        except checkpoint.CheckpointError:
+            groups.setdefault(_UNREADABLE, []).append((path, None))
+            continue
+        try:
             key = runid.run_of(meta)
-        except (checkpoint.CheckpointError, ValueError):
-            meta, key = None, _UNREADABLE
+        except ValueError:  # loading does not read "run": such a checkpoint must not be offered to it
+            meta, key = None, _BAD_RUN
         groups.setdefault(key, []).append((path, meta))
     return [_found(key, items) for key, items in groups.items()]
 
@@ -56,8 +60,8 @@ def runs_in(root) -> list[RunFound]:
 def _found(key: str | None, items: list) -> RunFound:
     names = tuple(p.name for p, _ in items)
     steps = tuple(int(n.split("-", 1)[1]) for n in names)
-    if key == _UNREADABLE:
-        return RunFound(None, names, steps, readable=False)
+    if key in (_UNREADABLE, _BAD_RUN):
+        return RunFound(None, names, steps, readable=False, tried=key == _UNREADABLE)
     newest = items[-1][1]
     created = newest.get("created_unix_s")
     try:

@@ -244,7 +244,8 @@ def differences(old: Mapping, new: Mapping, old_shapes: list[list] | None = None
 @dataclass(frozen=True)
 class RunFound:
     """The committed checkpoints of one run in a directory (id None: the unnamed run, whose
-    checkpoints predate run ids; ``readable`` False: checkpoints whose metadata cannot be read)."""
+    checkpoints predate run ids; ``readable`` False: checkpoints whose metadata cannot be read,
+    or whose "run" breaks the contract; ``tried`` False for the latter: loading would not notice)."""
     id: str | None
     names: tuple[str, ...]            # its step directories, oldest first, e.g. ("step-00000040",)
     steps: tuple[int, ...]            # their steps
@@ -252,11 +253,12 @@ class RunFound:
     config: dict = field(default_factory=dict)
     shapes: list | None = None        # its parameters [[name, shape], ...], for naming a difference
     readable: bool = True
+    tried: bool = True                # unreadable ones: offered to the loader, which fails on them and says why
 
     def describe(self) -> str:
         """E.g. "run 3fa85f64... (newest step 40, saved 2025-01-02 10:11:12, 2 checkpoints)"."""
         if not self.readable:
-            who = "checkpoints whose metadata cannot be read"
+            who = "checkpoints whose metadata cannot be read" if self.tried else "checkpoints with a damaged \"run\""
         else:
             who = f"run {self.id}" if self.id else "an unnamed run (saved before checkpoints named their run)"
         when = (f", saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.created_unix_s))}"
@@ -327,20 +329,19 @@ def decide(found: Sequence[RunFound], *, where: str, own_id: str, job: JobIdenti
     except RunError as exc:
         return Decision(Action.REFUSE, message=str(exc))
     if source is None:  # only checkpoints that cannot be read: loading them says why each fails
-        return Decision(Action.CONTINUE, own_id, source=_unreadable(found), message="")
+        if not any(r.tried for r in found):
+            return Decision(Action.REFUSE, message=f"{where} holds no checkpoint that can be continued: "
+                                                   f"{'; '.join(r.describe() for r in found)}")
+        return Decision(Action.CONTINUE, own_id, source=None, message="")
     return _continue(source, source.id or own_id, config, shapes, where, f"run {source.id or own_id}")
 
 
 def to_load(source: RunFound | None, found: Sequence[RunFound]) -> list[str]:
-    """The checkpoints to try for ``source``, oldest first: its own, and those whose metadata cannot
-    be read (they fail to load, and the log says why; they never load instead of ``source``'s)."""
-    names = [n for r in found if not r.readable for n in r.names] + list(source.names if source else ())
+    """The checkpoints to try for ``source`` (None: none readable), oldest first: its own, and those
+    whose metadata cannot be read (they fail to load, and the log says why; they never load
+    instead of ``source``'s)."""
+    names = [n for r in found if not r.readable and r.tried for n in r.names] + list(source.names if source else ())
     return sorted(set(names), key=lambda n: int(n.split("-", 1)[1]))
-
-
-def _unreadable(found: Sequence[RunFound]) -> RunFound:
-    names = sorted(n for r in found for n in r.names)
-    return RunFound(None, tuple(names), tuple(int(n.split("-", 1)[1]) for n in names), readable=False)
 
 
 def _continue(source: RunFound, run_id: str, config: Mapping, shapes, where: str, note: str) -> Decision:

@@ -219,8 +219,20 @@ def test_resume_refuses_several_named_runs():
 
 
 def test_resume_with_only_unreadable_checkpoints_tries_them_so_the_loader_says_why():
-    d = decide_([run(None, 4, readable=False)], resume=Resume.ALWAYS)
-    assert (d.action, d.source.names, d.source.readable) == (Action.CONTINUE, ("step-00000004",), False)
+    found = [run(None, 4, readable=False)]
+    d = decide_(found, resume=Resume.ALWAYS)
+    assert (d.action, d.source, to_load(d.source, found)) == (Action.CONTINUE, None, ["step-00000004"])
+
+
+def test_a_checkpoint_whose_run_is_damaged_is_never_offered_to_the_loader():
+    """Loading does not read "run", so such a checkpoint (another run's, perhaps) could load in place of ours."""
+    damaged = RunFound(None, ("step-00000009",), (9,), readable=False, tried=False)
+    d = decide_([damaged, run(A, 4)], resume=Resume.ALWAYS)
+    assert (d.action, to_load(d.source, [damaged, run(A, 4)])) == (Action.CONTINUE, ["step-00000004"])
+    d = decide_([damaged], resume=Resume.AUTO)
+    assert d.action is Action.REFUSE and 'ckpt holds no checkpoint that can be continued: checkpoints with a ' \
+                                          'damaged "run" (newest step 9' in d.message
+    assert decide_([damaged]).action is Action.REFUSE  # and a new run does not start beside it
 
 
 def test_resume_modes_from_fit_arguments():
