@@ -19,6 +19,7 @@ rank 0 writes one metadata file that describes the global layout::
       "scaler": {"scale": 65536.0, "good_steps": 40},
       "extra": {"epoch": 1, "batch": 12},            # the loop's position in the data
       "model": {"kind": "gpt", "config": {...}},     # model.spec() when the model has one (trainer.sample)
+      "run": {"id": "3fa85f64...", "config": {...}}, # the run it belongs to (trainer/runid.py); absent: unnamed
       "units": [{"index": 0, "numel": 17152,
                  "params": [{"name": "0.weight", "shape": [64, 256], "offset": 0}, ...]}, ...],
       "arrays": {"unit0.param": {"numel": 17152, "dtype": "float32",
@@ -43,7 +44,9 @@ Atomic save, in order:
     3. all_reduce of the failure flags: if any rank failed, rank 0 deletes the
        temporary directory and EVERY rank raises CheckpointError naming the ranks;
     4. rank 0 merges the indexes into metadata.json (fsync), renames the directory to
-       ``step-S`` (fsync of the root), and deletes all but the newest ``keep_last``;
+       ``step-S`` (fsync of the root), and deletes all but the newest ``keep_last`` of the
+       checkpoints of the same run (the same "run" id, or none for a save without one):
+       another run's checkpoints, and one whose metadata cannot be read, are never deleted;
     5. a last all_reduce: nobody returns before the commit (or its failure) is known.
 A process killed anywhere before the rename leaves only a ``.tmp-*`` directory,
 which ``latest()`` ignores, so the previous checkpoint stays the one loaded.
@@ -73,6 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer import runid
 from trainer.precision import resolve_dtype
 
 log = logging.getLogger("ringweave.checkpoint")
@@ -152,7 +156,7 @@ def _write_pieces(state: dict, tmp: Path, rank: int) -> dict:
     return pieces
 
 
-def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None) -> dict:
+def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None, run: dict | None) -> dict:
     model_units = model.units
     arrays: dict[str, dict] = {}
     for r in range(world):
@@ -168,21 +172,39 @@ def _metadata(state: dict, model, tmp: Path, world: int, extra: dict | None) -> 
     units = [{"index": i, "numel": u.numel,
               "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in u.param_specs]}
              for i, u in enumerate(model_units)]
-    return {"format": FORMAT, "version": VERSION, "step": int(state["step"]), "optim_step": int(state["optim_step"]),
+    meta = {"format": FORMAT, "version": VERSION, "step": int(state["step"]), "optim_step": int(state["optim_step"]),
             "strategy": state["strategy"], "world_size": world, "optimizer": state["optimizer"],
             "master_dtype": state["master_dtype"], "scaler": state["scaler"], "extra": extra or {},
             "created_unix_s": time.time(), "units": units, "arrays": arrays,
             "model": model.spec() if hasattr(model, "spec") else None, "mesh": state.get("mesh")}
+    if run is not None:
+        meta["run"] = {"id": run["id"], "config": dict(run["config"])}
+    return meta
 
 
-async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3) -> Path:
+def _own_checkpoints(root: Path, run_id: str | None) -> list[Path]:
+    """The committed checkpoints under ``root`` that run ``run_id`` wrote (None: those that name
+    no run), oldest first; one whose metadata cannot be read is nobody's."""
+    own = []
+    for path in list_checkpoints(root):
+        try:
+            if runid.run_of(read_metadata(path)) == run_id:
+                own.append(path)
+        except (CheckpointError, ValueError):
+            continue
+    return own
+
+
+async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3, run: dict | None = None) -> Path:
     """Saves ``strategy``'s state under ``root/step-SSSSSSSS``; every rank of its group calls it.
 
     Args:
         strategy: a set-up Strategy (has ``group``, ``model``, ``state_dict()``).
         root: the checkpoint directory (made if missing), the same path on every rank.
         extra: JSON-able loop state, e.g. ``{"epoch": 2, "batch": 7}``.
-        keep_last: committed checkpoints kept (older ones are deleted), >= 1.
+        keep_last: committed checkpoints of this run kept (its older ones are deleted), >= 1.
+        run: ``{"id": 32 lowercase hex, "config": {name: JSON scalar or list of scalars}}``, the run
+            this checkpoint belongs to (trainer/runid.py), stored as metadata["run"]; None: none.
     Returns:
         The committed checkpoint's directory.
     Raises:
@@ -191,6 +213,8 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if run is not None:
+        runid.check_run(run)
     root = Path(root)
     group = strategy.group
     rank, world = group.rank, group.size
@@ -233,7 +257,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
     commit = np.zeros(1, dtype=np.float64)
     if rank == 0:
         try:
-            meta = _metadata(state, getattr(strategy, "logical_model", strategy.model), tmp, world, extra)
+            meta = _metadata(state, getattr(strategy, "logical_model", strategy.model), tmp, world, extra, run)
             _write_durable(tmp / METADATA, lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again: replace it
@@ -244,7 +268,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3)
             else:
                 os.replace(tmp, final)
             _fsync_dir(root)
-            for stale in list_checkpoints(root)[:-keep_last]:
+            for stale in _own_checkpoints(root, run["id"] if run else None)[:-keep_last]:
                 shutil.rmtree(stale, ignore_errors=True)
         except Exception as exc:
             commit[0] = 1
@@ -358,9 +382,11 @@ def load(strategy, path) -> dict:
     return meta
 
 
-async def load_newest_valid(strategy, root) -> dict | None:
+async def load_newest_valid(strategy, root, candidates=None) -> dict | None:
     """Loads the newest checkpoint under ``root`` that loads and verifies on every rank; returns
-    its metadata, or None when ``root`` holds no committed checkpoint. A collective over the
+    its metadata, or None when ``root`` holds no committed checkpoint. ``candidates``: the
+    checkpoint directories to try instead of all of root's, oldest first (the same list on every
+    rank: one run's, trainer/rundir.py). A collective over the
     strategy's group: every rank tries the same checkpoints in the same order (newest first) and
     they agree, after each, whether all succeeded (an all_reduce of the failures), so all end on
     the same one. Each one skipped is logged with why.
@@ -368,7 +394,7 @@ async def load_newest_valid(strategy, root) -> dict | None:
     Raises:
         CheckpointError: there are checkpoints, and none loads (names each and why).
     """
-    found = list_checkpoints(root)
+    found = list_checkpoints(root) if candidates is None else [Path(p) for p in candidates]
     skipped = []
     for path in reversed(found):
         try:

@@ -33,6 +33,12 @@ Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNAL
 every rank save a checkpoint after the same step and exit 128 + the signal
 (trainer/preempt.py); --resume continues from it.
 
+Runs (trainer/runid.py): every checkpoint names its run and what must match to continue
+it (run_fields below adds the data set and the MLP's shape). --resume continues the
+directory's run (--resume auto: only if there is a checkpoint), a restarted attempt of the
+same job continues without it, a new run refuses a directory of another run unless
+--move-aside; a refusal is one line on rank 0 and exit code 2 on every rank.
+
 What it is not: no config files (flags only), no model zoo (the MLP and the GPT).
 """
 
@@ -55,11 +61,13 @@ from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
 from trainer.preempt import Preempted, Preemption
+from trainer.runid import RunError
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
 from trainer.text import load_text_split
 
-__all__ = ["build_parser", "parse_args", "make_config", "load_data", "build_model", "describe", "main", "run"]
+__all__ = ["build_parser", "parse_args", "make_config", "load_data", "build_model", "run_fields", "describe", "main",
+           "run"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 DTYPE_CHOICES = ("float32", "float16", "bfloat16", "float64")
@@ -78,6 +86,13 @@ MODEL_DEFAULTS = {
 _positive_int = types.positive_int
 _non_negative_int = types.count
 _positive_float = types.positive
+
+
+def _resume_mode(text: str) -> str:
+    if text not in ("auto", "always"):
+        raise argparse.ArgumentTypeError(f"takes no value (resume, and refuse if there is no checkpoint) or auto "
+                                         f"(resume if there is one), got {text!r}")
+    return text
 
 
 def _stage_layers(text: str) -> tuple[int, ...]:
@@ -202,7 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, metavar="N",
                    help="also save every N optimizer steps (default: end of each epoch only)")
     g.add_argument("--keep-last", type=_positive_int, default=2, help="checkpoints kept (default 2)")
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    g.add_argument("--resume", nargs="?", const="always", default=None, type=_resume_mode, metavar="auto",
+                   help="continue the run in --checkpoint-dir from its newest valid checkpoint (an error if there is "
+                        "none); --resume auto: continue if there is one, else start. A restarted attempt of the same "
+                        "job (--max-restarts, a SLURM requeue, torchrun) continues without it")
+    g.add_argument("--move-aside", action="store_true",
+                   help="start a new run in a --checkpoint-dir that holds another run's checkpoints: move them into "
+                        "DIR/aside-<run>-<time>/ first (nothing is deleted)")
     g.add_argument("--target-accuracy", type=types.probability, default=None, metavar="ACC",
                    help="stop once validation accuracy reaches ACC")
     g.add_argument("--patience", type=_positive_int, default=None,
@@ -229,6 +250,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.resume and not args.checkpoint_dir:
         build_parser().error("--resume needs --checkpoint-dir")
+    if args.move_aside and not args.checkpoint_dir:
+        build_parser().error("--move-aside needs --checkpoint-dir")
+    if args.move_aside and args.resume:
+        build_parser().error("--move-aside starts a new run and --resume continues one: give one of them")
     if not 0.0 < args.val_fraction < 1.0:
         build_parser().error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if not 0.0 <= args.dropout < 1.0:
@@ -317,6 +342,16 @@ def build_model(args: argparse.Namespace, data):
                dropout=args.dropout, dtype=dtype, gelu=gelu, kernel=args.kernel)
 
 
+def run_fields(args: argparse.Namespace, data) -> dict:
+    """What must match, beyond the model's spec and parameters, to continue a run: the data set,
+    and an MLP's shape (its activation has no parameter to tell it)."""
+    if args.model == "gpt":
+        return {"data": args.corpus}
+    fields = {"model": "mlp", "data": args.data, "in_dim": int(data.in_dim), "hidden": [args.width] * args.depth,
+              "classes": int(data.num_classes), "activation": args.activation}
+    return fields | ({"gelu": args.gelu} if args.activation == "gelu" else {})
+
+
 def describe(args: argparse.Namespace, data, model, world_size: int, steps: int, mesh=None) -> str:
     """The first line rank 0 prints: what trains on what."""
     head = f"{args.strategy} on {world_size} rank(s): "
@@ -376,7 +411,8 @@ async def run(args: argparse.Namespace) -> int:
             with Preemption(enabled=bool(args.checkpoint_dir)):
                 history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
                                     callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
-                                    keep_last=args.keep_last, resume=args.resume,
+                                    keep_last=args.keep_last, resume=args.resume or False,
+                                    move_aside=args.move_aside, run_fields=run_fields(args, data),
                                     log_every=0 if args.quiet else args.log_every,
                                     checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
                                     eval_batch_size=args.eval_batch_size, group=world)
@@ -385,6 +421,10 @@ async def run(args: argparse.Namespace) -> int:
                 print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
                       flush=True)
             return exc.exit_code
+        except RunError as exc:  # raised on every rank alike: one line, no traceback
+            if world.rank == 0:
+                print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+            return 2
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

@@ -29,7 +29,8 @@ takes part in the step's collectives): uneven inputs never hang.
 
 The run, in named parts (`_Run`), each a clear boundary:
 
-    resume()            the newest checkpoint, if asked: epoch, step in it, sums, history
+    open_run()          with a checkpoint directory: which run this is (trainer/rundir.py) and,
+                        when it continues one, its newest valid checkpoint: epoch, step, sums, history
     for each epoch:
         train_epoch()   for each step: train_step() -> the step's result
                                        step_boundary() -> callbacks, periodic checkpoint; stop?
@@ -48,9 +49,13 @@ Resume: with `checkpoint_dir`, a checkpoint is saved at the end of every epoch
 and, with `checkpoint_every=N`, every N optimizer steps; it holds the
 strategy's state (parameters, optimizer state, step, loss scaler) and the
 loop's position (epoch, steps done in the epoch, the epoch's running sums, the
-history). `resume=True` loads the newest one and continues at that epoch and
-step, skipping the micro-batches already consumed (the data order is a pure
-function of (seed, epoch)), so the losses equal an uninterrupted run's.
+history). Each checkpoint names its run (trainer/runid.py): `resume=True` (or
+"auto": only if there is one) continues the directory's run, and so does a restarted
+attempt of the same job without being asked; a new run refuses a directory that holds
+another run's checkpoints (`move_aside=True` moves them aside first). Continuing loads
+the newest valid checkpoint and goes on at its epoch and step, skipping the micro-batches
+already consumed (the data order is a pure function of (seed, epoch)), so the losses
+equal an uninterrupted run's.
 
 Progress and logs go to stderr on rank 0 only: a redrawn bar on a terminal,
 one line every `log_every` steps otherwise (e.g. under the launcher, which
@@ -64,15 +69,16 @@ through TrainConfig).
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from trainer import checkpoint, preempt
+from trainer import checkpoint, preempt, rundir, runid
 from trainer.callbacks import Callback, EarlyStopping, LoopState, StopAtAccuracy
 from trainer.data import iter_local_batches, num_global_batches, split_bounds
 from trainer.history import EpochStats, History, RankStats, format_bytes, format_summary
@@ -289,6 +295,7 @@ class _Run:
         self.run_key = {"n_train": self.n_train, "global_batch_size": options.global_batch_size,
                         "grad_accum": self.accum, "seed": config.seed}
         self.start_epoch, self.start_k = 0, 0
+        self.run: dict | None = None  # {"id", "config"} once open_run has decided: every checkpoint's "run"
         self.sums = EpochSums()  # the running epoch's
         self.comm_bytes = 0
         self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
@@ -300,23 +307,36 @@ class _Run:
 
     # ---- resume -------------------------------------------------------------------
 
-    async def resume(self) -> None:
-        """Loads the newest checkpoint of checkpoint_dir, if there is one, and moves to its position."""
-        meta = await _load_checkpoint(self.options.checkpoint_dir, self.strategy, self.run_key)
-        if meta is None:
+    async def open_run(self, resume: runid.Resume, move_aside: bool, fields: Mapping | None,
+                       environ: Mapping[str, str]) -> None:
+        """Settles with checkpoint_dir which run this is (trainer/rundir.py: refuses with RunError, or
+        moves another run aside) and, when it continues one, loads its newest valid checkpoint and
+        moves to its position."""
+        directory = self.options.checkpoint_dir
+        model = getattr(self.strategy, "logical_model", self.strategy.model)
+        config = runid.run_config(model, optimizer=self.config.optimizer, batching=self.run_key, fields=fields)
+        opened = await rundir.open_run(directory, self.group, environ=environ, config=config,
+                                       shapes=runid.param_shapes(getattr(model, "units", [])), resume=resume,
+                                       move_aside=move_aside)
+        self.run = {"id": opened.run_id, "config": config}
+        if not opened.candidates:
+            if opened.note:
+                self.progress.log(opened.note)
             return
+        path, meta = await _load_checkpoint(directory, self.strategy, self.run_key, opened.candidates)
         self.start_epoch, self.start_k = meta["epoch"], meta["step_in_epoch"]
         self.state.step = meta["step"]
         self.sums = EpochSums(**meta["carried"])
         self.history.epochs = [EpochStats(**e) for e in meta["history"]]
         self.history.resumed_from = (self.start_epoch, self.start_k)
-        self.progress.log(f"resumed from {self.options.checkpoint_dir}: epoch {self.start_epoch + 1}, step "
-                          f"{self.start_k} of {self.steps_total} (optimizer step {self.state.step})")
+        note = f" ({opened.note})" if opened.note else ""
+        self.progress.log(f"resumed from {path}: epoch {self.start_epoch + 1}, step {self.start_k} of "
+                          f"{self.steps_total} (optimizer step {self.state.step}){note}")
 
     async def save(self, epoch: int, k: int, sums: EpochSums) -> None:
         meta = {"epoch": epoch, "step_in_epoch": k, "step": self.state.step, "carried": asdict(sums),
                 "run": self.run_key, "history": [e.as_dict() for e in self.history.epochs]}
-        await _save_checkpoint(self.options.checkpoint_dir, self.strategy, meta, self.options.keep_last)
+        await _save_checkpoint(self.options.checkpoint_dir, self.strategy, meta, self.options.keep_last, self.run)
 
     # ---- one epoch ------------------------------------------------------------------
 
@@ -433,7 +453,10 @@ async def fit(
     callbacks: Sequence[Any] = (),
     checkpoint_dir: str | None = None,
     keep_last: int = 2,
-    resume: bool = False,
+    resume: bool | str = False,
+    move_aside: bool = False,
+    run_fields: Mapping | None = None,
+    environ: Mapping[str, str] | None = None,
     log_every: int = 10,
     checkpoint_every: int = 0,
     eval_train: bool = True,
@@ -455,8 +478,15 @@ async def fit(
             optimizer step takes `config.grad_accum` of them.
         callbacks: objects with `on_step_end(state)` / `on_epoch_end(state)` (either optional).
         checkpoint_dir: where to save (end of each epoch, and every `checkpoint_every` steps).
-        keep_last: checkpoints kept in `checkpoint_dir`.
-        resume: load the newest checkpoint in `checkpoint_dir` (if any) and continue from it.
+        keep_last: checkpoints of this run kept in `checkpoint_dir` (another run's are never deleted).
+        resume: False: a new run (a restarted attempt of the same job still continues its own run);
+            True ("always"): continue the directory's run, and RunError if there is no checkpoint;
+            "auto": continue it if there is a checkpoint, else start. Every case: trainer/runid.py.
+        move_aside: a new run in a directory that holds another run's checkpoints moves them
+            into a sub-directory first (without it, RunError).
+        run_fields: what else must match to continue this run, {name: JSON scalar or list of
+            scalars} (e.g. the data set, an MLP's widths), added to the model's and the batching's.
+        environ: where the job's id and restart count are read (default os.environ).
         log_every: progress line every N steps (non-terminal streams; 0: epoch lines only).
         eval_train: also evaluate the whole training set after each epoch (train_acc).
         eval_batch_size: samples per evaluation call (a language model's windows: keep it small).
@@ -465,14 +495,19 @@ async def fit(
         print_summary: print `format_summary(history)` at the end (rank 0).
 
     Raises:
+        RunError (a ValueError): on every rank, before any step, when the checkpoint directory
+            holds another run, no checkpoint for resume=True, or a run whose config differs.
         ValueError: bad sizes; whatever the strategy or the collectives raise
         (a lost peer, a mismatch) propagates unchanged.
     """
     if epochs < 0 or global_batch_size < 1 or config.grad_accum < 1:
         raise ValueError(f"need epochs >= 0, global_batch_size >= 1, grad_accum >= 1, got "
                          f"{epochs}, {global_batch_size}, {config.grad_accum}")
-    if resume and not checkpoint_dir:
+    mode = runid.Resume.of(resume)
+    if mode is not runid.Resume.NEVER and not checkpoint_dir:
         raise ValueError("resume=True needs a checkpoint_dir")
+    if move_aside and mode is not runid.Resume.NEVER:
+        raise ValueError("move_aside starts a new run: it cannot go with resume")
     if group is None:
         group = _default_group(strategy)
     rank, _ = _rank_size(group)
@@ -481,8 +516,8 @@ async def fit(
                        eval_batch_size=eval_batch_size)
     run = _Run(strategy, data, config, options, list(callbacks), group,
                _Progress(progress_stream or sys.stderr, rank == 0, log_every))
-    if resume:
-        await run.resume()
+    if checkpoint_dir:
+        await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     for epoch in range(run.start_epoch, epochs):
         await run.train_epoch(epoch)
         await run.end_epoch(epoch)
@@ -528,23 +563,22 @@ async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings
 # ---- checkpoints (trainer.checkpoint does the files; the loop adds its position) ----
 
 
-async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_last: int) -> None:
-    await checkpoint.save(strategy, directory, extra={"loop": meta}, keep_last=keep_last)
+async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_last: int, run: dict | None) -> None:
+    await checkpoint.save(strategy, directory, extra={"loop": meta}, keep_last=keep_last, run=run)
 
 
-async def _load_checkpoint(directory: str, strategy: Strategy, run: dict) -> dict | None:
-    """Loads the newest checkpoint that loads on every rank into `strategy` (an older one when the
-    newest is damaged: trainer.checkpoint.load_newest_valid); returns the loop's position, or None
-    if there is none.
+async def _load_checkpoint(directory: str, strategy: Strategy, run: dict, candidates) -> tuple[str, dict]:
+    """Loads the newest of `candidates` (step directories of `directory`, oldest first) that loads on
+    every rank into `strategy` (an older one when the newest is damaged:
+    trainer.checkpoint.load_newest_valid); returns its path and the loop's position.
 
     Raises:
         ValueError: the checkpoint was not written by `fit`, or by a run whose batching
             (data size, global batch, accumulation, seed) differs, so skipping the
             consumed batches would not continue the same run.
     """
-    meta = await checkpoint.load_newest_valid(strategy, directory)  # a damaged newest: the one before
-    if meta is None:
-        return None
+    paths = [os.path.join(directory, name) for name in candidates]
+    meta = await checkpoint.load_newest_valid(strategy, directory, paths)  # a damaged newest: the one before
     loop = (meta.get("extra") or {}).get("loop")
     if loop is None:
         raise ValueError(f"{meta['path']} was not written by trainer.loop.fit (no loop position in its "
@@ -554,4 +588,4 @@ async def _load_checkpoint(directory: str, strategy: Strategy, run: dict) -> dic
                          f"resuming would not continue the same data order")
     if int(meta["step"]) != int(loop["step"]):
         raise ValueError(f"{meta['path']}: strategy step {meta['step']} != loop step {loop['step']}")
-    return loop
+    return meta["path"], loop

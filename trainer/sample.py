@@ -4,8 +4,12 @@
     python -m trainer.sample --checkpoint ckpt --prompt "The assert statement" --tokens 200 \\
         --temperature 0.8 --seed 0 [--top-k 40]
 
-It reads the newest checkpoint under --checkpoint (or that checkpoint directory),
-from its files alone: no ranks, whatever world size and strategy saved it. The
+It reads the newest valid checkpoint under --checkpoint (or that checkpoint directory),
+from its files alone: no ranks, whatever world size and strategy saved it. Under a
+--checkpoint-dir it reads the directory's run only (trainer/rundir.py): its one named run,
+else the checkpoints that name no run, never a mix; several named runs are an error that
+names them. A checkpoint that does not read (a damaged piece) is skipped, saying why,
+for that run's one before. The
 model is rebuilt from the checkpoint's "model" entry (`GPT.spec()`), the prompt is
 encoded as UTF-8 bytes, and `GPT.generate` samples one byte at a time, each
 costing one position thanks to the KV cache (see trainer/nn/gpt.py). The prompt
@@ -18,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from runtime import args as types
-from trainer.checkpoint import CheckpointError, read_unit_params
+from trainer.checkpoint import METADATA, CheckpointError, read_unit_params
 from trainer.nn import GPT
+from trainer.rundir import checkpoints_to_read
+from trainer.runid import RunError
 from trainer.text import decode, encode
 
 __all__ = ["build_parser", "load_model", "main"]
@@ -44,9 +51,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_newest_valid(path) -> tuple[list[np.ndarray], dict]:
+    """read_unit_params of ``path`` (a checkpoint directory), or of the newest checkpoint of the
+    run under it that reads; each one skipped is said on stderr."""
+    if (Path(path) / METADATA).is_file():
+        return read_unit_params(path)
+    try:
+        run, candidates = checkpoints_to_read(path)
+    except RunError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not candidates:
+        raise CheckpointError(f"no committed checkpoint in {path} (looked for {METADATA} or step-*/{METADATA})")
+    skipped = []
+    for candidate in reversed(candidates):
+        try:
+            return read_unit_params(candidate)
+        except CheckpointError as exc:
+            print(f"trainer.sample: skipping {candidate}: {exc}", file=sys.stderr)
+            skipped.append(candidate.name)
+    who = (f"run {run.id}" if run.id else "the unnamed run") if run else "a run"
+    raise CheckpointError(f"none of the {len(candidates)} checkpoints of {who} in {path} could be read "
+                          f"({', '.join(skipped)})")
+
+
 def load_model(path) -> tuple[GPT, list[np.ndarray]]:
-    """The GPT of a checkpoint and its parameters (float32, the unpadded units)."""
-    flats, meta = read_unit_params(path)
+    """The GPT of a checkpoint (or of the newest valid one of the run under a --checkpoint-dir)
+    and its parameters (float32, the unpadded units)."""
+    flats, meta = _read_newest_valid(path)
     spec = meta.get("model")
     if not spec or spec.get("kind") != "gpt":
         raise CheckpointError(f"{meta['path']} holds no GPT (its model is {spec!r}); train with --model gpt")

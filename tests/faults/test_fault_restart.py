@@ -1,11 +1,14 @@
 """Restarts: a rank killed mid-training, the launcher restarts the job, the trainer
-resumes from its last checkpoint and ends with the parameters of a run that never failed.
+resumes from its last checkpoint without being told to (no --resume: the attempt is a
+restart of the same run, RINGWEAVE_RESTART=1 under the same RINGWEAVE_JOB) and ends with
+the parameters of a run that never failed. Before, the restarted attempt started again
+from step 0 unless --resume was given.
 
 Both runs are the main job through the real launcher, 4 ranks, FSDP, float64
 (so that nothing but the order of operations could make them differ, and that
 order is the same), a checkpoint every 8 optimizer steps and at each epoch's end:
 
-    python -m runtime.launch -n 4 [--max-restarts 1] wrapper.py CKPT_DIR --strategy fsdp ... --resume
+    python -m runtime.launch -n 4 [--max-restarts 1] wrapper.py CKPT_DIR --strategy fsdp ...
 
 ``wrapper.py`` runs ``trainer.cli.main``; in the first attempt
 (RINGWEAVE_RESTART == "0") rank 1 SIGKILLs itself at the start of optimizer step
@@ -56,7 +59,7 @@ if env.RESTART.get() == 0 and os.environ.get("RANK") == "1":
     trainer.sharding.make_strategy = make_strategy
 
 from trainer.cli import main
-sys.exit(main(argv + ["--checkpoint-dir", ckpt, "--resume"]))
+sys.exit(main(argv + ["--checkpoint-dir", ckpt]))
 '''
 
 TRAIN_ARGS = ["--strategy", "fsdp", "--data", "synthetic", "--size", "1280", "--in-dim", "16", "--classes", "4",
@@ -90,7 +93,7 @@ def test_restarted_training_ends_with_the_uninterrupted_parameters(tmp_path):
     assert f"killing itself at optimizer step {KILL_STEP}" in log, log[-3000:]
     assert "restarting the job (1 of 1) after rank 1 failed with signal SIGKILL" in log, log[-3000:]
     # attempt 1 continued from the checkpoint, not from scratch (which would end equal too)
-    assert "(optimizer step 24)" in log and "resumed from" in log, log[-3000:]
+    assert "(optimizer step 24) (restart 1 of the run " in log and "RINGWEAVE_RESTART=1)" in log, log[-3000:]
     clean = run_job(tmp_path, "uninterrupted", max_restarts=0)
     assert clean.returncode == 0, (clean.stdout + clean.stderr)[-5000:]
 

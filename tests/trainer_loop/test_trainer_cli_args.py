@@ -53,12 +53,23 @@ def test_warmup_never_exceeds_the_schedule():
     (["--param-dtype", "int8"], "invalid choice"),
     (["--val-fraction", "1.5"], "--val-fraction"),
     (["--dropout", "1"], "--dropout"),
+    (["--checkpoint-dir", "c", "--resume", "sometimes"], "takes no value (resume, and refuse if there is no"),
+    (["--move-aside"], "--move-aside needs --checkpoint-dir"),
+    (["--checkpoint-dir", "c", "--resume", "--move-aside"], "--move-aside starts a new run and --resume"),
 ])
 def test_bad_flags_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_resume_modes():
+    assert parse_args(["--checkpoint-dir", "c"]).resume is None
+    assert parse_args(["--checkpoint-dir", "c", "--resume"]).resume == "always"
+    assert parse_args(["--checkpoint-dir", "c", "--resume", "auto"]).resume == "auto"
+    assert parse_args(["--checkpoint-dir", "c", "--resume=auto", "--epochs", "2"]).resume == "auto"
+    assert parse_args(["--checkpoint-dir", "c", "--move-aside"]).move_aside
 
 
 def test_help_lists_the_flags():

@@ -14,6 +14,7 @@ from trainer import checkpoint
 from trainer.data import Split, make_synthetic
 from trainer.loop import Callback, fit
 from trainer.nn import mlp
+from trainer.runid import RunError
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
 
@@ -123,11 +124,25 @@ async def test_resume_refuses_a_different_batching(ranks, tmp_path):
             strategy.close()
 
     [error] = await ranks(1, body, return_exceptions=True)
-    assert isinstance(error, ValueError) and "batching" in str(error) and "global_batch_size': 32" in str(error)
+    assert isinstance(error, RunError) and "global_batch_size: 16 -> 32" in str(error), error
 
 
-async def test_resume_with_an_empty_directory_starts_fresh(ranks, tmp_path):
+async def test_resume_auto_with_an_empty_directory_starts_fresh(ranks, tmp_path):
     split = data(np.float32)
-    (res, losses, _), = await ranks(1, make_body("ddp", split, np.float32, resume=True, ckpt=str(tmp_path / "new")))
+    (res, losses, _), = await ranks(1, make_body("ddp", split, np.float32, resume="auto", ckpt=str(tmp_path / "new")))
     assert res.resumed_from is None and sorted(losses) == list(range(1, EPOCHS * 7 + 1))
     assert [int(p.name.split("-")[1]) for p in checkpoint.list_checkpoints(tmp_path / "new")] == [7, 14, 21]
+
+
+async def test_resume_with_an_empty_or_missing_directory_is_an_error(ranks, tmp_path):
+    """Before, resume=True into a missing directory (a typo) silently started a new run."""
+    split = data(np.float32)
+    (tmp_path / "empty").mkdir()
+    for where in (tmp_path / "typo", tmp_path / "empty"):
+        errors = await ranks(2, make_body("ddp", split, np.float32, resume=True, ckpt=str(where)),
+                             return_exceptions=True)
+        for error in errors:  # every rank, the same one line
+            assert isinstance(error, RunError), error
+            assert str(error) == (f"no checkpoint in {where}; to start fresh drop --resume, or use --resume auto to "
+                                  f"resume only when there is one")
+        assert not checkpoint.list_checkpoints(where)
