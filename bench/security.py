@@ -7,6 +7,7 @@ bounds that are too heavy for the test suite (tens of thousands of connections, 
     sudo .venv/bin/python bench/security.py squat
     sudo .venv/bin/python bench/security.py jobfile
     sudo .venv/bin/python bench/security.py status
+    sudo .venv/bin/python bench/security.py takeover
     ... --repo /path/to/another/checkout       # the job runs that code (e.g. main, for "before")
 
 Each starts a real job (``python -m runtime.launch -n 4``, the launcher's fresh secret) whose
@@ -30,6 +31,10 @@ markdown per measurement, for bench/results/security.md:
   secret? Then a launcher is killed with SIGKILL: is its job file removed by the next one?
 * ``status``: the ranks run shared-memory all_reduces back to back; how many handshakes a second
   does a rank's port complete, and does ``tools.status`` see every rank?
+* ``takeover``: no launcher and no secret: a 2-rank job as srun, mpirun or a user by hand starts
+  it (tests/security/impostor.py). The attacker binds the job's store port first and plays its
+  rank 0 and store, without a secret; the job's rank 1 all_reduces ``--rounds`` (20) times. Does it
+  return sums made with the attacker's data?
 
 Not here: the small versions of each, which run in the suite (tests/security/).
 """
@@ -59,8 +64,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools/ and tests/ are not installed packages
 PY = sys.executable
 
-from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402 - after the path
+from tests.security import impostor as takeover_job  # noqa: E402 - after the path
+from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402
 from tests.security.netutil import squat_shm_names  # noqa: E402
+from tests.security.stranger import Stranger  # noqa: E402
 
 
 
@@ -430,20 +437,45 @@ def status(args) -> None:
         job.cleanup()
 
 
+def takeover(args) -> None:
+    honest = 1.0 + 2.0  # ranks 0 and 1 contribute 1 and 2
+    takeover_job.warm_up()
+    for kind in ("srun", "mpirun", "hand"):
+        number = takeover_job.free_job_number(4242 + 17 * len(kind))
+        port, job, _ = takeover_job.launcher_env(kind, number, 0)
+        work = Path(tempfile.mkdtemp(prefix="rw-takeover-"))
+        try:
+            with Stranger(takeover_job.impostor, port, job, args.rounds, None) as attacker:
+                takeover_job.wait_listening(attacker.pid, port)
+                rank0, rank1 = takeover_job.run_job(kind, number, work, args.repo, rounds=args.rounds)
+                got = attacker.stop()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if "sums" in rank1:
+            wrong = sum(1 for x in rank1["sums"] if x != honest)
+            outcome = f"joined the attacker: {wrong}/{len(rank1['sums'])} sums wrong ({rank1['sums'][0]:g}, not {honest:g})"
+        else:
+            outcome = f"refused: {rank1['error']}: {rank1['message'][:160]}"
+        print(f"| takeover, {kind} env, no secret | {args.repo.name} | rank 0: {rank0.get('error', 'ran')} | "
+              f"rank 1: {outcome} | attacker joined: {got['joined']}, {got['rounds']} all_reduces |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status"])
+    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status", "takeover"])
     p.add_argument("--connections", type=int, default=1100, help="per attacked port (flood, prefixes)")
     p.add_argument("--fd-limit", type=int, default=1024, help="RLIMIT_NOFILE of every process of the job (flood)")
     p.add_argument("--hold-s", type=float, default=5.0, help="how long the attack lasts")
     p.add_argument("--header-nbytes", type=int, default=65536,
                    help="the header length each prefix announces (prefixes; 1..1024 passes the handshake's check)")
+    p.add_argument("--rounds", type=int, default=20, help="all_reduces the job's rank 1 runs (takeover)")
     p.add_argument("--repo", type=Path, default=REPO, help="the checkout whose code the job runs")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         p.error("run as root: the attacker is a child that drops to uid nobody")
     args.repo = args.repo.resolve()
-    {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status}[args.what](args)
+    {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status,
+     "takeover": takeover}[args.what](args)
     return 0
 
 

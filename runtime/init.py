@@ -12,6 +12,8 @@ parent and exits when its launcher dies (runtime/lifeline.py).
 
 Steps (each under ``timeout_s``):
 
+0. the secret: the argument, else ``RINGWEAVE_SECRET``, else (ranks on loopback) the job's
+   derived secret (runtime/jobsecret.py); a job beyond loopback without one refuses at once.
 1. the store: with ``RINGWEAVE_STORE_HOSTED=1`` (our launcher hosts it) every
    rank connects to MASTER_ADDR:MASTER_PORT; otherwise rank 0 (under mpirun: the
    first rank on mpirun's host) hosts it there and all ranks connect. Rank 0 sets

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -136,15 +137,8 @@ def warm_up() -> None:
         finally:
             await server.close()
 
-    shm = os.environ.get("RINGWEAVE_SHM")
-    os.environ["RINGWEAVE_SHM"] = "0"  # as the impostor runs: over TCP
-    try:
+    with mock.patch.dict(os.environ, {"RINGWEAVE_SHM": "0"}):  # as the impostor runs: over TCP
         asyncio.run(main())
-    finally:
-        if shm is None:
-            os.environ.pop("RINGWEAVE_SHM")
-        else:
-            os.environ["RINGWEAVE_SHM"] = shm
     _warm.append(True)
 
 
