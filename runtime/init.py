@@ -205,6 +205,9 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
         RingweaveError: missing or inconsistent rank / size / port; init() called again.
         ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
             the message names the address and the ranks missing.
+        AuthenticationError: no secret was given and none can be derived (the store is
+            beyond this host, or the private directory is not this user's alone); the
+            message says how to set ``RINGWEAVE_SECRET``.
     """
     mine = _current.get()
     if mine is not None and not mine._closed:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import runtime
-from runtime import jobsecret, scheduler
+from runtime import auth, jobsecret, scheduler
 from runtime.errors import AuthenticationError
 from runtime.store_tcp import TCPStore
 from tests.security.impostor import free_job_number, launcher_env
@@ -138,6 +138,7 @@ def clean_env(monkeypatch):
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RINGWEAVE_WATCH_PARENT", "0")
+    monkeypatch.setattr(auth, "_taken_secret", None)  # no secret an earlier test of this process set
     for name in scheduler.THREAD_VARS:
         monkeypatch.setenv(name, os.environ.get(name) or "1")
     return monkeypatch
