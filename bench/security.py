@@ -1,13 +1,13 @@
 """Another local user against a running job, at full size: the reproductions of SECURITY.md's
 bounds that are too heavy for the test suite (tens of thousands of connections, RSS).
 
+    sudo .venv/bin/python bench/security.py takeover
     sudo .venv/bin/python bench/security.py flood --connections 1100 --fd-limit 1024
     sudo .venv/bin/python bench/security.py flood --connections 20000 --fd-limit 1024
     sudo .venv/bin/python bench/security.py prefixes --connections 3000
     sudo .venv/bin/python bench/security.py squat
     sudo .venv/bin/python bench/security.py jobfile
     sudo .venv/bin/python bench/security.py status
-    sudo .venv/bin/python bench/security.py takeover
     ... --repo /path/to/another/checkout       # the job runs that code (e.g. main, for "before")
 
 Each starts a real job (``python -m runtime.launch -n 4``, the launcher's fresh secret) whose
@@ -16,6 +16,10 @@ a checkpoint would), and an attacker: a process forked from this one that drops 
 (so it must run as root), as another user of the machine would be. It prints one line of
 markdown per measurement, for bench/results/security.md:
 
+* ``takeover`` (no launcher, no secret): a 2-rank job as srun, mpirun or a user by hand starts
+  it (tests/security/impostor.py). The attacker binds the job's store port first and plays its
+  rank 0 and store, without a secret; the job's rank 1 all_reduces ``--rounds`` (20) times. Does it
+  return sums made with the attacker's data?
 * ``flood``: N idle connections to the store's port and to rank 1's, held ``--hold-s`` seconds,
   with every process of the job limited to ``--fd-limit`` descriptors; then a tool asks every
   rank, and the job must end with exit 0. Reports the job's progress during the flood, the
@@ -31,10 +35,6 @@ markdown per measurement, for bench/results/security.md:
   secret? Then a launcher is killed with SIGKILL: is its job file removed by the next one?
 * ``status``: the ranks run shared-memory all_reduces back to back; how many handshakes a second
   does a rank's port complete, and does ``tools.status`` see every rank?
-* ``takeover``: no launcher and no secret: a 2-rank job as srun, mpirun or a user by hand starts
-  it (tests/security/impostor.py). The attacker binds the job's store port first and plays its
-  rank 0 and store, without a secret; the job's rank 1 all_reduces ``--rounds`` (20) times. Does it
-  return sums made with the attacker's data?
 
 Not here: the small versions of each, which run in the suite (tests/security/).
 """
@@ -65,9 +65,9 @@ sys.path.insert(0, str(REPO))  # tools/ and tests/ are not installed packages
 PY = sys.executable
 
 from tests.security import impostor as takeover_job  # noqa: E402 - after the path
-from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402
-from tests.security.netutil import squat_shm_names  # noqa: E402
 from tests.security.stranger import Stranger  # noqa: E402
+from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402 - after the path
+from tests.security.netutil import squat_shm_names  # noqa: E402
 
 
 
@@ -337,6 +337,29 @@ def prefixes(args) -> None:
         job.cleanup()
 
 
+def takeover(args) -> None:
+    honest = 1.0 + 2.0  # ranks 0 and 1 contribute 1 and 2
+    takeover_job.warm_up()
+    for kind in ("srun", "mpirun", "hand"):
+        number = takeover_job.free_job_number(4242 + 17 * len(kind))
+        port, job, _ = takeover_job.launcher_env(kind, number, 0)
+        work = Path(tempfile.mkdtemp(prefix="rw-takeover-"))
+        try:
+            with Stranger(takeover_job.impostor, port, job, args.rounds, None) as attacker:
+                takeover_job.wait_listening(attacker.pid, port)
+                rank0, rank1 = takeover_job.run_job(kind, number, work, args.repo, rounds=args.rounds)
+                got = attacker.stop()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if "sums" in rank1:
+            wrong = sum(1 for x in rank1["sums"] if x != honest)
+            outcome = f"joined the attacker: {wrong}/{len(rank1['sums'])} sums wrong ({rank1['sums'][0]:g}, not {honest:g})"
+        else:
+            outcome = f"refused: {rank1['error']}: {rank1['message'][:160]}"
+        print(f"| takeover, {kind} env, no secret | {args.repo.name} | rank 0: {rank0.get('error', 'ran')} | "
+              f"rank 1: {outcome} | attacker joined: {got['joined']}, {got['rounds']} all_reduces |")
+
+
 def squat(args) -> None:
     job_id = f"squat-{secrets.token_hex(4)}"
     prefix = "ringweave-" + re.sub(r"[^A-Za-z0-9._]", "_", job_id)[:80] + "-"
@@ -435,29 +458,6 @@ def status(args) -> None:
               f"tools.status: {healthy}/4 ranks answered in {took:.2f} s | exit {code} |")
     finally:
         job.cleanup()
-
-
-def takeover(args) -> None:
-    honest = 1.0 + 2.0  # ranks 0 and 1 contribute 1 and 2
-    takeover_job.warm_up()
-    for kind in ("srun", "mpirun", "hand"):
-        number = takeover_job.free_job_number(4242 + 17 * len(kind))
-        port, job, _ = takeover_job.launcher_env(kind, number, 0)
-        work = Path(tempfile.mkdtemp(prefix="rw-takeover-"))
-        try:
-            with Stranger(takeover_job.impostor, port, job, args.rounds, None) as attacker:
-                takeover_job.wait_listening(attacker.pid, port)
-                rank0, rank1 = takeover_job.run_job(kind, number, work, args.repo, rounds=args.rounds)
-                got = attacker.stop()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        if "sums" in rank1:
-            wrong = sum(1 for x in rank1["sums"] if x != honest)
-            outcome = f"joined the attacker: {wrong}/{len(rank1['sums'])} sums wrong ({rank1['sums'][0]:g}, not {honest:g})"
-        else:
-            outcome = f"refused: {rank1['error']}: {rank1['message'][:160]}"
-        print(f"| takeover, {kind} env, no secret | {args.repo.name} | rank 0: {rank0.get('error', 'ran')} | "
-              f"rank 1: {outcome} | attacker joined: {got['joined']}, {got['rounds']} all_reduces |")
 
 
 def main(argv=None) -> int:

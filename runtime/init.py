@@ -47,7 +47,7 @@ import weakref
 
 import msgpack
 
-from runtime import auth, jobsecret, lifeline, scheduler
+from runtime import auth, lifeline, scheduler
 from runtime.actor import Actor
 from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
 from runtime import env as settings
@@ -56,6 +56,7 @@ from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
 from runtime.store import MemoryStore, PrefixStore
 from runtime.store_tcp import StoreServer, TCPStore
+from runtime import jobsecret
 
 try:  # limits BLAS / OpenMP pools already loaded when the launcher implies a thread count
     from threadpoolctl import threadpool_limits

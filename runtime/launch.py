@@ -146,12 +146,13 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
-from runtime import auth, jobfile, jobsecret, procs, shm
+from runtime import auth, jobfile, procs, shm
 from runtime import env as settings
-from runtime.errors import AuthenticationError, JobFileError, RingweaveError, WouldBlock
+from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.scheduler import THREAD_VARS, usable_cores
 from runtime.store_tcp import StoreServer
+from runtime import jobsecret
 
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
@@ -709,7 +710,7 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
         try:
             shared = jobsecret.derive(job, cfg.master_port, cfg.advertised_addr, f"launcher of node {cfg.node_rank}",
                                       env=environ)
-        except AuthenticationError as exc:
+        except RingweaveError as exc:  # AuthenticationError: the private directory is unusable
             console.say(f"error: {exc}")
             return EXIT_USAGE
         secret = shared.secret.decode()

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import msgpack
 
-from runtime import auth, jobfile, jobsecret
+from runtime import auth, jobfile
 from runtime.errors import RingweaveError
 from runtime.init import JOB_INFO_KEY, read_env
 from runtime.store_tcp import TCPStore
+from runtime import jobsecret
 
 
 def add_arguments(p) -> None:
