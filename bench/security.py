@@ -474,6 +474,8 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         p.error("run as root: the attacker is a child that drops to uid nobody")
     args.repo = args.repo.resolve()
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give 1 or more")
     {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status,
      "takeover": takeover}[args.what](args)
     return 0
