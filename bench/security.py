@@ -1,6 +1,7 @@
 """Another local user against a running job, at full size: the reproductions of SECURITY.md's
 bounds that are too heavy for the test suite (tens of thousands of connections, RSS).
 
+    sudo .venv/bin/python bench/security.py takeover
     sudo .venv/bin/python bench/security.py flood --connections 1100 --fd-limit 1024
     sudo .venv/bin/python bench/security.py flood --connections 20000 --fd-limit 1024
     sudo .venv/bin/python bench/security.py prefixes --connections 3000
@@ -16,6 +17,10 @@ a checkpoint would), and an attacker: a process forked from this one that drops 
 (so it must run as root), as another user of the machine would be. It prints one line of
 markdown per measurement, for bench/results/security.md:
 
+* ``takeover`` (no launcher, no secret): a 2-rank job as srun, mpirun or a user by hand starts
+  it (tests/security/impostor.py). The attacker binds the job's store port first and plays its
+  rank 0 and store, without a secret; the job's rank 1 all_reduces ``--rounds`` (20) times. Does it
+  return sums made with the attacker's data?
 * ``flood``: N idle connections to the store's port and to rank 1's, held ``--hold-s`` seconds,
   with every process of the job limited to ``--fd-limit`` descriptors; then a tool asks every
   rank, and the job must end with exit 0. Reports the job's progress during the flood, the
@@ -65,6 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools/ and tests/ are not installed packages
 PY = sys.executable
 
+from tests.security import impostor as takeover_job  # noqa: E402 - after the path
+from tests.security.stranger import Stranger  # noqa: E402
 from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402 - after the path
 from tests.security.netutil import squat_shm_names  # noqa: E402
 from runtime import args as types  # noqa: E402
@@ -337,6 +344,29 @@ def prefixes(args) -> None:
         job.cleanup()
 
 
+def takeover(args) -> None:
+    honest = 1.0 + 2.0  # ranks 0 and 1 contribute 1 and 2
+    takeover_job.warm_up()
+    for kind in ("srun", "mpirun", "hand"):
+        number = takeover_job.free_job_number(4242 + 17 * len(kind))
+        port, job, _ = takeover_job.launcher_env(kind, number, 0)
+        work = Path(tempfile.mkdtemp(prefix="rw-takeover-"))
+        try:
+            with Stranger(takeover_job.impostor, port, job, args.rounds, None) as attacker:
+                takeover_job.wait_listening(attacker.pid, port)
+                rank0, rank1 = takeover_job.run_job(kind, number, work, args.repo, rounds=args.rounds)
+                got = attacker.stop()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if "sums" in rank1:
+            wrong = sum(1 for x in rank1["sums"] if x != honest)
+            outcome = f"joined the attacker: {wrong}/{len(rank1['sums'])} sums wrong ({rank1['sums'][0]:g}, not {honest:g})"
+        else:
+            outcome = f"refused: {rank1['error']}: {rank1['message'][:160]}"
+        print(f"| takeover, {kind} env, no secret | {args.repo.name} | rank 0: {rank0.get('error', 'ran')} | "
+              f"rank 1: {outcome} | attacker joined: {got['joined']}, {got['rounds']} all_reduces |")
+
+
 def squat(args) -> None:
     job_id = f"squat-{secrets.token_hex(4)}"
     prefix = "ringweave-" + re.sub(r"[^A-Za-z0-9._]", "_", job_id)[:80] + "-"
@@ -521,20 +551,21 @@ def trace_attack(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status", "trace"])
+    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status", "trace", "takeover"])
     p.add_argument("--connections", type=types.count, default=1100, help="per attacked port (flood, prefixes)")
     p.add_argument("--fd-limit", type=types.positive_int, default=1024,
                    help="RLIMIT_NOFILE of every process of the job (flood)")
     p.add_argument("--hold-s", type=types.positive_seconds, default=5.0, help="how long the attack lasts")
     p.add_argument("--header-nbytes", type=types.count, default=65536,
                    help="the header length each prefix announces (prefixes; 1..1024 passes the handshake's check)")
+    p.add_argument("--rounds", type=types.positive_int, default=20, help="all_reduces the job's rank 1 runs (takeover)")
     p.add_argument("--repo", type=Path, default=REPO, help="the checkout whose code the job runs")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         p.error("run as root: the attacker is a child that drops to uid nobody")
     args.repo = args.repo.resolve()
     {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status,
-     "trace": trace_attack}[args.what](args)
+     "trace": trace_attack, "takeover": takeover}[args.what](args)
     return 0
 
 

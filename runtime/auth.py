@@ -53,11 +53,14 @@ SCHEMA: wire.Schema = {
     "ok": {"mac": (bytes, True)},
     "denied": {"why": (str, True)},
 }
+_DENIED_MAC = "authentication failed"  # what an acceptor answers a wrong MAC
 _MAX_HANDSHAKE_PAYLOAD = 0  # handshake frames carry no payload
 HANDSHAKE_MAX_HEADER_NBYTES = 1024  # the largest is an "auth" of ~150 bytes (a store client's host name: <= 255)
 HANDSHAKE_BUFFER_NBYTES = wire.PREFIX_NBYTES + HANDSHAKE_MAX_HEADER_NBYTES
 
 _warned_unauthenticated = False
+HOW_TO_SET = (f"set {SECRET_ENV} to the same value for every rank, e.g. export {SECRET_ENV}=$(python -c "
+              f"'import secrets; print(secrets.token_hex(32))') before srun (and mpirun -x {SECRET_ENV})")
 
 
 def make_secret() -> str:
@@ -108,7 +111,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_policy(secret: bytes | None, listen_host: str, what: str) -> None:
-    """The rule of docs/design.md ("Starting a job"): no secret is allowed only when listening on loopback.
+    """The rule of docs/design.md ("Starting a job") for a listener made without a secret: allowed
+    only on loopback. ``runtime.init`` and the launcher never make one (a job started without
+    ``RINGWEAVE_SECRET`` derives its secret: runtime/jobsecret.py); in-process ranks of tests do.
 
     Raises:
         AuthenticationError: no secret and ``listen_host`` is not a loopback address.
@@ -117,9 +122,7 @@ def check_policy(secret: bytes | None, listen_host: str, what: str) -> None:
     if secret:
         return
     if not is_loopback(listen_host):
-        raise AuthenticationError(
-            f"{what} would listen on {listen_host!r} without a secret; set {SECRET_ENV} "
-            f"(python -m runtime.launch makes one) or listen on loopback")
+        raise AuthenticationError(f"{what} would listen on {listen_host!r} without a secret: {HOW_TO_SET}")
     if not _warned_unauthenticated:
         _warned_unauthenticated = True
         log.warning("%s is unauthenticated (%s unset); allowed only because it listens on loopback",
@@ -216,7 +219,7 @@ async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str
         who = msg["who"]
         expected = _mac(secret, b"c", nonce_a, msg["n"], job.encode(), _who_bytes(who))
         if not hmac.compare_digest(expected, msg["mac"]):
-            await _send_frame(loop, sock, {"k": "denied", "why": "authentication failed"})
+            await _send_frame(loop, sock, {"k": "denied", "why": _DENIED_MAC})
             raise AuthenticationError(f"{where} ({wire.shown(who)}) failed authentication for job {job!r}")
         refusal = admit(who) if admit is not None else None
         if refusal:
@@ -244,13 +247,18 @@ async def connect(sock: socket.socket, secret: bytes | None, job: str, who: dict
             raise AuthenticationError(f"{where} belongs to job {wire.shown(hello['job'])}, not {job!r}")
         if hello["auth"] and not secret:
             raise AuthenticationError(f"{where} requires a secret and {SECRET_ENV} is unset")
+        if secret and not hello["auth"]:  # it cannot prove it holds ours: not this job's (another user's program?)
+            raise AuthenticationError(f"{where} runs without a secret, so it is none of this job's processes "
+                                      f"(another program may hold the port); refusing it")
         nonce_c = secrets.token_bytes(16)
         await _send_frame(loop, sock, {"k": "auth", "n": nonce_c, "who": who,
                                        "mac": _mac(secret, b"c", hello["n"], nonce_c, job.encode(),
                                                    _who_bytes(who))})
         reply = await _recv_frame(loop, sock, where, buf)
         if reply["k"] == "denied":
-            raise AuthenticationError(f"{where} refused us: {reply['why'][:4 * wire.SHOWN_CHARS]}")
+            why = reply["why"][:4 * wire.SHOWN_CHARS]
+            hint = " (our secrets differ: another job's, or another program on its port)" * (why == _DENIED_MAC)
+            raise AuthenticationError(f"{where} refused us: {why}{hint}")
         if reply["k"] != "ok" or not hmac.compare_digest(
                 _mac(secret, b"a", nonce_c, hello["n"]), reply["mac"]):
             raise AuthenticationError(f"{where} could not prove it holds the job's secret")

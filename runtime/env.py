@@ -259,7 +259,8 @@ def declare(name: str, parse: Callable[[str], Any], default: str | None, when: s
 # Variables the launcher sets for its ranks are marked so in their doc.
 _ = declare
 SECRET = _("RINGWEAVE_SECRET", text, None, "init, launch",
-           "the job's secret (the launcher makes one); required when listening beyond loopback (SECURITY.md)")
+           "the job's secret (the launcher makes one; ranks on one host started without it share one made "
+           "for the job in a file of this user's alone); required beyond one host (SECURITY.md)")
 TIMEOUT = _("RINGWEAVE_TIMEOUT_S", positive_seconds, "300", "init",
             "the deadline of every wait, in seconds; a collective timeout names the ranks that never arrived")
 MISMATCH_CHECK = _("RINGWEAVE_MISMATCH_CHECK_S", check_seconds, "1", "init",

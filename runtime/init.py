@@ -12,6 +12,8 @@ parent and exits when its launcher dies (runtime/lifeline.py).
 
 Steps (each under ``timeout_s``):
 
+0. the secret: the argument, else ``RINGWEAVE_SECRET``, else (ranks on loopback) the job's
+   derived secret (runtime/jobsecret.py); a job beyond loopback without one refuses at once.
 1. the store: with ``RINGWEAVE_STORE_HOSTED=1`` (our launcher hosts it) every
    rank connects to MASTER_ADDR:MASTER_PORT; otherwise rank 0 (under mpirun: the
    first rank on mpirun's host) hosts it there and all ranks connect. Rank 0 sets
@@ -54,6 +56,7 @@ from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
 from runtime.store import MemoryStore, PrefixStore
 from runtime.store_tcp import StoreServer, TCPStore
+from runtime import jobsecret
 
 try:  # limits BLAS / OpenMP pools already loaded when the launcher implies a thread count
     from threadpoolctl import threadpool_limits
@@ -203,6 +206,9 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
         RingweaveError: missing or inconsistent rank / size / port; init() called again.
         ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
             the message names the address and the ranks missing.
+        AuthenticationError: no secret was given and none can be derived (the store is
+            beyond this host, or the private directory is not this user's alone); the
+            message says how to set ``RINGWEAVE_SECRET``.
     """
     mine = _current.get()
     if mine is not None and not mine._closed:
@@ -266,7 +272,7 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
     secret = secret if secret is not None else auth.secret_from_env()
 
     loopback = auth.is_loopback(master_addr)
-    server = None
+    server = secret_file = None
     own_store = store is None
     if store is None:  # a process of a real job (not ranks sharing a store in one process)
         _limit_threads(env["threads"])
@@ -282,24 +288,16 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
         else:
             hosts = env["hosts_store"] if placed_by_env and env["hosts_store"] is not None else (
                 rank == 0 and not env["store_hosted"])
-            if hosts:
-                server = StoreServer(master_addr if loopback else "0.0.0.0", master_port, secret=secret, job=job)
-                try:
-                    await server.start()
-                except OSError as exc:
-                    if exc.errno != errno.EADDRINUSE:
-                        raise
-                    given = port_source in ("MASTER_PORT", "the master_port argument")
-                    how = f"set by {port_source}={master_port}" if given else f"from {port_source}"
-                    raise ConnectError(f"rank {rank} cannot host the rendezvous store on {master_addr}:{master_port}: "
-                                       f"port {master_port} ({how}) is in use by another program or job; choose "
-                                       f"another port with MASTER_PORT") from exc
+            if not secret:  # no job runs unauthenticated by accident (runtime/jobsecret.py)
+                secret_file = await asyncio.to_thread(jobsecret.derive, job, master_port, master_addr, f"rank {rank}")
+                secret = secret_file.secret
+                log.info("rank %d: %s is unset; the job's secret is %s %s (this user's alone)", rank, auth.SECRET_ENV,
+                         "made in" if secret_file.made_here else "read from", secret_file.path)
             try:
-                store = await TCPStore.connect(master_addr, master_port, secret=secret, job=job,
-                                               timeout_s=timeout_s, who={"rank": rank})
+                server, store = await _host_and_connect(rank, hosts, master_addr, master_port, port_source,
+                                                        secret=secret, job=job, timeout_s=timeout_s)
             except BaseException:
-                if server is not None:
-                    await server.close()
+                jobsecret.release(secret_file)
                 raise
     prefixed = PrefixStore(f"restart/{env['restart']}", store, owns_store=own_store)
     actor = Actor(rank, world_size, secret=secret, job=job)
@@ -327,6 +325,7 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
         await prefixed.close()
         if server is not None:
             await server.close()
+        jobsecret.release(secret_file)
         raise
     rt = Runtime(actor, prefixed, timeout_s=timeout_s, local_rank=local_rank or 0,
                  local_world_size=local_world_size or 1, nodes=nodes)
@@ -336,10 +335,43 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
             log.warning("rank %d: shared memory is off for this job: some ranks have RINGWEAVE_SHM=0 "
                         "or no writable /dev/shm", rank)
     rt.store_server = server
+    rt.secret_file = secret_file  # removed when this rank leaves, if it made it
     _current.set(rt)
     _process_default = rt
     log.debug("rank %d of %d joined job %r", rank, world_size, job)
     return rt
+
+
+async def _host_and_connect(rank: int, hosts: bool, master_addr: str, master_port: int, port_source: str, *,
+                            secret: bytes | None, job: str, timeout_s: float):
+    """Hosts the store at ``master_addr:master_port`` when ``hosts`` (every interface unless that
+    address is loopback), then connects to it. Returns (the server or None, the client).
+
+    Raises:
+        ConnectError: the port is taken (naming it and ``port_source``), or nothing answered.
+        AuthenticationError: what answered is not this job's store.
+    """
+    server = None
+    if hosts:
+        listen = master_addr if auth.is_loopback(master_addr) else "0.0.0.0"
+        server = StoreServer(listen, master_port, secret=secret, job=job)
+        try:
+            await server.start()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            given = port_source in ("MASTER_PORT", "the master_port argument")
+            how = f"set by {port_source}={master_port}" if given else f"from {port_source}"
+            raise ConnectError(f"rank {rank} cannot host the rendezvous store on {master_addr}:{master_port}: "
+                               f"port {master_port} ({how}) is in use by another program or job; choose "
+                               f"another port with MASTER_PORT") from exc
+    try:
+        return server, await TCPStore.connect(master_addr, master_port, secret=secret, job=job,
+                                              timeout_s=timeout_s, who={"rank": rank})
+    except BaseException:
+        if server is not None:
+            await server.close()
+        raise
 
 
 def set_current(rt: Runtime | None) -> None:
@@ -474,6 +506,7 @@ async def _close(rt: Runtime, reason: BaseException | None = None) -> None:
     try:
         await rt.close(reason)
     finally:
+        jobsecret.release(getattr(rt, "secret_file", None))
         if server is not None:
             # The other ranks' store clients leave after the rendezvous; close the server
             # once they have (bounded), so none of them sees it closing under a request.

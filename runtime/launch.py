@@ -43,8 +43,9 @@ The secret
     A job that listens beyond loopback needs ``RINGWEAVE_SECRET`` in the
     launcher's environment (the same on every node); without it the launcher
     refuses to start (exit 2). A single node without it makes a fresh secret
-    (``auth.make_secret()``). Several nodes on loopback without it run
-    unauthenticated, as docs/design.md ("Starting a job") allows.
+    (``auth.make_secret()``). Several nodes on loopback (one host) without it
+    share one made for the job in a file of this user's alone
+    (runtime/jobsecret.py); no job runs unauthenticated.
 
 Environment of every rank (the names torchrun uses, plus ours)::
 
@@ -57,7 +58,7 @@ Environment of every rank (the names torchrun uses, plus ours)::
     GROUP_WORLD_SIZE   M
     MASTER_ADDR        where the store is                     e.g. 10.0.0.1
     MASTER_PORT        its port (the real one when port 0 was asked for)
-    RINGWEAVE_SECRET   the job's secret (unset when the job runs unauthenticated)
+    RINGWEAVE_SECRET   the job's secret (always set)
     RINGWEAVE_JOB      the run id, same on every node
     RINGWEAVE_STORE_HOSTED=1   the launcher hosts the store: rank 0 must not
     RINGWEAVE_RESTART  how many times the job was restarted: 0, 1, ...
@@ -153,6 +154,7 @@ from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.scheduler import THREAD_VARS, usable_cores
 from runtime.store_tcp import StoreServer
+from runtime import jobsecret
 
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
@@ -314,7 +316,8 @@ def store_listen_host(cfg: LaunchConfig) -> str:
 def choose_secret(cfg: LaunchConfig, env_secret: str | None,
                   make: Callable[[], str] = auth.make_secret) -> str | None:
     """The job's secret: the user's RINGWEAVE_SECRET, else a fresh one on a
-    single node, else none for several nodes on loopback.
+    single node, else None for several nodes on loopback (they derive one:
+    runtime/jobsecret.py).
 
     Raises:
         ValueError: several nodes beyond loopback and no RINGWEAVE_SECRET.
@@ -703,14 +706,23 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
     except ValueError as exc:
         console.say(f"error: {exc}")
         return EXIT_USAGE
-    if secret is None:
-        console.say(f"{auth.SECRET_ENV} is unset: the job runs unauthenticated (loopback only)")
     job = choose_job_id(cfg)
+    shared = None
+    if secret is None:  # nodes on loopback: this host's launchers share the job's private secret
+        try:
+            shared = jobsecret.derive(job, cfg.master_port, cfg.advertised_addr, f"launcher of node {cfg.node_rank}",
+                                      env=environ)
+        except RingweaveError as exc:  # AuthenticationError: the private directory is unusable
+            console.say(f"error: {exc}")
+            return EXIT_USAGE
+        secret = shared.secret.decode()
+        console.say(f"{auth.SECRET_ENV} is unset: the nodes share the job's secret in {shared.path} (this user's alone)")
     procs.become_subreaper()
     cores = usable_cores()
     deadline = None if cfg.max_time_s is None else time.monotonic() + cfg.max_time_s
     with Stopper(console).installed() as stopper:
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(jobsecret.release, shared)
             master_port = cfg.master_port or 0
             server = None
             if cfg.hosts_store:

@@ -12,7 +12,8 @@ First that applies wins:
 
 Through the store, the world size and restart count come from the ``job/info`` key that
 rank 0 sets (runtime/init.py). The secret comes from ``--secret-file`` or
-``RINGWEAVE_SECRET``.
+``RINGWEAVE_SECRET``, else, for a job on this host started without one, from the file its
+ranks derived it in (runtime/jobsecret.py).
 
 Not here: asking the ranks anything (tools/status.py).
 """
@@ -26,6 +27,7 @@ from runtime import auth, jobfile
 from runtime.errors import RingweaveError
 from runtime.init import JOB_INFO_KEY, read_env
 from runtime.store_tcp import TCPStore
+from runtime import jobsecret
 
 
 def add_arguments(p) -> None:
@@ -70,6 +72,9 @@ async def locate(args, timeout_s: float, env=None) -> dict:
             "job": args.job or placed["job"], "secret": _secret(args.secret_file)}
     if info["master_port"] is None:
         raise RingweaveError("--master-addr without --master-port (or MASTER_PORT): the store's port is needed")
+    if info["secret"] is None:  # a job started without one derived it, in a file of this user's on its host
+        derived = jobsecret.lookup(info["job"], info["master_port"])
+        info["secret"] = derived.decode() if derived else None
     secret = info["secret"].encode() if info["secret"] else None
     store = await TCPStore.connect(info["master_addr"], info["master_port"], secret=secret, job=info["job"],
                                    timeout_s=timeout_s, who={"tool": "locate"})

@@ -94,9 +94,9 @@ def test_multi_node_beyond_loopback_refuses_without_a_secret():
         launch.choose_secret(multi, None)
 
 
-def test_multi_node_on_loopback_may_run_unauthenticated():
+def test_multi_node_on_loopback_leaves_the_secret_to_the_private_file():
     multi = cfg(nnodes=2, master_addr="127.0.0.1", master_port=5)
-    assert launch.choose_secret(multi, None) is None
+    assert launch.choose_secret(multi, None) is None  # run_job derives it (runtime/jobsecret.py)
 
 
 def test_job_id():

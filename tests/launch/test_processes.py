@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -303,10 +304,13 @@ def test_max_time_stops_a_job_that_runs_too_long(job):
 
 
 @pytest.mark.timeout(40)
-def test_two_nodes_on_one_machine(job):
+@pytest.mark.parametrize("given", ["s" * 64, None])
+def test_two_nodes_on_one_machine(job, tmp_path, given):
+    """With RINGWEAVE_SECRET, every rank gets it; without, the two launchers share one made for
+    the job in a private file (runtime/jobsecret.py), removed when the job ends."""
     script, out = job
     port = free_port()
-    env = launcher_env(RINGWEAVE_SECRET="s" * 64)
+    env = launcher_env(XDG_RUNTIME_DIR=str(tmp_path), **({"RINGWEAVE_SECRET": given} if given else {}))
     procs = [subprocess.Popen(
         launch_cmd("-n", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                    "--master-port", str(port), "--job-id", "two-nodes", script=script, mode="env",
@@ -324,8 +328,15 @@ def test_two_nodes_on_one_machine(job):
     envs = [read_env(out, rank) for rank in range(4)]
     assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["NODE_RANK"]) for e in envs] == [
         ("0", "4", "0", "0"), ("1", "4", "1", "0"), ("2", "4", "0", "1"), ("3", "4", "1", "1")]
-    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["RINGWEAVE_JOB"], e["RINGWEAVE_SECRET"])
-            for e in envs} == {("127.0.0.1", str(port), "two-nodes", "s" * 64)}
+    secrets_seen = {e["RINGWEAVE_SECRET"] for e in envs}
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["RINGWEAVE_JOB"]) for e in envs} == {
+        ("127.0.0.1", str(port), "two-nodes")}
+    if given:
+        assert secrets_seen == {given}
+    else:
+        assert len(secrets_seen) == 1 and re.fullmatch("[0-9a-f]{64}", secrets_seen.pop())
+        assert all("the nodes share the job's secret in" in err for _, err in results), results
+        assert not list((tmp_path / f"ringweave-{os.getuid()}").glob("*.secret"))
     assert "[rank 2] hello from rank 2" in results[0][0]  # node 1 prints its own ranks
     assert "[rank 0] hello from rank 0" in results[1][0]
 
