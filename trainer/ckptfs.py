@@ -189,41 +189,58 @@ def open_root(path, *, create: bool = False) -> Dir | None:
     except FileNotFoundError:
         return None
     mode = stat.S_IMODE(os.fstat(root.fd).st_mode)
-    if mode & 0o077 and str(root.path) not in _warned:
-        _warned.add(str(root.path))
-        log.warning("checkpoint directory %s has mode %04o: other users may read its checkpoints (chmod 700 it)",
-                    root.path, mode)
+    if mode & 0o077:
+        _warn_once(f"checkpoint directory {root.path} has mode {mode:04o}: other users may read its checkpoints "
+                   f"(chmod 700 it)")
     return root
 
 
 _warned: set[str] = set()
 
 
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
 def step_names(root: Dir) -> list[tuple[int, str]]:
-    """(step, name) of every ``step-SSSSSSSS`` directory of ``root`` (not links), oldest first."""
+    """(step, name) of every ``step-SSSSSSSS`` directory of ``root`` that is this user's (not a
+    link), oldest first. One of another user (left from a time the root was open to others) is
+    not trusted, listed or pruned: it is logged once."""
     found = []
     for name in root.names():
         m = STEP.match(name)
         st = root.lstat(name) if m else None
-        if st is not None and stat.S_ISDIR(st.st_mode):
-            found.append((int(m.group(1)), name))
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            continue
+        if st.st_uid != os.geteuid():
+            _warn_once(f"ignoring {root.path / name}: it belongs to uid {st.st_uid}, not to this user")
+            continue
+        found.append((int(m.group(1)), name))
     return sorted(found)
 
 
 def remove_checkpoint(root: Dir, name: str) -> bool:
-    """Removes the checkpoint (or temporary) directory ``name`` of ``root``: only a real directory
-    of this user named like one, walked by descriptor (links inside are unlinked, never
-    followed). Returns whether it was removed; one that is not ours is left and logged."""
+    """Removes the checkpoint (or temporary) directory ``name`` of ``root``, walked by descriptor
+    (links inside are unlinked, never followed); a link or file of this user with such a name is
+    unlinked. Returns whether it is gone; anything of another user is left, and logged.
+
+    Raises:
+        CheckpointError: ``name`` is not a checkpoint's (``step-S``, ``.tmp-step-S``) name.
+    """
     if not (STEP.match(name) or TMP.match(name)):
-        raise CheckpointError(f"{name!r} in {root.path} is not a checkpoint's name; not removed")
+        raise CheckpointError(f"{name[:80]!r} in {root.path} is not a checkpoint's name; not removed")
     st = root.lstat(name)
     if st is None:
         return False
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        log.warning("not removing %s: it is not a directory of this user (uid %d, mode %04o)", root.path / name,
-                    st.st_uid, stat.S_IMODE(st.st_mode))
+    if st.st_uid != os.geteuid():
+        log.warning("not removing %s: it belongs to uid %d, not to this user", root.path / name, st.st_uid)
         return False
-    shutil.rmtree(name, dir_fd=root.fd, ignore_errors=True)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=root.fd, ignore_errors=True)
+    else:
+        os.unlink(name, dir_fd=root.fd)
     return root.lstat(name) is None
 
 
