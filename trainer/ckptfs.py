@@ -155,11 +155,17 @@ class Dir:
             if st.st_size > limit:
                 raise CheckpointError(f"{self.path / relpath} is {st.st_size} bytes, more than the {limit} a "
                                       f"checkpoint's JSON may have")
-            raw = f.read(limit + 1)
+            raw = f.read(st.st_size + 1)  # read(n) allocates n bytes first: the file's size, not the limit
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's stack
-            raise CheckpointError(f"{self.path / relpath} is not JSON: {str(exc)[:120]}") from None
+            raise CheckpointError(f"{self.path / relpath} is not JSON: {one_line(exc)}") from None
+
+
+def one_line(exc: BaseException, limit: int = 120) -> str:
+    """An exception's message on one line, cut to ``limit`` characters (it may quote a file)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _entry(name: str, where: Path) -> None:

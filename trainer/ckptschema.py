@@ -195,7 +195,12 @@ SCALAR = either(const(None), const(True), const(False), integer(-MAX_INDEX, MAX_
 COUNT = integer(0, MAX_INDEX)
 DTYPE = one_of(set(DTYPES))
 
-PIECE_RECORD = record({"file": (True, string(PIECE, 256)), "start": (True, COUNT), "stop": (True, COUNT),
+def piece_file(v, where) -> None:
+    if type(v) is not str or len(v) > 256 or not PIECE.match(v):
+        _fail(where, f"{_show(v)} is not rank<NNNNN>/<array>.npy (a file inside the checkpoint's directory)")
+
+
+PIECE_RECORD = record({"file": (True, piece_file), "start": (True, COUNT), "stop": (True, COUNT),
                        "crc32": (True, integer(0, 2**32 - 1))})
 ARRAY_RECORD = record({"numel": (True, COUNT), "dtype": (True, DTYPE), "pieces": (True, array(PIECE_RECORD))})
 PARAM_RECORD = record({"name": (True, string(PARAM, 1100)),

@@ -55,7 +55,7 @@ def _gpt_config(meta: dict) -> GPTConfig:
     config = spec["config"]  # a map of scalars (trainer/ckptschema.py)
     for key, value in config.items():
         if key not in fields or type(value) not in kinds[fields[key]]:
-            raise CheckpointError(f"{meta['path']}: model.config.{key} = {str(value)[:40]!r} is not a GPTConfig "
+            raise CheckpointError(f"{meta['path']}: model.config.{key} = {repr(value)[:40]} is not a GPTConfig "
                                   f"field of type {fields.get(key, 'none')}")
     try:
         config = GPTConfig(**config)

@@ -1,6 +1,7 @@
 """Small real checkpoints to attack, for tests/security/test_checkpoint_*.py and bench/security.py.
 
     paths = await save_steps(root, 2)           # root/step-00000001 and step-00000002, zero3 at 2 ranks
+    paths = copy_root(pristine, tmp_path)      # a fresh copy of a root saved once per module
     meta, params = await load_newest(root)     # load_newest_valid at world size 1: its metadata, unit params
     edit_meta(paths[-1], fn)                   # metadata.json rewritten as fn(meta) returns it
 
@@ -13,6 +14,7 @@ Not here: the attacks themselves (each test file writes its own).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +84,13 @@ async def load_newest(root, *, world: int = 1, name: str = "ddp"):
             s.close()
 
     return await _first(world, body)
+
+
+def copy_root(src: Path, dst: Path) -> list[Path]:
+    """A copy of checkpoint root ``src`` at ``dst / "ckpt"`` (modes kept); its checkpoints' paths."""
+    root = Path(dst) / "ckpt"
+    shutil.copytree(src, root)
+    return checkpoint.list_checkpoints(root)
 
 
 def edit_meta(ckpt: Path, fn) -> None:
