@@ -136,7 +136,7 @@ def _plant(root: str, stage: str) -> list[str]:
 
 @needs_root
 async def test_a_planted_checkpoint_in_a_root_nobody_made_is_never_loaded(tmp_path, shared, victim):
-    """Reproduction: nobody makes the root and plants step-99999999 (the job's own weights negated,
+    """uid nobody makes the root and plants step-99999999 (the job's own weights negated,
     CRCs fixed). Before: --resume loaded it. Now the root itself is refused, and a save into it
     writes nothing."""
     good = tmp_path / "good"
@@ -197,7 +197,7 @@ def _race(root: str, victim: str) -> dict:
 
 @needs_root
 async def test_the_tmp_racer_gets_nothing(shared, victim):
-    """Reproduction: nobody makes the root and swaps ``.tmp-step-S`` for a directory of links into
+    """uid nobody makes the root and swaps ``.tmp-step-S`` for a directory of links into
     the owner's files as soon as it appears. Before: the save wrote through the links (won on the
     first save). Now the root is refused before anything is made in it."""
     os.chmod(victim.parent, 0o755)

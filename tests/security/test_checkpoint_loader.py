@@ -61,7 +61,7 @@ def _set(path: str, value):
     return edit
 
 
-DAMAGE = {  # reproduction 7: each still parses as JSON
+DAMAGE = {  # damage that still parses as JSON
     "arrays renamed arraqs": (lambda m: _rename(m, "arrays", "arraqs"), "the key 'arrays' is missing"),
     "a string for step": (_set("step", "2"), "metadata.step: expected an integer"),
     "pieces null": (_set("arrays/unit0.param/pieces", None), "pieces: expected a list"),
@@ -103,7 +103,7 @@ def _outside_copy(tmp_path: Path, ckpt: Path) -> Path:
 
 @pytest.mark.parametrize("trick", ["absolute", "dotdot", "other rank's directory", "nested"])
 async def test_piece_paths_stay_inside_their_step_directory(pristine, tmp_path, caplog, trick):
-    """Reproduction 8: absolute and ``../`` piece paths pointing at a real .npy elsewhere (same
+    """Absolute and ``../`` piece paths pointing at a real .npy elsewhere (same
     numbers, same CRC: only the path is wrong). Before: followed, and the parameters loaded from
     outside the checkpoint."""
     caplog.set_level(logging.WARNING, "ringweave.checkpoint")
@@ -122,7 +122,7 @@ async def test_piece_paths_stay_inside_their_step_directory(pristine, tmp_path, 
 
 
 async def test_a_fifo_piece_does_not_block_the_loader(pristine, tmp_path):
-    """Reproduction 8: a FIFO in a piece's place. Before: the loader blocked in open() forever."""
+    """A FIFO in a piece's place. Before: the loader blocked in open() forever."""
     paths = copy_root(pristine, tmp_path)
     root = paths[0].parent
     piece = paths[1] / "rank00001" / "unit1.param.npy"
@@ -148,7 +148,7 @@ def _huge(numel: int):
 
 
 async def test_a_huge_numel_is_refused_before_anything_is_allocated(pristine, tmp_path):
-    """Reproduction 8: numel 2**40 (4 TiB of float32). Before: the loader asked NumPy for it.
+    """numel 2**40 (4 TiB of float32). Before: the loader asked NumPy for it.
     Now each piece's file size is compared with what the metadata claims first."""
     paths = copy_root(pristine, tmp_path)
     root = paths[0].parent
@@ -194,7 +194,7 @@ GPT_DAMAGE = {
 
 
 async def test_trainer_sample_ends_crafted_checkpoints_with_one_line(tmp_path, capsys):
-    """Reproduction 8: trainer.sample on crafted checkpoints: one line on stderr, exit code 1, no
+    """trainer.sample on crafted checkpoints: one line on stderr, exit code 1, no
     traceback (the model's sizes are checked against the checkpoint before it is built). Before:
     raw tracebacks; n_layer = 10**9 built a billion blocks."""
     ckpt = await _gpt_checkpoint(tmp_path / "good")
