@@ -49,13 +49,20 @@ A process killed anywhere before the rename leaves only a ``.tmp-*`` directory,
 which ``latest()`` ignores, so the previous checkpoint stays the one loaded.
 Ranks must share the file system (one directory seen by all).
 
+Trust (SECURITY.md, "Checkpoints"): every file is reached through directory
+descriptors checked for owner and mode, never through a link (trainer/ckptfs.py:
+roots this user's and writable by nobody else, directories made 0700, files 0600
+with O_EXCL); a checkpoint is untrusted input, its metadata checked against
+trainer/ckptschema.py and each piece's file (a regular file, its .npy header, its
+size) before the array it fills is allocated. Any violation is a CheckpointError.
+
 Resume: the metadata keeps ``step`` (train_step calls, which key dropout and the
 schedule), the optimizer state and its step, the loss scaler, and the loop's
 ``extra`` (store the epoch and the batch index within it, so the loop can skip
 the batches already consumed; data order is a pure function of (seed, epoch)).
 :func:`load_newest_valid` is what a resume calls: the newest checkpoint that every
 rank can read and verify (CRCs), falling back to older ones when a newer one is
-damaged (a disk error, a partial copy), so a restart does not fail, or loop under
+damaged (a disk error, a partial copy, a crafted file), so a restart does not fail, or loop under
 ``--max-restarts``, while an intact checkpoint is there; every rank ends on the same one.
 
 What it is not: no asynchronous (background) saving, no object-store backends.
@@ -65,8 +72,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
-import os
 import stat
 import time
 import zlib
@@ -349,44 +354,6 @@ def read_metadata(path) -> dict:
         return _read_meta(ckpt)
 
 
-def _piece_offset(ckpt: Dir, piece: dict, stored: np.dtype, name: str) -> int:
-    """Where a piece's data starts in its .npy file, after checking its header (no pickle) and
-    that the file holds exactly the piece's elements. Allocates nothing of the piece's size."""
-    fd, st = ckpt.open_file(piece["file"])
-    file = ckpt.path / piece["file"]
-    with os.fdopen(fd, "rb") as f:
-        try:
-            version = np.lib.format.read_magic(f)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"format version {version}")
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read(f)
-            offset = f.tell()
-        except Exception as exc:  # NumPy's parser on bytes that are no header: ValueError, SyntaxError, TokenError ...
-            raise CheckpointError(f"{file} ({name}) is not a .npy array: {ckptfs.one_line(exc)}") from None
-    count = piece["stop"] - piece["start"]
-    want = np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(stored))
-    if dtype != want or fortran or shape != (count,):
-        raise CheckpointError(f"{file} ({name}) holds {dtype} {shape}, {METADATA} says {stored} ({count},)")
-    if st.st_size != offset + count * stored.itemsize:
-        raise CheckpointError(f"{file} ({name}) is {st.st_size} bytes; a header of {offset} and {count} "
-                              f"{stored} elements make {offset + count * stored.itemsize}")
-    return offset
-
-
-def _map_piece(ckpt: Dir, piece: dict, stored: np.dtype, offset: int) -> np.ndarray:
-    """A piece's elements, memory-mapped read-only (a rank reads only the pages it copies)."""
-    fd, st = ckpt.open_file(piece["file"])
-    try:
-        count = piece["stop"] - piece["start"]
-        if st.st_size != offset + count * stored.itemsize:
-            raise CheckpointError(f"{ckpt.path / piece['file']} changed while it was read")
-        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=stored, count=count, offset=offset)
-
-
 def _read_range(ckpt: Dir, name: str, entry: dict, lo: int, hi: int, dtype) -> np.ndarray:
     """Elements [lo, hi) of array ``name``, assembled from the pieces that overlap them. Every
     such piece's file is checked to hold its elements before the result is allocated."""
@@ -394,14 +361,14 @@ def _read_range(ckpt: Dir, name: str, entry: dict, lo: int, hi: int, dtype) -> n
         raise CheckpointError(f"{ckpt.path}: {name!r} has {entry['numel']} elements; [{lo}, {hi}) was asked for")
     stored = resolve_dtype(entry["dtype"])
     pieces = [p for p in entry["pieces"] if max(lo, p["start"]) < min(hi, p["stop"])]
-    offsets = [_piece_offset(ckpt, p, stored, name) for p in pieces]
+    offsets = [ckptfs.npy_offset(ckpt, p["file"], stored, p["stop"] - p["start"], name) for p in pieces]
     covered = sum(min(hi, p["stop"]) - max(lo, p["start"]) for p in pieces)
     if covered != hi - lo:
         raise CheckpointError(f"{ckpt.path}: pieces of {name!r} cover {covered} of the {hi - lo} elements "
                               f"[{lo}, {hi}) this rank needs")
     out = np.empty(hi - lo, dtype=dtype)  # no larger than what the checked files hold
     for piece, offset in zip(pieces, offsets):
-        data = _map_piece(ckpt, piece, stored, offset)
+        data = ckptfs.map_npy(ckpt, piece["file"], stored, piece["stop"] - piece["start"], offset)
         if _crc(data) != piece["crc32"]:
             raise CheckpointError(f"{ckpt.path / piece['file']} ({name}) is corrupt: its checksum differs from "
                                   f"{METADATA}")

@@ -17,6 +17,10 @@ system, so it follows the job file's rules (runtime/private.py):
 * :func:`remove_checkpoint` is the one way a checkpoint is deleted (pruning, a failed save):
   only a step or temporary directory of this user, never a link.
 
+* :func:`npy_offset` and :func:`map_npy` open a piece: its .npy header parsed without pickle and
+  compared with what the metadata says, its size with the header plus the elements, before
+  anything of that size is allocated; then the elements, memory-mapped.
+
 So a link planted anywhere under a root is never followed, and a root or step directory another
 user made is never trusted. What it is not: the layout of a checkpoint and its metadata
 (trainer/checkpoint.py, trainer/ckptschema.py).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -33,10 +38,12 @@ import shutil
 import stat
 from pathlib import Path
 
+import numpy as np
+
 from runtime import private
 from trainer.ckptschema import CheckpointError
 
-__all__ = ["Dir", "open_root", "open_dir", "remove_checkpoint", "step_name", "step_names", "write_atomic"]
+__all__ = ["Dir", "open_root", "open_dir", "remove_checkpoint", "step_names", "npy_offset", "map_npy", "write_atomic"]
 
 log = logging.getLogger("ringweave.checkpoint")
 
@@ -50,10 +57,6 @@ STEP = re.compile(r"step-(\d{8,16})\Z")  # a committed checkpoint: step-00000040
 TMP = re.compile(r"\.tmp-(old-)?step-\d{8,16}\Z")  # a save in progress, or the step it replaces
 ENTRY = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.][A-Za-z0-9_.+-]{0,254}\Z")  # one name below a root: no '/', '.', '..'
 MAX_JSON_NBYTES = 256 * 2**20  # metadata of a very large model is tens of MiB
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 class Dir:
@@ -248,6 +251,48 @@ def remove_checkpoint(root: Dir, name: str) -> bool:
     else:
         os.unlink(name, dir_fd=root.fd)
     return root.lstat(name) is None
+
+
+def npy_offset(ckpt: Dir, relpath: str, dtype: np.dtype, count: int, name: str) -> int:
+    """Where the data of the .npy file ``relpath`` starts, after checking that it is a regular
+    file of this user, that its header (parsed without pickle) says ``dtype`` and ``(count,)``,
+    and that its size is that header plus exactly ``count`` elements. Reads the header only.
+
+    Raises:
+        CheckpointError: any of these is not so (names the file and the array ``name``).
+    """
+    fd, st = ckpt.open_file(relpath)
+    file = ckpt.path / relpath
+    with os.fdopen(fd, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"format version {version}")
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, found = read(f)
+            offset = f.tell()
+        except Exception as exc:  # NumPy's parser on bytes that are no header: ValueError, SyntaxError, TokenError ...
+            raise CheckpointError(f"{file} ({name}) is not a .npy array: {one_line(exc)}") from None
+    want = np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(dtype))  # bfloat16 is stored as V2
+    if found != want or fortran or shape != (count,):
+        raise CheckpointError(f"{file} ({name}) holds {found} {shape}, the metadata says {dtype} ({count},)")
+    if st.st_size != offset + count * dtype.itemsize:
+        raise CheckpointError(f"{file} ({name}) is {st.st_size} bytes; a header of {offset} and {count} "
+                              f"{dtype} elements make {offset + count * dtype.itemsize}")
+    return offset
+
+
+def map_npy(ckpt: Dir, relpath: str, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+    """The ``count`` elements of a .npy file ``npy_offset`` checked, memory-mapped read-only (a
+    rank reads only the pages it copies)."""
+    fd, st = ckpt.open_file(relpath)
+    try:
+        if st.st_size != offset + count * dtype.itemsize:
+            raise CheckpointError(f"{ckpt.path / relpath} changed while it was read")
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
 
 
 def write_atomic(out, write) -> Path:
