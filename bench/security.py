@@ -9,6 +9,8 @@ bounds that are too heavy for the test suite (tens of thousands of connections, 
     sudo .venv/bin/python bench/security.py jobfile
     sudo .venv/bin/python bench/security.py status
     sudo .venv/bin/python bench/security.py trace
+    sudo .venv/bin/python bench/security.py checkpoint-plant
+    sudo .venv/bin/python bench/security.py checkpoint-race
     ... --repo /path/to/another/checkout       # the job runs that code (e.g. main, for "before")
 
 Each starts a real job (``python -m runtime.launch -n 4``, the launcher's fresh secret) whose
@@ -41,6 +43,14 @@ markdown per measurement, for bench/results/security.md:
   to a file of the job's owner under every name a rank would write (``trace-rank<R>.json`` and its
   temporary ``.tmp<pid>``); then ``tools.trace -o`` into another directory of the attacker's, with a
   link in the output's name. Is the owner's file overwritten?
+* ``checkpoint-plant``: the trainer (``python -m runtime.launch -n 2 -m trainer``, 1 epoch) saves
+  a checkpoint in a directory of its own; the attacker makes the checkpoint root in a shared
+  directory (mode 1777) first and plants ``step-99999999`` there: that checkpoint with its
+  weights negated and its CRCs fixed. The job then runs ``--checkpoint-dir <that root>
+  --resume --epochs 2`` (one more epoch): does it load the forged checkpoint?
+* ``checkpoint-race``: the attacker makes the root and swaps every ``.tmp-step-S`` that appears
+  for a directory of links into a directory of the job owner's files; the trainer runs 2 epochs
+  (a save after each) into that root: are the owner's files written through the links?
 
 Not here: the small versions of each, which run in the suite (tests/security/).
 """
@@ -547,11 +557,134 @@ def trace_attack(args) -> None:
           f"{proc.returncode} | {said[:200]} |")
     shutil.rmtree(own, ignore_errors=True)
     subprocess.run(["rm", "-rf", str(shared)], check=False)
+# -- checkpoints ------------------------------------------------------------------------------------
+
+def _trainer(repo: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python -m runtime.launch -n 2 -m trainer --strategy zero3 ...`` with the code of ``repo``."""
+    return subprocess.run([PY, "-m", "runtime.launch", "-n", "2", "-m", "trainer", "--strategy", "zero3",
+                           "--log-every", "0", *args], cwd=str(repo), env=dict(os.environ, PYTHONPATH=str(repo)),
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def _said(out: subprocess.CompletedProcess, *needles: str) -> str:
+    """The first line of the job's output holding one of ``needles`` (its rank prefix dropped)."""
+    for line in (out.stdout + out.stderr).splitlines():
+        if any(n in line for n in needles):
+            return re.sub(r"^\[rank \d+\] ", "", line.strip())[:200]
+    return ""
+
+
+def _error(out: subprocess.CompletedProcess) -> str:
+    """Rank 0's last exception line (``...Error: message``; another rank's if it has none), shortened."""
+    found = [(m.group(1), m.group(2)) for line in (out.stdout + out.stderr).splitlines()
+             if (m := re.match(r"^(?:\[rank (\d+)\] )?((?:[\w.]+\.)?\w*Error: .*)", line.strip()))]
+    ours = [text for rank, text in found if rank == "0"] or [text for _, text in found]
+    return ours[-1][:300] if ours else ""
+
+
+def _forge(ckpt: Path, stage: Path) -> None:
+    """``stage``: a copy of checkpoint ``ckpt`` as step 99999999, parameters negated, CRCs fixed,
+    readable by everyone (so that the attacker can copy it)."""
+    import zlib
+
+    import numpy as np
+
+    shutil.copytree(ckpt, stage)
+    meta = json.loads((stage / "metadata.json").read_text())
+    meta["step"] = 99999999
+    if (meta.get("extra") or {}).get("loop"):
+        meta["extra"]["loop"]["step"] = 99999999
+    for name, entry in meta["arrays"].items():
+        for piece in entry["pieces"]:
+            if name.endswith(".param"):
+                a = -np.load(stage / piece["file"])
+                np.save(stage / piece["file"], a)
+                piece["crc32"] = zlib.crc32(np.ascontiguousarray(a).view(np.uint8)) & 0xFFFFFFFF
+    (stage / "metadata.json").write_text(json.dumps(meta))
+    for p in [stage, *stage.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
+def _plant_checkpoint(root: str, stage: str) -> list:
+    """As the attacker: the checkpoint root (0777), with the forged checkpoint in it."""
+    os.mkdir(root)
+    os.chmod(root, 0o777)
+    shutil.copytree(stage, os.path.join(root, "step-99999999"))
+    return sorted(os.listdir(root))
+
+
+def checkpoint_plant(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="rw-ckpt-", dir="/tmp"))
+    os.chmod(work, 0o1777)
+    try:
+        own = _trainer(args.repo, "--epochs", "1", "--checkpoint-dir", str(work / "own"))
+        [ckpt] = sorted((work / "own").glob("step-*"))
+        _forge(ckpt, work / "stage")
+        pid, r = as_nobody(_plant_checkpoint, str(work / "shared-ckpt"), str(work / "stage"))
+        planted = result_of(pid, r)
+        out = _trainer(args.repo, "--epochs", "2", "--checkpoint-dir", str(work / "shared-ckpt"), "--resume")
+        loaded = _said(out, "resumed from")
+        print(f"| planted step-99999999 | {args.repo.name} | own run: validation "
+              f"{_said(own, 'validation accuracy').split('accuracy')[-1].split()[0]} | planted: "
+              f"{planted.get('ok', planted)} | {'loaded: ' + loaded if loaded else 'not loaded'} | "
+              f"{_error(out) or _said(out, 'validation accuracy')} | exit {out.returncode} |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _race_tmp(root: str, victim: str, stop: str, limit_s: float) -> dict:
+    """As the attacker: make the root (0777), then swap every ``.tmp-step-S`` that appears for a
+    directory of links into ``victim`` until ``stop`` exists (or ``limit_s`` passed)."""
+    os.mkdir(root)
+    os.chmod(root, 0o777)
+    swaps, deadline = 0, time.monotonic() + limit_s
+    while not os.path.exists(stop) and time.monotonic() < deadline:
+        for name in os.listdir(root):
+            if name.startswith(".tmp-step-") and ".gone" not in name:
+                try:
+                    os.rename(os.path.join(root, name), os.path.join(root, f"{name}.gone{swaps}"))
+                    fake = os.path.join(root, name)
+                    os.mkdir(fake, 0o777)
+                    for rank in range(2):
+                        os.symlink(victim, os.path.join(fake, f"rank{rank:05d}"))
+                    os.symlink(os.path.join(victim, "notes.txt"), os.path.join(fake, "metadata.json"))
+                    swaps += 1
+                except OSError:
+                    pass
+        time.sleep(0.0002)
+    return {"swaps": swaps}
+
+
+def checkpoint_race(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="rw-ckpt-", dir="/tmp"))
+    os.chmod(work, 0o1777)
+    victim = work / "owner-files"
+    victim.mkdir(mode=0o755)
+    for name in ("notes.txt", "index.json", "unit0.param.npy"):
+        (victim / name).write_text("the owner's own file\n")
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    try:
+        stop = work / "stop"
+        pid, r = as_nobody(_race_tmp, str(work / "shared-ckpt"), str(victim), str(stop), 600.0)
+        while not (work / "shared-ckpt").exists():
+            time.sleep(0.01)
+        out = _trainer(args.repo, "--epochs", "2", "--checkpoint-dir", str(work / "shared-ckpt"))
+        stop.touch()
+        raced = result_of(pid, r)
+        after = {p.name: p.read_bytes() for p in victim.iterdir()}
+        changed = sorted(n for n in after if after[n] != before.get(n))
+        print(f"| .tmp-step-S racer | {args.repo.name} | {raced.get('ok', raced)} | owner's files written through "
+              f"links: {len(changed)} ({', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}) | "
+              f"{_error(out) or _said(out, 'validation accuracy')} | "
+              f"exit {out.returncode} |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status", "trace", "takeover"])
+    p.add_argument("what", choices=["flood", "prefixes", "squat", "jobfile", "status", "trace", "takeover",
+                                    "checkpoint-plant", "checkpoint-race"])
     p.add_argument("--connections", type=types.count, default=1100, help="per attacked port (flood, prefixes)")
     p.add_argument("--fd-limit", type=types.positive_int, default=1024,
                    help="RLIMIT_NOFILE of every process of the job (flood)")
@@ -565,7 +698,8 @@ def main(argv=None) -> int:
         p.error("run as root: the attacker is a child that drops to uid nobody")
     args.repo = args.repo.resolve()
     {"flood": flood, "prefixes": prefixes, "squat": squat, "jobfile": jobfile_attack, "status": status,
-     "trace": trace_attack, "takeover": takeover}[args.what](args)
+     "trace": trace_attack, "takeover": takeover, "checkpoint-plant": checkpoint_plant,
+     "checkpoint-race": checkpoint_race}[args.what](args)
     return 0
 
 

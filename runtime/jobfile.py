@@ -17,6 +17,7 @@ Only this user may read or replace these files (SECURITY.md):
 * files are made relative to that descriptor, under a fresh random name, with
   ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, then renamed into place;
   files are read with ``O_NOFOLLOW`` and must be ours and not readable by others.
+  These rules live in runtime/private.py, shared with the checkpoints.
 
 Stale files: a launcher killed with SIGKILL cannot remove its file, so every
 ``write`` and ``find`` removes the files (and half-written temporary files) of
@@ -33,14 +34,15 @@ import json
 import os
 import re
 import secrets
-import stat
 import tempfile
 
+from runtime import private
 from runtime.errors import JobFileError
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # a planted FIFO cannot block us
+_RULES = private.Rules(
+    "the job files' directory", private.PRIVATE, JobFileError,
+    owner_risk="another user may have made it to read the job's secret", fix="remove it, or set XDG_RUNTIME_DIR",
+    mode_fix="remove it, or chmod 700 it if nothing in it came from someone else")
 _MAX_FILE_NBYTES = 64 * 1024  # a job file is a few hundred bytes
 _TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+\.tmp$")  # .<name>.<writer pid>.<random>.tmp
 
@@ -61,45 +63,14 @@ def file_name(job: str) -> str:
 
 
 def open_dir(create: bool) -> int:
-    """Opens the job directory once and checks it through the descriptor. Returns the descriptor
-    (the caller closes it).
+    """Opens the job directory once and checks it through the descriptor (runtime/private.py).
+    Returns the descriptor (the caller closes it).
 
     Raises:
         JobFileError: not a directory we may trust (another owner, group or other access, a link).
         FileNotFoundError: it does not exist and ``create`` is false.
     """
-    path = job_dir()
-    made = False
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-            made = True
-        except FileExistsError:
-            pass
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # ENOTDIR / ELOOP: a symbolic link or a file
-        if os.path.islink(path):
-            raise JobFileError(f"{path} is a symbolic link; the job files' directory must be a real directory "
-                               f"owned by this user (remove it)") from None
-        raise JobFileError(f"cannot open {path} as a directory: {exc}") from None
-    try:
-        if made:
-            os.fchmod(fd, 0o700)  # whatever the umask left
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise JobFileError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): another "
-                               f"user may have made it to read the job's secret; remove it, or set XDG_RUNTIME_DIR")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077 or mode & 0o700 != 0o700:
-            raise JobFileError(f"{path} has mode {mode:04o}; it must be 0700 (no access for group or others): "
-                               f"remove it, or chmod 700 it if nothing in it came from someone else")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return private.open_dir(job_dir(), _RULES, create=create)
 
 
 def process_start(pid: int) -> int | None:
@@ -143,7 +114,7 @@ def write(job: str, info: dict) -> str:
     try:
         _remove_stale(dfd)
         tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, _NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
+        fd = private.create_file(tmp, dfd)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -205,24 +176,19 @@ def _mtime(name: str, dfd: int) -> float:
 
 def _read(name: str, dfd: int) -> dict | None:
     """A job file's contents; None when it is gone. Raises JobFileError when it is not ours alone."""
+    path = os.path.join(job_dir(), name)
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        fd, _ = private.open_file(name, dfd, _RULES, label=path)
     except FileNotFoundError:
         return None
-    except OSError as exc:  # ELOOP: a symbolic link
-        raise JobFileError(f"cannot open {os.path.join(job_dir(), name)} safely: {exc}") from None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise JobFileError(f"{os.path.join(job_dir(), name)} is not a regular file of this user with mode 0600 "
-                               f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
         raw = f.read(_MAX_FILE_NBYTES + 1)
     try:
         info = json.loads(raw) if len(raw) <= _MAX_FILE_NBYTES else None
     except ValueError:
         info = None
     if type(info) is not dict:
-        raise JobFileError(f"{os.path.join(job_dir(), name)} is not a job file (not a JSON map under 64 KiB)")
+        raise JobFileError(f"{path} is not a job file (not a JSON map under 64 KiB)")
     return info
 
 

@@ -9,6 +9,7 @@ Submodules (import them directly; this file stays thin):
     trainer.sharding    DDP, ZeRO-1/2, ZeRO-3/FSDP over the same flat-buffer model
     trainer.parallel    the dp x tp x pp mesh: tensor and pipeline parallelism of the GPT, offload
     trainer.checkpoint  sharded atomic checkpoints, loading onto any world size and strategy
+                        (its files: trainer.ckptfs; its metadata's schema: trainer.ckptschema)
     trainer.runid       a run's identity and what it does with a checkpoint directory (RunError)
     trainer.loop        fit / evaluate; trainer.history and trainer.callbacks, what it reports and calls
     trainer.cli         `python -m trainer`; trainer.sample: `python -m trainer.sample`
@@ -19,6 +20,7 @@ What it is not: no autograd, no devices; the collectives live in collectives/.
 __all__ = ["nn", "optim", "data", "text", "precision", "sharding", "parallel", "checkpoint", "runid", "loop",
            "history", "callbacks", "cli", "sample"]
 # Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): malloc's tuning for a
-# step's temporaries, the preemption handling the loop installs, and the checkpoint directory's
-# reading and moving that the loop and trainer.sample do for runid's decisions.
-_INTERNAL = ("allocator", "preempt", "rundir")
+# step's temporaries, the preemption handling the loop installs, the checkpoint directory's reading
+# and moving that the loop and trainer.sample do for runid's decisions, and the checkpoints' file
+# system and metadata schema (trainer.checkpoint is their surface).
+_INTERNAL = ("allocator", "preempt", "rundir", "ckptfs", "ckptschema")

@@ -21,6 +21,7 @@ What it is not: no batching of prompts, no beam search, no server.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import numpy as np
 from runtime import args as types
 from trainer.checkpoint import METADATA, CheckpointError, read_unit_params
 from trainer.nn import GPT
+from trainer.nn.gpt import GPTConfig
 from trainer.rundir import checkpoints_to_read
 from trainer.runid import RunError
 from trainer.text import decode, encode
@@ -74,14 +76,39 @@ def _read_newest_valid(path) -> tuple[list[np.ndarray], dict]:
                           f"({', '.join(skipped)})")
 
 
-def load_model(path) -> tuple[GPT, list[np.ndarray]]:
-    """The GPT of a checkpoint (or of the newest valid one of the run under a --checkpoint-dir)
-    and its parameters (float32, the unpadded units)."""
-    flats, meta = _read_newest_valid(path)
+def _gpt_config(meta: dict) -> GPTConfig:
+    """The GPTConfig of a checkpoint's "model" entry, checked before any model is built: every
+    field of GPTConfig's type, no other key, and as many blocks as the checkpoint has units."""
     spec = meta.get("model")
     if not spec or spec.get("kind") != "gpt":
-        raise CheckpointError(f"{meta['path']} holds no GPT (its model is {spec!r}); train with --model gpt")
-    model = GPT.from_spec(spec)
+        raise CheckpointError(f"{meta['path']} holds no GPT (its model is {str(spec)[:80]}); train with --model gpt")
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+    config = spec["config"]  # a map of scalars (trainer/ckptschema.py)
+    for key, value in config.items():
+        if key not in fields or type(value) not in kinds[fields[key]]:
+            raise CheckpointError(f"{meta['path']}: model.config.{key} = {repr(value)[:40]} is not a GPTConfig "
+                                  f"field of type {fields.get(key, 'none')}")
+    try:
+        config = GPTConfig(**config)
+    except ValueError as exc:
+        raise CheckpointError(f"{meta['path']}: model.config: {exc}") from None
+    if config.n_layer + 1 != len(meta["units"]):
+        raise CheckpointError(f"{meta['path']}: model.config.n_layer = {config.n_layer}, but the checkpoint holds "
+                              f"{len(meta['units'])} units (an embedding unit and one per block)")
+    return config
+
+
+def load_model(path) -> tuple[GPT, list[np.ndarray]]:
+    """The GPT of a checkpoint (or of the newest valid one of the run under a --checkpoint-dir)
+    and its parameters (float32, the unpadded units).
+
+    Raises:
+        CheckpointError: no checkpoint that passes trainer/ckptschema.py and its files' checks,
+            no GPT in it, or a model whose sizes differ from the parameters stored.
+    """
+    flats, meta = _read_newest_valid(path)
+    model = GPT(_gpt_config(meta))  # its numbers of units agree: building it allocates no parameters
     for unit, flat in zip(model.units, flats):
         if flat.size != unit.numel:
             raise CheckpointError(f"{meta['path']}: unit {unit.index} has {flat.size} parameters, the spec's "

@@ -26,8 +26,11 @@ being written back). Resident bytes = the strategy's params + grads + optimizer 
 the offloaded ones (`memory_bytes()["resident"]`). The numbers are the same bits: the
 optimizer computes on the same values, only their storage moved (tests compare bytes).
 
-Files are ours alone: a fresh directory (mkdtemp: mode 0700) under `directory`, the file made
-with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600; `close()` removes both.
+Files are ours alone (runtime/private.py): a fresh directory under `directory`, made with a
+random name and mode 0700 whatever the umask, opened once without following a link and checked
+(this user's, nothing for group or others); the file made relative to that descriptor with
+O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600; `close()` removes both through the descriptors, so
+a directory swapped for a link after it was made is never written through.
 
 What it is not: no offload of gradients or of the compute copy, no asynchronous I/O library (the
 kernel's readahead and writeback do the work), no NVMe-specific tuning.
@@ -40,11 +43,12 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-import shutil
+import secrets
 import tempfile
 
 import numpy as np
 
+from runtime import private
 from trainer.parallel.bases import strategy_class
 
 __all__ = ["Offload", "OffloadMixin", "make_offload_strategy", "KINDS", "return_freed_memory"]
@@ -71,6 +75,30 @@ def _align(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+_RULES = private.Rules("an offload directory", private.PRIVATE, PermissionError,
+                       owner_risk="another user may have swapped it in", fix="use another --offload-dir",
+                       mode_fix="use another --offload-dir")
+
+
+def _make_private_dir(base: str, prefix: str) -> tuple[int, int, str]:
+    """A new directory ``<base>/<prefix><random>`` (mode 0700, checked). Returns (descriptor of
+    base, descriptor of the new directory, its name)."""
+    os.makedirs(base, exist_ok=True)
+    base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for _ in range(100):
+            name = f"{prefix}{secrets.token_hex(6)}"
+            try:
+                return base_fd, private.open_dir(name, _RULES, dir_fd=base_fd, create=True, exclusive=True,
+                                                 label=os.path.join(base, name)), name
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free directory name {prefix}* in {base}")
+    except BaseException:
+        os.close(base_fd)
+        raise
+
+
 class Offload:
     """See the module docstring. ``adopt(units)`` with ``units[i]`` = {name: array} moves the
     arrays into the file and returns the same dicts holding memory-mapped arrays (same values)."""
@@ -80,9 +108,10 @@ class Offload:
             raise ValueError(f"offload must be one of {KINDS}, got {kind!r}")
         self.kind = kind
         base = directory or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=f"ringweave-offload-r{rank}-", dir=base)  # mode 0700, ours
-        self.path = os.path.join(self.dir, f"rank{rank}.{kind}")
+        self._base_fd, self._dir_fd, self._dir_name = _make_private_dir(base, f"ringweave-offload-r{rank}-")
+        self.dir = os.path.join(base, self._dir_name)
+        self._file_name = f"rank{rank}.{kind}"
+        self.path = os.path.join(self.dir, self._file_name)
         self._mm: mmap.mmap | None = None
         self._ranges: list[tuple[int, int]] = []  # per unit: [lo, hi) of its pages in the file
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-offload-r{rank}")
@@ -99,7 +128,7 @@ class Offload:
                 offset += _align(a.nbytes)
             layout.append((start, offset, spots))
         size = max(offset, PAGE)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = private.create_file(self._file_name, self._dir_fd, read=True)  # 0600, relative to the checked directory
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -158,8 +187,16 @@ class Offload:
         """Stops the writer and removes the file and its directory (idempotent). The arrays stay
         readable while referenced (the mapping lives until they go)."""
         self._writer.shutdown(wait=True)
-        if os.path.isdir(self.dir):
-            shutil.rmtree(self.dir, ignore_errors=True)
+        if self._dir_fd < 0:
+            return
+        for name, fd, rm in ((self._file_name, self._dir_fd, os.unlink), (self._dir_name, self._base_fd, os.rmdir)):
+            try:
+                rm(name, dir_fd=fd)
+            except OSError:  # gone, or something else put in its place: left alone
+                pass
+        os.close(self._dir_fd)
+        os.close(self._base_fd)
+        self._dir_fd = self._base_fd = -1
 
 
 class OffloadMixin:
