@@ -37,7 +37,7 @@ import secrets
 import time
 from typing import Iterator, Mapping
 
-from runtime import auth, jobfile
+from runtime import auth, jobfile, private
 from runtime.errors import AuthenticationError, JobFileError
 
 SUFFIX = ".secret"
@@ -198,7 +198,7 @@ def _remove_stale(dfd: int) -> None:
 
 def _create(name: str, dfd: int, record: dict) -> None:
     """Makes ``name`` (exclusively, mode 0600, no link followed) holding ``record``."""
-    fd = os.open(name, jobfile._NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
+    fd = private.create_file(name, dfd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps(record).encode())

@@ -1,7 +1,7 @@
 """A directory the user names for our output (``RINGWEAVE_TRACE``, ``tools.trace -o``), made and
 checked so that only its owner decides what is in it, and the files written there.
 
-The job file's rules (runtime/jobfile.py, whose open flags are used here), for any path:
+The rules of runtime/private.py (the job file's and the checkpoints'), for any path:
 
 * the directory is opened once with ``O_DIRECTORY | O_NOFOLLOW`` and checked through that
   descriptor: owned by this user and not writable by group or others. A missing one is made with
@@ -31,60 +31,30 @@ import secrets
 import stat
 from typing import IO, Iterator
 
+from runtime import private
 from runtime.errors import PrivateDirError
-from runtime.jobfile import _DIR_FLAGS, _NEW_FILE_FLAGS, _READ_FLAGS
+
+
+def _rules(what: str) -> private.Rules:
+    return private.Rules(what, private.NOT_WRITABLE, PrivateDirError,
+                         owner_risk="its owner could plant links there that make us overwrite your files",
+                         fix="use a directory of your own (a missing one is made, mode 0700)",
+                         mode_fix="chmod go-w it, or use another directory (whoever may write in it could plant "
+                                  "links there that make us overwrite your files)")
 
 
 def open_dir(path: str, *, create: bool, what: str = "directory") -> int:
     """Opens ``path`` as a directory we may write in, making it (0700) first when ``create`` and
-    it is missing. Returns the descriptor (the caller closes it). ``what`` names it in errors,
-    e.g. ``"the trace directory (RINGWEAVE_TRACE)"``.
+    it is missing (its parents as ``mkdir -p`` would). Returns the descriptor (the caller closes
+    it). ``what`` names it in errors, e.g. ``"the trace directory (RINGWEAVE_TRACE)"``.
 
     Raises:
         PrivateDirError: not a directory of this user's that only it may write in.
         FileNotFoundError: it is missing and ``create`` is false.
     """
-    made = False
     if create:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-            made = True
-        except FileExistsError:
-            pass
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # ELOOP: a symbolic link; ENOTDIR: a file
-        if os.path.islink(path):
-            raise PrivateDirError(f"{what} {path} is a symbolic link: give a directory of your own itself, not a "
-                                  f"link to one (a link can be changed by whoever owns it)") from None
-        raise PrivateDirError(f"{what} {path} cannot be opened as a directory ({exc.strerror})") from None
-    try:
-        _check(fd, path, what, made)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _check(fd: int, path: str, what: str, made: bool) -> None:
-    st = os.fstat(fd)
-    me = os.geteuid()
-    if st.st_uid != me:
-        raise PrivateDirError(f"{what} {path} belongs to uid {st.st_uid}, not to this user (uid {me}): its owner "
-                              f"could plant links there that make us overwrite your files; use a directory of "
-                              f"your own (a missing one is made, mode 0700)")
-    if made:
-        os.fchmod(fd, 0o700)  # whatever the umask left
-        st = os.fstat(fd)
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
-        raise PrivateDirError(f"{what} {path} has mode {mode:04o}: group or others may write in it, and could "
-                              f"plant links there that make us overwrite your files; chmod go-w it, or use "
-                              f"another directory")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return private.open_dir(path, _rules(what), create=create, label=f"{what} {path}")
 
 
 @contextlib.contextmanager
@@ -93,7 +63,7 @@ def replacing(dfd: int, name: str, mode: str = "w") -> Iterator[IO]:
     directory ``dfd`` when the block ends without an exception, replacing what had that name;
     on an exception it is removed and ``name`` is left as it was."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, _NEW_FILE_FLAGS, 0o600, dir_fd=dfd)
+    fd = private.create_file(tmp, dfd)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -113,7 +83,7 @@ def read_file(dfd: int, name: str, where: str) -> bytes:
         OSError: it cannot be read (FileNotFoundError: gone).
     """
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        fd = os.open(name, private.READ_FLAGS, dir_fd=dfd)
     except FileNotFoundError:
         raise
     except OSError as exc:  # ELOOP: a symbolic link

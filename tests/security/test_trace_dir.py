@@ -166,7 +166,7 @@ def test_a_directory_others_may_write_in_or_a_link_is_refused(tmp_path, mode, ca
     d = tmp_path / "traces"
     d.mkdir()
     os.chmod(d, mode)
-    with pytest.raises(RingweaveError, match=f"has mode {mode:04o}: group or others may write in it.*chmod go-w"):
+    with pytest.raises(RingweaveError, match=f"has mode {mode:04o}; group and others must not write in it: chmod go-w"):
         _one_event_tracer(0, str(d)).write()
     assert os.listdir(d) == []
     src = tmp_path / "src"
