@@ -1,19 +1,21 @@
 """A rank stopped (SIGSTOP) in the middle of a 64 MiB all_reduce: its partner's wait stays bounded.
 
 Two ranks, ``--timeout-s 3``. Rank 1 stops itself at its first reduction of the timed
-all_reduce: it has begun sending its half (TCP) or published its input (shared memory), and
-rank 0 is in the middle of sending its own 32 MiB to it, which nobody reads any more: rank 0's
-socket buffers fill and its send stalls. Nothing breaks, so no peer is lost; the only way out
-is the call's deadline. Rank 0 must raise CollectiveTimeoutError within the timeout plus
-``BOUND_S`` of the moment its call began, and say that rank 1 did not answer.
+all_reduce: it has begun sending its half (TCP) or published its input (shared memory). Over
+TCP rank 0 is then in the middle of sending its own 32 MiB to it, which nobody reads any more:
+rank 0's socket buffers fill and its send stalls; over shared memory rank 0 waits for rank 1's
+reduced chunk. Nothing breaks, so no peer is lost; the only way out is the call's deadline.
+Rank 0 must raise CollectiveTimeoutError within the timeout plus ``BOUND_S`` of the moment its
+call began, and say that rank 1 did not answer.
 
-What went wrong before: when the deadline fired, the timeout's diagnosis asked rank 1 a
-question (``ringweave.status``) whose small frame queued behind the stalled payload, before
-the question's own timeout had started, so rank 0 waited until rank 1 was continued. Here
-rank 1 is left stopped for ``TIMEOUT_S + 10`` s after the fault and then killed (so a wait
-that is not bounded fails the bound instead of hanging the test); with the bound kept, the
-launcher stops it as soon as rank 0 has failed (SIGKILL after ``--grace-s``). No process of
-the job may be left.
+What went wrong before (TCP, data plane on and off): when the deadline fired, the timeout's
+diagnosis asked rank 1 a question (``ringweave.status``) whose small frame queued behind the
+stalled payload before the question's own timeout had started, so rank 0 waited until rank 1
+was continued. Here rank 1 is left stopped for ``TIMEOUT_S + 10`` s after the fault and then
+killed (so a wait that is not bounded fails the bound instead of hanging the test); with the
+bound kept, the launcher stops it as soon as rank 0 has failed (SIGKILL after ``--grace-s``).
+No process of the job may be left. (The shared-memory cases passed before too: no payload
+holds up the question there; they keep the bound.)
 
 One case per transport (TCP only, shared memory) and data plane (off, on).
 """

@@ -56,7 +56,7 @@ async def test_a_question_queued_behind_a_stalled_payload_ends_at_its_deadline()
         with pytest.raises(PeerTimeoutError, match="did not take the question 'ringweave.ping' in 0.3 s: rank 1 "
                                                    r"stopped reading \(stalled or stopped\)"):
             await asyncio.wait_for(rts[0].actor.call(1, "ringweave.ping", timeout_s=0.3), 10)
-        assert time.monotonic() - began < 0.3 + 0.5
+        assert time.monotonic() - began < 0.3 + 1.0
     finally:
         await close_all(rts, sending)
 
@@ -74,7 +74,7 @@ async def test_a_collective_whose_peer_stopped_reading_times_out_within_the_boun
         began = time.monotonic()
         with pytest.raises(CollectiveTimeoutError, match=r"1: not answering in 0.25 s: it stopped reading"):
             await asyncio.wait_for(collectives.all_reduce(x, group=rts[0].world, algorithm="halving_doubling"), 10)
-        assert time.monotonic() - began < timeout_s + 0.25 + 0.5
+        assert time.monotonic() - began < timeout_s + 0.25 + 1.0
     finally:
         await close_all(rts)
 
@@ -87,6 +87,6 @@ async def test_closing_beside_stalled_peers_waits_one_goodbye_deadline_in_all():
     try:
         began = time.monotonic()
         await asyncio.wait_for(rts[0].actor.close(), 10)
-        assert time.monotonic() - began < 2.0
+        assert time.monotonic() - began < 2.5  # one each: 3 s
     finally:
         await close_all(rts, *sending)
