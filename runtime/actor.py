@@ -63,6 +63,7 @@ SCHEMA: wire.Schema = {
 TOOL_SCHEMA: wire.Schema = {"q": SCHEMA["q"], "b": {}}  # what a tool may send: requests, goodbye
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 STRANGERS_HANDSHAKING = 64  # connections in the handshake at once beyond one per peer (see listen)
+GOODBYE_TIMEOUT_S = 1.0  # close: how long a peer that stopped reading may hold up our goodbye
 MAX_REASON_CHARS = 2000  # an abort's message, as sent to the peers (a traceback's last line, not a book)
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 _DEFAULT = object()  # "the actor's default_timeout_s" (None means no deadline, on purpose only)
@@ -328,13 +329,15 @@ class Actor:
         if reason is not None:
             bye["e"] = type(reason).__name__
             bye["m"] = str(reason)[:MAX_REASON_CHARS]
-        for conn in list(self.conns.values()):
-            if conn.peer not in self._lost:
-                try:
-                    async with asyncio.timeout(1.0):
-                        await conn.send(bye)
-                except (PeerLostError, TimeoutError, OSError):
-                    pass
+        async def goodbye(conn: Connection) -> None:
+            try:
+                async with asyncio.timeout(GOODBYE_TIMEOUT_S):
+                    await conn.send(bye)
+            except (PeerLostError, TimeoutError, OSError):
+                pass
+
+        # at once to every peer: one that stopped reading costs GOODBYE_TIMEOUT_S, not one each
+        await asyncio.gather(*(goodbye(c) for c in list(self.conns.values()) if c.peer not in self._lost))
         if self._acceptor is not None:
             self._acceptor.close()
         for conn in list(self.conns.values()):
@@ -786,21 +789,40 @@ class Actor:
     async def call(self, dst: int, name: str, *args, timeout_s: float | None = 30.0) -> Any:
         """Calls handler ``name`` on rank ``dst`` with msgpack-able ``args``; returns its result.
 
+        One deadline, ``timeout_s``, covers sending the question and waiting for the answer: the
+        question queues behind whatever the connection is still sending (a 64 MiB payload to a
+        peer that stopped reading never drains), and a call must end in time all the same.
+
         Raises:
             RemoteCallError: the handler raised (message carries its error).
-            PeerLostError: ``dst`` went away. TimeoutError: no answer in ``timeout_s``.
+            PeerLostError: ``dst`` went away.
+            PeerTimeoutError: the connection did not take the question in ``timeout_s`` (``dst``
+                stopped reading: stalled or stopped). TimeoutError: it did, no answer came in time.
         """
         self._next_call += 1
         call_id = self._next_call
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = (dst, fut)
+        cm = asyncio.timeout(timeout_s)
+        sent = False
         try:
-            await self.send_frame(dst, {"k": "q", "i": call_id, "n": name},
-                                  msgpack.packb(list(args), use_bin_type=True))
-            async with asyncio.timeout(timeout_s):
+            async with cm:
+                await self.send_frame(dst, {"k": "q", "i": call_id, "n": name},
+                                      msgpack.packb(list(args), use_bin_type=True))
+                sent = True
                 return await fut
+        except TimeoutError:
+            if sent or not cm.expired():
+                raise
+            raise PeerTimeoutError(f"rank {self.rank}: the connection to rank {dst} did not take the question "
+                                   f"{name!r} in {timeout_s:g} s: rank {dst} stopped reading (stalled or stopped)",
+                                   dst) from None
         finally:
             self._calls.pop(call_id, None)
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # failed while the question was still queued (a lost peer): seen, not logged
 
     async def _serve_call(self, peer: int, call_id: int, name: str, data: bytearray) -> None:
         try:
@@ -815,9 +837,10 @@ class Actor:
             raise
         except Exception as exc:
             reply, payload = {"k": "r", "i": call_id, "e": f"{type(exc).__name__}: {exc}"}, None
-        try:
-            await self.send_frame(peer, reply, payload)
-        except (PeerLostError, ClosedError):
+        try:  # a peer that stopped reading gets no answer (its call has its own deadline)
+            async with asyncio.timeout(self.default_timeout_s):
+                await self.send_frame(peer, reply, payload)
+        except (PeerLostError, ClosedError, TimeoutError):
             pass
 
     # -- introspection -----------------------------------------------------------------

@@ -46,8 +46,8 @@ from runtime.topology import HostTopology
 from runtime.trace import Tracer
 from runtime.turns import LoopTurns
 from runtime.transport import RECV_NOW_NBYTES
-from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError,
-                            CollectiveTimeoutError, PeerAbortedError, PeerLostError, RingweaveError)
+from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
+                            PeerAbortedError, PeerLostError, PeerTimeoutError, RingweaveError)
 
 log = logging.getLogger("ringweave.group")
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
@@ -411,7 +411,9 @@ class ProcessGroup:
         ``ringweave.status`` with a lower sequence number for this group, or does
         not answer within the budget (stopped, stuck without the GIL), had not
         arrived; one that is gone is left to PeerLostError. Bounded by
-        :func:`_answer_budget_s` (``min(1 s, timeout / 4)``).
+        :func:`_answer_budget_s` (``min(1 s, timeout / 4)``), sending the question
+        included: to a peer stopped in the middle of a transfer the question queues
+        behind a payload that never drains, and the diagnosis goes on without its answer.
 
         Returns:
             (global ranks that had not arrived, rank -> why), e.g. ``([2], {2: "not answering"})``.
@@ -419,7 +421,9 @@ class ProcessGroup:
         why = {}
         peers = [r for r in self.ranks if r != self.runtime.actor.rank]
         for peer, st in await self._ask(call, peers, "ringweave.status"):
-            if isinstance(st, TimeoutError):
+            if isinstance(st, PeerTimeoutError):  # the question queued behind bytes it does not read
+                why[peer] = f"not answering in {_answer_budget_s(call):.2g} s: it stopped reading (stalled or stopped)"
+            elif isinstance(st, TimeoutError):
                 why[peer] = f"not answering in {_answer_budget_s(call):.2g} s"
             elif isinstance(st, dict):  # (another error: gone or refused, not a matter of arriving)
                 seq = dict(st.get("seqs", ())).get(self.gid)
@@ -751,9 +755,10 @@ class Runtime:
                 self.actor._spawn(self._send_abort(r, group.gid, str(exc), kind), f"abort g{group.gid}")
 
     async def _send_abort(self, dst: int, gid: int, message: str, kind: str) -> None:
-        try:
-            await self.actor.send_frame(dst, {"k": "a", "g": gid, "m": message, "x": kind})
-        except (PeerLostError, ClosedError, OSError):
+        try:  # a peer that stopped reading is not waited for past the runtime's timeout
+            async with asyncio.timeout(self.timeout_s):
+                await self.actor.send_frame(dst, {"k": "a", "g": gid, "m": message, "x": kind})
+        except (PeerLostError, ClosedError, OSError, TimeoutError):
             pass
 
     def _call_of(self, gid: int, seq: int) -> str | None:
