@@ -48,7 +48,12 @@ _TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+\.tmp$")  # .<name>.<writer pid>.<ran
 
 
 def job_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    """``$XDG_RUNTIME_DIR/ringweave-<uid>``, or the temporary directory's where that variable is
+    unset or names no directory (srun often exports a login session's XDG_RUNTIME_DIR to compute
+    nodes that have none: every process of a host then agrees on the fallback)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.path.isdir(base):
+        base = tempfile.gettempdir()
     return os.path.join(base, f"ringweave-{os.getuid()}")
 
 
