@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collectives import all_reduce_ring, ops
+from collectives import ops
+from collectives.algorithms.tcp import all_reduce_ring
 from collectives.comm import Comm, SubComm
 from runtime.group import Call
 

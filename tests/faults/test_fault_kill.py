@@ -21,9 +21,9 @@ VICTIM = 2
 BOUND_S = 5.0
 
 ALL_REDUCE_64MIB = r'''
-import collectives.all_reduce_halving_doubling as hd
-import collectives.all_reduce_ring as ring
-import collectives.shm.kernels as shm_kernels
+import collectives.algorithms.tcp.all_reduce_halving_doubling as hd
+import collectives.algorithms.tcp.all_reduce_ring as ring
+import collectives.slots.memops as memops
 
 def die_in_first_reduction():
     """Rank 2 dies at its first reduction of the timed all_reduce: it has sent (TCP) or published
@@ -36,7 +36,7 @@ def die_in_first_reduction():
         module.reduce_now = reduce_now
     def reduce_publish(*args, **kw):
         die()
-    shm_kernels.reduce_publish = reduce_publish
+    memops.reduce_publish = reduce_publish
 
 async def body(rt):
     x = np.full(16 * 1024 * 1024, RANK + 1.0, np.float32)  # 64 MiB

@@ -22,7 +22,7 @@ of up to 64 KiB of a native dtype:
 4. **reduce**: ``x = S_0 <op> S_1 <op> ... <op> S_{n-1}`` in rank order, as the reference does
    (the same ``apply`` of collectives/kernels/cpu.py, the same order: the same bits).
 
-The barrier is steps 1-3 without data. Memory order is explicit (collectives/shm/atomics.py), so
+The barrier is steps 1-3 without data. Memory order is explicit (collectives/slots/atomics.py), so
 this is correct on AArch64 as on x86-64. Everything the event loop must see between slices stays
 in Python; what runs per call in Python on this path is :func:`all_reduce` /
 :func:`barrier` below (bench/results/shm.md#the-compiled-small-path measures it).
@@ -40,8 +40,8 @@ from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from collectives.kernels.cpu import OP_CODES, apply
-from collectives.shm import atomics as at
-from collectives.shm import common
+from collectives.slots import atomics as at
+from collectives.slots import common
 from runtime import env, shm
 
 DONE, WAITING, MISMATCH = 0, 1, 2

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.all_gather_ring import circulate
+from collectives.algorithms.tcp.all_gather_ring import circulate
 from collectives.ops import as_bytes, chunk_bounds
 from collectives.tuning import SEGMENT_NBYTES
 

@@ -24,7 +24,7 @@ Worked example, 4 ranks, hosts A = {0, 2} and B = {1, 3}, rank g contributes [g]
     4    leaders 0 and 1 all_reduce over TCP: both hold [6]
     5    rank 2 copies [6] from rank 0's slot; rank 3 from rank 1's
 
-Signature: ``await run(comm, x, op, across)`` like collectives/all_reduce_ring.py, plus
+Signature: ``await run(comm, x, op, across)`` like tcp/all_reduce_ring.py, plus
 ``across``, the leaders' all_reduce (``run(comm, x, op)``), which the registry binds.
 """
 
@@ -35,7 +35,8 @@ from typing import Callable
 import numpy as np
 
 from collectives.comm import Comm, SubComm
-from collectives.shm import all_reduce_shm, common
+from collectives.algorithms.shared_memory import all_reduce_shm
+from collectives.slots import common
 
 async def run(comm: Comm, x: np.ndarray, op: str, across: Callable) -> None:
     n = comm.size

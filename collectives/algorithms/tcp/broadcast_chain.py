@@ -27,7 +27,7 @@ Worked example, n = 4, root = 0, x cut into segments a, b::
     step 3                1 -> 2: b     2 -> 3: a
     step 4                              2 -> 3: b
 
-Signature: ``await run(comm, x, root)`` like collectives/broadcast_tree.py.
+Signature: ``await run(comm, x, root)`` like broadcast_tree.py.
 """
 
 from __future__ import annotations

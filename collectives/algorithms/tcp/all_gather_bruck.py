@@ -21,7 +21,7 @@ Worked example, n = 3, inputs a, b, c (r0 shown; dist 1 then 2)::
                   round 2: send [a] to r1 (m = 1), receive [c] from r2 -> t = [a b c]
     out = [a b c]
 
-Signature: ``await run(comm, out, x)`` like collectives/all_gather_ring.py.
+Signature: ``await run(comm, out, x)`` like all_gather_ring.py.
 """
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ Worked example, n = 2, x = [1, 2] on rank 0 and [3, 4] on rank 1::
     1.  S_0 = [1, 2]        S_1 = [3, 4]
     2.  both: out = [S_0, S_1] = [1, 2, 3, 4]
 
-Signature: ``await run(comm, out, x)`` like collectives/all_gather_ring.py.
+Signature: ``await run(comm, out, x)`` like tcp/all_gather_ring.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives.shm import common
+from collectives.slots import common
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray) -> None:

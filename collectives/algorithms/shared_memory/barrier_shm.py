@@ -6,12 +6,12 @@ once (the next barrier waits for phase 1 of the next call number).
 Worked example, n = 2: rank 0 posts and sleeps on rank 1's word; rank 1 arrives a second
 later, posts (waking rank 0), sees rank 0's post, and both return.
 
-Signature: ``await run(comm)`` like collectives/barrier_dissemination.py.
+Signature: ``await run(comm)`` like tcp/barrier_dissemination.py.
 """
 
 from __future__ import annotations
 
-from collectives.shm import fastpath
+from collectives.slots import fastpath
 from runtime import shm
 
 

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from collectives.shm.kernels import reduce_publish, reduce_publish_reference, stream_copy
+from collectives.slots.memops import reduce_publish, reduce_publish_reference, stream_copy
 
 DTYPES = [np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
                                 np.int8, np.int32, np.int64, np.uint8)]

@@ -22,7 +22,7 @@ The futex operations are the shared ones (no ``FUTEX_PRIVATE_FLAG``): the words 
 files mapped by several processes. ``timespec_address`` points at two int64 of scratch (a
 ``struct timespec``) owned by the caller.
 
-Not here: the protocol (runtime/shm.py says it; collectives/shm/fastpath.py runs it compiled).
+Not here: the protocol (runtime/shm.py says it; collectives/slots/fastpath.py runs it compiled).
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ Worked example, n = 2, sum, x = [1, 2 | 3, 4] on rank 0 and [10, 20 | 30, 40] on
     1.  S_0[1] = [3, 4]                  S_1[0] = [10, 20]
     2.  r0: out = [1, 2] + S_1[0] = [11, 22]   r1: out = [30, 40] + S_0[1] = [33, 44]
 
-Signature: ``await run(comm, out, x, op)`` like collectives/reduce_scatter_ring.py.
+Signature: ``await run(comm, out, x, op)`` like tcp/reduce_scatter_ring.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives.shm import common
+from collectives.slots import common
 
 
 async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:

@@ -17,7 +17,7 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
   Then EXIT (posted by DomainCall): the next call that writes the slots waits for it.
 
 Copy-in and copy-out of arrays of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB) and up use non-temporal
-stores (``kernels.stream_copy``): such copies go to memory anyway, and skipping the read of each
+stores (``memops.stream_copy``): such copies go to memory anyway, and skipping the read of each
 destination line first makes them cheaper (bench/results/shm.md#streaming-copies).
 
 Each element is reduced once, by its chunk's owner, and copied to the others: every rank gets
@@ -32,7 +32,7 @@ chunks [0:2] and [2:3]):
               r1: x[2:3] = [30]+S_0[2:3] = [33];      S_1[2:3] = [33]
     copy-out  r0: x[2:3] = S_1[2:3] = [33]  r1: x[0:2] = S_0[0:2] = [11, 22]
 
-Signature: ``await run(comm, x, op)`` like collectives/all_reduce_ring.py.
+Signature: ``await run(comm, x, op)`` like tcp/all_reduce_ring.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.ops import chunk_bounds
-from collectives.shm import common, fastpath, kernels
+from collectives.slots import common, fastpath, memops
 from runtime import shm
 
 
@@ -85,7 +85,7 @@ async def _small(comm, dom, x: np.ndarray, op: str, slots: list) -> None:
         await dom.wait_all(comm, 1)  # 2. everyone's input is there
     if x.size:
         x[...] = slots[0]  # rank order, the same on every rank: x = S_0 <op> S_1 <op> ...
-        kernels.reduce_publish(x, slots[1:], x, op)
+        memops.reduce_publish(x, slots[1:], x, op)
 
 
 async def _large(comm, dom, x: np.ndarray, op: str) -> None:

@@ -13,14 +13,14 @@ Worked example, n = 3, root 1, x = [7, 8] on rank 1::
     1.  r1: S_1 = [7, 8]
     2.  r0, r2: x = S_1 = [7, 8]
 
-Signature: ``await run(comm, x, root)`` like collectives/broadcast_tree.py.
+Signature: ``await run(comm, x, root)`` like tcp/broadcast_tree.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives.shm import common
+from collectives.slots import common
 
 
 async def run(comm, x: np.ndarray, root: int) -> None:

@@ -1,15 +1,15 @@
 """Rabenseifner reduce: a ring reduce-scatter, then every block straight to the root.
 
 How it works (n ranks, rank r; ``x`` holds n equal **blocks**): the ranks run
-the ring reduce-scatter (collectives/reduce_scatter_ring.py) into a scratch
+the ring reduce-scatter (reduce_scatter_ring.py) into a scratch
 block, after which rank r holds block r reduced over all ranks; then the direct
-gather (collectives/gather_direct.py) brings every block to the root, straight
+gather (gather_direct.py) brings every block to the root, straight
 into its ``x``. Other ranks' ``x`` is left unchanged (the reduce-scatter only
 reads it).
 
 Every rank sends ``(n-1)/n`` of the array in the reduce-scatter and reduces as
 much, and a block more to the root: the work is spread over all ranks, where
-the binomial tree (collectives/reduce_tree.py) has the root receive and reduce
+the binomial tree (reduce_tree.py) has the root receive and reduce
 ceil(log2 n) whole arrays while its leaves wait. The price is the gather's
 extra ``(n-1)/n`` of the array in all, so the table keeps it for large arrays
 (registry.py). An array whose length is not a multiple of n (or is empty) goes
@@ -21,14 +21,14 @@ Worked example, n = 2, op = sum, root = 0; rank i holds [ai bi]::
     reduce-scatter  r0 gets a0+a1, r1 gets b0+b1
     gather          r1 -> r0: [b0+b1];  r0's x = [a0+a1  b0+b1]
 
-Signature: ``await run(comm, x, root, op)`` like collectives/reduce_tree.py.
+Signature: ``await run(comm, x, root, op)`` like reduce_tree.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives import gather_direct, reduce_scatter_ring, reduce_tree
+from collectives.algorithms.tcp import gather_direct, reduce_scatter_ring, reduce_tree
 from collectives.ops import scratch_pool
 
 

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from collectives.comm import Comm
-from collectives.shm import kernels
+from collectives.slots import memops
 from runtime import env, shm, turns
 
 __all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
@@ -132,32 +132,32 @@ async def copy_off_loop(dom, nbytes: int, pairs: list[tuple[np.ndarray, np.ndarr
 
 async def reduce_off_loop(dom, nbytes: int, dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray,
                           op: str) -> None:
-    """``kernels.reduce_publish(dst, srcs, pub, op)``, where and in pieces as :func:`copy_off_loop`
+    """``memops.reduce_publish(dst, srcs, pub, op)``, where and in pieces as :func:`copy_off_loop`
     (element by element in the same order: the same bits)."""
     if nbytes >= (OFFLOAD_MIN_NBYTES if dom.cooperative else OFFLOAD_ALONE_MIN_NBYTES):
-        await asyncio.to_thread(kernels.reduce_publish, dst, srcs, pub, op)
+        await asyncio.to_thread(memops.reduce_publish, dst, srcs, pub, op)
         return
     step = max(1, PIECE_NBYTES // max(1, dst.itemsize))
     for lo in range(0, dst.size, step):
         hi = lo + step
-        kernels.reduce_publish(dst[lo:hi], [s[lo:hi] for s in srcs], pub[lo:hi], op)
+        memops.reduce_publish(dst[lo:hi], [s[lo:hi] for s in srcs], pub[lo:hi], op)
         if turns.due():
             await asyncio.sleep(0)
 
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:
     """``dst[...] = src`` for each ``(dst, src)``; with ``stream``, by non-temporal stores
-    (:func:`collectives.shm.kernels.stream_copy`: for the arrays :func:`streams` says)."""
+    (:func:`collectives.slots.memops.stream_copy`: for the arrays :func:`streams` says)."""
     for dst, src in pairs:
         if dst.size:
             if stream:
-                kernels.stream_copy(dst, src)
+                memops.stream_copy(dst, src)
             else:
                 np.copyto(dst, src)
 
 
 def streams(nbytes: int) -> bool:
-    """Whether the copies of a call moving ``nbytes`` per rank bypass the caches (kernels.stream_copy):
+    """Whether the copies of a call moving ``nbytes`` per rank bypass the caches (memops.stream_copy):
     from ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB). At 1 MiB the plain copy wins while the caches hold the
     data and loses less than it gains back when they do not (bench/results/shm.md#streaming-copies)."""
     return nbytes >= env.SHM_STREAM_MIN.get()

@@ -94,7 +94,7 @@ def reduce_publish_reference(dst: np.ndarray, srcs: list[np.ndarray], pub: np.nd
 # an ordinary store first reads the destination line in (read-for-ownership) and later writes it
 # back, so a copy moves three bytes per byte copied; a non-temporal store moves two. For data that
 # fits in the caches it is slower, and the reader would find it in memory rather than in the shared
-# L3: callers use it for large arrays only (collectives/shm/common.py streams;
+# L3: callers use it for large arrays only (collectives/slots/common.py streams;
 # bench/results/shm.md#streaming-copies).
 #
 # Non-temporal stores are weakly ordered: the kernel ends with a full fence (``mfence``), so a

@@ -24,7 +24,7 @@ Worked example, n = 4, inputs r0: [a], r1: [b], r2: [c], r3: [d]::
     round 0   0 <-> 1: both [a b . .]     2 <-> 3: both [. . c d]
     round 1   0 <-> 2, 1 <-> 3: every rank [a b c d]
 
-Signature: ``await run(comm, out, x)`` like collectives/all_gather_ring.py.
+Signature: ``await run(comm, out, x)`` like all_gather_ring.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ copies its own block; every other rank receives its block once, straight into
 when it can).
 
 Every block crosses the network once, so the root sends n - 1 blocks in all,
-the fewest possible, where the binomial tree (collectives/scatter_tree.py)
+the fewest possible, where the binomial tree (scatter_tree.py)
 sends a block up to ceil(log2 n) times and the root with root != 0 first
 copies its whole input into tree order. The price is n - 1 messages from the
 root one after another against the tree's ceil(log2 n) rounds; the table in
@@ -19,7 +19,7 @@ Worked example, n = 3, root = 1, rank 1 holds [b0 b1 b2]::
     rank 1 sends [b2] -> rank 2, then [b0] -> rank 0, keeps [b1]
     out      r0 [b0]  r1 [b1]  r2 [b2]
 
-Signature: ``await run(comm, out, x, root)`` like collectives/scatter_tree.py.
+Signature: ``await run(comm, out, x, root)`` like scatter_tree.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ it can (the others wait in their sockets meanwhile), larger ones through
 receives all posted at once.
 
 Every block crosses the network once, so the root receives n - 1 blocks in
-all, the fewest possible, where the binomial tree (collectives/gather_tree.py)
+all, the fewest possible, where the binomial tree (gather_tree.py)
 forwards a block up to ceil(log2 n) times and its inner ranks copy into a
 buffer first. The price is n - 1 messages into the root against the tree's
 ceil(log2 n) rounds; the table in registry.py picks between them.
@@ -18,7 +18,7 @@ Worked example, n = 3, root = 0, rank i holds [xi]::
     rank 1 sends [x1] -> rank 0, rank 2 sends [x2] -> rank 0 (at once)
     out on rank 0: [x0 x1 x2]
 
-Signature: ``await run(comm, out, x, root)`` like collectives/gather_tree.py.
+Signature: ``await run(comm, out, x, root)`` like gather_tree.py.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ its socket when they can (runtime/group.Call.sendrecv; the receives are not
 posted ahead, and a turn's sends do not wait on any receive, so nothing waits in
 a cycle): bench/results/all_gather.md#direct-on-the-fast-path.
 
-Signature: ``await run(comm, out, x)`` like collectives/all_gather_ring.py.
+Signature: ``await run(comm, out, x)`` like all_gather_ring.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Worked example, n = 4, root = 1, x = [7] on rank 1::
     rank 1 sends [7] -> rank 2, then -> rank 3, then -> rank 0
     rank 0, 2, 3 each receive [7] from rank 1
 
-Signature: ``await run(comm, x, root)`` like collectives/broadcast_tree.py.
+Signature: ``await run(comm, x, root)`` like broadcast_tree.py.
 """
 
 from __future__ import annotations
