@@ -55,7 +55,7 @@ Contract of every call:
   (a rank died or left), ``CollectiveTimeoutError``; after any of them the
   group is failed and every later call on it raises the same error.
 
-Not here: the calls on host arrays once dispatched (host.py), compressed (compressed.py) and
+Not here: the calls on host arrays once dispatched (calls.py), compressed (compressed.py) and
 device (device.py) collectives, the blocking facade (blocking.py), point-to-point (p2p.py), counts
 per rank (uneven.py), Python values (objects.py), algorithms (one file each), selection
 (registry.py), opening a call (core.py), checks and fingerprints (ops.py).
@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives import compressed, host, ops
+from collectives import calls, compressed, ops
 from collectives.core import group_of
 from collectives.kernels import is_device_array
 from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
@@ -119,7 +119,7 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
     if compression is not None:  # collectives/compressed.py
         return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
                                            algorithm=algorithm, key=key)
-    return await host.all_reduce(x, op, group, timeout, algorithm)
+    return await calls.all_reduce(x, op, group, timeout, algorithm)
 
 
 async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
@@ -142,7 +142,7 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         group = group_of(group)
         ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)  # pipelined per segment
         return await _device().all_gather(out, x, group, timeout, algorithm)
-    return await host.all_gather(out, x, group, timeout, algorithm)
+    return await calls.all_gather(out, x, group, timeout, algorithm)
 
 
 async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=None,
@@ -172,9 +172,9 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
         ops.check_no_overlap("reduce_scatter", "x", x, "out", out)  # its segments are read and written in turn
         return await _device().reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
     if compression is None:
-        return await host.reduce_scatter(out, x, op, group, timeout, algorithm)
+        return await calls.reduce_scatter(out, x, op, group, timeout, algorithm)
     group = group_of(group)  # collectives/compressed.py
-    host.check_reduce_scatter(out, x, op, group)
+    calls.check_reduce_scatter(out, x, op, group)
     if algorithm is not None:
         raise ValueError(f"reduce_scatter(compression=...) has one algorithm (all_to_all of encoded blocks); "
                          f"got algorithm={algorithm!r}")
@@ -195,7 +195,7 @@ async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | No
     timeout = check_timeout(timeout)
     if _on_device(x):  # collectives/device.py
         return await _device().broadcast(x, src, group, timeout, algorithm)
-    return await host.broadcast(x, src, group, timeout, algorithm)
+    return await calls.broadcast(x, src, group, timeout, algorithm)
 
 
 async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeout: float | None = None,
@@ -209,7 +209,7 @@ async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeo
         await reduce(x, dst=0, op="sum")
         # Rank 0: [4 6]   Rank 1: [3 4]
     """
-    return await host.reduce(x, dst, op, group, check_timeout(timeout), algorithm)
+    return await calls.reduce(x, dst, op, group, check_timeout(timeout), algorithm)
 
 
 async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None, timeout: float | None = None,
@@ -226,7 +226,7 @@ async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None
         await gather(out, x, dst=0)
         # Rank 0: out = [1 2 3 4]    Rank 1: (nothing)
     """
-    return await host.gather(out, x, dst, group, check_timeout(timeout), algorithm)
+    return await calls.gather(out, x, dst, group, check_timeout(timeout), algorithm)
 
 
 async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=None, timeout: float | None = None,
@@ -243,7 +243,7 @@ async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=Non
         await scatter(out, x, src=0)
         # Rank 0: out = [1 2]     Rank 1: out = [3 4]
     """
-    return await host.scatter(out, x, src, group, check_timeout(timeout), algorithm)
+    return await calls.scatter(out, x, src, group, check_timeout(timeout), algorithm)
 
 
 async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
@@ -260,7 +260,7 @@ async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         await all_to_all(out, x)
         # Rank 0: out = [1 3]   Rank 1: out = [2 4]
     """
-    return await host.all_to_all(out, x, group, check_timeout(timeout), algorithm)
+    return await calls.all_to_all(out, x, group, check_timeout(timeout), algorithm)
 
 
 async def barrier(group=None, timeout: float | None = None, algorithm: str | None = None) -> None:
@@ -271,4 +271,4 @@ async def barrier(group=None, timeout: float | None = None, algorithm: str | Non
         # Rank 0: await barrier()   Rank 1: await asyncio.sleep(1); await barrier()
         # both return after about 1 s
     """
-    await host.barrier(group, check_timeout(timeout), algorithm)
+    await calls.barrier(group, check_timeout(timeout), algorithm)

@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives import host, ops
+from collectives import calls, ops
 from collectives.compress import PowerSGDCodec, get_codec
 from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
@@ -179,12 +179,12 @@ async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeo
     ops.check_array("x", x)
     _check_op_dtype("all_reduce", op, x)
     if split(codec)[1].reduction == "sum":  # the identity codec
-        return await host.all_reduce(x, op, group, timeout, None)
+        return await calls.all_reduce(x, op, group, timeout, None)
     style = style_of(codec, algorithm)
     group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await host.all_reduce(x, op, group, timeout, None)
+        return await calls.all_reduce(x, op, group, timeout, None)
     if style == "phases":
         await powersgd_phases([x], codec, op=op, group=group, timeout=timeout, key=key)
     else:
@@ -231,11 +231,11 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
     _check_op_dtype("reduce_scatter", op, x)
     check_blockwise(codec)
     if split(codec)[1].reduction == "sum":  # the identity codec
-        return await host.reduce_scatter(out, x, op, group, timeout, None)
+        return await calls.reduce_scatter(out, x, op, group, timeout, None)
     group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await host.reduce_scatter(out, x, op, group, timeout, None)
+        return await calls.reduce_scatter(out, x, op, group, timeout, None)
     ef, inner = split(codec)
     W, m = group.size, out.size
     payloads = _encode_shards(ef, inner, ops.flat(x), key, W, m)  # block j -> rank j (no padding: x is W m)

@@ -58,7 +58,7 @@ import dataclasses
 import numpy as np
 from numba import cuda
 
-from collectives import compressed, host, ops
+from collectives import calls, compressed, ops
 from collectives.compress import cuda as ccuda
 from collectives.compress.wire import pack_all, split, unpack
 from collectives.core import group_of, open_call
@@ -227,19 +227,19 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     segs = segments(n, dtype.itemsize, W)
     blocks = [-(-(hi - lo) // W) for lo, hi in segs]
     whole = _whole("all_reduce", op, n)
-    calls = []
+    opened = []
     for block in blocks:  # every sequence number before the first wait
         a2a = open_call(group, "all_to_all", W * block * dtype.itemsize, None, timeout, subcall=True,
                         dtype=dtype, count=W * block, op=whole)
         ag = open_call(group, "all_gather", block * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
                        count=block, op=whole)
-        calls.append((a2a, ag))
+        opened.append((a2a, ag))
     kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
     most = max(blocks) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, (W + 1) * most)
 
     async def step(i, slot):
-        (lo, hi), block, ((a2a_call, a2a), (ag_call, ag)) = segs[i], blocks[i], calls[i]
+        (lo, hi), block, ((a2a_call, a2a), (ag_call, ag)) = segs[i], blocks[i], opened[i]
         s, m = slot.stream, hi - lo
         send = _host(slot.a, W * block, sdt)
         if m:
@@ -274,7 +274,7 @@ async def _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, compressi
         if n:
             xd.copy_to_host(staged)
         if compression is None:
-            await host.all_reduce(staged.view(dtype), op, group, timeout, algorithm)
+            await calls.all_reduce(staged.view(dtype), op, group, timeout, algorithm)
         else:
             await compressed.all_reduce(staged.view(dtype), compression, op=op, group=group, timeout=timeout,
                                         algorithm=algorithm, key=key)
@@ -303,17 +303,17 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
                                                                               compression, key))
         return out
     if _stage_whole(algorithm, xd.size * dtype.itemsize):
-        await _staged(xd, od, dtype, lambda hx, ho: host.reduce_scatter(ho, hx, op, group, timeout, algorithm))
+        await _staged(xd, od, dtype, lambda hx, ho: calls.reduce_scatter(ho, hx, op, group, timeout, algorithm))
         return out
     segs = segments(m, W * dtype.itemsize, 1)
-    calls = [open_call(group, "all_to_all", W * (hi - lo) * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
-                       count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]
+    opened = [open_call(group, "all_to_all", W * (hi - lo) * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
+                        count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]
     kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, W * most)
 
     async def step(i, slot):
-        (lo, hi), (call, a2a) = segs[i], calls[i]
+        (lo, hi), (call, a2a) = segs[i], opened[i]
         s, c = slot.stream, hi - lo
         send, recv = _host(slot.a, W * c, sdt), _host(slot.b, W * c, sdt)
         for j in range(W if c else 0):  # D2H: my copy of every rank's block, this segment of it
@@ -339,16 +339,16 @@ async def all_gather(out, x, group=None, timeout=None, algorithm=None):
         raise ValueError(f"out has {od.size} elements, expected group size {W} x x.size {n} = {W * n}")
     cuda.synchronize()
     if _stage_whole(algorithm, od.size * dtype.itemsize):
-        await _staged(xd, od, dtype, lambda hx, ho: host.all_gather(ho, hx, group, timeout, algorithm))
+        await _staged(xd, od, dtype, lambda hx, ho: calls.all_gather(ho, hx, group, timeout, algorithm))
         return out
     segs = segments(n, W * dtype.itemsize, 1)
-    calls = [_open(group, "all_gather", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
-                   count=hi - lo, op=_whole("all_gather", None, n)) for lo, hi in segs]  # fmt: skip
+    opened = [_open(group, "all_gather", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
+                    count=hi - lo, op=_whole("all_gather", None, n)) for lo, hi in segs]  # fmt: skip
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, 0)
 
     async def step(i, slot):
-        (lo, hi), (call, ag) = segs[i], calls[i]
+        (lo, hi), (call, ag) = segs[i], opened[i]
         s, c = slot.stream, hi - lo
         send, recv = _host(slot.a, c, sdt), _host(slot.b, W * c, sdt)
         if c:
@@ -373,14 +373,14 @@ async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
         await _staged_broadcast(xd, dtype, src, group, timeout, algorithm)
         return x
     segs, sdt = segments(xd.size, dtype.itemsize, 1), _storage_dtype(dtype)
-    calls = [_open(group, "broadcast", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
-                   count=hi - lo, root=src, op=_whole("broadcast", None, xd.size)) for lo, hi in segs]  # fmt: skip
+    opened = [_open(group, "broadcast", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
+                    count=hi - lo, root=src, op=_whole("broadcast", None, xd.size)) for lo, hi in segs]  # fmt: skip
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), most, 0)
     root = group.rank == src
 
     async def step(i, slot):
-        (lo, hi), (call, bc) = segs[i], calls[i]
+        (lo, hi), (call, bc) = segs[i], opened[i]
         s, c = slot.stream, hi - lo
         buf = _host(slot.a, c, sdt)
         if root and c:
@@ -403,7 +403,7 @@ async def _staged_broadcast(xd, dtype, src: int, group, timeout, algorithm) -> N
         staged = _host(buf, n, _storage_dtype(dtype))
         if root and n:
             xd.copy_to_host(staged)
-        await host.broadcast(staged.view(dtype), src, group, timeout, algorithm)
+        await calls.broadcast(staged.view(dtype), src, group, timeout, algorithm)
         if not root and n:
             xd.copy_to_device(staged)
     finally:
@@ -412,7 +412,7 @@ async def _staged_broadcast(xd, dtype, src: int, group, timeout, algorithm) -> N
 
 async def _compressed_reduce_scatter(out, x, op, group, timeout, compression, key):
     """The compressed reduce_scatter of host arrays (staged: out, x in pinned host memory)."""
-    host.check_reduce_scatter(out, x, op, group)
+    calls.check_reduce_scatter(out, x, op, group)
     return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
 
 
