@@ -28,7 +28,7 @@ __all__ = list(_FROM)
 # the shared-memory slots they work on. The other modules are public: api, blocking, p2p, uneven,
 # objects, bucket, compressed, compress, kernels, registry, comm (the Comm protocol an algorithm
 # receives).
-_INTERNAL = ("core", "calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots")
+_INTERNAL = ("calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots")
 
 
 def __dir__() -> list[str]:

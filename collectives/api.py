@@ -55,10 +55,10 @@ Contract of every call:
   (a rank died or left), ``CollectiveTimeoutError``; after any of them the
   group is failed and every later call on it raises the same error.
 
-Not here: the calls on host arrays once dispatched (calls.py), compressed (compressed.py) and
-device (device.py) collectives, the blocking facade (blocking.py), point-to-point (p2p.py), counts
-per rank (uneven.py), Python values (objects.py), algorithms (one file each), selection
-(registry.py), opening a call (core.py), checks and fingerprints (ops.py).
+Not here: the path of a call once dispatched, from these functions to the chosen algorithm
+(calls.py), compressed (compressed.py) and device (device.py) collectives, the blocking facade
+(blocking.py), point-to-point (p2p.py), counts per rank (uneven.py), Python values (objects.py),
+algorithms (algorithms/), selection (registry.py), checks and fingerprints (ops.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives import calls, compressed, ops
-from collectives.core import group_of
+from collectives.calls import group_of
 from collectives.kernels import is_device_array
 from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
 from runtime.group import check_timeout

@@ -2,11 +2,11 @@
 some of a call's ranks.
 
 Every algorithm file exports ``async def run(comm, ...)``; ``comm`` is one collective call seen
-from one rank: ``runtime.group.Call`` (what collectives/core.py opens and hands to the algorithm)
+from one rank: ``runtime.group.Call`` (what collectives/calls.py opens and hands to the algorithm)
 or a :class:`SubComm` of one (e.g. the leaders of the hierarchical all_reduce, one per host).
 Algorithms use only the members below, so any object that has them can run one.
 
-Not here: choosing the algorithm (registry.py), opening the call (core.py), the frames and the
+Not here: choosing the algorithm (registry.py), opening the call (calls.py), the frames and the
 matching behind ``send``/``irecv`` (runtime/group.py ``Call``).
 """
 

@@ -89,7 +89,7 @@ from collectives.compress import PowerSGDCodec, get_codec
 from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
 from collectives.compress.wire import layout_nbytes, message_nbytes, pack_all, split, unpack
-from collectives.core import group_of, open_call
+from collectives.calls import group_of, open_call
 
 STYLES = ("shard", "gather", "ring", "phases")
 # fp16/bf16 by the ring: the same bytes as shard in about half the time (shard encodes all n and

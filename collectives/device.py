@@ -61,7 +61,7 @@ from numba import cuda
 from collectives import calls, compressed, ops
 from collectives.compress import cuda as ccuda
 from collectives.compress.wire import pack_all, split, unpack
-from collectives.core import group_of, open_call
+from collectives.calls import group_of, open_call
 from collectives.device_pool import DEVICE, PINNED
 from collectives.kernels import cuda as kcuda
 from collectives.kernels import is_device_array

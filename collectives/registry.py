@@ -22,7 +22,7 @@ both choices, not a hang. The table depends only on values that are already in t
 agree on the table's choice.
 
 Not here: the algorithms (one file each, ``collectives/algorithms/tcp/<collective>_<name>.py`` and
-``collectives/algorithms/shared_memory/``), argument checks (ops.py), opening the call (core.py).
+``collectives/algorithms/shared_memory/``), argument checks (ops.py), opening the call (calls.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import zlib
 import numpy as np
 
 from collectives import ops
-from collectives.core import member_group_of, open_call
+from collectives.calls import member_group_of, open_call
 from runtime.group import check_timeout
 
 __all__ = ["all_gather_v", "all_to_all_v", "gather_v", "scatter_v"]
