@@ -12,9 +12,9 @@ import os
 
 import numpy as np
 
-from collectives.comm import Comm
+from collectives.comm import Comm, give_turn
 from collectives.slots import memops
-from runtime import env, shm, turns
+from runtime import env, shm
 
 __all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
            "copy_pairs", "data_view", "own_cores", "reduce_off_loop", "slot", "small_view", "small_views", "streams"]
@@ -27,7 +27,7 @@ OFFLOAD_MIN_NBYTES = 4 << 20
 # twice on an oversubscribed machine (bench/results/shm.md#worker-threads).
 OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
 # Inline, a copy or reduction is cut into pieces of this many bytes (of its output), and the event
-# loop gets a turn between pieces when it is due (runtime/turns.py): a piece is 0.1-1 ms of work,
+# loop gets a turn between pieces when it is due (collectives/comm.py give_turn): a piece is 0.1-1 ms of work,
 # so a 64 MiB call no longer holds the loop for its 30 ms; a turn check costs one clock read.
 PIECE_NBYTES = 2 << 20
 
@@ -126,8 +126,7 @@ async def copy_off_loop(dom, nbytes: int, pairs: list[tuple[np.ndarray, np.ndarr
         step = max(1, PIECE_NBYTES // max(1, dst.itemsize))
         for lo in range(0, dst.size, step):
             copy_pairs([(dst[lo:lo + step], src[lo:lo + step])], stream)
-            if turns.due():
-                await asyncio.sleep(0)
+            await give_turn()
 
 
 async def reduce_off_loop(dom, nbytes: int, dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray,
@@ -141,8 +140,7 @@ async def reduce_off_loop(dom, nbytes: int, dst: np.ndarray, srcs: list[np.ndarr
     for lo in range(0, dst.size, step):
         hi = lo + step
         memops.reduce_publish(dst[lo:hi], [s[lo:hi] for s in srcs], pub[lo:hi], op)
-        if turns.due():
-            await asyncio.sleep(0)
+        await give_turn()
 
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:

@@ -21,8 +21,7 @@ VICTIM = 2
 BOUND_S = 5.0
 
 ALL_REDUCE_64MIB = r'''
-import collectives.algorithms.tcp.all_reduce_halving_doubling as hd
-import collectives.algorithms.tcp.all_reduce_ring as ring
+import collectives.comm as comm
 import collectives.slots.memops as memops
 
 def die_in_first_reduction():
@@ -30,10 +29,9 @@ def die_in_first_reduction():
     (shared memory) its input, and the others still need what it would reduce. (A timer 5 ms into
     the call raced: a rank's whole part of a 64 MiB shared-memory all_reduce can be done by then,
     and the others finished without it.)"""
-    for module in (hd, ring):
-        def reduce_now(*args, **kw):
-            die()
-        module.reduce_now = reduce_now
+    def reduce_now(*args, **kw):  # every TCP algorithm reduces through the Comm's reduce step
+        die()
+    comm.reduce_now = reduce_now
     def reduce_publish(*args, **kw):
         die()
     memops.reduce_publish = reduce_publish

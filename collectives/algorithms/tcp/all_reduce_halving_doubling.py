@@ -46,9 +46,9 @@ import asyncio
 
 import numpy as np
 
-from collectives.ops import Fold, as_bytes, chunk_bounds, reduce_now, scratch_pool
+from collectives.comm import reduce_step
+from collectives.ops import Fold, as_bytes, chunk_bounds, scratch_pool
 from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
-from runtime import turns
 from runtime.transport import RECV_NOW_NBYTES
 
 EXCHANGE_NBYTES = 2 * RECV_NOW_NBYTES  # arrays up to this: one sendrecv per step (messages up to half: 1 MiB)
@@ -68,7 +68,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if fold.folds:  # reduce in the extra rank r-1's array
         fold_scratch = np.empty(x.size, x.dtype)
         await comm.recv_into(r - 1, as_bytes(fold_scratch))
-        reduce_now(x, fold_scratch, op)
+        await reduce_step(x, fold_scratch, op)
 
     def span(lo: int, hi: int) -> np.ndarray:
         return x[bounds[lo]:bounds[hi]]
@@ -108,7 +108,7 @@ async def _exchange(comm, x: np.ndarray, op: str, span, rs: list, ag: list) -> N
         kept = span(*keep)
         mine = scratch[:kept.size]
         await comm.sendrecv(partner, as_bytes(span(*give)), partner, as_bytes(mine))
-        reduce_now(kept, mine, op)  # our half <op> the partner's copy
+        await reduce_step(kept, mine, op)  # our half <op> the partner's copy
     for partner, theirs, ours in ag:
         await comm.sendrecv(partner, as_bytes(span(*ours)), partner, as_bytes(span(*theirs)))
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
@@ -149,9 +149,7 @@ async def _posted(comm, x: np.ndarray, op: str, span, rs: list, ag: list, bounds
         async def reduce_each(arrived=arrived, kept=kept, mine=mine):
             for fut, dst, src in zip(arrived, segments(kept), segments(mine)):
                 await fut  # this segment of the partner's copy is here
-                reduce_now(dst, src, op)  # our half <op> the partner's copy
-                if turns.due():  # segments that all arrived at once: the loop's other tasks still run
-                    await asyncio.sleep(0)
+                await reduce_step(dst, src, op)  # our half <op> the partner's copy
 
         await asyncio.gather(send_all(comm, partner, span(*give)), reduce_each())
     for i, (partner, theirs, ours) in enumerate(ag):

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import Fold, as_bytes, reduce_now
+from collectives.comm import reduce_step
+from collectives.ops import Fold, as_bytes
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
@@ -45,15 +46,15 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     sbuf = as_bytes(scratch)
     if folds:  # reduce in the extra rank r-1's array
         await comm.recv_into(r - 1, sbuf)
-        reduce_now(scratch, x, op)  # x[r-1] <op> x[r]
+        await reduce_step(scratch, x, op)  # x[r-1] <op> x[r]
         x[...] = scratch
     for partner, lower in steps:  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
         await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
         if lower:  # the partner is lower: result = theirs <op> ours
-            reduce_now(scratch, x, op)
+            await reduce_step(scratch, x, op)
             x[...] = scratch
         else:
-            reduce_now(x, scratch, op)
+            await reduce_step(x, scratch, op)
     if folds:  # unfold: give the extra rank the result
         await comm.send(r - 1, buf)
 

@@ -46,13 +46,11 @@ place, ``op`` a kernel op (sum, prod, min, max; avg is handled by the caller).
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_now, scratch_pool
+from collectives.comm import reduce_step
+from collectives.ops import as_bytes, chunk_bounds, scratch_pool
 from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
-from runtime import turns
 
 LOOKAHEAD_STEPS = 3  # steps of receives posted ahead (bounded by SCRATCH_NBYTES)
 
@@ -106,9 +104,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
             chunk = (r - s - 1) % n
             if s < n - 1:  # reduce it into x (reduce-scatter phase)
                 seg = segment(chunk, k)
-                reduce_now(seg, scratch[s % slots, k, :seg.size], op)
-                if turns.due():  # segments that all arrived at once: the loop's other tasks still run
-                    await asyncio.sleep(0)
+                await reduce_step(seg, scratch[s % slots, k, :seg.size], op)
             if s + 1 < steps:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(segment(chunk, k)))
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it

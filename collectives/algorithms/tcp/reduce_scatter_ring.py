@@ -38,13 +38,11 @@ elements, ``out`` 1-D, ``op`` a kernel op (sum, prod, min, max).
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
-from collectives.ops import as_bytes, chunk_bounds, reduce_now, scratch_pool
+from collectives.comm import reduce_step
+from collectives.ops import as_bytes, chunk_bounds, scratch_pool
 from collectives.tuning import SEGMENT_NBYTES
-from runtime import turns
 from runtime.transport import RECV_NOW_NBYTES
 
 EXCHANGE_NBYTES = RECV_NOW_NBYTES  # blocks up to this: one sendrecv per step (1 MiB)
@@ -65,7 +63,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
             block = (r - s - 2) % n
             dst = out if s == n - 2 else slots[s % 2]  # the slot sent at step s-1 is free again
             await comm.sendrecv(right, as_bytes(partial), left, as_bytes(dst))  # ours out, the left's in
-            reduce_now(dst, x[block * count:(block + 1) * count], op)  # partial = received <op> ours
+            await reduce_step(dst, x[block * count:(block + 1) * count], op)  # partial = received <op> ours
             partial = dst  # what we send at step s+1
         scratch_pool.give(raw)  # only after success (see below)
         return
@@ -96,9 +94,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
                 upcoming.append(post(s + 1, k))  # one step ahead, into the slot already sent
             await pending[k]  # the left's partial of block, segment k
             dst = out[sb[k]:sb[k + 1]] if s == last else scratch[s % 2, sb[k]:sb[k + 1]]
-            reduce_now(dst, own(block, k), op)  # partial = received <op> ours
-            if turns.due():  # segments that all arrived at once: the loop's other tasks still run
-                await asyncio.sleep(0)
+            await reduce_step(dst, own(block, k), op)  # partial = received <op> ours
             if s < last:  # it is what we send at step s+1
                 await comm.send(right, as_bytes(dst))
         pending = upcoming

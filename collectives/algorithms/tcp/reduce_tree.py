@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import as_bytes, reduce_now
+from collectives.comm import reduce_step
+from collectives.ops import as_bytes
 from runtime.transport import RECV_NOW_NBYTES
 
 
@@ -53,7 +54,7 @@ async def run(comm, x: np.ndarray, root: int, op: str) -> None:
         slot = np.empty_like(x)
         for c in children:
             await comm.sendrecv(None, None, c, as_bytes(slot))
-            reduce_now(acc, slot, op)
+            await reduce_step(acc, slot, op)
         if parent is not None:
             await comm.send(parent, as_bytes(acc))
         return
@@ -61,7 +62,7 @@ async def run(comm, x: np.ndarray, root: int, op: str) -> None:
     posted = [comm.irecv(c, as_bytes(slots[i])) for i, c in enumerate(children[:2])]
     for i in range(len(children)):
         await posted[i]  # child i's partial is in slot i % 2
-        reduce_now(acc, slots[i % 2], op)  # acc = acc <op> child
+        await reduce_step(acc, slots[i % 2], op)  # acc = acc <op> child
         if i + 2 < len(children):  # the slot is free again: post child i+2 there
             posted.append(comm.irecv(children[i + 2], as_bytes(slots[i % 2])))
     if parent is not None:
