@@ -12,48 +12,11 @@
     await C.barrier()
     await C.send(x, dst=1, tag=7); await C.recv(x, src=0, tag=7)   # (p2p.py; recv returns the source)
 
-Common keyword arguments:
-
-* ``group``: a ``runtime.group.ProcessGroup``; default the world of the
-  calling task's runtime (``runtime.current().world``). ``src``, ``dst`` and
-  ``root`` are **group ranks** (0..group.size-1), not world ranks:
-  ``group.group_rank(world_rank)`` maps one to the other.
-* ``timeout``: seconds, a positive finite number; default (None) the runtime's
-  (``RINGWEAVE_TIMEOUT_S``, 300). Checked first, on every call and every path:
-  anything else raises ``TypeError`` / ``ValueError`` at once, before a sequence
-  number is taken or a byte sent (the other ranks then see the call as never
-  made: ``CollectiveTimeoutError`` naming this rank, once their own timeout runs
-  out). A call that runs out raises ``CollectiveTimeoutError`` naming the ranks
-  not heard from, and the group fails (every later call raises too).
-* ``algorithm``: a name from ``collectives.registry.ALGORITHMS`` (also
-  ``RINGWEAVE_ALGO_<COLLECTIVE>``); default the registry's table. Every rank
-  must choose the same one: the name is part of the call's fingerprint.
-
-Contract of every call:
-
-* ops: ``sum, avg, prod, min, max``; dtypes: float16, bfloat16, float32,
-  float64, int8, int32, int64, uint8; any shape, zero-length included
-  (a zero-length call still exchanges its empty messages, so a rank whose
-  length differs still gets a mismatch error rather than a hang).
-* float16 / bfloat16 reduce in float32 per step and round back (the kernels'
-  contract, collectives/kernels/reference.py); integer sum/prod wrap.
-  ``avg`` is ``sum`` then a division by the group size; for integer dtypes the
-  division floors (-7 avg over 2 ranks is -4), like ``torch.div(...,
-  rounding_mode="floor")``.
-* arguments are checked before any message is sent: ``TypeError`` for a
-  wrong type or dtype, ``ValueError`` for a wrong length, a non-contiguous or
-  read-only array, a bad root or op, two buffers that overlap (but for the
-  in-place forms: ``x`` = ``out``'s block of this rank in all_gather and
-  gather, ``out`` = ``x``'s block of this rank in scatter), each naming the
-  argument and the values.
-* several calls may be in flight on one group (``asyncio.gather(all_reduce(a),
-  all_reduce(b))``) as long as every rank issues them in the same order: a
-  call takes its sequence number when its coroutine starts, before its first
-  wait.
-* failures: ``CollectiveMismatchError`` (ranks called different collectives,
-  or with a different op / dtype / length / root / algorithm), ``PeerLostError``
-  (a rank died or left), ``CollectiveTimeoutError``; after any of them the
-  group is failed and every later call on it raises the same error.
+Every call takes ``group`` (default: the world of the calling task's runtime; ``src``, ``dst`` and
+``root`` are group ranks), ``timeout`` (seconds, checked first; default ``RINGWEAVE_TIMEOUT_S``)
+and ``algorithm`` (a key of ``registry.ALGORITHMS``, the same on every rank; default the table).
+Ops, dtypes, the checks made before any message, calls in flight together and the failures: the
+contract in docs/design.md, "The contract of a collective".
 
 Not here: the path of a call once dispatched, from these functions to the chosen algorithm
 (calls.py), compressed (compressed.py) and device (device.py) collectives, the blocking facade

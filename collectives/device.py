@@ -2,52 +2,25 @@
 with ``__cuda_array_interface__`` (bfloat16: ``collectives.kernels.cuda.as_bfloat16(words)``).
 
 The transport moves host bytes, so a device collective stages through page-locked host buffers
-(collectives/device_pool.py: kept across calls, bounded by bytes) and reduces on the device.
+(device_pool.py: kept across calls, bounded by bytes) and reduces on the device. Two ways:
 
-Pipelining: the array is cut into segments of ``RINGWEAVE_DEVICE_SEGMENT_KIB`` (default 4 MiB;
-a multiple of the group size in elements). Each segment goes through its stages on a CUDA stream
-of its own, and up to ``DEPTH`` segments are in flight, so segment s+1's device-to-host copy, s's
-network exchange and s-1's host-to-device copy and fold overlap. Per segment, all_reduce of W
-ranks, segment [lo, hi) cut into W blocks of ``block`` elements (the last padded)::
+* **staged whole**, when the larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (64 MiB)
+  or ``algorithm=`` is named: one copy down, the host collective (the registry's choice, shared
+  memory included), one copy up (bench/results/device.md says why the limit is where it is);
+* **pipelined**, in segments of ``RINGWEAVE_DEVICE_SEGMENT_KIB``, each on a stream of its own, up to
+  ``DEPTH`` in flight: all_reduce is, per segment, D2H, all_to_all (every rank gets every copy of
+  its block), a fold on the device in rank order (``kernels.cuda.fold_into``), D2H, all_gather,
+  H2D: a ring all_reduce's wire bytes. reduce_scatter is its first half, all_gather the second,
+  broadcast one network step per segment. Sub-calls are opened in order before the first wait, on
+  the TCP table's algorithms (as compressed.py's).
 
-    D2H   x[lo:hi] -> host A                          (stream; the loop waits in a worker thread)
-    net   all_to_all A -> B: B holds every rank's copy of MY block
-    H2D   B -> device scratch; fold the W blocks in rank order (kernels.cuda.fold_into; avg divides)
-    D2H   my reduced block -> host A
-    net   all_gather A -> B: every rank's reduced block
-    H2D   B -> x[lo:hi]
-
-    Rank 0 / rank 1 of 2, one segment, x = [1 2 3 4] / [10 20 30 40] (device):
-    all_to_all (host):  r0 holds [1 2], [10 20]   r1 holds [3 4], [30 40]
-    device fold:        r0 [11 22]                r1 [33 44]
-    all_gather (host):  both [11 22 33 44] -> copied to the device
-
-Wire bytes are a ring all_reduce's. reduce_scatter is the first half (the fold writes straight
-into ``out``), all_gather the second, broadcast one network step per segment. All sub-calls are
-opened, in order, before the first wait (api's ordering contract), on the TCP table's algorithms
-(the shared-memory ones need calls to run in the order they were opened; see compressed.py).
-
-A call whose larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (default 64 MiB), or one
-with ``algorithm=`` named, is staged whole: one copy down, the host collective (the registry's
-choice, shared memory included), one copy up. On an H200 with a core per rank, staging beat the
-pipeline at every size from 4 KiB to 64 MiB (bench/results/device.md): the host reduces 4 ranks'
-blocks over shared memory faster than the pipeline's TCP sub-calls move them. The kernels' contract
-makes host and device reductions give the same bits per step (reference.py); the order of steps is
-the algorithm's, as on the host.
-
-Stream semantics: a call first waits for all work queued on the device (``cuda.synchronize()``;
-a ``__cuda_array_interface__`` v3 producer stream is synchronized by numba as well), so the
-caller's kernels on any stream that wrote the input are done; its own copies and kernels run on
-streams it creates; it returns after all of them are done, so the result may be read on any stream
-at once. In torch terms: like a Gloo collective on CUDA tensors followed by ``wait()``. The call
-does not take a ``stream=`` argument: it neither waits on nor leaves work in the caller's stream.
-
-``all_reduce(compression=codec)``, shard style (the default of int8 and topk, and fp16/bf16 with
-``algorithm="shard"``): encode, residuals, decode and decode-sum on the device with the codecs'
-CUDA kernels; only payloads are staged. Other styles (gather, ring, powersgd) stage the whole array
-and run the host version, as does ``reduce_scatter(compression=...)``.
-
-The simulator (NUMBA_ENABLE_CUDASIM=1) runs all of this on the CPU (tests/compressed/gpu_device_cases.py).
+Streams: a call first waits for all work queued on the device (``cuda.synchronize()``), runs its
+copies and kernels on streams of its own, and returns when they are done, so the result may be read
+on any stream at once (like a Gloo collective on CUDA tensors followed by ``wait()``); it takes no
+``stream=``. ``all_reduce(compression=...)`` in the shard style encodes, decodes and decode-sums on
+the device with the codecs' CUDA kernels and stages only payloads; the other styles stage the array.
+The stages, a worked example and the stream rules in full: docs/design.md, "Device arrays". The
+simulator (NUMBA_ENABLE_CUDASIM=1) runs all of it on the CPU (tests/compressed/gpu_device_cases.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The small shared-memory all_reduce and the barrier as one compiled, GIL-free call each.
 
 The protocol is runtime/shm.py's, step for step (sequence words, wants, doorbells, fingerprint
-slots), so a member on this path and a member on the Python path interoperate; what changes is
-who runs it. The readable reference is the Python path: ``all_reduce_shm._small`` with
-``Domain.post`` / ``Domain.wait_all``, and ``barrier_shm``'s; tests/shm compare the two over the
-shm matrix. One call of :func:`_all_reduce` (Numba ``nopython``, ``nogil``) does, for an array
-of up to 64 KiB of a native dtype:
+slots), so a member here and one on the Python path interoperate. The readable reference is that
+path (``all_reduce_shm._small`` with ``Domain.post`` / ``wait_all``, and ``barrier_shm``'s); tests/shm
+compare the two. One call of :func:`_all_reduce` (Numba ``nopython``, ``nogil``), for up to 64 KiB:
 
 1. **publish**: copy ``x`` into my small slot of this call's parity; store my sequence word
    ``encode(seq, 1)`` with release order; a full fence; ring the doorbell of every peer whose
@@ -22,10 +20,9 @@ of up to 64 KiB of a native dtype:
 4. **reduce**: ``x = S_0 <op> S_1 <op> ... <op> S_{n-1}`` in rank order, as the reference does
    (the same ``apply`` of collectives/kernels/cpu.py, the same order: the same bits).
 
-The barrier is steps 1-3 without data. Memory order is explicit (collectives/slots/atomics.py), so
-this is correct on AArch64 as on x86-64. Everything the event loop must see between slices stays
-in Python; what runs per call in Python on this path is :func:`all_reduce` /
-:func:`barrier` below (bench/results/shm.md#the-compiled-small-path measures it).
+The barrier is steps 1-3 without data. Memory order is explicit (atomics.py), so this is correct
+on AArch64 as on x86-64; what the event loop must see between slices stays in Python
+(:func:`all_reduce`, :func:`barrier`; bench/results/shm.md#the-compiled-small-path).
 
 Not here: the domain, its set-up and its call bookkeeping (runtime/shm.py), the large path
 (all_reduce_shm.py), float16 / bfloat16 (the reference path reduces them).

@@ -5,27 +5,20 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
 
 * **small** (``x.nbytes <= runtime.shm.SMALL_NBYTES``, 64 KiB; see ONE_PHASE_MAX_NBYTES): one phase.
   1. copy x into my small slot; post phase 1;
-  2. wait for every peer's phase 1; x = S_0 <op> S_1 <op> ... <op> S_{n-1}, in rank order,
-     so every rank computes the same bits.
-* **large**: the array is cut into n **chunks** (``chunk_bounds``: the first ``count % n`` one
-  element longer; no padding); rank c owns chunk c.
-  1. copy-in: S_r[c] = x[c] for every chunk c != r (my own chunk is read from x directly);
-     post phase 1;
+  2. wait for every peer's phase 1; x = S_0 <op> ... <op> S_{n-1} in rank order (the same bits).
+* **large**: n **chunks** (``chunk_bounds``, no padding); rank c owns chunk c.
+  1. copy-in: S_r[c] = x[c] for every chunk c != r (my own chunk is read from x); post phase 1;
   2. wait for every peer's phase 1; reduce my chunk: x[r] = x[r] <op> S_p[r] for p != r in rank
      order (Numba, nogil, on a worker thread when large); publish it: S_r[r] = x[r]; post phase 2;
   3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
   Then EXIT (posted by DomainCall): the next call that writes the slots waits for it.
 
-Copy-in and copy-out of arrays of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB) and up use non-temporal
-stores (``memops.stream_copy``): such copies go to memory anyway, and skipping the read of each
-destination line first makes them cheaper (bench/results/shm.md#streaming-copies).
+Copies of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB) and up use non-temporal stores
+(``memops.stream_copy``; bench/results/shm.md#streaming-copies). Each element is reduced once, by
+its chunk's owner, and copied to the others: every rank gets the same bits (the traffic per rank:
+docs/design.md, "The shared-memory protocol").
 
-Each element is reduced once, by its chunk's owner, and copied to the others: every rank gets
-the same bits. Per rank it moves (n-1)/n of the array in, 1/n through the reduction from each
-peer, 1/n out to the slot and (n-1)/n back out: ~(4.5 + n-2 passes of 1/n) x nbytes.
-
-Worked example, n = 2, x = [1, 2, 3] on rank 0 and [10, 20, 30] on rank 1 (sum, large path;
-chunks [0:2] and [2:3]):
+Worked example, n = 2, x = [1, 2, 3] on rank 0 and [10, 20, 30] on rank 1 (sum, large path)::
 
     copy-in   r0: S_0[2:3] = [3]          r1: S_1[0:2] = [10, 20]
     reduce    r0: x[0:2] = [1,2]+S_1[0:2] = [11, 22]; S_0[0:2] = [11, 22]

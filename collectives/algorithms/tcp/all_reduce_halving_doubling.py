@@ -1,41 +1,30 @@
-"""Halving-doubling (Rabenseifner) all_reduce: recursive-halving reduce-scatter,
-then recursive-doubling all-gather.
+"""Halving-doubling (Rabenseifner) all_reduce: recursive-halving reduce-scatter, then
+recursive-doubling all-gather.
 
 How it works (n ranks, rank r; p = the largest power of two <= n, rem = n - p):
 
-* **fold** (only when n is not a power of two, the standard fix-up): among the
-  first 2*rem ranks, each even rank r sends its whole array to r+1 and sits
-  out; odd rank r+1 reduces it in and takes part as new rank ``(r+1) // 2``.
-  Ranks >= 2*rem take part as new rank ``r - rem``.
-* the array is cut into p **blocks** (``chunk_bounds``: the first
-  ``count % p`` one element longer; no padding). Each new rank q tracks a
-  **window** of blocks, first all p of them.
-* **reduce-scatter**, mask = p/2, p/4, ..., 1: q pairs with ``q ^ mask``; the
-  one with that bit clear keeps the lower half of the window, the other the
-  upper half; each sends the half it gives away, receives the partner's copy
-  of the half it keeps (into scratch) and reduces it in. After log2(p) steps
-  q's window is block q, fully reduced.
-* **all-gather**, mask = 1, 2, ..., p/2: q swaps its window with ``q ^ mask``
-  (the partner's window is the adjacent one of the same size), receiving
-  straight into place; the windows double until each holds all p blocks.
-* **unfold**: odd rank r+1 sends the result to even rank r.
+* **fold** (n not a power of two; ``ops.Fold``): among the first 2*rem ranks, each even rank r sends
+  its array to r+1 and sits out; r+1 reduces it in and is new rank ``(r+1) // 2``; ranks >= 2*rem
+  are new rank ``r - rem``.
+* The array is cut into p **blocks** (``chunk_bounds``, no padding); new rank q holds a **window**
+  of blocks, first all p.
+* **reduce-scatter**, mask = p/2, ..., 1: q pairs with ``q ^ mask``; the one with that bit clear
+  keeps the lower half of the window, the other the upper; each sends the half it gives away and
+  reduces the partner's copy of the half it keeps. After log2(p) steps q's window is block q.
+* **all-gather**, mask = 1, ..., p/2: q swaps windows with ``q ^ mask``, straight into place.
+* **unfold**: r+1 sends the result to r.
 
-Each new rank sends ``2(p-1)/p`` of the array in ``2 log2(p)`` messages:
-ring's volume with far fewer latencies.
+Each new rank sends ``2(p-1)/p`` of the array in ``2 log2(p)`` messages: ring's volume, far fewer
+latencies. Messages are cut into SEGMENT_NBYTES segments, reduced while the rest arrives, every
+receive posted before the first send; an array of at most EXCHANGE_NBYTES is one ``comm.sendrecv``
+per step instead (bench/results/all_reduce.md#halving-doubling-on-the-fast-path).
 
-Worked example, n = 4, op = sum, 4 elements, block j = element j::
+Worked example, n = 4, sum, 4 elements, block j = element j::
 
     RS mask 2   0<->2: 0 keeps [b0 b1], 2 keeps [b2 b3];  1<->3 likewise
     RS mask 1   0<->1: 0 keeps b0 = sum of 4, 1 keeps b1;  2<->3: b2, b3
     AG mask 1   0<->1 swap b0, b1;  2<->3 swap b2, b3
     AG mask 2   0<->2 swap [b0 b1], [b2 b3];  1<->3 likewise -> all hold everything
-
-Messages are cut into SEGMENT_NBYTES segments so a half is reduced while the
-rest of it is still arriving, and every receive is posted before the first send.
-An array of at most EXCHANGE_NBYTES (each message at most half of it, 1 MiB) is
-one ``comm.sendrecv`` per step instead, which reads the partner's message straight
-off its socket when it can (runtime/group.Call.sendrecv;
-bench/results/all_reduce.md#halving-doubling-on-the-fast-path).
 
 Signature: ``await run(comm, x, op)``; ``x`` 1-D reduced in place; ``op`` a kernel op.
 """

@@ -2,46 +2,31 @@
 
 How it works (n ranks, rank r, right = r+1 mod n, left = r-1 mod n):
 
-* The array is cut into n **chunks** (chunk c = elements ``bounds[c]:bounds[c+1]``,
-  the first ``count % n`` chunks one element longer; no padding), and each
-  chunk into the same number of **segments** (``nseg``, from the largest chunk
-  and :data:`SEGMENT_NBYTES`), so sender and receiver agree on every message.
-* There are ``2(n-1)`` **steps**. At step s rank r sends chunk ``(r - s) mod n``
-  to the right and receives chunk ``(r - s - 1) mod n`` from the left.
-  - steps 0 .. n-2 (reduce-scatter): the received segment lands in a scratch
-    slot and is reduced into ``x``; after them rank r holds the full result of
-    chunk ``(r + 1) mod n``;
-  - steps n-1 .. 2n-3 (all-gather): the received segment is already final and
-    lands straight in ``x``.
-* The pipeline is per segment: the chunk sent at step s+1 is the one received
-  (and reduced) at step s, so segment k of step s+1 goes out as soon as segment k
-  of step s is reduced, while the later segments of step s are still in flight.
-  Receives are posted up to LOOKAHEAD_STEPS steps ahead (scratch has
-  lookahead + 1 slots per segment, reused round-robin), so data from a left
-  neighbour that runs ahead still lands in its buffer without a copy. Every
-  message of a call from the left is matched in order, and both ends go
-  through (step, segment) in the same lexicographic order. Scratch comes from
-  a pool kept across calls (fresh pages cost faults on every call).
+* The array is cut into n **chunks** (``chunk_bounds``: the first ``count % n`` one element longer,
+  no padding), and each chunk into ``nseg`` **segments** (from the largest chunk and SEGMENT_NBYTES).
+* ``2(n-1)`` **steps**: at step s rank r sends chunk ``(r - s) mod n`` to the right and receives
+  chunk ``(r - s - 1) mod n`` from the left. Steps 0..n-2 (reduce-scatter) receive into scratch and
+  reduce into ``x``, after which r holds chunk r+1 in full; steps n-1..2n-3 (all-gather) receive
+  the final segment straight into ``x``.
+* The pipeline is per segment: what goes out at step s+1 is what came in at step s, so segment k
+  leaves once it is reduced while later segments are still in flight. Receives are posted up to
+  LOOKAHEAD_STEPS ahead (lookahead + 1 scratch slots per segment, round-robin, from a pool kept
+  across calls): a left neighbour that runs ahead lands in place, without a copy.
 
-Each rank sends ``2(n-1)/n`` of the array in total, the bandwidth optimum.
+Each rank sends ``2(n-1)/n`` of the array, the bandwidth optimum; every element is reduced by one
+chain of ranks and then copied, so every rank gets the same bits.
 
-Worked example, n = 3, count = 4, op = sum, one segment per chunk
-(chunks: A = x[0:2], B = x[2:3], C = x[3:4]; "a0" is rank 0's A)::
+Worked example, n = 3, count = 4, sum, one segment per chunk (A = x[0:2], B = x[2:3], C = x[3:4])::
 
     step 0  r0 sends A to r1   r1 sends B to r2   r2 sends C to r0
             r0: C = c0+c2      r1: A = a1+a0      r2: B = b2+b1
     step 1  r0 sends C         r1 sends A         r2 sends B
             r0: B = b0+b2+b1   r1: C = c1+c0+c2   r2: A = a2+a1+a0    (each holds one full chunk)
-    step 2  r0 sends B         r1 sends C         r2 sends A          (all-gather: copies, no reduce)
-            r0: A full         r1: B full         r2: C full
-    step 3  r0 sends A         r1 sends B         r2 sends C
-            r0: C full         r1: A full         r2: B full          (everyone holds everything)
+    step 2  r0 sends B         r1 sends C         r2 sends A          then r0: A, r1: B, r2: C full
+    step 3  r0 sends A         r1 sends B         r2 sends C          then everyone holds everything
 
-Every element is reduced by one chain of ranks and then copied, so all ranks
-get bit-identical results.
-
-Signature: ``await run(comm, x, op)``; ``x`` a 1-D C-contiguous array reduced in
-place, ``op`` a kernel op (sum, prod, min, max; avg is handled by the caller).
+Signature: ``await run(comm, x, op)``; ``x`` 1-D C-contiguous, reduced in place; ``op`` a kernel op
+(sum, prod, min, max; the caller divides for avg).
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """Pipelined chain broadcast: the array flows down a line of ranks, a segment at a time.
 
-How it works (n ranks; ranks renumbered relative to the root, ``v = (rank - root) mod n``):
+How it works (n ranks, renumbered from the root: ``v = (rank - root) mod n``):
 
-* the array is cut into segments (:func:`segment_bounds`, the same cut on every rank,
-  from the array's length alone);
+* the array is cut into segments (:func:`segment_bounds`: the same cut on every rank, from the
+  array's length alone);
 * the root (v = 0) sends the segments, in order, to v = 1;
-* rank v > 0 receives segment i from v - 1 while it sends segment i - 1 on to
-  v + 1 (one ``comm.sendrecv`` per step), then sends the last one; the last
-  rank (v = n - 1) only receives.
+* rank v > 0 receives segment i from v - 1 while it sends segment i - 1 on to v + 1 (one
+  ``comm.sendrecv`` per step), then sends the last one; the last rank (v = n - 1) only receives.
 
-Every rank but the last sends the array once and every rank but the root
-receives it once, so no rank sends more than one copy (the binomial tree's root
-sends ceil(log2 n)), and the segments keep every link busy at once: for s
-segments the time is about (s + n - 2) segment-times instead of the tree's
-ceil(log2 n) whole-array times. The price is n - 2 segment latencies of
-fill. Where links bound the time (ranks on several hosts) that wins by far
-(bench/results/broadcast.md#chain-across-hosts; from larger arrays at 12 and 16
-ranks, since the fill grows with n). On one host's loopback, bound by the CPU
-of the kernel's copies, it lost to the tree (bench/results/broadcast.md#chain-on-one-host).
-So the table gives it large arrays on groups that span hosts (registry.py).
+No rank sends more than one copy (the binomial tree's root sends ceil(log2 n)), and the segments
+keep every link busy at once: about (s + n - 2) segment-times for s segments, against the tree's
+ceil(log2 n) whole-array times, at the price of n - 2 segment latencies of fill. Where links bound
+the time (ranks on several hosts) that wins by far (bench/results/broadcast.md#chain-across-hosts);
+on one host's loopback, bound by the kernel's copies, it lost to the tree
+(bench/results/broadcast.md#chain-on-one-host). So the table gives it large arrays on groups that
+span hosts (registry.py).
 
 Worked example, n = 4, root = 0, x cut into segments a, b::
 

@@ -1,30 +1,22 @@
 """Ring reduce_scatter: partial sums travel around the ring, segmented and pipelined.
 
-How it works (n ranks, rank r, right = r+1 mod n, left = r-1 mod n; the input
-``x`` holds n **blocks** of ``count`` elements; rank r ends with block r
-reduced over all ranks, in ``out``; ``x`` is not modified):
+How it works (n ranks, rank r, right = r+1 mod n, left = r-1 mod n; ``x`` holds n **blocks** of
+``count`` elements, not modified; rank r ends with block r reduced over all ranks, in ``out``):
 
-* there are n-1 **steps**. At step s rank r sends its partial of block
-  ``(r - s - 1) mod n`` to the right and receives the left's partial of block
-  ``(r - s - 2) mod n``, which it reduces with its own block of ``x``:
-  ``partial = received <op> x[block]``;
-* at step 0 the partial sent is the rank's own block of ``x``; later it is the
-  partial reduced at the step before; at the last step (s = n-2) the block
-  received is ``(r - n) mod n = r`` and lands straight in ``out``;
-* a block of up to :data:`EXCHANGE_NBYTES` (1 MiB) is one message per step, and each
-  step is one ``comm.sendrecv`` (runtime/group.Call: the peer's message may be read
-  straight off its socket), into two partial slots taken in turn (from the pool kept
-  across calls);
-* a larger block is cut into ``nseg`` **segments** (:data:`SEGMENT_NBYTES`);
-  segment k of step s+1 goes out as soon as segment k of step s is reduced.
-  Partials live in scratch slots [step parity][segment] (from the pool kept
-  across calls), and each receive is posted one step ahead into the slot whose
-  contents were already sent.
+* n-1 **steps**: at step s rank r sends its partial of block ``(r - s - 1) mod n`` to the right and
+  receives the left's partial of block ``(r - s - 2) mod n``: ``partial = received <op> x[block]``.
+  At step 0 the partial sent is r's own block of ``x``; at the last step (s = n-2) the block
+  received is r's own and lands straight in ``out``.
+* A block of up to EXCHANGE_NBYTES (1 MiB) is one ``comm.sendrecv`` per step (the peer's message
+  may be read straight off its socket), into two partial slots taken in turn.
+* A larger block is cut into ``nseg`` **segments** (SEGMENT_NBYTES): segment k of step s+1 leaves
+  as soon as segment k of step s is reduced. Partials live in scratch slots [step parity][segment]
+  (a pool kept across calls), each receive posted one step ahead into a slot already sent.
 
-No padding: every block has exactly ``count`` elements. Each rank sends
-``(n-1)/n`` of ``x``, the bandwidth optimum.
+No padding: every block has exactly ``count`` elements. Each rank sends ``(n-1)/n`` of ``x``, the
+bandwidth optimum.
 
-Worked example, n = 3, count = 1, op = sum; rank i holds [ai, bi, ci]::
+Worked example, n = 3, count = 1, sum; rank i holds [ai, bi, ci]::
 
     step 0  r0 sends c0 -> r1   r1 sends a1 -> r2   r2 sends b2 -> r0
             r0: b2+b0           r1: c0+c1           r2: a1+a2
@@ -32,8 +24,8 @@ Worked example, n = 3, count = 1, op = sum; rank i holds [ai, bi, ci]::
             r0: a1+a2+a0        r1: b2+b0+b1        r2: c0+c1+c2
     out     r0 [a]              r1 [b]              r2 [c]       (fully reduced)
 
-Signature: ``await run(comm, out, x, op)``; ``x`` 1-D of ``n * out.size``
-elements, ``out`` 1-D, ``op`` a kernel op (sum, prod, min, max).
+Signature: ``await run(comm, out, x, op)``; ``x`` 1-D of ``n * out.size`` elements, ``out`` 1-D,
+``op`` a kernel op (sum, prod, min, max).
 """
 
 from __future__ import annotations
