@@ -12,7 +12,7 @@ word of ``algorithm=``, ``RINGWEAVE_ALGO_<COLLECTIVE>``, ``bench/collectives.py 
 test ids (tests/tree/test_layout.py keeps that true). Each file opens with how the algorithm works
 and exports ``async def run(comm, ...)``; ``comm`` is collectives/comm.py's ``Comm``.
 
-Not here: choosing one (collectives/registry.py), the path of a call to it (collectives/call.py), the
+Not here: choosing one (collectives/registry.py), the path of a call to it (collectives/calls.py), the
 shared-memory machinery that is not an algorithm (collectives/slots/).
 """
 
