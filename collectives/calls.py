@@ -12,6 +12,7 @@
       ops.finish_avg(flat, op, group.size)                     rules; awaits run(call, flat, op)
     algorithms/tcp/all_reduce_ring.run(comm, x, op)            comm is the call (comm.py's Comm):
       comm.send / irecv / sendrecv -> runtime.group.Call -> the actor's connections (transport)
+      reduce_step(dst, src, op)    -> the kernel, then a turn of the event loop when due (comm.py)
 
 Every call is opened by :func:`open_call`: the ones here, uneven.py's, and the sub-calls of
 compressed.py and device.py, so each is chosen and fingerprinted the one way. Arguments, contract
