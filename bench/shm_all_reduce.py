@@ -30,7 +30,8 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) n
 
 import runtime  # noqa: E402
 from collectives import api, registry  # noqa: E402
-from collectives.shm import all_reduce_shm, common  # noqa: E402
+from collectives.algorithms.shared_memory import all_reduce_shm  # noqa: E402
+from collectives.slots import common  # noqa: E402
 from runtime import env, shm  # noqa: E402
 
 
@@ -66,7 +67,7 @@ async def main():
     p.add_argument("--sizes", default="4,1048576,16777216,67108864")
     p.add_argument("--algos", default="shm,tcp", help="shm, tcp (the TCP table), or an algorithm name")
     p.add_argument("--spins", default="", help="comma list of RINGWEAVE_SHM_SPIN values to compare")
-    p.add_argument("--offloads", default="", help="comma list of collectives.shm.common.OFFLOAD_ALONE_MIN_NBYTES "
+    p.add_argument("--offloads", default="", help="comma list of collectives.slots.common.OFFLOAD_ALONE_MIN_NBYTES "
                    "values to compare (bytes of work from which copies/reductions go to a thread)")
     p.add_argument("--one-phase", default="", help="comma list of all_reduce_shm.ONE_PHASE_MAX_NBYTES values")
     p.add_argument("--reps", type=int, default=7)

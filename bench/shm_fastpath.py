@@ -1,4 +1,4 @@
-"""The compiled small shared-memory path (collectives/shm/fastpath.py), per call: how long a
+"""The compiled small shared-memory path (collectives/slots/fastpath.py), per call: how long a
 small all_reduce and a barrier take compiled and through the Python reference, and how much of
 the compiled call's time is Python (the API, the call's bookkeeping, the wrapper) rather than the
 compiled function itself.
@@ -29,7 +29,7 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) n
 
 import runtime  # noqa: E402
 from collectives import api  # noqa: E402
-from collectives.shm import fastpath  # noqa: E402
+from collectives.slots import fastpath  # noqa: E402
 from runtime import shm  # noqa: E402
 
 

@@ -24,15 +24,11 @@ __all__ = list(_FROM)
 
 # The machinery behind these names, imported only from inside collectives/ (tests/tree/test_surfaces.py):
 # choosing and opening a call, the host and device paths behind api.py, argument checks, shared
-# sizes, and the algorithms (one file each, reached through registry.ALGORITHMS). The other modules
-# are public: api, blocking, p2p, uneven, objects, bucket, compressed, compress, kernels, registry,
-# comm (the Comm protocol an algorithm receives).
-_INTERNAL = ("core", "host", "device", "device_pool", "ops", "tuning", "shm",
-             "all_gather_bruck", "all_gather_direct", "all_gather_recursive_doubling", "all_gather_ring",
-             "all_gather_v_ring", "all_reduce_halving_doubling", "all_reduce_recursive_doubling", "all_reduce_ring",
-             "all_to_all_direct", "all_to_all_v_direct", "barrier_dissemination", "broadcast_chain", "broadcast_flat",
-             "broadcast_tree", "gather_direct", "gather_tree", "gather_v_direct", "reduce_rabenseifner",
-             "reduce_scatter_ring", "reduce_tree", "scatter_direct", "scatter_tree", "scatter_v_direct")
+# sizes, the algorithms (one file each under algorithms/, reached through registry.ALGORITHMS) and
+# the shared-memory slots they work on. The other modules are public: api, blocking, p2p, uneven,
+# objects, bucket, compressed, compress, kernels, registry, comm (the Comm protocol an algorithm
+# receives).
+_INTERNAL = ("calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots")
 
 
 def __dir__() -> list[str]:

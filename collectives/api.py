@@ -12,61 +12,24 @@
     await C.barrier()
     await C.send(x, dst=1, tag=7); await C.recv(x, src=0, tag=7)   # (p2p.py; recv returns the source)
 
-Common keyword arguments:
+Every call takes ``group`` (default: the world of the calling task's runtime; ``src``, ``dst`` and
+``root`` are group ranks), ``timeout`` (seconds, checked first; default ``RINGWEAVE_TIMEOUT_S``)
+and ``algorithm`` (a key of ``registry.ALGORITHMS``, the same on every rank; default the table).
+Ops, dtypes, the checks made before any message, calls in flight together and the failures: the
+contract in docs/design.md, "The contract of a collective".
 
-* ``group``: a ``runtime.group.ProcessGroup``; default the world of the
-  calling task's runtime (``runtime.current().world``). ``src``, ``dst`` and
-  ``root`` are **group ranks** (0..group.size-1), not world ranks:
-  ``group.group_rank(world_rank)`` maps one to the other.
-* ``timeout``: seconds, a positive finite number; default (None) the runtime's
-  (``RINGWEAVE_TIMEOUT_S``, 300). Checked first, on every call and every path:
-  anything else raises ``TypeError`` / ``ValueError`` at once, before a sequence
-  number is taken or a byte sent (the other ranks then see the call as never
-  made: ``CollectiveTimeoutError`` naming this rank, once their own timeout runs
-  out). A call that runs out raises ``CollectiveTimeoutError`` naming the ranks
-  not heard from, and the group fails (every later call raises too).
-* ``algorithm``: a name from ``collectives.registry.ALGORITHMS`` (also
-  ``RINGWEAVE_ALGO_<COLLECTIVE>``); default the registry's table. Every rank
-  must choose the same one: the name is part of the call's fingerprint.
-
-Contract of every call:
-
-* ops: ``sum, avg, prod, min, max``; dtypes: float16, bfloat16, float32,
-  float64, int8, int32, int64, uint8; any shape, zero-length included
-  (a zero-length call still exchanges its empty messages, so a rank whose
-  length differs still gets a mismatch error rather than a hang).
-* float16 / bfloat16 reduce in float32 per step and round back (the kernels'
-  contract, collectives/kernels/reference.py); integer sum/prod wrap.
-  ``avg`` is ``sum`` then a division by the group size; for integer dtypes the
-  division floors (-7 avg over 2 ranks is -4), like ``torch.div(...,
-  rounding_mode="floor")``.
-* arguments are checked before any message is sent: ``TypeError`` for a
-  wrong type or dtype, ``ValueError`` for a wrong length, a non-contiguous or
-  read-only array, a bad root or op, two buffers that overlap (but for the
-  in-place forms: ``x`` = ``out``'s block of this rank in all_gather and
-  gather, ``out`` = ``x``'s block of this rank in scatter), each naming the
-  argument and the values.
-* several calls may be in flight on one group (``asyncio.gather(all_reduce(a),
-  all_reduce(b))``) as long as every rank issues them in the same order: a
-  call takes its sequence number when its coroutine starts, before its first
-  wait.
-* failures: ``CollectiveMismatchError`` (ranks called different collectives,
-  or with a different op / dtype / length / root / algorithm), ``PeerLostError``
-  (a rank died or left), ``CollectiveTimeoutError``; after any of them the
-  group is failed and every later call on it raises the same error.
-
-Not here: the calls on host arrays once dispatched (host.py), compressed (compressed.py) and
-device (device.py) collectives, the blocking facade (blocking.py), point-to-point (p2p.py), counts
-per rank (uneven.py), Python values (objects.py), algorithms (one file each), selection
-(registry.py), opening a call (core.py), checks and fingerprints (ops.py).
+Not here: the path of a call once dispatched, from these functions to the chosen algorithm
+(calls.py), compressed (compressed.py) and device (device.py) collectives, the blocking facade
+(blocking.py), point-to-point (p2p.py), counts per rank (uneven.py), Python values (objects.py),
+algorithms (algorithms/), selection (registry.py), checks and fingerprints (ops.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives import compressed, host, ops
-from collectives.core import group_of
+from collectives import calls, compressed, ops
+from collectives.calls import group_of
 from collectives.kernels import is_device_array
 from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
 from runtime.group import check_timeout
@@ -119,7 +82,7 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
     if compression is not None:  # collectives/compressed.py
         return await compressed.all_reduce(x, compression, op=op, group=group, timeout=timeout,
                                            algorithm=algorithm, key=key)
-    return await host.all_reduce(x, op, group, timeout, algorithm)
+    return await calls.all_reduce(x, op, group, timeout, algorithm)
 
 
 async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
@@ -142,7 +105,7 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         group = group_of(group)
         ops.check_no_overlap("all_gather", "out", out, "x", x, own_block=group.rank)  # pipelined per segment
         return await _device().all_gather(out, x, group, timeout, algorithm)
-    return await host.all_gather(out, x, group, timeout, algorithm)
+    return await calls.all_gather(out, x, group, timeout, algorithm)
 
 
 async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=None,
@@ -172,9 +135,9 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
         ops.check_no_overlap("reduce_scatter", "x", x, "out", out)  # its segments are read and written in turn
         return await _device().reduce_scatter(out, x, op, group, timeout, algorithm, compression, key)
     if compression is None:
-        return await host.reduce_scatter(out, x, op, group, timeout, algorithm)
+        return await calls.reduce_scatter(out, x, op, group, timeout, algorithm)
     group = group_of(group)  # collectives/compressed.py
-    host.check_reduce_scatter(out, x, op, group)
+    calls.check_reduce_scatter(out, x, op, group)
     if algorithm is not None:
         raise ValueError(f"reduce_scatter(compression=...) has one algorithm (all_to_all of encoded blocks); "
                          f"got algorithm={algorithm!r}")
@@ -195,7 +158,7 @@ async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | No
     timeout = check_timeout(timeout)
     if _on_device(x):  # collectives/device.py
         return await _device().broadcast(x, src, group, timeout, algorithm)
-    return await host.broadcast(x, src, group, timeout, algorithm)
+    return await calls.broadcast(x, src, group, timeout, algorithm)
 
 
 async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeout: float | None = None,
@@ -209,7 +172,7 @@ async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeo
         await reduce(x, dst=0, op="sum")
         # Rank 0: [4 6]   Rank 1: [3 4]
     """
-    return await host.reduce(x, dst, op, group, check_timeout(timeout), algorithm)
+    return await calls.reduce(x, dst, op, group, check_timeout(timeout), algorithm)
 
 
 async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None, timeout: float | None = None,
@@ -226,7 +189,7 @@ async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None
         await gather(out, x, dst=0)
         # Rank 0: out = [1 2 3 4]    Rank 1: (nothing)
     """
-    return await host.gather(out, x, dst, group, check_timeout(timeout), algorithm)
+    return await calls.gather(out, x, dst, group, check_timeout(timeout), algorithm)
 
 
 async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=None, timeout: float | None = None,
@@ -243,7 +206,7 @@ async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=Non
         await scatter(out, x, src=0)
         # Rank 0: out = [1 2]     Rank 1: out = [3 4]
     """
-    return await host.scatter(out, x, src, group, check_timeout(timeout), algorithm)
+    return await calls.scatter(out, x, src, group, check_timeout(timeout), algorithm)
 
 
 async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
@@ -260,7 +223,7 @@ async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
         await all_to_all(out, x)
         # Rank 0: out = [1 3]   Rank 1: out = [2 4]
     """
-    return await host.all_to_all(out, x, group, check_timeout(timeout), algorithm)
+    return await calls.all_to_all(out, x, group, check_timeout(timeout), algorithm)
 
 
 async def barrier(group=None, timeout: float | None = None, algorithm: str | None = None) -> None:
@@ -271,4 +234,4 @@ async def barrier(group=None, timeout: float | None = None, algorithm: str | Non
         # Rank 0: await barrier()   Rank 1: await asyncio.sleep(1); await barrier()
         # both return after about 1 s
     """
-    await host.barrier(group, check_timeout(timeout), algorithm)
+    await calls.barrier(group, check_timeout(timeout), algorithm)

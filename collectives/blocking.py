@@ -5,44 +5,25 @@
     with Communicator.from_env() as comm:         # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         x = np.ones(4, np.float32) * (comm.rank + 1)
         comm.all_reduce(x)                        # blocks; x is the sum on every rank
-        h = comm.all_gather_async(out, x)         # returns at once
-        ...                                       # compute meanwhile
-        h.wait()
-
+        h = comm.all_gather_async(out, x)         # returns at once; compute, then h.wait()
     # python -m runtime.launch -n 2 script.py   ->  both ranks: x = [3. 3. 3. 3.]
 
-A :class:`Communicator` owns one event loop on a daemon thread
-(``runtime.store.LoopThread``) and the runtime that lives on it. Every method of
-collectives/api.py is here under the same name and arguments, blocking until
-done, plus a ``<name>_async`` twin that returns a :class:`Handle` at once.
-Arrays passed to an ``*_async`` call belong to the collective until its handle
-is done.
-
-Threads: any number of threads may call one communicator, and calls are issued
-to the loop in the order they are made. The calls of one group are matched
-across ranks in the order each rank issues them, so two threads that share a
-group could pair one thread's array with the other thread's on another rank.
-That can never pass silently: every call carries the name of the thread that
-made it (``threading.current_thread().name``) in its fingerprint, and ranks
-whose calls at the same point of a group came from differently named threads
-all raise ``CollectiveMismatchError`` naming both (the group then fails). The
-rule: a group is called from one thread, or from several in an order every
-rank keeps (a lock and a turn), with threads named alike on every rank; threads
-that run collectives at the same time each use their own group (``new_group``).
+A :class:`Communicator` owns one event loop on a daemon thread (``runtime.store.LoopThread``) and
+the runtime on it. Every call of collectives/api.py is here, blocking, with the same name and
+arguments, plus a ``<name>_async`` twin that returns a :class:`Handle` at once; its arrays belong
+to the collective until the handle is done. Any number of threads may call one communicator; each
+call carries its thread's name in its fingerprint, so calls of one group that interleave differently
+on two ranks raise ``CollectiveMismatchError``, never a wrong answer (README.md, "Threads").
 
 Life cycle (grammar)::
 
     Communicator(...) | Communicator.from_env() -> (call | call_async -> wait)* -> close | abort -> end
 
-``close()`` (also on leaving a ``with`` block normally) waits, bounded, for
-every rank to arrive at shutdown, closes the runtime and joins the loop
-thread; later calls raise ``ClosedError``. Leaving a ``with`` block by an
-exception calls ``abort(exc)`` instead: no waiting, and every peer raises
-``PeerAbortedError`` naming this rank and the exception at once. A
-communicator never closed is closed at interpreter exit (aborted when an
-uncaught exception ends the program), before the interpreter is torn down.
-
-Not here: the calls themselves (api.py), joining a job (runtime/init.py).
+``close()`` (also on leaving a ``with`` block normally) waits, bounded, for every rank, closes the
+runtime and joins the thread; later calls raise ``ClosedError``. Leaving by an exception calls
+``abort(exc)``: every peer raises ``PeerAbortedError`` at once. One never closed is closed at exit
+(aborted when an uncaught exception ends the program). Not here: the calls (api.py), joining a job
+(runtime/init.py).
 """
 
 from __future__ import annotations

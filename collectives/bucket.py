@@ -1,41 +1,29 @@
 """Bucketing: fuse many arrays into flat buffers, one collective per buffer.
 
-A bucket is three named steps (Horovod's MemcpyIn/OutFusionBuffer, FSDP2's
-``all_gather_copy_in`` / ``copy_out``):
+A bucket is three named steps (Horovod's MemcpyIn/OutFusionBuffer, FSDP2's ``all_gather_copy_in``)::
 
     bucket_copy_in(arrays, buffer)    arrays -> consecutive pieces of one flat buffer
     <the collective on the buffer>    one all_reduce (maybe compressed) per bucket
     bucket_copy_out(buffer, arrays)   pieces -> the arrays, in place, in their shapes
 
-How arrays become buckets (:func:`plan_buckets` for a list known up front,
-:class:`GradBucketer` for arrays that arrive one by one in backward order):
+How arrays become buckets (:func:`plan_buckets` for a list known up front, :class:`GradBucketer`
+for arrays that arrive one by one in backward order): one open bucket per dtype; at most ``cap``
+bytes, the FIRST bucket only ``first_cap`` (1 MiB against 25 MiB) so that communication starts
+early in backward; an array is added whole, and one that does not fit the room left launches the
+open bucket first (a bucket exactly full launches at once); an array larger than the cap is a bucket
+of its own, reduced in place when it is a C-contiguous writeable ndarray (no copy). Worked example
+(float32, cap 16 B, first cap 8 B), arrays a (1 element), b (1), c (3), d (5), e (2) in that order::
 
-* one dtype per bucket: each dtype has its own open bucket;
-* a bucket holds at most ``cap`` bytes; the FIRST bucket opened has the
-  smaller ``first_cap`` (default 1 MiB against 25 MiB) so that communication
-  starts early in backward, while the later, larger buckets keep the number
-  of messages low;
-* an array is added whole; when it does not fit in the room left, the open
-  bucket is launched first (it is full) and a new one opened; a bucket that
-  is exactly full is launched at once;
-* an array larger than the cap is a bucket of its own, reduced in place when
-  it is a C-contiguous writeable ndarray (no copy), else through a buffer.
+    bucket 0: a b    (8 B: exactly full, launched when b is added)
+    bucket 1: d      (20 B > cap: alone, launched at once, in place)
+    bucket 2: c      (12 B; e does not fit beside it: launched when e is added)
+    bucket 3: e      (launched by wait())
 
-    Worked example (float32, cap 16 B, first cap 8 B): arrays a (1 elem),
-    b (1), c (3), d (5), e (2) added in that order give
-        bucket 0: a b    (8 B: exactly full, launched when b is added)
-        bucket 1: d      (20 B > cap: alone, launched at once, in place)
-        bucket 2: c      (12 B; e does not fit beside it: launched when e is added)
-        bucket 3: e      (launched by wait())
+Every rank must add the same arrays (dtype and size) in the same order: bucket ``i`` is then the
+same call everywhere, and ``i`` the key of its error-feedback / PowerSGD state, stable across steps.
 
-Order: every rank must add the same arrays (same dtype and size) in the same
-order; bucket ``i`` is then the same on every rank, its collective the same
-call, and ``i`` the key of its error-feedback / PowerSGD state, stable across
-steps as long as the order is.
-
-Not here: the collectives themselves (api.py, compressed.py), the trainer's
-own zero-copy DDP buckets (trainer/sharding/ddp.py, which holds gradients as
-views of the bucket so that copy-in and copy-out are free).
+Not here: the collectives (api.py, compressed.py), the trainer's zero-copy DDP buckets
+(trainer/sharding/ddp.py: gradients held as views of the bucket, so copy-in and copy-out are free).
 """
 
 from __future__ import annotations

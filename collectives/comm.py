@@ -1,13 +1,20 @@
-"""What an algorithm talks through: the :class:`Comm` protocol, and :class:`SubComm`, a Comm over
-some of a call's ranks.
+"""What an algorithm talks through: the :class:`Comm` protocol, :class:`SubComm` (a Comm over some
+of a call's ranks), and the Comm's reduce step, :func:`reduce_step`.
 
 Every algorithm file exports ``async def run(comm, ...)``; ``comm`` is one collective call seen
-from one rank: ``runtime.group.Call`` (what collectives/core.py opens and hands to the algorithm)
+from one rank: ``runtime.group.Call`` (what collectives/calls.py opens and hands to the algorithm)
 or a :class:`SubComm` of one (e.g. the leaders of the hierarchical all_reduce, one per host).
 Algorithms use only the members below, so any object that has them can run one.
 
-Not here: choosing the algorithm (registry.py), opening the call (core.py), the frames and the
-matching behind ``send``/``irecv`` (runtime/group.py ``Call``).
+The event loop is the Comm's business, not the algorithm's: a message that must wait hands the
+loop back by itself, and one that has already arrived does not, so a step that waited on nothing
+(segments that all arrived at once) ends with :func:`give_turn`, which yields to the loop when it
+has gone without a turn for ``runtime.turns.TURN_S``. An algorithm reduces through
+:func:`reduce_step`, which does that after the reduction; the shared-memory pieces
+(collectives/slots/common.py) call :func:`give_turn`. No algorithm asks the loop itself.
+
+Not here: choosing the algorithm (registry.py), opening the call (calls.py), the frames and the
+matching behind ``send``/``irecv`` (runtime/group.py ``Call``), the turn check (runtime/turns.py).
 """
 
 from __future__ import annotations
@@ -15,7 +22,12 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Comm", "SubComm"]
+import numpy as np
+
+from collectives.ops import reduce_now
+from runtime import turns
+
+__all__ = ["Comm", "SubComm", "give_turn", "reduce_step"]
 
 
 @runtime_checkable
@@ -76,3 +88,17 @@ class SubComm:
 
     async def sendrecv(self, dst: int | None, sbuf, src: int, rbuf) -> None:
         await self.comm.sendrecv(None if dst is None else self.members[dst], sbuf, self.members[src], rbuf)
+
+
+async def reduce_step(dst: np.ndarray, src: np.ndarray, op: str) -> None:
+    """``dst = dst <op> src`` (``ops.reduce_now``: a kernel op, 1-D arrays of one dtype and
+    length), then :func:`give_turn`: every reduction of a received piece into an algorithm's own."""
+    reduce_now(dst, src, op)
+    await give_turn()
+
+
+async def give_turn() -> None:
+    """Yields to the event loop when it is due (``runtime.turns.due()``: one clock read), so the
+    loop's other tasks still run while pieces of work that wait on nothing follow each other."""
+    if turns.due():
+        await asyncio.sleep(0)

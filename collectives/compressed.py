@@ -1,95 +1,37 @@
 """Compressed all_reduce (one function per way of combining a codec's payloads) and reduce_scatter.
 
-``reduce_scatter(out, x, compression=...)`` lands in :func:`reduce_scatter`: the
-first half of the ``shard`` style below (encode per block, all_to_all, decode-sum
-my block), as ZeRO++'s quantized gradient reduce-scatter (qgZ); the ZeRO
-strategies use it for their gradients.
+``all_reduce(x, compression=...)`` (api.py) lands in :func:`all_reduce`, which picks the style from
+the codec's ``reduction`` (:data:`DEFAULT_STYLE`) or from ``algorithm=`` and runs it;
+``reduce_scatter(out, x, compression=...)`` lands in :func:`reduce_scatter`, the first half of
+``shard`` (ZeRO++'s quantized reduce-scatter, qgZ; the ZeRO strategies' gradients). ops ``sum``
+and ``avg``, float arrays (the codecs work in float32, the result is cast back). Every rank ends
+with the same bits (each decodes the same payloads in rank order), so DDP replicas stay identical.
 
-``all_reduce(x, compression=...)`` (collectives/api.py) lands in :func:`all_reduce`
-here, which picks the style from the codec's ``reduction`` (or from
-``algorithm=``) and runs it. ops: ``sum`` and ``avg`` only; float arrays only
-(any float dtype; the codecs work in float32 and the result is cast back).
-Every rank ends with the same bits (each decodes the same payloads in rank
-order), so DDP replicas stay identical.
+    style    default for  how                                             wire bytes per rank
+    shard    int8, topk   encode per shard, all_to_all, decode-sum my     2 (W-1)/W x payload(n)
+                          shard, encode it again, all_gather
+    gather   -            all_gather whole payloads, decode-add all W     (W-1) x payload(n)
+    ring     fp16, bf16   the TCP table's all_reduce of the 16-bit array  a ring's, on 16 bits
+    phases   powersgd     all_reduce P = M Q, orthogonalize, all_reduce   4 r (n + m) per matrix, x2
+                          Q = M^T P; M_hat = P Q^T
 
-=============  =====================  ===========================  =================================
-style          default for            wire bytes per rank          error per element (vs exact sum)
-=============  =====================  ===========================  =================================
-``shard``      int8, topk              2 (W-1)/W x payload(n)      sum_r e(x_r|shard) + e(sum|shard)
-``gather``     (algorithm="gather")    (W-1) x payload(n)          sum_r e(x_r)
-``ring``       fp16, bf16              the table's all_reduce on   16-bit rounding of every partial
-                                       16-bit values (ring: 2n     sum (W roundings)
-                                       x 2 (W-1)/W)
-``phases``     powersgd                4 r (n + m) per matrix, x2  ||avg M - P P^T avg M||_F <= ||avg M||_F
-=============  =====================  ===========================  =================================
+The error each style brings, error feedback (per ``key``), warm-up (:func:`codec_at`) and why the
+sub-calls take the table's TCP algorithms: docs/design.md, "Compressed collectives"; wire bytes and
+errors measured: bench/results/compression.md#wire-bytes-and-error-by-style.
 
-``e(v)`` is the codec's own one-array bound (collectives/compress/<codec>.py):
-fp16 2**-11 |v|, bf16 2**-8 |v|, int8 absmax(block of v) / 254 (+1e-4 rel),
-topk |k-th largest of v| (max-norm; kept entries exact).
-
-* ``shard`` (:func:`shard_decode_sum`; compress, scatter-reduce, recompress,
-  gather, as in Dist-EF-SGD, Zheng et al. 2019): the array is cut into W
-  shards. Every rank encodes each shard separately and sends shard j's payload
-  to rank j (all_to_all); rank j decodes the W payloads of its shard into a
-  float32 sum (rank order), encodes that sum once more and all_gathers it.
-  Wire bytes: those of a ring all_reduce on the payload, i.e. the codec's
-  ratio against uncompressed: int8 25.4%, topk(1%) 2%
-  (bench/results/compression.md#wire-bytes-and-error-by-style). The
-  error is the per-rank codec errors plus ONE re-encoding of the reduced
-  shard (top-k of the sum keeps k of up to W k entries: with error feedback
-  the owner carries what it dropped too, under ``key=("owner", key)``).
-  Measured in bench/compression.py against ``gather`` and ``ring``
-  (bench/results/compression.md#wire-bytes-and-error-by-style).
-* ``gather`` (:func:`gather_decode_sum`, the codec's textbook reduction):
-  all_gather every rank's whole payload, decode-add all W into float32. Error:
-  only the per-rank codec errors; bytes grow with W: (W-1) x payload per rank,
-  which at 4 ranks is 51% of an fp32 ring all_reduce for int8, 4% for topk 1%.
-* ``ring`` (:func:`cast_ring`, fp16/bf16, the default): the TCP table's
-  all_reduce of the 16-bit array; the kernels add in float32 and round back
-  at each step, so every partial sum is rounded again: error up to about
-  2**-11 (fp16) x W x sum_r |x_r|. Chosen over ``shard`` (same bytes, one
-  rounding less) by measurement: see DEFAULT_STYLE.
-* ``phases`` (:func:`powersgd_phases`): P = M Q, all_reduce(P, avg),
-  orthogonalize, Q = M^T P, all_reduce(Q, avg), M_hat = P Q^T. Arrays that
-  are not worth compressing (1-D, or r (n + m) >= n m) ride uncompressed in
-  the P all_reduce; several matrices (a bucket) share the two all_reduces.
-
-Error feedback: pass ``get_codec(name, error_feedback=True)`` (an
-``ErrorFeedback``); the residual is kept per ``key`` (one per tensor or
-bucket; the bucketer passes the bucket's index). What the residual holds:
-shard / gather: ``y - decode(encode(y))`` of this rank's compensated input
-(shard by shard); phases: ``M - P (M^T P)^T``, this rank's own projection error.
-
-Warm-up: a codec with a schedule (top-k's ``warmup_steps``, Deep Gradient
-Compression's ramp) is asked for the codec of each call by :func:`codec_at`,
-which counts calls per ``key`` (a DDP bucket: one per step); a warm-up call
-uses a larger ratio with the same error-feedback residuals, and its bytes are
-that ratio's (``wire_nbytes(codec_at(codec, key), ...)``).
-
-Sequence numbers: a style makes two collective calls; it takes both sequence
-numbers before its first wait, so that compressed and plain calls may be in
-flight together on one group (the api's ordering contract). The second call
-therefore runs after calls with later numbers may have started, which the
-TCP algorithms allow (frames are matched by call) but the shared-memory ones
-do not (a rank's calls enter a domain in the order they run): the sub-calls
-take the table's choice without shared memory, for the group's hosts (its rules
-for groups that span hosts included; :func:`_start`). Compression is for slow
-networks; on one machine the uncompressed shm all_reduce is the faster choice.
-
-Not here: the codecs' maths (collectives/compress), device arrays (device.py),
-buckets (bucket.py).
+Not here: the codecs' maths (collectives/compress), device arrays (device.py), buckets (bucket.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from collectives import host, ops
+from collectives import calls, ops
 from collectives.compress import PowerSGDCodec, get_codec
 from collectives.compress.base import Codec, as_f32
 from collectives.compress.powersgd import matrix_shape
 from collectives.compress.wire import layout_nbytes, message_nbytes, pack_all, split, unpack
-from collectives.core import group_of, open_call
+from collectives.calls import group_of, open_call
 
 STYLES = ("shard", "gather", "ring", "phases")
 # fp16/bf16 by the ring: the same bytes as shard in about half the time (shard encodes all n and
@@ -179,12 +121,12 @@ async def all_reduce(x: np.ndarray, codec, *, op: str = "sum", group=None, timeo
     ops.check_array("x", x)
     _check_op_dtype("all_reduce", op, x)
     if split(codec)[1].reduction == "sum":  # the identity codec
-        return await host.all_reduce(x, op, group, timeout, None)
+        return await calls.all_reduce(x, op, group, timeout, None)
     style = style_of(codec, algorithm)
     group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await host.all_reduce(x, op, group, timeout, None)
+        return await calls.all_reduce(x, op, group, timeout, None)
     if style == "phases":
         await powersgd_phases([x], codec, op=op, group=group, timeout=timeout, key=key)
     else:
@@ -231,11 +173,11 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
     _check_op_dtype("reduce_scatter", op, x)
     check_blockwise(codec)
     if split(codec)[1].reduction == "sum":  # the identity codec
-        return await host.reduce_scatter(out, x, op, group, timeout, None)
+        return await calls.reduce_scatter(out, x, op, group, timeout, None)
     group = group_of(group)
     codec = codec_at(codec, key, advance=x.size > 0)  # a warm-up step's codec, if any
     if x.size == 0:  # nothing to compress; still a call, so a length mismatch is seen
-        return await host.reduce_scatter(out, x, op, group, timeout, None)
+        return await calls.reduce_scatter(out, x, op, group, timeout, None)
     ef, inner = split(codec)
     W, m = group.size, out.size
     payloads = _encode_shards(ef, inner, ops.flat(x), key, W, m)  # block j -> rank j (no padding: x is W m)

@@ -2,52 +2,25 @@
 with ``__cuda_array_interface__`` (bfloat16: ``collectives.kernels.cuda.as_bfloat16(words)``).
 
 The transport moves host bytes, so a device collective stages through page-locked host buffers
-(collectives/device_pool.py: kept across calls, bounded by bytes) and reduces on the device.
+(device_pool.py: kept across calls, bounded by bytes) and reduces on the device. Two ways:
 
-Pipelining: the array is cut into segments of ``RINGWEAVE_DEVICE_SEGMENT_KIB`` (default 4 MiB;
-a multiple of the group size in elements). Each segment goes through its stages on a CUDA stream
-of its own, and up to ``DEPTH`` segments are in flight, so segment s+1's device-to-host copy, s's
-network exchange and s-1's host-to-device copy and fold overlap. Per segment, all_reduce of W
-ranks, segment [lo, hi) cut into W blocks of ``block`` elements (the last padded)::
+* **staged whole**, when the larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (64 MiB)
+  or ``algorithm=`` is named: one copy down, the host collective (the registry's choice, shared
+  memory included), one copy up (bench/results/device.md says why the limit is where it is);
+* **pipelined**, in segments of ``RINGWEAVE_DEVICE_SEGMENT_KIB``, each on a stream of its own, up to
+  ``DEPTH`` in flight: all_reduce is, per segment, D2H, all_to_all (every rank gets every copy of
+  its block), a fold on the device in rank order (``kernels.cuda.fold_into``), D2H, all_gather,
+  H2D: a ring all_reduce's wire bytes. reduce_scatter is its first half, all_gather the second,
+  broadcast one network step per segment. Sub-calls are opened in order before the first wait, on
+  the TCP table's algorithms (as compressed.py's).
 
-    D2H   x[lo:hi] -> host A                          (stream; the loop waits in a worker thread)
-    net   all_to_all A -> B: B holds every rank's copy of MY block
-    H2D   B -> device scratch; fold the W blocks in rank order (kernels.cuda.fold_into; avg divides)
-    D2H   my reduced block -> host A
-    net   all_gather A -> B: every rank's reduced block
-    H2D   B -> x[lo:hi]
-
-    Rank 0 / rank 1 of 2, one segment, x = [1 2 3 4] / [10 20 30 40] (device):
-    all_to_all (host):  r0 holds [1 2], [10 20]   r1 holds [3 4], [30 40]
-    device fold:        r0 [11 22]                r1 [33 44]
-    all_gather (host):  both [11 22 33 44] -> copied to the device
-
-Wire bytes are a ring all_reduce's. reduce_scatter is the first half (the fold writes straight
-into ``out``), all_gather the second, broadcast one network step per segment. All sub-calls are
-opened, in order, before the first wait (api's ordering contract), on the TCP table's algorithms
-(the shared-memory ones need calls to run in the order they were opened; see compressed.py).
-
-A call whose larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (default 64 MiB), or one
-with ``algorithm=`` named, is staged whole: one copy down, the host collective (the registry's
-choice, shared memory included), one copy up. On an H200 with a core per rank, staging beat the
-pipeline at every size from 4 KiB to 64 MiB (bench/results/device.md): the host reduces 4 ranks'
-blocks over shared memory faster than the pipeline's TCP sub-calls move them. The kernels' contract
-makes host and device reductions give the same bits per step (reference.py); the order of steps is
-the algorithm's, as on the host.
-
-Stream semantics: a call first waits for all work queued on the device (``cuda.synchronize()``;
-a ``__cuda_array_interface__`` v3 producer stream is synchronized by numba as well), so the
-caller's kernels on any stream that wrote the input are done; its own copies and kernels run on
-streams it creates; it returns after all of them are done, so the result may be read on any stream
-at once. In torch terms: like a Gloo collective on CUDA tensors followed by ``wait()``. The call
-does not take a ``stream=`` argument: it neither waits on nor leaves work in the caller's stream.
-
-``all_reduce(compression=codec)``, shard style (the default of int8 and topk, and fp16/bf16 with
-``algorithm="shard"``): encode, residuals, decode and decode-sum on the device with the codecs'
-CUDA kernels; only payloads are staged. Other styles (gather, ring, powersgd) stage the whole array
-and run the host version, as does ``reduce_scatter(compression=...)``.
-
-The simulator (NUMBA_ENABLE_CUDASIM=1) runs all of this on the CPU (tests/compressed/gpu_device_cases.py).
+Streams: a call first waits for all work queued on the device (``cuda.synchronize()``), runs its
+copies and kernels on streams of its own, and returns when they are done, so the result may be read
+on any stream at once (like a Gloo collective on CUDA tensors followed by ``wait()``); it takes no
+``stream=``. ``all_reduce(compression=...)`` in the shard style encodes, decodes and decode-sums on
+the device with the codecs' CUDA kernels and stages only payloads; the other styles stage the array.
+The stages, a worked example and the stream rules in full: docs/design.md, "Device arrays". The
+simulator (NUMBA_ENABLE_CUDASIM=1) runs all of it on the CPU (tests/compressed/gpu_device_cases.py).
 """
 
 from __future__ import annotations
@@ -58,10 +31,10 @@ import dataclasses
 import numpy as np
 from numba import cuda
 
-from collectives import compressed, host, ops
+from collectives import calls, compressed, ops
 from collectives.compress import cuda as ccuda
 from collectives.compress.wire import pack_all, split, unpack
-from collectives.core import group_of, open_call
+from collectives.calls import group_of, open_call
 from collectives.device_pool import DEVICE, PINNED
 from collectives.kernels import cuda as kcuda
 from collectives.kernels import is_device_array
@@ -227,19 +200,19 @@ async def all_reduce(x, op: str = "sum", group=None, timeout=None, algorithm=Non
     segs = segments(n, dtype.itemsize, W)
     blocks = [-(-(hi - lo) // W) for lo, hi in segs]
     whole = _whole("all_reduce", op, n)
-    calls = []
+    opened = []
     for block in blocks:  # every sequence number before the first wait
         a2a = open_call(group, "all_to_all", W * block * dtype.itemsize, None, timeout, subcall=True,
                         dtype=dtype, count=W * block, op=whole)
         ag = open_call(group, "all_gather", block * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
                        count=block, op=whole)
-        calls.append((a2a, ag))
+        opened.append((a2a, ag))
     kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
     most = max(blocks) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, (W + 1) * most)
 
     async def step(i, slot):
-        (lo, hi), block, ((a2a_call, a2a), (ag_call, ag)) = segs[i], blocks[i], calls[i]
+        (lo, hi), block, ((a2a_call, a2a), (ag_call, ag)) = segs[i], blocks[i], opened[i]
         s, m = slot.stream, hi - lo
         send = _host(slot.a, W * block, sdt)
         if m:
@@ -274,7 +247,7 @@ async def _staged_all_reduce(xd, dtype, op, group, timeout, algorithm, compressi
         if n:
             xd.copy_to_host(staged)
         if compression is None:
-            await host.all_reduce(staged.view(dtype), op, group, timeout, algorithm)
+            await calls.all_reduce(staged.view(dtype), op, group, timeout, algorithm)
         else:
             await compressed.all_reduce(staged.view(dtype), compression, op=op, group=group, timeout=timeout,
                                         algorithm=algorithm, key=key)
@@ -303,17 +276,17 @@ async def reduce_scatter(out, x, op: str = "sum", group=None, timeout=None, algo
                                                                               compression, key))
         return out
     if _stage_whole(algorithm, xd.size * dtype.itemsize):
-        await _staged(xd, od, dtype, lambda hx, ho: host.reduce_scatter(ho, hx, op, group, timeout, algorithm))
+        await _staged(xd, od, dtype, lambda hx, ho: calls.reduce_scatter(ho, hx, op, group, timeout, algorithm))
         return out
     segs = segments(m, W * dtype.itemsize, 1)
-    calls = [open_call(group, "all_to_all", W * (hi - lo) * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
-                       count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]
+    opened = [open_call(group, "all_to_all", W * (hi - lo) * dtype.itemsize, None, timeout, subcall=True, dtype=dtype,
+                        count=W * (hi - lo), op=_whole("reduce_scatter", op, m)) for lo, hi in segs]
     kop, divisor = ops.kernel_op(op), (W if op == "avg" else 0)
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, W * most)
 
     async def step(i, slot):
-        (lo, hi), (call, a2a) = segs[i], calls[i]
+        (lo, hi), (call, a2a) = segs[i], opened[i]
         s, c = slot.stream, hi - lo
         send, recv = _host(slot.a, W * c, sdt), _host(slot.b, W * c, sdt)
         for j in range(W if c else 0):  # D2H: my copy of every rank's block, this segment of it
@@ -339,16 +312,16 @@ async def all_gather(out, x, group=None, timeout=None, algorithm=None):
         raise ValueError(f"out has {od.size} elements, expected group size {W} x x.size {n} = {W * n}")
     cuda.synchronize()
     if _stage_whole(algorithm, od.size * dtype.itemsize):
-        await _staged(xd, od, dtype, lambda hx, ho: host.all_gather(ho, hx, group, timeout, algorithm))
+        await _staged(xd, od, dtype, lambda hx, ho: calls.all_gather(ho, hx, group, timeout, algorithm))
         return out
     segs = segments(n, W * dtype.itemsize, 1)
-    calls = [_open(group, "all_gather", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
-                   count=hi - lo, op=_whole("all_gather", None, n)) for lo, hi in segs]  # fmt: skip
+    opened = [_open(group, "all_gather", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
+                    count=hi - lo, op=_whole("all_gather", None, n)) for lo, hi in segs]  # fmt: skip
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), W * most, 0)
 
     async def step(i, slot):
-        (lo, hi), (call, ag) = segs[i], calls[i]
+        (lo, hi), (call, ag) = segs[i], opened[i]
         s, c = slot.stream, hi - lo
         send, recv = _host(slot.a, c, sdt), _host(slot.b, W * c, sdt)
         if c:
@@ -373,14 +346,14 @@ async def broadcast(x, src: int = 0, group=None, timeout=None, algorithm=None):
         await _staged_broadcast(xd, dtype, src, group, timeout, algorithm)
         return x
     segs, sdt = segments(xd.size, dtype.itemsize, 1), _storage_dtype(dtype)
-    calls = [_open(group, "broadcast", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
-                   count=hi - lo, root=src, op=_whole("broadcast", None, xd.size)) for lo, hi in segs]  # fmt: skip
+    opened = [_open(group, "broadcast", (hi - lo) * dtype.itemsize, algorithm, timeout, len(segs), dtype=dtype,
+                    count=hi - lo, root=src, op=_whole("broadcast", None, xd.size)) for lo, hi in segs]  # fmt: skip
     most = max(hi - lo for lo, hi in segs) * dtype.itemsize
     slots = _Slots(min(DEPTH, len(segs)), most, 0)
     root = group.rank == src
 
     async def step(i, slot):
-        (lo, hi), (call, bc) = segs[i], calls[i]
+        (lo, hi), (call, bc) = segs[i], opened[i]
         s, c = slot.stream, hi - lo
         buf = _host(slot.a, c, sdt)
         if root and c:
@@ -403,7 +376,7 @@ async def _staged_broadcast(xd, dtype, src: int, group, timeout, algorithm) -> N
         staged = _host(buf, n, _storage_dtype(dtype))
         if root and n:
             xd.copy_to_host(staged)
-        await host.broadcast(staged.view(dtype), src, group, timeout, algorithm)
+        await calls.broadcast(staged.view(dtype), src, group, timeout, algorithm)
         if not root and n:
             xd.copy_to_device(staged)
     finally:
@@ -412,7 +385,7 @@ async def _staged_broadcast(xd, dtype, src: int, group, timeout, algorithm) -> N
 
 async def _compressed_reduce_scatter(out, x, op, group, timeout, compression, key):
     """The compressed reduce_scatter of host arrays (staged: out, x in pinned host memory)."""
-    host.check_reduce_scatter(out, x, op, group)
+    calls.check_reduce_scatter(out, x, op, group)
     return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
 
 

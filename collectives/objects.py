@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 from collectives import api, uneven
-from collectives.core import member_group_of
+from collectives.calls import member_group_of
 from collectives.ops import check_root
 from runtime.errors import BadFrameError, CollectiveError
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives import ops
-from collectives.core import group_of
+from collectives.calls import group_of
 from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError
 from runtime.group import check_timeout
 

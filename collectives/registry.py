@@ -21,8 +21,8 @@ both choices, not a hang. The table depends only on values that are already in t
 ``topology``, whether shared memory is on: agreed at init), so ranks that agree on the call
 agree on the table's choice.
 
-Not here: the algorithms (one file each, ``collectives/<collective>_<name>.py`` and
-``collectives/shm/``), argument checks (ops.py), opening the call (core.py).
+Not here: the algorithms (one file each, ``collectives/algorithms/tcp/<collective>_<name>.py`` and
+``collectives/algorithms/shared_memory/``), argument checks (ops.py), opening the call (calls.py).
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ from runtime.errors import SettingError
 from runtime.shm import shm_usable
 from runtime.topology import LAYOUTS
 
-from collectives import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling, all_gather_ring,
-                         all_gather_v_ring, all_reduce_halving_doubling, all_reduce_recursive_doubling,
-                         all_reduce_ring, all_to_all_direct, all_to_all_v_direct, barrier_dissemination,
-                         broadcast_chain, broadcast_flat, broadcast_tree, gather_direct, gather_tree, gather_v_direct,
-                         reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct, scatter_tree,
-                         scatter_v_direct)
-from collectives.shm import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm, barrier_shm, broadcast_shm,
-                             reduce_scatter_shm)
+from collectives.algorithms.shared_memory import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm,
+                                                  barrier_shm, broadcast_shm, reduce_scatter_shm)
+from collectives.algorithms.tcp import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling,
+                                        all_gather_ring, all_gather_v_ring, all_reduce_halving_doubling,
+                                        all_reduce_recursive_doubling, all_reduce_ring, all_to_all_direct,
+                                        all_to_all_v_direct, barrier_dissemination, broadcast_chain, broadcast_flat,
+                                        broadcast_tree, gather_direct, gather_tree, gather_v_direct,
+                                        reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct,
+                                        scatter_tree, scatter_v_direct)
 
 __all__ = ["ALGORITHMS", "HOSTS", "NEEDS", "TABLES", "Rule", "always", "choose", "env_var"]
 

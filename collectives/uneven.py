@@ -11,7 +11,7 @@ and blocks lie in rank order at the prefix sums of the counts. ``all_gather_v``,
 everywhere (it is part of the call's fingerprint: ranks that disagree get a
 CollectiveMismatchError, not a misplaced block). ``all_to_all_v`` takes this rank's own
 ``send_counts`` and ``recv_counts``; the algorithm first checks every pair's counts against
-each other (collectives/all_to_all_v_direct.py).
+each other (collectives/algorithms/tcp/all_to_all_v_direct.py).
 
 Arrays: 1-D views are taken of C-contiguous arrays of any shape; dtypes as in api.py. ``src``,
 ``dst`` and the positions in ``counts`` are **group ranks** (``group.group_rank(world_rank)``).
@@ -28,7 +28,7 @@ import zlib
 import numpy as np
 
 from collectives import ops
-from collectives.core import member_group_of, open_call
+from collectives.calls import member_group_of, open_call
 from runtime.group import check_timeout
 
 __all__ = ["all_gather_v", "all_to_all_v", "gather_v", "scatter_v"]

@@ -1,41 +1,23 @@
-"""numba.cuda kernels for the codecs: casts, int8 quantize / dequantize, top-k
-selection and error feedback. Each equals ``reference.py`` bit for bit (and so
-the Numba CPU kernels), NaN payloads included.
+"""numba.cuda kernels for the codecs: casts, int8 quantize / dequantize, top-k selection and error
+feedback. Each equals ``reference.py`` bit for bit (and so the Numba CPU kernels), NaN payloads
+included.
 
-Written for bandwidth; device-only features the CUDA simulator lacks (warp
-shuffles, ballots) are not used, so the simulator runs the very code the GPU
-does:
+Written for bandwidth, with nothing the CUDA simulator lacks (warp shuffles, ballots), so the
+simulator runs the very code the GPU does:
 
-* casts: one grid-stride pass, integer arithmetic on the float32 bits
-  (``collectives/kernels/halfbits.py``, the CPU kernels' functions); reads and
-  writes are coalesced (thread i touches element i of each stride).
-* int8: a group of 32 consecutive threads (a warp on the device) per
-  quantisation block, several blocks per thread block: lanes read the block's
-  elements 32 apart (coalesced), the absmax is the max of the magnitude bits
-  (an integer max: NaN above inf, as the reference's NaN-propagating max) folded
-  through shared memory, then the same lanes quantise. Decode, decode-add and
-  the residual walk blocks the same way, so no element needs ``i // block``.
-  Round to nearest even is written out (floor, then fix up ties); stochastic
-  rounding uses the splitmix64 counter hash of the NumPy and Numba versions.
-  ``x * (127 / absmax)`` and ``q * scale`` are :func:`mul_rn` wherever an
-  addition follows, so ptxas cannot fuse them into an FMA (one rounding where
-  NumPy has two).
-* top-k: a radix select on the device, no sort and no host round trip: the
-  31-bit magnitude key (float32 bits without the sign) is split into digits of
-  11, 10 and 10 bits (8, 8, 8, 7 under the simulator); per digit, thread blocks histogram the keys that match the
-  digits chosen so far in shared memory and add them to a global histogram, and
-  one block finds the digit where the count from the top reaches k (a suffix
-  scan). That gives the k-th largest key T and how many keys equal to T to
-  keep (the lowest indices: the reference's tie rule). Then tiles of the input
-  are counted (``syncthreads_count``), one block scans the tile counts, and
-  each tile writes its kept entries at its offset, in index order (a block
-  prefix sum per chunk). Five passes over the keys; values out in index order.
-* error feedback: element-wise y = x + e and e = y - decoded (fused with the
-  int8 decode).
+* casts: one grid-stride pass, integer arithmetic on the float32 bits (collectives/kernels/halfbits.py,
+  the CPU kernels' functions), coalesced;
+* int8: 32 consecutive threads per quantisation block, the absmax an integer max of the magnitude
+  bits folded through shared memory, round to nearest even written out, stochastic rounding by the
+  splitmix64 counter hash of the NumPy and Numba versions, :func:`mul_rn` where an addition follows;
+* top-k: a radix select on the device (digits of the 31-bit magnitude key, histograms in shared
+  memory, a suffix scan for the k-th largest key and the ties to keep, then tiles counted, scanned
+  and written in index order): five passes over the keys, no sort, no host round trip;
+* error feedback: element-wise y = x + e and e = y - decoded (fused with the int8 decode).
 
-Every function synchronizes before returning device arrays (the codecs hand
-their payloads to the transport). ``ptx_cases`` lists every kernel with its
-signature for tests/kernels/test_kernels_ptx.py.
+How each works in full: docs/design.md, "Device arrays". Every function synchronizes before
+returning device arrays (the codecs hand their payloads to the transport). ``ptx_cases`` lists every
+kernel with its signature for tests/kernels/test_kernels_ptx.py.
 """
 
 from __future__ import annotations

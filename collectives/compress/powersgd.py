@@ -1,8 +1,7 @@
 """PowerSGD codec: rank-r approximation M ~ P Q^T with a warm-started Q.
 
-One step of power iteration per call (Vogels, Karimireddy, Jaggi, NeurIPS
-2019, Algorithm 1), for a gradient viewed as a matrix M (n, m) =
-(shape[0], prod(shape[1:])):
+One step of power iteration per call (Vogels, Karimireddy, Jaggi, NeurIPS 2019, Algorithm 1), for a
+gradient viewed as a matrix M (n, m) = (shape[0], prod(shape[1:])):
 
     P = M Q                 (n, r)   compute_p
     all_reduce(P, avg)               <- the collective
@@ -11,33 +10,19 @@ One step of power iteration per call (Vogels, Karimireddy, Jaggi, NeurIPS
     all_reduce(Q, avg)               <- the collective, in place on the state
     M_hat = P Q^T           (n, m)   decompress
 
-Every rank starts from the same Q (seeded normal, per ``key``), so the
-all-reduced P and Q are the ones a single process would compute on the
-averaged gradient. Q is kept between steps: the warm start that makes one
-iteration per step enough. Use with ``ErrorFeedback`` (the paper does).
+Every rank starts from the same Q (seeded normal, per ``key``), so the all-reduced P and Q are the
+ones a single process would compute on the averaged gradient; Q is kept between steps, the warm
+start that makes one iteration per step enough. Use with ``ErrorFeedback`` (the paper does).
 
-Error bound: P's columns are orthonormal or zero, so M_hat = P P^T M is the
-orthogonal projection of M onto span(P): ||M - M_hat||_F <= ||M||_F always,
-and M_hat = M (to float32 rounding) once span(P) contains M's column space
-(e.g. rank(M) <= r after the power iteration has converged).
+Error bound: P's columns are orthonormal or zero, so M_hat = P P^T M is the orthogonal projection of
+M onto span(P): ||M - M_hat||_F <= ||M||_F always, and M_hat = M (to float32 rounding) once span(P)
+holds M's column space. A column that keeps at most ``reference.ORTHO_RTOL`` of its norm after
+Gram-Schmidt is zeroed, and ``compute_p`` draws such columns afresh, the same on every rank (why:
+docs/design.md, "Compressed collectives").
 
-Rank-deficient gradients (rank(avg M) < r, including all-zero): some columns
-of P = M Q depend on the others up to rounding. Gram-Schmidt runs twice per
-column and zeroes a column that keeps at most ``reference.ORTHO_RTOL`` (1e-4)
-of its norm, instead of normalising rounding noise into a unit column (which
-made a rank-1 average come back ~1% off); float32 rounding leaves 4e-7
-(64 rows) to 3e-6 (4096 rows) of a dependent column, so 1e-4 is well above it,
-and a direction that weak is left to error feedback for the step. A zero
-column of P gives a zero column of Q, which would stay zero at every later
-step (P = M Q); ``compute_p`` draws such columns afresh (seeded by ``seed``
-and a per-key count, so every rank draws the same: Q is all-reduced, equal
-everywhere).
-
-Wire bytes: 4 r (n + m), against 4 n m for float32 (r = 4, 1024 x 1024: 0.8%).
-
-Backends: the Gram-Schmidt runs on NumPy or Numba (the same bits: float64 dot
-products added left to right in both); the three matrix products always use
-NumPy's BLAS. No CUDA path yet.
+Wire bytes: 4 r (n + m), against 4 n m for float32 (r = 4, 1024 x 1024: 0.8%). Backends: the
+Gram-Schmidt on NumPy or Numba (the same bits: float64 dot products added left to right in both);
+the three matrix products always on NumPy's BLAS. No CUDA path yet.
 """
 
 from __future__ import annotations

@@ -1,38 +1,24 @@
 """top-k codec: send the k largest-magnitude entries as (values, indices).
 
-k = max(1, round(ratio * n)) (0 for an empty array), ratio default 0.01.
-Selection order is the float32 bit pattern with the sign cleared, which is
-|x| for every non-NaN value and puts NaN above inf. Ties on that key go to
-the lower index, and the payload lists indices in ascending order, so the
-NumPy (``np.partition``), Numba (radix select) and CUDA versions agree to the
-bit. Indices are int32, so n must be below 2**31.
+k = max(1, round(ratio * n)) (0 for an empty array), ratio default 0.01. Selection order is the
+float32 bit pattern with the sign cleared, which is |x| for every non-NaN value and puts NaN above
+inf. Ties on that key go to the lower index, and the payload lists indices in ascending order, so
+the NumPy (``np.partition``), Numba (radix select) and CUDA versions agree to the bit. Indices are
+int32, so n must be below 2**31.
 
-Error bound: kept entries are exact; every dropped entry has |x| <= the k-th
-largest magnitude, so ||x - decode(encode(x))||_inf <= that magnitude, and
-||x - decode||_2^2 <= (1 - k/n) ||x||_2^2. Without ``ErrorFeedback`` small
-gradients may never be sent; use it (``get_codec("topk",
-error_feedback=True)``).
+Error bound: kept entries are exact; every dropped entry has |x| <= the k-th largest magnitude, so
+||x - decode(encode(x))||_inf <= that magnitude, and ||x - decode||_2^2 <= (1 - k/n) ||x||_2^2.
+Without ``ErrorFeedback`` small gradients may never be sent: use ``get_codec("topk",
+error_feedback=True)``. Wire bytes: 8 per kept entry (float32 value + int32 index), 2% of float32
+at ratio 0.01. Reduction across ranks (``"gather-decode-sum"``): ranks pick different indices, so
+every rank's (values, indices) is decode-added into a zeroed float32 accumulator (scatter-add).
 
-Wire bytes: 8 per kept entry (float32 value + int32 index): 2% of float32 at
-ratio 0.01.
-
-Reduction across ranks (``"gather-decode-sum"``): ranks pick different
-indices, so all_gather every rank's (values, indices) and ``decode_add`` each
-into a zeroed float32 accumulator (scatter-add).
-
-Warm-up (``warmup_steps=S``, default 0: off), after Deep Gradient Compression
-(Lin et al. 2018, "warm-up training"): the first S calls of a state stream
-(``key``) keep more entries, in four equal stages of kept fraction 25%,
-6.25%, 1.5625%, 0.39% (DGC's sparsity 75%, 93.75%, 98.4%, 99.6%), never
-below ``ratio``; so at ratio 0.01 the ramp is 25%, 6.25%, 1.56%, 1%, 1%.
-``ratio_at(step)`` gives the fraction, ``at_step(step)`` a plain codec with
-it. The codec only holds the schedule and the per-stream call counts
-(``steps``); collectives/compressed.py reads and advances them, one call per
-all_reduce of a stream (a DDP bucket: one per optimizer step). A warm-up step
-sends 8 bytes per kept entry, so a 25% step sends half the float32 bytes: the
-run's average wire ratio is what to quote, not the 2% of the final ratio.
-The counts are not checkpointed (neither is the error-feedback residual): a
-resumed run warms up again.
+Warm-up (``warmup_steps=S``, default 0: off), after Deep Gradient Compression (Lin et al. 2018):
+the first S calls of a state stream (``key``) keep more entries, in four equal stages of kept
+fraction 25%, 6.25%, 1.5625%, 0.39%, never below ``ratio``. ``ratio_at(step)`` gives the fraction,
+``at_step(step)`` a plain codec with it; collectives/compressed.py reads and advances the per-stream
+counts (``steps``), one call per all_reduce of a stream. What that costs on the wire and what a
+resumed run does: docs/design.md, "Compressed collectives".
 """
 
 from __future__ import annotations

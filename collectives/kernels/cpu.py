@@ -35,7 +35,7 @@ _JIT = dict(nogil=True, cache=True)
 # ``op`` is an int code: the branch on it is loop-invariant and LLVM hoists it out of the loop,
 # so each op's loop vectorises as a hand-written one would, while Numba compiles one kernel per
 # (kind, dtype) instead of one per (op, kind, dtype); an int also keeps the on-disk cache valid
-# across processes. collectives/shm/kernels.py folds with the same ``apply``.
+# across processes. collectives/slots/memops.py folds with the same ``apply``.
 
 SUM, PROD, MIN, MAX = 0, 1, 2, 3
 OP_CODES = {"sum": SUM, "prod": PROD, "min": MIN, "max": MAX}

@@ -1,49 +1,25 @@
 """numba.cuda kernels for the element-wise reductions on device arrays.
 
-Same contract as ``reference.py``, bit for bit, for arrays that live on a GPU:
-numba device arrays, anything exposing ``__cuda_array_interface__`` (CuPy,
-PyTorch), and the CUDA simulator's fake device arrays. Grid-stride kernels,
-one per (op, kind), compiled lazily by numba per dtype:
+Same contract as ``reference.py``, bit for bit, for arrays that live on a GPU: numba device arrays,
+anything exposing ``__cuda_array_interface__`` (CuPy, PyTorch), and the CUDA simulator's fake
+device arrays. Grid-stride kernels, one per (op, kind), compiled lazily by numba per dtype:
 
 * ``reduce_into(dst, src, op)``: ``dst = dst <op> src`` (what the host ring does per step).
-* ``fold_into(out, blocks, world, op, divisor)``: ``out = blocks[0] <op> blocks[1] <op> ...``
-  over ``world`` equal blocks laid end to end, in block order, rounding 16-bit floats
-  after every step as ``world - 1`` calls of ``reduce_into`` would, then the ``avg``
-  division (``divide_into``'s rule) when ``divisor`` > 0. The device collectives'
-  reduction (collectives/device.py): one pass over the received blocks.
+* ``fold_into(out, blocks, world, op, divisor)``: ``out = blocks[0] <op> blocks[1] <op> ...`` over
+  ``world`` equal blocks laid end to end, in block order, rounding 16-bit floats after every step as
+  ``world - 1`` calls of ``reduce_into`` would, then the ``avg`` division when ``divisor`` > 0: the
+  device collectives' reduction (collectives/device.py), one pass over the received blocks.
 
-How the kernels stay exact on hardware (the simulator runs them as Python and
-never sees these):
+How they stay exact on hardware, where the simulator cannot tell (16-bit floats as ``uint16`` bits
+through ``halfbits.py``; 8- and 32-bit integers wrapped explicitly; :func:`mul_rn` where a product
+feeds an addition, so ptxas cannot fuse an FMA; bfloat16 as :class:`Bits16`, ``as_bfloat16(bits)``
+or ``logical_dtype="bfloat16"``): docs/design.md, "Device arrays".
 
-* 16-bit floats travel as ``uint16`` bits and are converted by ``halfbits.py``:
-  integer arithmetic and scalar bit casts, the same functions the CPU kernels
-  use, so they type the same under ``cuda.jit`` as under ``@njit`` and give
-  NumPy's bits, NaN payloads included.
-* integers of 8 and 32 bits are computed in int64 and wrapped explicitly
-  (``((v + half) & mask) - half``), which is what the hardware does anyway but
-  which the simulator (NumPy scalars) would otherwise refuse. int64 overflow
-  wraps on hardware; under the simulator NumPy warns, so the simulator tests keep
-  int64 products in range.
-* a product that feeds an addition is written :func:`mul_rn` (``__fmul_rn``): PTX's
-  plain ``mul.f32`` / ``sub.f32`` may be fused into one FMA by ptxas, which
-  rounds once where NumPy rounds twice (collectives/compress/cuda.py uses it).
-  A lone sum, product or division is one IEEE operation either way
-  (numba.cuda compiles without fastmath: ``prec_div``, no flush to zero).
-* bfloat16: numba has no bfloat16 dtype on the device (``cuda.to_device`` of an
-  ml_dtypes array fails), so a bfloat16 device array is its ``uint16`` bits
-  with the logical dtype beside: :class:`Bits16` (``as_bfloat16(bits)``), or
-  ``logical_dtype="bfloat16"`` here. The simulator's NumPy-backed arrays may
-  also carry the ml_dtypes dtype itself; both are accepted.
-
-Streams: every function takes ``stream=`` (default 0, the default stream) and
-``sync=True``: with ``sync`` the function returns after the stream is done, so
-the bytes are final before they reach the transport; ``sync=False`` only
-queues the work (collectives/device.py pipelines that way).
-
-Importing this module imports numba.cuda: set ``NUMBA_ENABLE_CUDASIM=1``
-before that for the simulator. Every kernel with its signatures for every
-dtype is listed by :func:`ptx_cases`, which tests/kernels/test_kernels_ptx.py
-compiles to PTX for a real device on machines without one.
+Streams: every function takes ``stream=`` (default 0) and ``sync=True``: with ``sync`` it returns
+after the stream is done, so the bytes are final before they reach the transport; ``sync=False``
+only queues the work. Importing this module imports numba.cuda: set ``NUMBA_ENABLE_CUDASIM=1``
+before that for the simulator. :func:`ptx_cases` lists every kernel with its signatures for every
+dtype, which tests/kernels/test_kernels_ptx.py compiles to PTX on machines without a device.
 """
 
 from __future__ import annotations

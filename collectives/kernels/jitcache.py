@@ -11,7 +11,7 @@ folder per source folder. ``NUMBA_CACHE_DIR``, when set, is
 the user's choice and wins (Numba's own locator then serves every function); functions of
 other packages are left to Numba's rules.
 
-Not here: the kernels (cpu.py, halfbits.py, collectives/shm/kernels.py, collectives/compress/cpu.py).
+Not here: the kernels (cpu.py, halfbits.py, collectives/slots/memops.py, collectives/compress/cpu.py).
 """
 
 from __future__ import annotations

@@ -1,33 +1,27 @@
 """Plain NumPy reference for the element-wise reductions a collective applies.
 
-This is the slow, obvious definition that every fast path (``cpu.py`` Numba,
-``cuda.py`` numba.cuda) must reproduce bit for bit. It is what the numbers mean;
-speed is not its job. It does no communication and no dispatching (see
-``collectives.kernels.reduce_into`` for that).
+This is the slow, obvious definition that every fast path (``cpu.py`` Numba, ``cuda.py``
+numba.cuda) must reproduce bit for bit. It is what the numbers mean; speed is not its job. It does
+no communication and no dispatching (see ``collectives.kernels.reduce_into`` for that).
 
 Semantics, per element, ``dst = dst <op> src`` in place:
 
-* ops: ``sum``, ``prod``, ``min``, ``max``. ``avg`` is *not* an op here: the
-  caller sums and then calls :func:`divide_into` with the world size.
-* dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32, float64, int8,
-  int32, int64, uint8.
-* float16 / bfloat16 compute in float32 and round back to nearest-even.
-  float32 and float64 compute in their own precision.
-* integer ``sum`` / ``prod`` wrap around (two's complement), silently.
-* ``min`` / ``max`` on floats propagate NaN: if ``dst`` is NaN the result is
-  ``dst``; else if ``src`` is NaN it is ``src``; else ``dst`` if it is strictly
-  smaller (larger), otherwise ``src``. So for equal operands, including
-  ``-0.0`` vs ``+0.0``, the result is ``src``. This is written out with
-  ``np.where`` rather than ``np.minimum`` because the sign of a zero result from
-  ``np.minimum`` depends on which SIMD path NumPy takes on the machine.
-* NaN payloads are not part of the contract: "equal" for floats means equal
-  bits, or both NaN (bfloat16 rounding canonicalises NaN to 0x7FC0 | sign).
+* ops: ``sum``, ``prod``, ``min``, ``max``. ``avg`` is *not* an op here: the caller sums and then
+  calls :func:`divide_into` with the world size.
+* dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32, float64, int8, int32, int64, uint8.
+* float16 / bfloat16 compute in float32 and round back to nearest-even; float32 and float64
+  compute in their own precision. Integer ``sum`` / ``prod`` wrap around (two's complement).
+* ``min`` / ``max`` on floats propagate NaN: if ``dst`` is NaN the result is ``dst``; else if
+  ``src`` is NaN it is ``src``; else ``dst`` if it is strictly smaller (larger), otherwise ``src``.
+  So for equal operands, ``-0.0`` vs ``+0.0`` included, the result is ``src``. Written with
+  ``np.where``, not ``np.minimum``, whose zero's sign depends on the SIMD path NumPy takes.
+* NaN payloads are not part of the contract: "equal" for floats means equal bits, or both NaN
+  (bfloat16 rounding canonicalises NaN to 0x7FC0 | sign).
 
-:func:`divide_into` (the second half of ``avg``) divides floats in the compute
-precision and floors for integer dtypes, like ``torch.div(...,
-rounding_mode="floor")`` (NumPy ``//``: -7 // 2 == -4).
-:func:`scale_into` multiplies by a factor cast to the compute precision; integer
-dtypes only accept an integer factor and wrap.
+:func:`divide_into` (the second half of ``avg``) divides floats in the compute precision and floors
+for integer dtypes, like ``torch.div(..., rounding_mode="floor")`` (NumPy ``//``: -7 // 2 == -4).
+:func:`scale_into` multiplies by a factor cast to the compute precision; integer dtypes only accept
+an integer factor and wrap.
 """
 
 from __future__ import annotations

@@ -1,16 +1,21 @@
 """The Comm protocol (collectives/comm.py) is what every algorithm receives: ``runtime.group.Call``
 and ``SubComm`` both satisfy it, a SubComm renumbers its members, and an algorithm runs on a
-SubComm as on a call (its messages are the call's own, checked the same way)."""
+SubComm as on a call (its messages are the call's own, checked the same way). The Comm's reduce
+step reduces and gives the event loop its turns, so an algorithm never asks the loop itself."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from collectives import all_reduce_ring, ops
-from collectives.comm import Comm, SubComm
+from collectives import ops
+from collectives.algorithms.tcp import all_reduce_ring
+from collectives.comm import Comm, SubComm, reduce_step
+from runtime import turns
 from runtime.group import Call
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,3 +57,29 @@ def test_no_algorithm_looks_behind_its_comm():
     found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "collectives").rglob("*.py"))
              if "__self__" in p.read_text()]
     assert not found, found
+
+
+async def test_the_reduce_step_gives_the_loop_its_turns():
+    """Reductions that wait on nothing (segments that all arrived at once), back to back for 60 ms:
+    the loop's other tasks still run, about once per turns.TURN_S, and every reduction is made."""
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async with asyncio.TaskGroup() as tasks:
+        ticking = tasks.create_task(ticker())
+        await asyncio.sleep(0)
+        before, steps = ticks, 0
+        dst, src = np.zeros(1024, np.float32), np.ones(1024, np.float32)
+        end = time.perf_counter() + 0.06
+        while time.perf_counter() < end:
+            await reduce_step(dst, src, "sum")
+            steps += 1
+        ran = ticks - before
+        ticking.cancel()
+    np.testing.assert_array_equal(dst, np.float32(steps))
+    assert ran >= 0.06 / (10 * turns.TURN_S), f"the ticker ran {ran} times in 60 ms of reductions"

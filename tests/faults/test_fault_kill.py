@@ -21,22 +21,20 @@ VICTIM = 2
 BOUND_S = 5.0
 
 ALL_REDUCE_64MIB = r'''
-import collectives.all_reduce_halving_doubling as hd
-import collectives.all_reduce_ring as ring
-import collectives.shm.kernels as shm_kernels
+import collectives.comm as comm
+import collectives.slots.memops as memops
 
 def die_in_first_reduction():
     """Rank 2 dies at its first reduction of the timed all_reduce: it has sent (TCP) or published
     (shared memory) its input, and the others still need what it would reduce. (A timer 5 ms into
     the call raced: a rank's whole part of a 64 MiB shared-memory all_reduce can be done by then,
     and the others finished without it.)"""
-    for module in (hd, ring):
-        def reduce_now(*args, **kw):
-            die()
-        module.reduce_now = reduce_now
+    def reduce_now(*args, **kw):  # every TCP algorithm reduces through the Comm's reduce step
+        die()
+    comm.reduce_now = reduce_now
     def reduce_publish(*args, **kw):
         die()
-    shm_kernels.reduce_publish = reduce_publish
+    memops.reduce_publish = reduce_publish
 
 async def body(rt):
     x = np.full(16 * 1024 * 1024, RANK + 1.0, np.float32)  # 64 MiB

@@ -121,7 +121,7 @@ async def main() -> None:
         return
     x = np.ones(100_000, np.float32)
     await C.all_reduce(x, group=g)  # the domain is set up: segments mapped, names gone
-    if mode in ("kill-small", "kill-barrier"):  # the compiled small path (collectives/shm/fastpath.py)
+    if mode in ("kill-small", "kill-barrier"):  # the compiled small path (collectives/slots/fastpath.py)
         x = np.ones(16, np.float32)
         await C.all_reduce(x, group=g)
         await C.barrier(group=g)

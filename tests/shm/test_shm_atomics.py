@@ -1,4 +1,4 @@
-"""collectives/shm/atomics.py: the compiled atomics, fences and system calls, under contention.
+"""collectives/slots/atomics.py: the compiled atomics, fences and system calls, under contention.
 
 Threads run compiled, GIL-free loops on the same words at once (two cores: really at once), and the
 outcome is checked against a plain reference: the closed-form count of every increment for the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from collectives.shm import atomics as at
+from collectives.slots import atomics as at
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not at.SUPPORTED, reason="compiled atomics: Linux on x86-64 or AArch64 only")]

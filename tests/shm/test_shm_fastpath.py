@@ -1,4 +1,4 @@
-"""collectives/shm/fastpath.py: the compiled small all_reduce and barrier against their references.
+"""collectives/slots/fastpath.py: the compiled small all_reduce and barrier against their references.
 
 Ranks as tasks of one process (their waits are cooperative). Random inputs, so the order of the
 reduction shows in the bits: every rank's result must equal, bit for bit, NumPy folding the ranks'
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import collectives as C
-from collectives.shm import fastpath
+from collectives.slots import fastpath
 from runtime import shm
 from runtime.errors import CollectiveMismatchError
 

@@ -143,7 +143,7 @@ async def test_barrier_waits_for_the_last(ranks):
 
 
 async def test_one_phase_way_in_the_data_slot(ranks, monkeypatch):
-    from collectives.shm import all_reduce_shm
+    from collectives.algorithms.shared_memory import all_reduce_shm
     monkeypatch.setattr(all_reduce_shm, "ONE_PHASE_MAX_NBYTES", 1 << 30)
 
     async def body(g):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from collectives.shm import fastpath
+from collectives.slots import fastpath
 from runtime import shm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def _finish(procs) -> None:
 @pytest.mark.parametrize("mode", ["kill", "kill-small", "kill-barrier"])
 def test_a_killed_rank_is_detected_within_seconds_and_dev_shm_is_clean(mode):
     """A rank SIGKILLed while the others wait for it: in the large all_reduce (Python), in the
-    small one and in the barrier (compiled, collectives/shm/fastpath.py), every survivor raises
+    small one and in the barrier (compiled, collectives/slots/fastpath.py), every survivor raises
     PeerLostError within seconds, none hangs."""
     job = _job(mode)
     procs = _start_by_hand(4, mode, job, RINGWEAVE_SHM_COMPILED="1")  # (auto: Python where ranks share cores)

@@ -1,0 +1,77 @@
+"""Recursive-doubling all_reduce: log2(n) exchanges of the whole array; for tiny messages.
+
+How it works (n ranks, rank r; p = the largest power of two <= n, rem = n - p):
+
+* **fold** (only when n is not a power of two): among the first 2*rem ranks,
+  each even rank r sends its whole array to r+1 and waits; odd rank r+1 reduces
+  it (``x = x[r] <op> x[r+1]``) and joins the power-of-two part as new rank
+  ``(r+1) // 2``. Ranks >= 2*rem join as new rank ``r - rem``.
+* **exchange**: in round i (mask = 2^i < p) new rank q swaps its whole array
+  with new rank ``q ^ mask`` and both compute ``lower <op> higher`` (lower and
+  higher by new rank, which keeps rank order), so both hold bit-identical
+  results. After log2(p) rounds every new rank holds the full result.
+* **unfold**: odd rank r+1 sends the result back to even rank r.
+
+Each round costs one latency and moves the whole array, so this wins only
+when the array is small (see the table in registry.py). No padding.
+
+Worked example, n = 3, op = sum, rank i holds [xi] (p = 2, rem = 1)::
+
+    fold      r0 -> r1: r1 = x0+x1         (r1 is new rank 0, r2 new rank 1)
+    round 0   r1 <-> r2: both = (x0+x1)+x2
+    unfold    r1 -> r0: r0 = x0+x1+x2
+
+Signature: ``await run(comm, x, op)``; ``x`` 1-D reduced in place; ``op`` a kernel op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collectives.comm import reduce_step
+from collectives.ops import Fold, as_bytes
+
+
+async def run(comm, x: np.ndarray, op: str) -> None:
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    extra, folds, steps = _plan(n, r)
+    buf = as_bytes(x)
+    if extra:  # an extra rank: hand our data over and wait for the result
+        await comm.send(r + 1, buf)
+        await comm.recv_into(r + 1, buf)
+        return
+    scratch = np.empty_like(x)
+    sbuf = as_bytes(scratch)
+    if folds:  # reduce in the extra rank r-1's array
+        await comm.recv_into(r - 1, sbuf)
+        await reduce_step(scratch, x, op)  # x[r-1] <op> x[r]
+        x[...] = scratch
+    for partner, lower in steps:  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
+        await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
+        if lower:  # the partner is lower: result = theirs <op> ours
+            await reduce_step(scratch, x, op)
+            x[...] = scratch
+        else:
+            await reduce_step(x, scratch, op)
+    if folds:  # unfold: give the extra rank the result
+        await comm.send(r - 1, buf)
+
+
+def _plan(n: int, r: int) -> tuple[bool, bool, tuple[tuple[int, bool], ...]]:
+    """(extra, folds, steps) of rank r of n: the Fold's roles, and per exchange round the
+    partner's real rank and whether it is the lower of the pair. Arithmetic only, so it is
+    worked out once per (n, r)."""
+    plan = _PLANS.get((n, r))
+    if plan is None:
+        fold = Fold(n, r)
+        steps, mask = [], 1
+        while not fold.extra and mask < fold.p:
+            steps.append((fold.real(fold.q ^ mask), bool(fold.q & mask)))
+            mask <<= 1
+        plan = _PLANS[(n, r)] = (fold.extra, fold.folds, tuple(steps))
+    return plan
+
+
+_PLANS: dict[tuple[int, int], tuple[bool, bool, tuple[tuple[int, bool], ...]]] = {}

@@ -1,0 +1,281 @@
+"""The small shared-memory all_reduce and the barrier as one compiled, GIL-free call each.
+
+The protocol is runtime/shm.py's, step for step (sequence words, wants, doorbells, fingerprint
+slots), so a member here and one on the Python path interoperate. The readable reference is that
+path (``all_reduce_shm._small`` with ``Domain.post`` / ``wait_all``, and ``barrier_shm``'s); tests/shm
+compare the two. One call of :func:`_all_reduce` (Numba ``nopython``, ``nogil``), for up to 64 KiB:
+
+1. **publish**: copy ``x`` into my small slot of this call's parity; store my sequence word
+   ``encode(seq, 1)`` with release order; a full fence; ring the doorbell of every peer whose
+   published want is now met (and whose doorbell nobody rang since it looked): an atomic add and
+   ``FUTEX_WAKE``;
+2. **wait** for every other member's word to reach ``encode(seq, 1)`` (acquire loads): ``spin``
+   rounds of a CPU pause (or of ``sched_yield`` when ranks share cores, so a waiting rank hands
+   its core to one with work), then publish my want, fence, look again, and sleep on my doorbell
+   (``FUTEX_WAIT``) until the slice's budget (``budget_ns``) is spent; then it **returns**
+   ``WAITING`` and the caller gives its event loop a turn (the group's error, a lost peer, the
+   deadline, other tasks) and calls again, which resumes at step 2 (``state[0]`` remembers);
+3. **check** every peer's fingerprint slot (one 8-byte load each; a different call: ``MISMATCH``
+   with the peer in ``state[1]``, the caller raises the error naming both calls);
+4. **reduce**: ``x = S_0 <op> S_1 <op> ... <op> S_{n-1}`` in rank order, as the reference does
+   (the same ``apply`` of collectives/kernels/cpu.py, the same order: the same bits).
+
+The barrier is steps 1-3 without data. Memory order is explicit (atomics.py), so this is correct
+on AArch64 as on x86-64; what the event loop must see between slices stays in Python
+(:func:`all_reduce`, :func:`barrier`; bench/results/shm.md#the-compiled-small-path).
+
+Not here: the domain, its set-up and its call bookkeeping (runtime/shm.py), the large path
+(all_reduce_shm.py), float16 / bfloat16 (the reference path reduces them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from numba import carray, njit, types
+from numba.extending import intrinsic
+
+from collectives.kernels.cpu import OP_CODES, apply
+from collectives.slots import atomics as at
+from collectives.slots import common
+from runtime import env, shm
+
+DONE, WAITING, MISMATCH = 0, 1, 2
+SUPPORTED = at.SUPPORTED
+NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
+
+_HEADER, _SMALL = shm.HEADER_NBYTES, shm.SMALL_NBYTES
+_SEQ, _BELL, _WANT, _FP, _FP_NBYTES = shm.OFF_SEQ, shm.OFF_BELL, shm.OFF_WANT, shm.OFF_FP, shm.FP_NBYTES
+_WANT_ALL = np.uint64(shm.WANT_ALL << 62)
+_SEEN_MASK = shm.SEEN_MASK
+_WAKE_ALL = 0x7FFFFFFF
+_JIT = dict(nogil=True, cache=True)
+
+
+@intrinsic
+def _pointer_like(typingctx, address, like):
+    """``address`` as a pointer to ``like``'s dtype (for ``numba.carray``)."""
+    ptr = types.CPointer(like.dtype)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+    return ptr(types.uintp, like), codegen
+
+
+@njit(inline="always", cache=True)
+def _reached(word, target):
+    """``word`` at or past ``target`` in wrapping 32-bit sequence order (runtime.shm.reached)."""
+    return ((np.int64(word) - np.int64(target)) & 0xFFFFFFFF) < 0x80000000
+
+
+@njit(inline="always", cache=True)
+def _all_reached(ctl, me, target):
+    for p in range(ctl.size):
+        if p != me and not _reached(at.load_acquire_u32(ctl[p] + _SEQ), target):
+            return False
+    return True
+
+
+@njit(inline="always", cache=True)
+def _satisfied(ctl, q, want):
+    """Is the condition peer ``q`` published (``want``) true now? (Domain._satisfied)"""
+    target = np.int64(want & np.uint64(0xFFFFFFFF))
+    if (want >> np.uint64(62)) == np.uint64(shm.WANT_ONE):
+        p = np.int64((want >> np.uint64(32)) & np.uint64(0xFFFF))
+        return _reached(at.load_acquire_u32(ctl[p] + _SEQ), target)
+    return _all_reached(ctl, q, target)
+
+
+@njit(inline="always", cache=True)
+def _post(ctl, me, value):
+    """Domain.post: my word, a full fence, then ring every peer whose want is now met."""
+    at.store_release_u32(ctl[me] + _SEQ, np.uint32(value))
+    at.fence()  # our word is visible before we read the peers' wants (runtime/shm.py "Waking")
+    for q in range(ctl.size):
+        if q == me:
+            continue
+        want = at.load_acquire_u64(ctl[q] + _WANT)
+        if want == 0:
+            continue
+        bell = ctl[q] + _BELL
+        seen = np.int64((want >> np.uint64(48)) & np.uint64(_SEEN_MASK))
+        if seen == (np.int64(at.load_acquire_u32(bell)) & _SEEN_MASK) and _satisfied(ctl, q, want):
+            at.fetch_add_u32(bell, np.uint32(1))
+            at.futex_wake(bell, _WAKE_ALL)
+
+
+@njit(inline="always", cache=True)
+def _wait(ctl, me, target, spin, yield_spin, budget_ns, ts):
+    """True once every other member's word reached ``target``; False when ``budget_ns`` is spent
+    first (0: do not sleep at all)."""
+    if _all_reached(ctl, me, target):
+        return True
+    for _ in range(spin):
+        if yield_spin:
+            at.sched_yield()
+        else:
+            at.cpu_relax()
+        if _all_reached(ctl, me, target):
+            return True
+    if budget_ns <= 0:
+        return False
+    bell = ctl[me] + _BELL
+    want_word = ctl[me] + _WANT
+    want = _WANT_ALL | np.uint64(target)
+    deadline = at.monotonic_ns(ts) + budget_ns
+    done = False
+    while True:
+        rung = at.load_acquire_u32(bell)
+        at.store_release_u64(want_word, want | (np.uint64(np.int64(rung) & _SEEN_MASK) << np.uint64(48)))
+        at.fence()  # the want is visible before we look again (the poster's fence mirrors this)
+        if _all_reached(ctl, me, target):
+            done = True
+            break
+        left = deadline - at.monotonic_ns(ts)
+        if left <= 0:
+            break
+        at.futex_wait(bell, rung, left, ts)
+    at.store_release_u64(want_word, np.uint64(0))
+    return done
+
+
+@njit(inline="always", cache=True)
+def _mismatch(ctl, me, parity, fp_header):
+    """The first peer whose fingerprint slot of this parity is not ours, or -1."""
+    for p in range(ctl.size):
+        if p != me and at.load_acquire_u64(ctl[p] + _FP + parity * _FP_NBYTES) != fp_header:
+            return p
+    return -1
+
+
+@njit(**_JIT)
+def _all_reduce(ctl, me, parity, target, fp_header, x, op, state, spin, yield_spin, budget_ns):
+    """Steps 1-4 of the module docstring. ``state``: int64 [stage, peer, timespec (2)]."""
+    ts = state.ctypes.data + 16
+    n = x.size
+    if state[0] == 0:  # 1. publish
+        mine = carray(_pointer_like(ctl[me] + _HEADER + parity * _SMALL, x), n)
+        for i in range(n):
+            mine[i] = x[i]
+        _post(ctl, me, target)
+        state[0] = 1
+    if not _wait(ctl, me, target, spin, yield_spin, budget_ns, ts):  # 2. everyone's input is there
+        return WAITING
+    p = _mismatch(ctl, me, parity, fp_header)  # 3. all in this very call
+    if p >= 0:
+        state[1] = p
+        return MISMATCH
+    first = carray(_pointer_like(ctl[0] + _HEADER + parity * _SMALL, x), n)  # 4. rank order
+    for i in range(n):
+        x[i] = first[i]
+    for q in range(1, ctl.size):
+        s = carray(_pointer_like(ctl[q] + _HEADER + parity * _SMALL, x), n)
+        for i in range(n):
+            x[i] = apply(op, x[i], s[i])
+    state[0] = 2
+    return DONE
+
+
+@njit(**_JIT)
+def _barrier(ctl, me, parity, target, fp_header, state, spin, yield_spin, budget_ns):
+    """Steps 1-3 of the module docstring."""
+    ts = state.ctypes.data + 16
+    if state[0] == 0:
+        _post(ctl, me, target)
+        state[0] = 1
+    if not _wait(ctl, me, target, spin, yield_spin, budget_ns, ts):
+        return WAITING
+    p = _mismatch(ctl, me, parity, fp_header)
+    if p >= 0:
+        state[1] = p
+        return MISMATCH
+    state[0] = 2
+    return DONE
+
+
+# One slice of waiting inside the compiled call: the event loop gets a turn at least this often
+# while a peer is late (the loop's other tasks, the deadline, a lost peer's EOF).
+SLICE_NS = 1_000_000
+# Pause rounds before sleeping when every rank has a core of its own (x86 ``pause``: tens of ns).
+SPIN_PAUSES = 2000
+
+
+class _Compiled:
+    """What the compiled calls need of a domain, made once per domain (``Domain.compiled``):
+    the members' control segment addresses, a state array, how to wait, and whether this
+    path serves the domain at all (``enabled``: RINGWEAVE_SHM_COMPILED)."""
+    __slots__ = ("ctl", "state", "wait", "enabled")
+
+    def __init__(self, dom):
+        self.ctl = np.array(dom.control_addresses, np.uint64)
+        self.state = np.zeros(4, np.int64)  # stage, peer, timespec scratch (2)
+        own = common.own_cores(dom.group, dom.size)
+        if dom.cooperative:  # the peers are tasks of this event loop: never block, never spin
+            self.wait = (0, False, 0)
+        elif own:
+            self.wait = (SPIN_PAUSES, False, SLICE_NS)
+        else:  # ranks share cores: a yield hands the core to one with work (bench/results/shm.md#waiting-and-waking)
+            self.wait = (env.SHM_SPIN.get(), True, SLICE_NS)
+        # auto: where ranks share cores the compiled path was 4-19% slower than the Python one, with a
+        # core each 1.2-1.7x faster (bench/results/shm.md#the-compiled-small-path)
+        setting = env.SHM_COMPILED.get()
+        self.enabled = setting == "1" or (setting == "auto" and (own or dom.cooperative))
+
+
+def _compiled(dom) -> _Compiled:
+    c = dom.compiled
+    if c is None:
+        c = dom.compiled = _Compiled(dom)
+    return c
+
+
+def usable(x: np.ndarray) -> bool:
+    """Whether :func:`all_reduce` can serve ``x`` (a native dtype, this machine supported)."""
+    return SUPPORTED and x.dtype in NATIVE
+
+
+def enabled(dom) -> bool:
+    """Whether the compiled path serves ``dom``'s calls (RINGWEAVE_SHM_COMPILED; auto: when its
+    ranks have cores of their own). Members may differ: the protocol is the same either way."""
+    return SUPPORTED and _compiled(dom).enabled
+
+
+async def all_reduce(comm, dom, x: np.ndarray, op: str) -> None:
+    """Steps 1-4 for ``comm``'s call on ``dom`` (entered: ``Domain.try_begin`` / ``begin``).
+
+    Raises:
+        as Domain.wait_all: the group's error, PeerLostError, CollectiveMismatchError,
+        asyncio.CancelledError (the call's deadline) between slices.
+    """
+    fast = _compiled(dom)
+    state = fast.state
+    state[0] = 0
+    target = shm.encode(comm.seq, 1)
+    args = (fast.ctl, dom.rank, dom.parity, target, np.uint64(dom.fp_header), x, OP_CODES[op], state) + fast.wait
+    rc = _all_reduce(*args)
+    while rc == WAITING:
+        rc = _all_reduce(*await _between(comm, dom, args))
+    if rc == MISMATCH:
+        dom.check_fingerprint(comm, int(state[1]))
+
+
+async def barrier(comm, dom) -> None:
+    """The barrier's steps for ``comm``'s call on ``dom`` (entered); raises as :func:`all_reduce`."""
+    fast = _compiled(dom)
+    state = fast.state
+    state[0] = 0
+    args = (fast.ctl, dom.rank, dom.parity, shm.encode(comm.seq, 1), np.uint64(dom.fp_header), state) + fast.wait
+    rc = _barrier(*args)
+    while rc == WAITING:
+        rc = _barrier(*await _between(comm, dom, args))
+    if rc == MISMATCH:
+        dom.check_fingerprint(comm, int(state[1]))
+
+
+async def _between(comm, dom, args: tuple) -> tuple:
+    """Between two slices: the checks of Domain.wait_all (the group's error, the peers' processes,
+    their fingerprints so far), then one turn of the event loop."""
+    dom.check_peers(comm)
+    await asyncio.sleep(0)
+    return args
