@@ -1,6 +1,7 @@
 """Shared memory between the ranks of one machine: segments, their names and clean-up, and the
 wait/wake primitive (a sequence word per rank, a futex doorbell per rank). Bytes only: the
-arrays and the algorithms that use this are in collectives/shm.
+arrays and the algorithms that use this are in collectives/algorithms/shared_memory/ (their
+machinery: collectives/slots/).
 
 Segments
     A **domain** is the set of members of one group that share a machine (the whole group when
@@ -102,7 +103,7 @@ Memory order
     it, a reader that sees the sequence value sees the data, and :func:`fence` is a locked
     instruction. Other architectures would need fences around the data too.
 
-Not here: NumPy, reductions and the algorithms (collectives/shm), process groups (group.py).
+Not here: NumPy, reductions and the algorithms (collectives/algorithms/shared_memory, collectives/slots), process groups (group.py).
 """
 
 from __future__ import annotations
@@ -419,7 +420,7 @@ class Domain:
         [``setup(call)``] -> ``enter(call)`` -> [``claim_data(call, nbytes)``] ->
         (``post`` | ``wait_all``)* -> ``post(EXIT)``
 
-    Used by collectives/shm only; the contract of each method is written with it.
+    Used by collectives/slots and the shared-memory algorithms only; the contract of each method is written with it.
     """
 
     def __init__(self, group, members: list[int], name: str):
@@ -449,7 +450,7 @@ class Domain:
         self._fp_text: list[str | None] = [None, None]  # the fingerprint text in each of our slots
         self._fp_crc: dict[str, int] = {}  # fingerprint -> crc32 of its (cut) text
         self.views: dict = {}  # the layer above keeps its array views of the slots here
-        self.compiled = None  # and the state of its compiled path (collectives/shm/fastpath.py); None: not made
+        self.compiled = None  # and the state of its compiled path (collectives/slots/fastpath.py); None: not made
         self._prefix = ""  # ringweave-<job>-, once set up
         self._tokens: list[dict[str, str]] = [{} for _ in self.members]  # by domain rank: what -> token
         self._closed = False
@@ -581,7 +582,7 @@ class Domain:
         """The data slot (capacity ``1 << data_log2`` bytes) of member ``domain_rank``."""
         return self.data[domain_rank].mm
 
-    # -- a call's start and end (collectives/shm/common.DomainCall, or inline on a hot path)
+    # -- a call's start and end (collectives/slots/common.DomainCall, or inline on a hot path)
     def try_begin(self, call) -> bool:
         """Starts ``call`` now if nothing has to wait: the domain is set up and free, and every
         peer has finished the call two back. Then this call holds the domain; else nothing

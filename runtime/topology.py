@@ -11,7 +11,7 @@ algorithms and the selection table may branch on it without any rank disagreeing
     >>> HostTopology.of(["a", "a", "b", "b"]).layout
     'packed'
 
-Not here: what the collectives do with it (collectives/registry.py, collectives/shm/).
+Not here: what the collectives do with it (collectives/registry.py, collectives/algorithms/shared_memory/).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ yield only when the loop really has not turned for :data:`TURN_S` since it was a
 task waits longer than 1.5 x TURN_S plus one piece of work (between whole calls where the node's
 ranks share cores: :data:`SHARED_TURN_S`).
 
-Not here: where the checks are made (runtime/group.py after each call, collectives' loops over
-segments, runtime/shm.py between sleeps, the compiled paths' slices).
+Not here: where the checks are made (runtime/group.py after each call, the Comm's reduce step
+(collectives/comm.py), runtime/shm.py between sleeps, the compiled paths' slices).
 """
 
 from __future__ import annotations

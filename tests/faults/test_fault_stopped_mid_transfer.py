@@ -38,7 +38,7 @@ KILL_AFTER_S = TIMEOUT_S + 10.0  # the stopped rank is killed this long after th
 STOPPED_MID_CALL = r'''
 import collectives.all_reduce_halving_doubling as hd
 import collectives.all_reduce_ring as ring
-import collectives.shm.kernels as shm_kernels
+import collectives.slots.memops as shm_kernels
 
 
 def stop_in_first_reduction():
