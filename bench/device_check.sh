@@ -9,7 +9,8 @@
 #   bash bench/device_check.sh                      # where numpy, numba-cuda, pytest-asyncio import
 #   WHEELS=.whl bash bench/device_check.sh          # first installs the wheels in .whl into /tmp/site
 #
-# Each step's budget (seconds) can be set: T_TESTS, T_KERNELS, T_KERNELS_LARGE, T_DEVICE, T_HOST (0: skip);
+# Each step's budget (seconds) can be set: T_TESTS, T_KERNELS, T_KERNELS_LARGE, T_LAUNCH, T_DEVICE, T_HOST
+# (0: skip);
 # HOST_N: ranks of step 4 (default 4).
 set -u
 cd "$(dirname "$0")/.."
@@ -52,14 +53,14 @@ print("numba.cuda sees a GPU:", cuda.is_available())
 PY
 } 2>&1 | tee "$OUT/machine.txt"
 
-step gpu_tests "${T_TESTS:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts= \
-    tests/kernels tests/compress tests/compressed
-step kernels "${T_KERNELS:-70}" python3 bench/kernels.py --device cuda --repeat 5
+if [ "${T_TESTS:-180}" -gt 0 ]; then step gpu_tests "${T_TESTS:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts= \
+    tests/kernels tests/compress tests/compressed; fi
+if [ "${T_KERNELS:-70}" -gt 0 ]; then step kernels "${T_KERNELS:-70}" python3 bench/kernels.py --device cuda --repeat 5; fi
 if [ "${T_KERNELS_LARGE:-60}" -gt 0 ]; then  # 4x the elements: the kernels' bandwidth apart from launch costs
     step kernels_large "${T_KERNELS_LARGE:-60}" python3 bench/kernels.py --device cuda --repeat 5 --n 67108864
 fi
-step launch_cost "${T_LAUNCH:-30}" python3 bench/launch_cost.py
-step device_coll "${T_DEVICE:-150}" python3 bench/collectives.py -n 4 --device cuda --compare gloo \
+if [ "${T_LAUNCH:-30}" -gt 0 ]; then step launch_cost "${T_LAUNCH:-30}" python3 bench/launch_cost.py; fi
+[ "${T_DEVICE:-150}" -gt 0 ] && step device_coll "${T_DEVICE:-150}" python3 bench/collectives.py -n 4 --device cuda --compare gloo \
     --ops all_reduce,all_gather,reduce_scatter,broadcast --sizes 4K,1M,16M,64M --iters 10 \
     --out-dir "$OUT" --plot ''
 if [ "${T_HOST:-60}" -gt 0 ]; then
