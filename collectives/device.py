@@ -4,7 +4,7 @@ with ``__cuda_array_interface__`` (bfloat16: ``collectives.kernels.cuda.as_bfloa
 The transport moves host bytes, so a device collective stages through page-locked host buffers
 (device_pool.py: kept across calls, bounded by bytes) and reduces on the device. Two ways:
 
-* **staged whole**, when the larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (64 MiB)
+* **staged whole**, when the larger array is at most ``RINGWEAVE_DEVICE_HOST_REDUCE_KIB`` (256 KiB)
   or ``algorithm=`` is named: one copy down, the host collective (the registry's choice, shared
   memory included), one copy up (bench/results/device.md says why the limit is where it is);
 * **pipelined**, in segments of ``RINGWEAVE_DEVICE_SEGMENT_KIB``, each on a stream of its own, up to

@@ -311,7 +311,7 @@ PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", mebibytes, "256", "each pool",
                 "beyond it a call stages through temporary pageable memory")
 DEVICE_SEGMENT = _("RINGWEAVE_DEVICE_SEGMENT_KIB", number("KiB", lambda v: v >= 4, "must be 4 KiB or more, finite"),
                    "4096", "each call", "bytes per pipelined segment of a device collective, in KiB")
-DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "65536", "each call",
+DEVICE_HOST_REDUCE = _("RINGWEAVE_DEVICE_HOST_REDUCE_KIB", kibibytes, "256", "each call",
                        "a device collective whose larger array is up to this size is staged whole and run by the "
                        "host collectives; larger ones are pipelined in segments, reduced on the device (0: always "
                        "pipelined)")
