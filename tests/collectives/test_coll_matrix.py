@@ -176,7 +176,7 @@ SEGMENTED = [("all_reduce", "ring"), ("all_reduce", "halving_doubling"),
 async def test_segmented_pipelines(ranks, monkeypatch, collective, algo, n):
     import importlib
 
-    module = importlib.import_module(f"collectives.{collective}_{algo}")
+    module = importlib.import_module(f"collectives.algorithms.tcp.{collective}_{algo}")
     monkeypatch.setattr(module, "SEGMENT_NBYTES", 4096)
     count = 12_345 * n + 3  # ~12 segments of float32 per chunk, chunks of unequal length
     dtype = F32

@@ -36,9 +36,8 @@ BOUND_S = 5.0  # the stated bound past the timeout (docs/design.md "How every wa
 KILL_AFTER_S = TIMEOUT_S + 10.0  # the stopped rank is killed this long after the fault at the latest
 
 STOPPED_MID_CALL = r'''
-import collectives.all_reduce_halving_doubling as hd
-import collectives.all_reduce_ring as ring
-import collectives.slots.memops as shm_kernels
+import collectives.comm as comm
+import collectives.slots.memops as memops
 
 
 def stop_in_first_reduction():
@@ -46,9 +45,8 @@ def stop_in_first_reduction():
     published its input (shared memory), and rank 0 is still sending to it / waiting on it."""
     def stop(*args, **kw):
         die(signal.SIGSTOP, "SIGSTOP")
-    for module in (hd, ring):
-        module.reduce_now = stop
-    shm_kernels.reduce_publish = stop
+    comm.reduce_now = stop  # every TCP algorithm reduces through the Comm's reduce step
+    memops.reduce_publish = stop
 
 
 async def body(rt):

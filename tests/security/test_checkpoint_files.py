@@ -14,8 +14,6 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,15 +27,6 @@ from trainer.parallel.offload import Offload
 
 pytestmark = pytest.mark.timeout(60)
 PRECIOUS = b"the job owner's own file\n"
-
-
-@pytest.fixture
-def shared():
-    """A directory like /tmp: everyone may create in it (mode 1777)."""
-    base = tempfile.mkdtemp(prefix="rw-ckpt-shared-", dir="/tmp")
-    os.chmod(base, 0o1777)
-    yield Path(base)
-    subprocess.run(["rm", "-rf", base], check=False)
 
 
 @pytest.fixture
@@ -135,13 +124,13 @@ def _plant(root: str, stage: str) -> list[str]:
 
 
 @needs_root
-async def test_a_planted_checkpoint_in_a_root_nobody_made_is_never_loaded(tmp_path, shared, victim):
+async def test_a_planted_checkpoint_in_a_root_nobody_made_is_never_loaded(tmp_path, shared_dir, victim):
     """uid nobody makes the root and plants step-99999999 (the job's own weights negated,
     CRCs fixed). Before: --resume loaded it. Now the root itself is refused, and a save into it
     writes nothing."""
     good = tmp_path / "good"
     paths = await save_steps(good, 1)
-    stage = shared / "stage"
+    stage = shared_dir / "stage"
     shutil.copytree(paths[0], stage)
     for npy in stage.glob("rank*/unit*.param.npy"):
         np.save(npy, -np.load(npy))
@@ -157,7 +146,7 @@ async def test_a_planted_checkpoint_in_a_root_nobody_made_is_never_loaded(tmp_pa
     edit_meta(stage, forge)
     for p in [stage, *stage.rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)  # so that nobody can copy it
-    root = shared / "ckpt"
+    root = shared_dir / "ckpt"
     assert as_stranger(_plant, str(root), str(stage)) == ["step-99999999"]
 
     with pytest.raises(checkpoint.CheckpointError, match=f"belongs to uid {NOBODY.pw_uid}, not to this user"):
@@ -196,11 +185,11 @@ def _race(root: str, victim: str) -> dict:
 
 
 @needs_root
-async def test_the_tmp_racer_gets_nothing(shared, victim):
+async def test_the_tmp_racer_gets_nothing(shared_dir, victim):
     """uid nobody makes the root and swaps ``.tmp-step-S`` for a directory of links into
     the owner's files as soon as it appears. Before: the save wrote through the links (won on the
     first save). Now the root is refused before anything is made in it."""
-    root = shared / "ckpt"
+    root = shared_dir / "ckpt"
     with Stranger(_race, str(root), str(victim)) as racer:
         while not root.exists():
             time.sleep(0.01)

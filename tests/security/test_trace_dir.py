@@ -16,8 +16,6 @@ import json
 import os
 import re
 import stat
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,15 +28,6 @@ from tools import trace as trace_tool
 
 pytestmark = pytest.mark.timeout(60)
 PRECIOUS = "the job owner's file\n"
-
-
-@pytest.fixture
-def shared_tmp():
-    """A directory like /tmp: mode 1777, everyone may create in it."""
-    base = tempfile.mkdtemp(prefix="rw-shared-", dir="/tmp")
-    os.chmod(base, 0o1777)
-    yield Path(base)
-    subprocess.run(["rm", "-rf", base], check=False)
 
 
 @pytest.fixture
@@ -72,8 +61,8 @@ def _one_event_tracer(rank: int, out_dir: str | None) -> Tracer:
 
 
 @needs_root
-def test_a_rank_refuses_a_trace_directory_a_stranger_made(shared_tmp, precious):
-    d = str(shared_tmp / "traces")
+def test_a_rank_refuses_a_trace_directory_a_stranger_made(shared_dir, precious):
+    d = str(shared_dir / "traces")
     as_stranger(_plant, d, _rank_names(0), str(precious))
     refused = None
     try:
@@ -87,11 +76,11 @@ def test_a_rank_refuses_a_trace_directory_a_stranger_made(shared_tmp, precious):
 
 
 @needs_root
-async def test_init_refuses_it_before_joining_and_writes_nothing(shared_tmp, precious, monkeypatch):
+async def test_init_refuses_it_before_joining_and_writes_nothing(shared_dir, precious, monkeypatch):
     """RINGWEAVE_TRACE naming the stranger's directory: ``runtime.init`` raises at once, one line
     naming the variable, and no runtime is made that would write there at shutdown. (Before:
     the job ran, and its shutdown overwrote the owner's file.)"""
-    d = str(shared_tmp / "traces")
+    d = str(shared_dir / "traces")
     as_stranger(_plant, d, _rank_names(0), str(precious))
     monkeypatch.setenv("RINGWEAVE_TRACE", d)
     refused = None
@@ -104,18 +93,18 @@ async def test_init_refuses_it_before_joining_and_writes_nothing(shared_tmp, pre
 
 
 @needs_root
-def test_tools_trace_does_not_write_through_a_planted_link(shared_tmp, precious, tmp_path):
+def test_tools_trace_does_not_write_through_a_planted_link(shared_dir, precious, tmp_path):
     """``tools.trace DIR -o <the stranger's directory>/job.json``, and the default output into a
     trace directory the stranger made: refused, exit 1, one line; the owner's file untouched."""
     mine = tmp_path / "traces"
     for r in range(2):
         _one_event_tracer(r, str(mine)).write()
-    theirs = str(shared_tmp / "out")
+    theirs = str(shared_dir / "out")
     as_stranger(_plant, theirs, ["job.json"], str(precious))
     assert trace_tool.main([str(mine), "-o", os.path.join(theirs, "job.json")]) == 1
     assert precious.read_text() == PRECIOUS
     # their directory as the input, with the default output beside the ranks' files
-    shared_traces = str(shared_tmp / "their-traces")
+    shared_traces = str(shared_dir / "their-traces")
     texts = [json.dumps(_one_event_tracer(r, None).to_json()) for r in range(2)]
     as_stranger(_traces_and_a_link, shared_traces, texts, str(precious))
     assert trace_tool.main([shared_traces]) == 1
