@@ -84,6 +84,7 @@ from tests.security import impostor as takeover_job  # noqa: E402 - after the pa
 from tests.security.stranger import Stranger  # noqa: E402
 from tests.security.jobutil import LaunchedJob, iters, rank_addresses  # noqa: E402 - after the path
 from tests.security.netutil import squat_shm_names  # noqa: E402
+from tests.security.ckptutil import race_tmp_steps  # noqa: E402
 from runtime import args as types  # noqa: E402
 
 
@@ -575,9 +576,10 @@ def _said(out: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def _error(out: subprocess.CompletedProcess) -> str:
-    """Rank 0's last exception line (``...Error: message``; another rank's if it has none), shortened."""
+    """Rank 0's last exception or refusal line (``...Error: message``, ``trainer: error: message``;
+    another rank's if it has none), shortened."""
     found = [(m.group(1), m.group(2)) for line in (out.stdout + out.stderr).splitlines()
-             if (m := re.match(r"^(?:\[rank (\d+)\] )?((?:[\w.]+\.)?\w*Error: .*)", line.strip()))]
+             if (m := re.match(r"^(?:\[rank (\d+)\] )?((?:[\w.]+\.)?\w*Error: .*|[\w.]+: error: .*)", line.strip()))]
     ours = [text for rank, text in found if rank == "0"] or [text for _, text in found]
     return ours[-1][:300] if ours else ""
 
@@ -633,26 +635,12 @@ def checkpoint_plant(args) -> None:
 
 
 def _race_tmp(root: str, victim: str, stop: str, limit_s: float) -> dict:
-    """As the attacker: make the root (0777), then swap every ``.tmp-step-S`` that appears for a
-    directory of links into ``victim`` until ``stop`` exists (or ``limit_s`` passed)."""
-    os.mkdir(root)
-    os.chmod(root, 0o777)
-    swaps, deadline = 0, time.monotonic() + limit_s
-    while not os.path.exists(stop) and time.monotonic() < deadline:
-        for name in os.listdir(root):
-            if name.startswith(".tmp-step-") and ".gone" not in name:
-                try:
-                    os.rename(os.path.join(root, name), os.path.join(root, f"{name}.gone{swaps}"))
-                    fake = os.path.join(root, name)
-                    os.mkdir(fake, 0o777)
-                    for rank in range(2):
-                        os.symlink(victim, os.path.join(fake, f"rank{rank:05d}"))
-                    os.symlink(os.path.join(victim, "notes.txt"), os.path.join(fake, "metadata.json"))
-                    swaps += 1
-                except OSError:
-                    pass
-        time.sleep(0.0002)
-    return {"swaps": swaps}
+    """As the attacker: the .tmp-step-S racer (tests/security/ckptutil.py) until ``stop`` exists
+    (or ``limit_s`` passed)."""
+    deadline, made = time.monotonic() + limit_s, {"swaps": 0}
+    race_tmp_steps(root, victim, "notes.txt", lambda: not os.path.exists(stop) and time.monotonic() < deadline,
+                   made)
+    return made
 
 
 def checkpoint_race(args) -> None:

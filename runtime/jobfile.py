@@ -49,7 +49,7 @@ _TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+\.tmp$")  # .<name>.<writer pid>.<ran
 
 def job_dir() -> str:
     """``$XDG_RUNTIME_DIR/ringweave-<uid>``, or the temporary directory's where that variable is
-    unset or names no directory (srun often exports a login session's XDG_RUNTIME_DIR to compute
+    unset or names no directory (srun often exports the login node's XDG_RUNTIME_DIR to compute
     nodes that have none: every process of a host then agrees on the fallback)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     if not base or not os.path.isdir(base):

@@ -58,20 +58,26 @@ def open_dir(path: str, *, create: bool, what: str = "directory") -> int:
 
 
 @contextlib.contextmanager
-def replacing(dfd: int, name: str, mode: str = "w") -> Iterator[IO]:
+def replacing(dfd: int, name: str, mode: str = "w", *, durable: bool = False) -> Iterator[IO]:
     """A new file, open for writing (``mode``: ``"w"`` or ``"wb"``), that becomes ``name`` in
     directory ``dfd`` when the block ends without an exception, replacing what had that name;
-    on an exception it is removed and ``name`` is left as it was."""
-    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    on an exception it is removed and ``name`` is left as it was. ``durable``: the file is
+    fsynced before the rename and the directory after it (a crash leaves the old file or the new)."""
+    tmp = f".{name[:100]}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
     fd = private.create_file(tmp, dfd)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dfd)
         raise
+    if durable:
+        os.fsync(dfd)
 
 
 def read_file(dfd: int, name: str, where: str) -> bytes:

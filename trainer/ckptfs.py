@@ -33,14 +33,13 @@ import logging
 import mmap
 import os
 import re
-import secrets
 import shutil
 import stat
 from pathlib import Path
 
 import numpy as np
 
-from runtime import private
+from runtime import owndir, private
 from trainer.ckptschema import CheckpointError
 
 __all__ = ["Dir", "open_root", "open_dir", "remove_checkpoint", "step_names", "npy_offset", "map_npy", "write_atomic"]
@@ -296,28 +295,16 @@ def map_npy(ckpt: Dir, relpath: str, dtype: np.dtype, count: int, offset: int) -
 
 
 def write_atomic(out, write) -> Path:
-    """``write(f)`` into a new file beside ``out`` (0600, O_EXCL, a fresh random name, relative to
-    the opened parent directory), fsync, then rename it to ``out``. For outputs a user names
-    (an exported .npz): the parent is the user's choice and is not required to be theirs alone."""
+    """``write(f)`` into a new file beside ``out`` (runtime/owndir.py's ``replacing``: 0600,
+    O_EXCL, a fresh random name, relative to the opened parent directory, fsynced), renamed to
+    ``out``. For outputs a user names (an exported .npz): the parent is the user's choice and is
+    not required to be theirs alone."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     dfd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    tmp = f".tmp-{out.name[:100]}.{os.getpid()}.{secrets.token_hex(8)}"
     try:
-        fd = private.create_file(tmp, dfd)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
-            raise
-        os.fsync(dfd)
+        with owndir.replacing(dfd, out.name, "wb", durable=True) as f:
+            write(f)
     finally:
         os.close(dfd)
     return out

@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from trainer import checkpoint, runid
+from trainer import checkpoint, ckptfs, runid
 from trainer.runid import Action, Resume, RunError, RunFound
 
 __all__ = ["Opened", "open_run", "runs_in", "move_aside", "checkpoints_to_read"]
 
 _UNREADABLE, _BAD_RUN = "?", "!"  # runs_in's keys (never run ids): metadata that cannot be read; a broken "run"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def runs_in(root) -> list[RunFound]:
@@ -73,35 +72,32 @@ def _found(key: str | None, items: list) -> RunFound:
 
 
 def move_aside(root, runs, now: float | None = None) -> list[str]:
-    """Renames each run's step directories into a new ``root/aside-<label>-<time>/``; returns those names."""
+    """Renames each run's step directories into a new ``root/aside-<label>-<time>/`` (0700), all
+    through checked descriptors (trainer/ckptfs.py); returns those names."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(time.time() if now is None else now))
-    fd = os.open(root, _DIR_FLAGS)
     made = []
-    try:
+    rootdir = ckptfs.open_root(root)
+    if rootdir is None:  # nothing is there to move
+        return made
+    with rootdir:
         for run in runs:
             label = run.id or ("unnamed" if run.readable else "unreadable")
-            name = _new_dir(fd, f"aside-{label}-{stamp}")
-            dfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            try:
+            name, aside = _new_dir(rootdir, f"aside-{label}-{stamp}")
+            with aside:
                 for step in run.names:
-                    os.rename(step, step, src_dir_fd=fd, dst_dir_fd=dfd)
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+                    os.rename(step, step, src_dir_fd=rootdir.fd, dst_dir_fd=aside.fd)
+                aside.fsync()
             made.append(name)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        rootdir.fsync()
     return made
 
 
-def _new_dir(fd: int, base: str) -> str:
-    """A new directory (mode 0700) under ``fd``: ``base``, else ``base-2``, ``base-3``, ..."""
+def _new_dir(rootdir, base: str):
+    """(name, Dir) of a new directory under ``rootdir``: ``base``, else ``base-2``, ``base-3``, ..."""
     for n in range(1, 1000):
         name = base if n == 1 else f"{base}-{n}"
         try:
-            os.mkdir(name, 0o700, dir_fd=fd)
-            return name
+            return name, rootdir.make(name)
         except FileExistsError:
             continue
     raise FileExistsError(f"{base}: 999 directories of that name exist already")

@@ -8,13 +8,17 @@
 A tiny MLP (4 -> 6 -> 3, float32, AdamW) trained one step per checkpoint on synthetic rows, so
 each checkpoint has 2 units x 3 arrays, each array in 2 pieces (one per rank).
 
-Not here: the attacks themselves (each test file writes its own).
+    race_tmp_steps(root, victim, "notes.txt", running, made)   # the .tmp-step-S racer, as the attacker
+
+Not here: the other attacks (each test file writes its own).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +106,26 @@ def edit_meta(ckpt: Path, fn) -> None:
 def params_of(ckpt: Path) -> list[np.ndarray]:
     """The unit parameters stored in a checkpoint, read from its files."""
     return checkpoint.read_unit_params(ckpt)[0]
+
+
+def race_tmp_steps(root: str, victim: str, target: str, running, made: dict) -> None:
+    """As the attacker: makes checkpoint root ``root`` (0777), then, while ``running()``, swaps
+    every ``.tmp-step-S`` that appears for a directory whose ``rank00000``, ``rank00001`` link to
+    directory ``victim`` and whose ``metadata.json`` links to ``victim/target``. Counts its swaps
+    in ``made["swaps"]`` as it goes (the caller may be stopped inside)."""
+    os.mkdir(root)
+    os.chmod(root, 0o777)
+    while running():
+        for name in os.listdir(root):
+            if name.startswith(".tmp-step-") and ".gone" not in name:
+                try:
+                    os.rename(os.path.join(root, name), os.path.join(root, f"{name}.gone{made['swaps']}"))
+                    fake = os.path.join(root, name)
+                    os.mkdir(fake, 0o777)
+                    for link in ("rank00000", "rank00001"):
+                        os.symlink(victim, os.path.join(fake, link))
+                    os.symlink(os.path.join(victim, target), os.path.join(fake, "metadata.json"))
+                    made["swaps"] += 1
+                except OSError:
+                    pass
+        time.sleep(0.0002)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.security.ckptutil import edit_meta, load_newest, params_of, save_steps
+from tests.security.ckptutil import edit_meta, load_newest, params_of, race_tmp_steps, save_steps
 from tests.security.stranger import NOBODY, Stopped, Stranger, as_stranger, needs_root
 from trainer import checkpoint
 from trainer.parallel.offload import Offload
@@ -160,28 +160,12 @@ async def test_a_planted_checkpoint_in_a_root_nobody_made_is_never_loaded(tmp_pa
 
 
 def _race(root: str, victim: str) -> dict:
-    """As nobody: make the root (0777), then swap every ``.tmp-step-S`` that appears for a
-    directory of links into the victim's directory, until stopped."""
-    os.mkdir(root)
-    os.chmod(root, 0o777)
-    swaps = 0
+    """As nobody: the .tmp-step-S racer (ckptutil.race_tmp_steps) until stopped."""
+    made = {"swaps": 0}
     try:
-        while True:
-            for name in os.listdir(root):
-                if name.startswith(".tmp-step-") and ".gone" not in name:
-                    try:
-                        os.rename(os.path.join(root, name), os.path.join(root, f"{name}.gone{swaps}"))
-                        fake = os.path.join(root, name)
-                        os.mkdir(fake, 0o777)
-                        for link in ("rank00000", "rank00001"):
-                            os.symlink(victim, os.path.join(fake, link))
-                        os.symlink(os.path.join(victim, "precious.txt"), os.path.join(fake, "metadata.json"))
-                        swaps += 1
-                    except OSError:
-                        pass
-            time.sleep(0.0005)
+        race_tmp_steps(root, victim, "precious.txt", lambda: True, made)
     except Stopped:
-        return {"swaps": swaps}
+        return made
 
 
 @needs_root

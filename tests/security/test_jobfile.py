@@ -141,7 +141,7 @@ def test_the_file_of_a_sigkilled_launcher_is_removed(shared_tmp):
 
 
 def test_an_xdg_runtime_dir_that_names_no_directory_falls_back_to_the_temporary_directory(shared_tmp, monkeypatch):
-    """srun exports the login session's XDG_RUNTIME_DIR to compute nodes that have none: the job
+    """srun exports the login node's XDG_RUNTIME_DIR to compute nodes that have none: the job
     files (and a derived job secret) then live under the temporary directory, not nowhere."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared_tmp / "run-user-0-on-the-login-node"))
     assert jobfile.job_dir() == os.path.join(str(shared_tmp), f"ringweave-{os.getuid()}")

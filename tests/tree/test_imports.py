@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tree.treeutil import write_tree
+
 ROOT = Path(__file__).resolve().parents[2]
 # A module may import its own layer and the layers before it, never one after.
 LAYERS = ("runtime", "collectives", "trainer", "tools", "bench")
@@ -171,14 +173,6 @@ def test_the_checks_see_the_whole_tree():
 
 # -- each check fails when its rule is broken -------------------------------------------------------
 
-def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return tmp_path
-
-
 @pytest.mark.parametrize("files, expected", [
     ({"collectives/a.py": "from collectives import b\n",
       "collectives/b.py": "def f():\n    from collectives import a  # lazy: dodging the cycle\n"},
@@ -195,12 +189,12 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
      "an import inside a function without '# lazy: <reason>': collectives/a.py:2"),
 ])
 def test_each_rule_fails_when_broken(tmp_path, files, expected):
-    problems = violations(_tree(tmp_path, files))
+    problems = violations(write_tree(tmp_path, files))
     assert any(expected in p for p in problems), problems
 
 
 def test_a_tree_that_keeps_the_rules_passes(tmp_path):
-    root = _tree(tmp_path, {
+    root = write_tree(tmp_path, {
         "runtime/a.py": "import asyncio\n",
         "collectives/b.py": "import numpy as np\nfrom runtime import a\n",
         "collectives/c.py": "def f():\n    from collectives import b  # lazy: numba.cuda behind it\n",

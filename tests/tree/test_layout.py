@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tree.treeutil import write_tree
+
 ROOT = Path(__file__).resolve().parents[2]
 ALGORITHMS_DIR = Path("collectives", "algorithms")
 FOLDERS = ("tcp", "shared_memory")  # shared_memory: the algorithms registry.NEEDS names
@@ -129,20 +131,12 @@ def test_collectives_files_and_docstrings_are_small():
 
 # -- each check fails when its rule is broken -------------------------------------------------------
 
-def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return tmp_path
-
-
 def _run_of(module: str):
     return types.FunctionType((lambda: None).__code__, {"__name__": module}, "run")
 
 
 def test_the_registry_rule_fails_when_broken(tmp_path):
-    root = _tree(tmp_path, {"collectives/algorithms/tcp/all_reduce_ring.py": "",
+    root = write_tree(tmp_path, {"collectives/algorithms/tcp/all_reduce_ring.py": "",
                             "collectives/algorithms/tcp/helpers.py": "",
                             "collectives/algorithms/shared_memory/all_reduce_shm.py": ""})
     ring = _run_of("collectives.algorithms.tcp.all_reduce_ring")
@@ -169,12 +163,12 @@ def test_the_registry_rule_fails_when_broken(tmp_path):
     ({"collectives/a.py": "x = 1\n" * 601}, oversized, "collectives/a.py: 601 lines"),
 ])
 def test_each_layout_rule_fails_when_broken(tmp_path, files, check, expected):
-    problems = check(_tree(tmp_path, files))
+    problems = check(write_tree(tmp_path, files))
     assert any(p.startswith(expected) for p in problems), problems
 
 
 def test_a_tree_that_keeps_the_layout_passes(tmp_path):
-    root = _tree(tmp_path, {
+    root = write_tree(tmp_path, {
         "collectives/algorithms/tcp/a_b.py": '"""' + "\n" * 29 + '"""\nasync def run(comm):\n    pass\n',
         "collectives/calls.py": "async def run(call, fn):\n    pass\n" + "x = 1\n" * 590,  # not an algorithm's run
         "trainer/big.py": "x = 1\n" * 700,  # outside collectives/
