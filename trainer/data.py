@@ -200,7 +200,7 @@ def train_val_split(x: np.ndarray, y: np.ndarray, *, val_fraction: float, seed: 
 
 def load_digits_split(*, seed: int = 0, val_fraction: float = 0.2, dtype=np.float32) -> Split:
     """sklearn digits: 1797 samples of 64 features, 10 classes; 360 validation rows by default."""
-    from sklearn.datasets import load_digits  # local: importing sklearn costs ~1 s
+    from sklearn.datasets import load_digits  # local: sklearn is slow to import, and only this needs it
 
     digits = load_digits()
     return train_val_split(digits.data, digits.target, val_fraction=val_fraction, seed=seed,
