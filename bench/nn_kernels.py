@@ -8,7 +8,7 @@ For each operation the script validates every variant against the reference
 milliseconds and the speed-up over the reference, all in one run:
 
 - softmax: the causal softmax of attention over (B H, T, T) scores;
-  v1 = one fused Numba loop (scalar exp), v2 = trainer/nn/kernels.py (Numba shift, NumPy's
+  v1 = one fused Numba loop (scalar exp), v2 = trainer/nn/layer_kernels.py (Numba shift, NumPy's
   in-place SIMD exp, Numba normalisation: what ships);
 - gelu (tanh) over (B T, 4C): v1 = one fused Numba loop (scalar tanh), v2 = what ships
   (Numba polynomial, in-place np.tanh, Numba output);
@@ -38,11 +38,11 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from trainer.nn import attention, kernels  # noqa: E402
+from trainer.nn import attention, layer_kernels  # noqa: E402
 from trainer.nn.layers import GELU, LayerNorm  # noqa: E402
 from trainer.nn.loss import cross_entropy_backward, cross_entropy_forward  # noqa: E402
 
-C_GELU, A_GELU = kernels.GELU_C, kernels.GELU_A
+C_GELU, A_GELU = layer_kernels.GELU_C, layer_kernels.GELU_A
 
 
 @njit(nogil=True, cache=True)
@@ -130,9 +130,10 @@ def main(argv=None) -> int:
     p1 = np.empty_like(s)
     softmax_fused(s, scale, p1)
     check("softmax v1", p1, ref)
-    check("softmax v2", kernels.causal_softmax_forward(s, scale), ref)
+    check("softmax v2", layer_kernels.causal_softmax_forward(s, scale), ref)
     rows.append(("softmax fwd", (B * H, T, T), best_ms(lambda: attention.causal_softmax(s, scale, "reference")),
-                 best_ms(lambda: softmax_fused(s, scale, p1)), best_ms(lambda: kernels.causal_softmax_forward(s, scale))))
+                 best_ms(lambda: softmax_fused(s, scale, p1)),
+                 best_ms(lambda: layer_kernels.causal_softmax_forward(s, scale))))
 
     # gelu
     x = rng.standard_normal((B * T, 4 * C)).astype(f32)
@@ -179,19 +180,19 @@ def main(argv=None) -> int:
     d1 = np.empty_like(logits)
     ce_fused(logits, y, w, d1)
     check("cross-entropy v1", d1, ce_ref()[1])
-    check("cross-entropy v2", kernels.cross_entropy_forward_backward(logits, y, w)[1], ce_ref()[1])
+    check("cross-entropy v2", layer_kernels.cross_entropy_forward_backward(logits, y, w)[1], ce_ref()[1])
     rows.append(("cross-entropy fwd+bwd", logits.shape, best_ms(ce_ref), best_ms(lambda: ce_fused(logits, y, w, d1)),
-                 best_ms(lambda: kernels.cross_entropy_forward_backward(logits, y, w))))
+                 best_ms(lambda: layer_kernels.cross_entropy_forward_backward(logits, y, w))))
 
     # embedding scatter-add
     idx = rng.integers(0, 256, B * T)
     dout = rng.standard_normal((B * T, C)).astype(f32)
     wa, wb = np.zeros((256, C), f32), np.zeros((256, C), f32)
     np.add.at(wa, idx, dout)
-    kernels.embedding_backward(idx, dout, wb)
+    layer_kernels.embedding_backward(idx, dout, wb)
     check("embedding v2", wb, wa)
     rows.append(("embedding scatter-add", dout.shape, best_ms(lambda: np.add.at(wa, idx, dout)), None,
-                 best_ms(lambda: kernels.embedding_backward(idx, dout, wb))))
+                 best_ms(lambda: layer_kernels.embedding_backward(idx, dout, wb))))
 
     print(f"# float32, 1 thread, B={B} T={T} C={C} H={H}; Numba {numba.__version__} (SVML "
           f"{'on' if numba.config.USING_SVML else 'off'}), NumPy {np.__version__}; load {os.getloadavg()[0]:.1f}; "

@@ -6,17 +6,12 @@
     python -m tools.status --master-addr n01 --master-port 15042 --job slurm-5042   # through its store
     srun --jobid=5042 --overlap -n 1 python -m tools.status                          # the same, from SLURM
 
-It finds the job through the file its launcher keeps (runtime/jobfile.py), or
-through its store (tools/locate.py: flags, or the environment as a rank reads it;
-the secret from --secret-file or RINGWEAVE_SECRET), reads every rank's address
-from the store, connects to each rank as an
-authenticated tool (the job's secret; tools may call only ``ringweave.*``
-handlers) and prints each rank's collective calls in flight: the operation,
-how long it has waited and which ranks it is waiting on. A rank answers from
-its listener's own thread (runtime/acceptor.py), so a rank whose event loop is
-busy (a tight loop of collectives, a long computation) still answers at once;
-one that does not answer within ``--timeout-s`` is reported as not answering
-(stopped, holding the GIL in native code, or dead).
+It finds the job (tools/locate.py), reads every rank's address from the store, connects to each
+rank as an authenticated tool (the job's secret; tools may call only ``ringweave.*`` handlers) and
+prints each rank's collective calls in flight: the operation, how long it has waited and on which
+ranks. A rank answers from its listener's own thread (runtime/acceptor.py), so one whose event
+loop is busy still answers at once; one that does not answer within ``--timeout-s`` is reported
+as not answering (stopped, holding the GIL in native code, or dead).
 
 Example, a job whose rank 2 was stopped with SIGSTOP::
 
@@ -24,6 +19,8 @@ Example, a job whose rank 2 was stopped with SIGSTOP::
     rank 1: all_reduce op=sum dtype=float32 count=1048576 (group 0, call #12) waiting 41.2 s on ranks [2]
     rank 2: not answering (timed out after 2.0 s)
     rank 3: all_reduce op=sum dtype=float32 count=1048576 (group 0, call #12) waiting 41.1 s on ranks [2]
+
+Not here: stopping or changing anything in the job (it only asks), finding it (tools/locate.py).
 """
 
 from __future__ import annotations

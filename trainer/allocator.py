@@ -6,9 +6,9 @@ strategies' compute thread would otherwise allocate from an arena of its own, wh
 64 MiB heaps go back to the kernel when they empty, thresholds or not). By default glibc
 hands an array of more than 128 KiB to its own `mmap` and returns it to the kernel when
 it is freed, so every training step maps its activations afresh and the kernel zeroes
-each page on first touch: about a fifth of a GPT step's CPU went to those page faults.
-With the thresholds raised, freed activations stay in malloc's heap for the next step
-(bench/results/trainer.md#malloc-page-faults-of-a-steps-activations). The resident set
+each page on first touch. With the thresholds raised, freed activations stay in malloc's
+heap for the next step (what the page faults cost:
+bench/results/trainer.md#malloc-page-faults-of-a-steps-activations). The resident set
 then stays at its peak between steps, as with torch's or jemalloc's caching.
 
 `python -m trainer` calls it at start; a program of its own may too. It changes the

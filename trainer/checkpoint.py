@@ -1,74 +1,26 @@
 """Sharded, atomic checkpoints; loading onto any world size and strategy; full-parameter export.
 
-What it is. A checkpoint is a directory; every rank writes its own shards, and
-rank 0 writes one metadata file that describes the global layout::
+What it is. A checkpoint is a directory ``root/step-SSSSSSSS``: every rank writes its pieces of
+each unit's unpadded flat arrays (parameters, optimizer state) and rank 0 one ``metadata.json``
+with the global layout, the step, the optimizer, the loss scaler, the loop's ``extra``, the
+model's spec and the run it belongs to (trainer/runid.py). A save is written under
+``.tmp-step-S`` and renamed only when every rank's pieces are durable, so a crash leaves the
+previous checkpoint the newest; a failure on any rank is a CheckpointError on every rank. Loading
+cuts each rank's ranges from the pieces (memory-mapped): that is the resharding onto another world
+size, strategy or mesh.
 
-    root/
-      step-00000040/                      # a committed checkpoint (what latest() finds)
-        metadata.json                     # the global layout, below
-        rank00000/unit0.param.npy         # rank 0's piece of unit 0's flat parameters
-        rank00000/unit0.exp_avg.npy       # ... and of its optimizer state
-        rank00001/...
-      step-00000050/
-      .tmp-step-00000060/                 # a save in progress (or a crashed one): never read
+    path = await save(strategy, "ckpt", extra={"epoch": 1, "batch": 12}, run=run)  # every rank
+    meta = await load_newest_valid(strategy, "ckpt")   # the newest that loads on every rank, or None
+    params = read_full_params(latest("ckpt"))           # {name: array}, one process, no group
 
-    metadata.json = {
-      "format": "ringweave-checkpoint", "version": 1,
-      "step": 40, "optim_step": 40, "strategy": "zero3", "world_size": 4,
-      "optimizer": "adamw", "master_dtype": "float32",
-      "scaler": {"scale": 65536.0, "good_steps": 40},
-      "extra": {"epoch": 1, "batch": 12},            # the loop's position in the data
-      "model": {"kind": "gpt", "config": {...}},     # model.spec() when the model has one (trainer.sample)
-      "run": {"id": "3fa85f64...", "config": {...}}, # the run it belongs to (trainer/runid.py); absent: unnamed
-      "units": [{"index": 0, "numel": 17152,
-                 "params": [{"name": "0.weight", "shape": [64, 256], "offset": 0}, ...]}, ...],
-      "arrays": {"unit0.param": {"numel": 17152, "dtype": "float32",
-                                 "pieces": [{"file": "rank00000/unit0.param.npy",
-                                             "start": 0, "stop": 4288, "crc32": 1234}, ...]}, ...}}
+Every file is reached through checked directory descriptors (trainer/ckptfs.py) and a checkpoint
+is untrusted input, its metadata checked against trainer/ckptschema.py before anything is
+allocated (SECURITY.md, "Checkpoints"); a damaged one is skipped by :func:`load_newest_valid`.
+Ranks must share the file system. The metadata, the save's steps and resuming: docs/design.md,
+"Checkpoints".
 
-Every array is one unit's UNPADDED flat buffer (padding depends on the world
-size, so it is never stored); its pieces tile [0, numel). A replicated array
-(ddp) is written once, by rank 0. Loading asks the strategy which ranges this
-rank needs (``strategy.state_dict()["layout"]``) and cuts them from the pieces
-(memory-mapped, so a rank reads only what overlaps its shard): that is the
-resharding onto another world size or strategy. A mesh strategy (trainer/parallel)
-saves the full model's units in this same layout (``sharded_state_dict``, and
-``logical_model`` for the metadata; "mesh" records its shape) and asks, per array,
-for the positions its tensor-parallel cut holds (``layout[name]["index"]``), so a
-checkpoint saved at tp=2 pp=2 loads at dp=4 or on one rank, and the reverse.
-
-Atomic save, in order:
-    1. rank 0 clears stale ``.tmp-*`` directories and makes ``.tmp-step-S``; barrier;
-    2. every rank writes and fsyncs its pieces and an index of them; a failure is
-       caught and reported, not left to hang the others;
-    3. all_reduce of the failure flags: if any rank failed, rank 0 deletes the
-       temporary directory and EVERY rank raises CheckpointError naming the ranks;
-    4. rank 0 merges the indexes into metadata.json (fsync), renames the directory to
-       ``step-S`` (fsync of the root), and deletes all but the newest ``keep_last`` of the
-       checkpoints of the same run (the same "run" id, or none for a save without one):
-       another run's checkpoints, and one whose metadata cannot be read, are never deleted;
-    5. a last all_reduce: nobody returns before the commit (or its failure) is known.
-A process killed anywhere before the rename leaves only a ``.tmp-*`` directory,
-which ``latest()`` ignores, so the previous checkpoint stays the one loaded.
-Ranks must share the file system (one directory seen by all).
-
-Trust (SECURITY.md, "Checkpoints"): every file is reached through directory
-descriptors checked for owner and mode, never through a link (trainer/ckptfs.py:
-roots this user's and writable by nobody else, directories made 0700, files 0600
-with O_EXCL); a checkpoint is untrusted input, its metadata checked against
-trainer/ckptschema.py and each piece's file (a regular file, its .npy header, its
-size) before the array it fills is allocated. Any violation is a CheckpointError.
-
-Resume: the metadata keeps ``step`` (train_step calls, which key dropout and the
-schedule), the optimizer state and its step, the loss scaler, and the loop's
-``extra`` (store the epoch and the batch index within it, so the loop can skip
-the batches already consumed; data order is a pure function of (seed, epoch)).
-:func:`load_newest_valid` is what a resume calls: the newest checkpoint that every
-rank can read and verify (CRCs), falling back to older ones when a newer one is
-damaged (a disk error, a partial copy, a crafted file), so a restart does not fail, or loop under
-``--max-restarts``, while an intact checkpoint is there; every rank ends on the same one.
-
-What it is not: no asynchronous (background) saving, no object-store backends.
+What it is not: no asynchronous (background) saving, no object-store backends, no choice of which
+run a directory continues (trainer/rundir.py).
 """
 
 from __future__ import annotations
@@ -91,10 +43,6 @@ log = logging.getLogger("ringweave.checkpoint")
 
 __all__ = ["CheckpointError", "save", "load", "load_newest_valid", "latest", "list_checkpoints", "read_metadata",
            "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint", "remove_checkpoint"]
-
-def _after_piece_written(rank: int, name: str) -> None:
-    """Fault-injection point for tests: called after each piece is durable. Does nothing."""
-
 
 # ---- helpers ----------------------------------------------------------------------
 
@@ -136,7 +84,6 @@ def _write_pieces(state: dict, tmp: Dir, rank: int) -> dict:
             pieces[name] = {"file": f"{rank_name}/{name}.npy", "start": int(lay["start"]),
                             "stop": int(lay["start"]) + int(shard.size), "crc32": _crc(shard),
                             "numel": int(lay["numel"]), "dtype": shard.dtype.name}
-            _after_piece_written(rank, name)
         rank_dir.write_new("index.json", lambda f: f.write(json.dumps({"rank": rank, "pieces": pieces}).encode()))
         rank_dir.fsync()
     return pieces

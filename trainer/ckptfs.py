@@ -8,15 +8,11 @@ system, so it follows the job file's rules (runtime/private.py):
   the descriptor: owned by this user and writable by nobody else (a root made before these
   rules, mode 0755, still loads); a root it makes is mode 0700 whatever the umask. Anything
   else is a :class:`CheckpointError` that says why and what to do;
-* a :class:`Dir` reaches its entries one name at a time, relative to its descriptor: step
-  and rank directories are made 0700 (``mkdir(name, dir_fd=...)``) and opened with the same
-  checks, files are made 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and read with
-  ``O_NOFOLLOW | O_NONBLOCK`` (regular files of this user only: a FIFO never blocks), renames
-  are ``os.replace`` between descriptors, removals ``shutil.rmtree(name, dir_fd=...)``, which
-  unlinks a link instead of following it (Python 3.11's fd-based walk);
+* a :class:`Dir` reaches its entries one name at a time, relative to its descriptor: directories
+  made 0700 and opened with the same checks, files made 0600 with ``O_EXCL | O_NOFOLLOW`` and
+  read as regular files of this user only, renames and removals between descriptors;
 * :func:`remove_checkpoint` is the one way a checkpoint is deleted (pruning, a failed save):
-  only a step or temporary directory of this user, never a link.
-
+  only a step or temporary directory of this user, never a link;
 * :func:`npy_offset` and :func:`map_npy` open a piece: its .npy header parsed without pickle and
   compared with what the metadata says, its size with the header plus the elements, before
   anything of that size is allocated; then the elements, memory-mapped.
@@ -61,7 +57,13 @@ MAX_JSON_NBYTES = 256 * 2**20  # metadata of a very large model is tens of MiB
 class Dir:
     """A checked directory's descriptor and its path (for messages); a context manager that
     closes it. Names given to its methods are single entries or ``a/b`` walks, one checked
-    directory at a time."""
+    directory at a time.
+
+    Step and rank directories are made 0700 (``mkdir(name, dir_fd=...)``) and opened with the
+    root's checks; files are made 0600 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and read with
+    ``O_NOFOLLOW | O_NONBLOCK`` (regular files of this user only: a FIFO never blocks); renames
+    are ``os.replace`` between descriptors, removals ``shutil.rmtree(name, dir_fd=...)``, which
+    unlinks a link instead of following it (Python 3.11's fd-based walk)."""
 
     def __init__(self, fd: int, path: Path) -> None:
         self.fd, self.path = fd, Path(path)

@@ -2,39 +2,23 @@
 
 What it is:
 
-* `epoch_order(n, seed, epoch, shuffle)`: the epoch's permutation of 0..n-1, a
-  pure function; the same on every process.
-* `DistributedSampler`: torch.utils.data.DistributedSampler semantics (ranks
-  take the order with stride num_replicas; without drop_last the order is padded
-  by repeating its head so every rank has ceil(n / R) samples; with drop_last
-  the tail is cut so every rank has floor(n / R)). The permutation is NumPy's,
-  so the indices are not torch's bit for bit. Use it to shard evaluation or
-  anything that does not need to equal a single-process run.
-* `iter_local_batches`: the batching the data-parallel equivalence tests rely
-  on. The exact ordering is:
-
-      order   = epoch_order(n, seed, epoch, shuffle)           # (n,)
-      global batch k = order[k G : (k + 1) G]                  # G = global_batch_size
-                       (the last one is shorter unless drop_last)
-      rank r's local batch k = global_batch_k[bounds[r] : bounds[r + 1]]
-      bounds = split_bounds(len(global_batch_k), R)            # np.array_split sizes:
-                                                              # the first (size % R) ranks hold one more
-
-  so concatenating the local batches of ranks 0..R-1 gives global batch k row
-  for row, with nothing padded or repeated. Each `LocalBatch` carries `offset`
-  (= bounds[r], for `Context.batch_offset`, which keeps dropout masks equal) and
-  `global_size` (for `loss_denominator`). A rank may get an EMPTY local batch
-  when the last global batch has fewer rows than ranks; the model handles that.
-  With R = 1 this is exactly the single-process run.
+* `epoch_order(n, seed=, epoch=)`: the epoch's permutation of 0..n-1, a pure function of (seed,
+  epoch), the same on every process.
+* `iter_local_batches`: this rank's contiguous block of every global batch of the epoch, so that
+  the blocks of ranks 0..R-1 concatenated are the global batch row for row, nothing padded or
+  repeated (a rank may get an empty block of a short last batch); with R = 1 this is exactly the
+  single-process run. The data-parallel equivalence rests on it.
+* `DistributedSampler`: torch.utils.data.DistributedSampler's semantics (padded or cut to equal
+  lengths; NumPy's permutation, so not torch's indices bit for bit), for evaluation or anything that
+  need not equal a single-process run.
 * Data sets, what `trainer.loop.fit` reads: anything with `len(ds)` samples and
-  `ds.get(indices, epoch) -> (x, y)` rows (an epoch may draw new samples: the
-  random windows of trainer/text.py do). `ArrayDataset(x, y)` is rows of two
-  arrays; a split is anything with `.train` and `.val` data sets (`Split`,
+  `ds.get(indices, epoch) -> (x, y)`; `ArrayDataset(x, y)`, and a split of two (`Split`,
   `trainer.text.TextSplit`).
-* `load_digits_split`: sklearn's 8x8 digits (1797 x 64, 10 classes, shipped with
-  scikit-learn, no download), split by seed and standardized with the training
-  set's statistics.
-* `make_synthetic`: Gaussian class clusters of any size, for benchmarks.
+* `load_digits_split` (sklearn's 8x8 digits, shipped with scikit-learn, no download) and
+  `make_synthetic` (Gaussian class clusters of any size).
+
+    for b in iter_local_batches(len(ds), 64, world, rank, seed=0, epoch=e):   # LocalBatch
+        x, y = ds.get(b.indices, e)          # b.offset, b.global_size: the block's place in the batch
 
 What it is not: no loader threads, no prefetching, no file formats.
 """
@@ -64,7 +48,11 @@ def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.nd
 
 
 class DistributedSampler:
-    """Indices of one rank, torch semantics: same length on every rank, disjoint when n % R == 0."""
+    """Indices of one rank, torch semantics: same length on every rank, disjoint when n % R == 0.
+
+    Ranks take the order with stride num_replicas; without drop_last the order is padded by
+    repeating its head so every rank has ceil(n / R) samples; with drop_last the tail is cut so
+    every rank has floor(n / R)."""
 
     def __init__(self, n: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False) -> None:
@@ -127,7 +115,18 @@ class LocalBatch:
 def iter_local_batches(n: int, global_batch_size: int, num_replicas: int = 1, rank: int = 0, *,
                        seed: int = 0, epoch: int = 0, shuffle: bool = True,
                        drop_last: bool = False) -> Iterator[LocalBatch]:
-    """This rank's block of every global batch of the epoch (ordering in the module docstring)."""
+    """This rank's block of every global batch of the epoch, in this order::
+
+        order   = epoch_order(n, seed, epoch, shuffle)           # (n,)
+        global batch k = order[k G : (k + 1) G]                  # G = global_batch_size
+                         (the last one is shorter unless drop_last)
+        rank r's local batch k = global_batch_k[bounds[r] : bounds[r + 1]]
+        bounds = split_bounds(len(global_batch_k), R)            # np.array_split sizes:
+                                                                # the first (size % R) ranks hold one more
+
+    Each `LocalBatch` carries `offset` (= bounds[r], for `Context.batch_offset`, which keeps
+    dropout masks equal) and `global_size` (for `loss_denominator`). A rank gets an EMPTY local
+    batch when the last global batch has fewer rows than ranks; the model handles that."""
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
     if num_replicas < 1 or not 0 <= rank < num_replicas:
@@ -201,7 +200,7 @@ def train_val_split(x: np.ndarray, y: np.ndarray, *, val_fraction: float, seed: 
 
 def load_digits_split(*, seed: int = 0, val_fraction: float = 0.2, dtype=np.float32) -> Split:
     """sklearn digits: 1797 samples of 64 features, 10 classes; 360 validation rows by default."""
-    from sklearn.datasets import load_digits  # local: importing sklearn costs ~1 s
+    from sklearn.datasets import load_digits  # local: sklearn is slow to import, and only this needs it
 
     digits = load_digits()
     return train_val_split(digits.data, digits.target, val_fraction=val_fraction, seed=seed,

@@ -1,69 +1,27 @@
 """The training loop: `fit` and `evaluate` over any sharding strategy, any model and loss.
 
-What it is: the driver every rank runs in the same order. Per optimizer step it
-takes `grad_accum` consecutive global micro-batches of `global_batch_size` samples
-(`trainer.data.iter_local_batches`: this rank's contiguous block of each, rows
-read with `data.train.get(indices, epoch)`), hands them to `strategy.train_step`,
-and records the agreed loss. Per epoch it evaluates the validation set (and the
-training set, `eval_train`) exactly: each rank evaluates a contiguous shard,
-nothing padded or repeated, and the sums of every metric of the loss are
-all-reduced. Then the callbacks, then a checkpoint.
+What it is: the driver every rank runs in the same order. Per optimizer step it takes
+`grad_accum` consecutive global micro-batches of `global_batch_size` samples (this rank's block
+of each, `trainer.data.iter_local_batches`), hands them to `strategy.train_step` and records the
+agreed loss. Per epoch it evaluates the validation set exactly (each rank a contiguous shard,
+nothing padded or repeated, the sums of every metric all-reduced), then runs the callbacks and
+saves a checkpoint. Every rank takes part in every step, even one with no rows of a short last
+batch, so uneven inputs never hang; a callback's `state.stop_training` is OR-ed across ranks, so
+all stop at the same step.
 
     history = await fit(strategy, split, config, epochs=5, global_batch_size=64)
     history.epochs[-1].val_acc            # 0.983... (classifiers; None for a regression)
     metrics = await evaluate(strategy, split.val, group=world)   # {"loss": 0.06, "accuracy": 0.98}
 
-`data` is any split with `.train` and `.val` data sets (trainer.data: `Split` of
-arrays; trainer.text: `TextSplit` of random and consecutive windows, which adds
-bits per byte to the epoch's report).
+With `checkpoint_dir` each checkpoint holds the strategy's state and the loop's position, and
+names its run (trainer/rundir.py decides whether a call continues it); a continued run skips the
+micro-batches already consumed, so its losses equal an uninterrupted run's. The step schedule and
+the run's parts: `_Run`, and docs/design.md, "The training loop". Progress goes to stderr on rank
+0 (a bar on a terminal, a line every `log_every` steps otherwise), the summary to stdout.
 
-Step schedule of an epoch (G = global_batch_size, A = config.grad_accum)::
-
-    micro-batches  m_0 .. m_{M-1},  M = ceil(n_train / G)        (the last may be short)
-    step k         micro-batches m_{kA} .. m_{kA + A - 1}         (the last step may hold fewer)
-    steps/epoch    ceil(M / A)
-
-Every rank gets the same number of micro-batches (a short last global batch is
-split with np.array_split sizes, so a rank may hold zero rows of it but still
-takes part in the step's collectives): uneven inputs never hang.
-
-The run, in named parts (`_Run`), each a clear boundary:
-
-    open_run()          with a checkpoint directory: which run this is (trainer/rundir.py) and,
-                        when it continues one, its newest valid checkpoint: epoch, step, sums, history
-    for each epoch:
-        train_epoch()   for each step: train_step() -> the step's result
-                                       step_boundary() -> callbacks, periodic checkpoint; stop?
-        end_epoch()     evaluation, EpochStats, callbacks, the epoch's checkpoint, progress
-    finish()            every rank's figures (RankStats), the summary
-
-`step_boundary` is where every rank stands between two optimizer steps with
-nothing in flight: the place for anything that must act on all ranks at one step
-(a stop, a checkpoint, a signal to save and exit).
-
-Early stopping: a callback sets `state.stop_training = True`. The flag is
-OR-ed across ranks (an all-reduce) before the loop acts on it, so a callback
-that decided on rank 0 alone still stops every rank at the same step.
-
-Resume: with `checkpoint_dir`, a checkpoint is saved at the end of every epoch
-and, with `checkpoint_every=N`, every N optimizer steps; it holds the
-strategy's state (parameters, optimizer state, step, loss scaler) and the
-loop's position (epoch, steps done in the epoch, the epoch's running sums, the
-history). Each checkpoint names its run (trainer/runid.py): `resume=True` (or
-"auto": only if there is one) continues the directory's run, and so does a restarted
-attempt of the same job without being asked; a new run refuses a directory that holds
-another run's checkpoints (`move_aside=True` moves them aside first). Continuing loads
-the newest valid checkpoint and goes on at its epoch and step, skipping the micro-batches
-already consumed (the data order is a pure function of (seed, epoch)), so the losses
-equal an uninterrupted run's.
-
-Progress and logs go to stderr on rank 0 only: a redrawn bar on a terminal,
-one line every `log_every` steps otherwise (e.g. under the launcher, which
-prefixes lines). The summary (`format_summary`) goes to stdout on rank 0.
-
-What it is not: no data loader threads, no metrics beyond the loss's (callbacks
-compute their own), no learning-rate logic (the strategy owns the schedule
-through TrainConfig).
+What it is not: no data loader threads, no metrics beyond the loss's (callbacks compute their own),
+no learning-rate logic (the strategy owns the schedule through TrainConfig), no command line
+(trainer/cli.py).
 """
 
 from __future__ import annotations
@@ -275,7 +233,19 @@ class _Options:
 
 
 class _Run:
-    """One call of `fit`: its state and its named parts (the module docstring)."""
+    """One call of `fit`: its state and its named parts, each a clear boundary::
+
+        open_run()          with a checkpoint directory: which run this is (trainer/rundir.py) and,
+                            when it continues one, its newest valid checkpoint: epoch, step, sums, history
+        for each epoch:
+            train_epoch()   for each step: train_step() -> the step's result
+                                           step_boundary() -> callbacks, periodic checkpoint; stop?
+            end_epoch()     evaluation, EpochStats, callbacks, the epoch's checkpoint, progress
+        finish()            every rank's figures (RankStats), the summary
+
+    `step_boundary` is where every rank stands between two optimizer steps with nothing in flight:
+    the place for anything that must act on all ranks at one step (a stop, a checkpoint, a signal
+    to save and exit)."""
 
     def __init__(self, strategy: Strategy, data, config: TrainConfig, options: _Options, callbacks: list,
                  group, progress: _Progress) -> None:

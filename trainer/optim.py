@@ -1,8 +1,9 @@
 """Optimizers on flat 1-D shards (SGD, AdamW) and learning-rate schedules.
 
-What it is: each optimizer is a small hyper-parameter object whose `step`
-updates ONE flat parameter shard in place from the matching flat gradient shard,
-with its state held as flat arrays of the same length:
+What it is: each optimizer is a small hyper-parameter object whose `step` updates ONE flat
+parameter shard in place from the matching flat gradient shard, with its state held as flat arrays
+of the same length. The shard is whatever the strategy owns (a whole unit's buffer under DDP, the
+rank's 1/world slice under ZeRO/FSDP); the padding (zero params, zero grads) stays zero.
 
     opt = AdamW(weight_decay=0.01)
     state = opt.init_state(numel=shard.size, dtype=shard.dtype)   # OptimState
@@ -10,34 +11,16 @@ with its state held as flat arrays of the same length:
     opt.step(shard, grad_shard, state, lr, segments=[(0, 4096, True), (4096, 4160, False)])
     state.nbytes                                                   # countable memory
 
-Parameter groups: `segments` [(lo, hi, decayed)] tiles the shard; weight decay applies
-to the decayed ranges only (the matrices, in nanoGPT's and DeepSpeed's convention;
-trainer.nn.Unit.decay_segments makes the list for any range of a unit's buffer). The
-update runs once per segment on views, so no per-element mask is stored.
+`segments` [(lo, hi, decayed)] tile the shard: weight decay applies to the decayed ranges only
+(the matrices; trainer.nn.Unit.decay_segments makes the list), each updated on a view, so no
+per-element mask is stored. The updates follow torch.optim's (default flags, single-tensor path;
+the formulas are in SGD's and AdamW's docstrings). AdamW has two kernels with one answer, bit for
+bit: `adamw_reference` (NumPy, the readable one) and `adamw_fused` (Numba, one pass, nogil), picked
+with `AdamW(kernel="numpy" | "numba")`. Schedules are pure functions of the step.
 
-The shard is whatever the strategy owns: a whole unit's buffer (DDP), or the
-rank's 1/world slice of it (ZeRO/FSDP). Elementwise optimizers do not care which,
-and the padding (zero params, zero grads) stays zero under SGD and AdamW.
-
-Semantics follow torch.optim (default flags, single-tensor path):
-  SGD:   g = grad + wd p;  b = g (first step) | mu b + (1 - dampening) g
-         g = g + mu b (nesterov) | b;  p -= lr g
-  AdamW: p *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-         p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)   (t = 1, 2, ...)
-torch writes the m update as a lerp; that is the same expression up to rounding.
-
-AdamW has two kernels with one answer: `adamw_reference` (NumPy, the readable
-one) and `adamw_fused` (Numba `@njit(nogil=True)`, one pass over memory; it
-releases the GIL so a strategy may run it beside communication). Both do
-float64 arithmetic and round to the shard's dtype once per array per step, so
-they agree bit for bit today; on a float32 shard they differ from torch's
-float32 arithmetic by rounding only. Pick with `AdamW(kernel="numpy" | "numba")`.
-
-Schedules are pure functions of the step (frozen dataclasses with __call__).
-
-What it is not: no per-group learning rates (the groups differ in weight decay
-only), no gradient clipping (the global norm needs a collective; the caller
-scales grads), no amsgrad / maximize / foreach variants.
+What it is not: no per-group learning rates (the groups differ in weight decay only), no gradient
+clipping (the global norm needs a collective; the caller scales grads), no amsgrad / maximize /
+foreach variants.
 """
 
 from __future__ import annotations
@@ -89,7 +72,12 @@ def _segments(n: int, segments) -> list[tuple[int, int, bool]]:
 
 
 class SGD:
-    """Stochastic gradient descent with momentum, dampening, Nesterov and (L2) weight decay."""
+    """Stochastic gradient descent with momentum, dampening, Nesterov and (L2) weight decay, as
+    torch.optim.SGD computes it::
+
+        g = grad + wd p;  b = g (first step) | mu b + (1 - dampening) g
+        g = g + mu b (nesterov) | b;  p -= lr g
+    """
 
     def __init__(self, *, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0) -> None:
@@ -157,7 +145,15 @@ def adamw_fused(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, bias_c1,
 
 
 class AdamW:
-    """Adam with decoupled weight decay and bias correction (torch.optim.AdamW defaults)."""
+    """Adam with decoupled weight decay and bias correction (torch.optim.AdamW defaults)::
+
+        p *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)   (t = 1, 2, ...)
+
+    torch writes the m update as a lerp: the same expression up to rounding. Both kernels do
+    float64 arithmetic and round to the shard's dtype once per array per step, so they agree bit
+    for bit; on a float32 shard they differ from torch's float32 arithmetic by rounding only.
+    ``kernel="numba"`` releases the GIL, so a strategy may run it beside communication."""
 
     KERNELS = ("numpy", "numba")
 

@@ -2,30 +2,22 @@
 
 What it is:
 
-* `resolve_dtype("bfloat16")` and friends: float64 / float32 / float16 /
-  bfloat16 (bfloat16 is ml_dtypes', a real NumPy dtype, so arrays of it can be
-  sent, cast and summed like any other).
-* `PrecisionPolicy`: which dtype the master weights, the compute copy and the
-  gradient reduction use (a strategy reads it; nothing here communicates).
-* `cast_to(master, dtype, out=None)`: round-to-nearest-even cast of a float32
-  master shard into a compute buffer (e.g. the one that is then all-gathered).
-  Overflow becomes +-inf silently; that is the signal loss scaling looks for.
-  The model runs on such buffers as they are: float16 stays float16 through
-  it, while ml_dtypes promotes bfloat16 matmuls (and bfloat16 times a Python
-  float) to float32, so bfloat16 parameters give float32 activations. On a CPU
-  the gain of low precision is memory and bytes on the wire, not FLOPs.
-* `unscale_(grad, scale) -> found_inf`: grad /= scale in place and report
-  whether THIS shard holds inf/NaN.
-* `DynamicLossScaler` (torch.cuda.amp.GradScaler's rule): multiply the loss's
-  gradient by `scale`; after the backward, on inf/NaN skip the optimizer step
-  and multiply the scale by backoff (0.5); after `growth_interval` good steps in
-  a row multiply it by growth (2). The transition is the pure function
-  `next_scaler_state(state, found_inf, ...)`.
+* `resolve_dtype("bfloat16")` and friends: float64 / float32 / float16 / bfloat16 (ml_dtypes', a
+  real NumPy dtype, so arrays of it can be sent, cast and summed like any other).
+* `PrecisionPolicy`: which dtype the master weights, the compute copy and the gradient reduction
+  use (a strategy reads it; nothing here communicates).
+* `cast_to(master, dtype, out=None)`: round-to-nearest-even cast of a float32 master shard into a
+  compute buffer (e.g. the one then all-gathered); overflow becomes +-inf silently, the signal
+  loss scaling looks for. float16 stays float16 through the model, while ml_dtypes promotes
+  bfloat16 matmuls to float32; on a CPU the gain is memory and bytes on the wire, not FLOPs.
+* `unscale_(grad, scale) -> found_inf`: grad /= scale in place; whether THIS shard holds inf/NaN.
+* `DynamicLossScaler` (torch.cuda.amp.GradScaler's rule): on inf/NaN skip the step and multiply
+  the scale by backoff (0.5); after `growth_interval` good steps in a row by growth (2); the
+  transition is the pure `next_scaler_state(state, found_inf, ...)`.
 
-The hook for data parallelism: `update(found_inf)` takes `found_inf` as GIVEN.
-Every rank must pass the same value, so the caller first ORs its local
-`unscale_` results across ranks (an all-reduce with max of 0/1); otherwise
-ranks would disagree on whether to step and their weights would diverge.
+`update(found_inf)` takes `found_inf` as GIVEN: every rank must pass the same value, so the caller
+first ORs its local `unscale_` results across ranks (an all_reduce, max of 0/1); otherwise ranks
+would disagree on whether to step and their weights would diverge.
 
 What it is not: no autocast, no per-op precision lists, no communication.
 """

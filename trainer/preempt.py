@@ -1,46 +1,26 @@
 """Stopping for the scheduler: every rank checkpoints at the same step, then exits with a code.
 
-A scheduler that wants a job's nodes back signals it first: SLURM sends SIGTERM on
-``scancel`` and on preemption (KillWait / GraceTime seconds before SIGKILL), and the
-signal ``sbatch --signal=USR1@60`` names before the time limit; Open MPI's mpirun
-forwards SIGUSR1 to its ranks. The signal reaches some ranks or all of them, each at
-its own moment, while they are anywhere in a step. So:
+A scheduler that wants a job's nodes back signals it first (SLURM's SIGTERM on preemption,
+``sbatch --signal=USR1@60`` before the time limit, mpirun forwarding SIGUSR1), reaching some
+ranks or all, each anywhere in a step. Inside a :class:`Preemption` scope a handler for each
+signal (``RINGWEAVE_PREEMPT_SIGNALS``) only notes it, and a second one takes the default action.
+The loop calls :func:`at_step_boundary` after every step; about once a second
+(``RINGWEAVE_PREEMPT_CHECK_S``) every rank joins one small all_reduce that says whether any rank
+noted a signal, so all ranks read the same answer at the same step, save the checkpoint there and
+raise :class:`Preempted`, whose ``exit_code`` is 128 + the signal (143 for SIGTERM). ``--resume``
+then continues as if the run had never stopped. Why once a second and not every step:
+bench/results/preempt.md#a-check-and-the-steps-between.
 
-1. While a :class:`Preemption` is entered (``with Preemption(): await fit(...)``), a
-   handler for each of its signals (``RINGWEAVE_PREEMPT_SIGNALS``, default SIGTERM and
-   SIGUSR1) only notes the signal's number. A second signal while one is pending takes
-   the default action (a user's second kill still kills).
-2. The training loop calls :func:`at_step_boundary` after every step. About once a
-   second (``RINGWEAVE_PREEMPT_CHECK_S``, default 1; 0: every step) every rank takes part in an all_reduce (max) over
-   the whole job of two int64: the signal it has noted (0 if none) and its mean step
-   time since the last such check. Which boundaries check is itself agreed: each check
-   sets the next one ``check_s / slowest mean step time`` steps later (at least 1),
-   from the same reduced numbers on every rank. So all ranks read the same answer at
-   the same boundary and all stop after the same step, even a rank that got no signal,
-   within about a second and a step of the signal. Between checks the hook counts down;
-   outside a scope it returns at once: no collective at all.
-3. If the answer holds a signal: the loop's checkpoint is saved (collective and atomic,
-   trainer/checkpoint.py: it is committed when ``save`` returns on any rank) and every
-   rank raises :class:`Preempted`, whose ``exit_code`` is 128 + the signal (143 for
-   SIGTERM, 138 for SIGUSR1, what srun, mpirun and shells report for a process that
-   signal ended), or ``RINGWEAVE_PREEMPT_EXIT_CODE``. ``python -m trainer`` exits with
-   it; a batch script can requeue itself on it (README: Running on a cluster), and
-   ``--resume`` continues from the checkpoint, with the same losses and parameters as a
-   run that was never stopped.
+    with Preemption():                       # from the main thread; elsewhere it warns, catches nothing
+        await fit(strategy, data, config, checkpoint_dir="ckpt", ...)   # raises Preempted
 
-Why not an all_reduce at every step: a check costs 0.18 ms at 4 ranks on this project's
-2-core machine when it is quiet and 4.3 ms when other jobs load it, up to most of a short
-step; once a second it is 0.02-0.4% of the time
-(bench/results/preempt.md#a-check-and-the-steps-between).
+How the checking steps are agreed: docs/design.md, "The trainer: units and strategies"
+(**Preemption**). A rank whose launcher died is not asked to checkpoint (runtime/lifeline.py): its
+signal takes the default action.
 
-Handlers are installed only from the main thread (Python's rule); elsewhere the scope
-warns and catches nothing. A rank whose launcher died (runtime/lifeline.py sends it
-SIGTERM) is not asked to checkpoint: the signal takes its default action, since the
-rank's peers and store may be gone with the launcher.
-
-What it is not: no checkpoint outside step boundaries (a signal during evaluation is
-acted on at the next step, or not at all when the run ends first), no requeueing (the
-scheduler and the batch script do that), no signals other than those configured.
+What it is not: no checkpoint outside step boundaries (a signal during evaluation is acted on at
+the next step, or not at all when the run ends first), no requeueing (the scheduler and the batch
+script do that), no signals other than those configured.
 """
 
 from __future__ import annotations
@@ -85,7 +65,7 @@ class Preempted(Exception):
 
 
 class Preemption:
-    """The scope in which preemption signals are caught (see the module docstring).
+    """The scope in which preemption signals are caught.
 
     ``Preemption(signals=("SIGTERM", "SIGUSR1"), check_s=1.0)``; ``signals=None`` reads
     ``RINGWEAVE_PREEMPT_SIGNALS``, ``check_s=None`` ``RINGWEAVE_PREEMPT_CHECK_S`` (0: agree
@@ -142,7 +122,9 @@ class Preemption:
 
     async def agreed(self, group) -> int:
         """At a step boundary: the signal the job agreed on (0: none, or not a checking boundary).
-        ``group``: any group of the job (its world takes part; None: one process)."""
+        ``group``: any group of the job (its world takes part; None: one process). A check is an
+        all_reduce (max) of (the signal noted, the mean step time since the last check); it sets
+        the next check ``check_s / slowest mean step`` boundaries later, the same on every rank."""
         self._steps += 1
         if group is None or group.runtime.world_size == 1:
             return self.received

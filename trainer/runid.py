@@ -1,25 +1,13 @@
 """A run's identity, and what a run does with a checkpoint directory: pure decisions, no files.
 
-A *run* is one line of training that checkpoints continue: a fresh start, then every
-restart and resume of it. Each checkpoint it saves records it (trainer/checkpoint.py)::
-
-    metadata["run"] = {"id": "3fa85f6457174562b3fc2c963f66afa6",        # 32 lowercase hex
-                       "config": {"model": "gpt", "n_layer": 4, "n_head": 4, ..., "optimizer": "adamw",
-                                  "params": "5b0e61c4a2f9d7e3", "param_count": 827392,
-                                  "global_batch_size": 64, "grad_accum": 1, "seed": 0, ...}}
-
-The config is what must match to continue the run, each value a JSON scalar or a list of
-scalars: the model's kind, architecture and sizes, vocabulary, data, optimizer kind, the
-parameters' names and shapes (a digest, "params") and the batching that places the loop in
-the data. What may change on resume (world size, strategy, mesh, offload, precision,
-learning-rate settings, epochs, ...) is not in it. A checkpoint written before runs were
-named has no "run": it is the *unnamed* run, whose config is what its metadata still
-tells (:func:`legacy_config`); it may be resumed explicitly and is never pruned by a new run.
-
-The id (:func:`job_identity`) is derived from the job that runs it, the same in every attempt
-of that job: SLURM_JOB_ID (kept by a requeue), else TORCHELASTIC_RUN_ID (torchrun), else
-RINGWEAVE_JOB (runtime.launch), else none (a fresh id). An attempt is a restart when
-SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT or RINGWEAVE_RESTART is above 0.
+A *run* is one line of training that checkpoints continue: a fresh start, then every restart and
+resume of it. Each checkpoint records it as ``metadata["run"] = {"id": 32 lowercase hex,
+"config": {...}}``, the config being what must match to continue it (:func:`run_config`: the
+model, the data, the optimizer's kind, a digest of the parameters' shapes, the batching); a
+checkpoint written before runs were named is the *unnamed* run (:func:`legacy_config`). The id
+comes from the job (:func:`job_identity`: SLURM_JOB_ID, TORCHELASTIC_RUN_ID or RINGWEAVE_JOB, the
+same in every attempt), and an attempt is a restart when its restart count is above 0. README.md,
+"Runs, resume and restarts", says what may change on resume and why.
 
 What a run does with its checkpoint directory (:func:`decide`), in order::
 
@@ -28,6 +16,11 @@ What a run does with its checkpoint directory (:func:`decide`), in order::
     no --resume                 --move-aside: move every run there aside, start;  else refuse, naming it
     --resume, --resume auto     the one named run there (else the unnamed one): continue it if its config
                                 matches, else refuse naming each field that differs; several named runs: refuse
+
+    job = job_identity(os.environ)
+    d = decide(found, where="ckpt", own_id=job.run_id(lambda: secrets.token_hex(16)), job=job,
+               resume=Resume.of("auto"), move_aside=False, config=run_config(model, optimizer="adamw", batching=b))
+    d.action                                 # Action.START / CONTINUE / MOVE_ASIDE / REFUSE (d.message says why)
 
 Not here: reading the directory, moving checkpoints, agreeing across ranks (trainer/rundir.py).
 """

@@ -1,19 +1,14 @@
 """`python -m trainer.sample`: text from a GPT checkpoint, decoded with a KV cache.
 
-    python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp --checkpoint-dir ckpt
-    python -m trainer.sample --checkpoint ckpt --prompt "The assert statement" --tokens 200 \\
-        --temperature 0.8 --seed 0 [--top-k 40]
+    python -m trainer.sample --checkpoint ckpt --prompt "The assert statement" --tokens 200
 
-It reads the newest valid checkpoint under --checkpoint (or that checkpoint directory),
-from its files alone: no ranks, whatever world size and strategy saved it. Under a
---checkpoint-dir it reads the directory's run only (trainer/rundir.py): its one named run,
-else the checkpoints that name no run, never a mix; several named runs are an error that
-names them. A checkpoint that does not read (a damaged piece) is skipped, saying why,
-for that run's one before. The
-model is rebuilt from the checkpoint's "model" entry (`GPT.spec()`), the prompt is
-encoded as UTF-8 bytes, and `GPT.generate` samples one byte at a time, each
-costing one position thanks to the KV cache (see trainer/nn/gpt.py). The prompt
-and the generated text go to stdout.
+It reads the checkpoint --checkpoint names, or the newest that reads of the run of the directory
+it names (trainer/rundir.py: its one named run, else the checkpoints that name no run, never a mix;
+several named runs are an error; a damaged checkpoint is skipped, saying why), from its files
+alone: no ranks, whatever world size and strategy saved it. The model is rebuilt
+from the checkpoint's "model" entry (`GPT.spec()`), the prompt is encoded as UTF-8 bytes, and
+`GPT.generate` samples one byte at a time, each costing one position thanks to the KV cache
+(trainer/nn/gpt.py). The prompt and the generated text go to stdout.
 
 What it is not: no batching of prompts, no beam search, no server.
 """

@@ -11,12 +11,8 @@ What it is:
   `decode(ids)` the reverse (invalid UTF-8 sequences become U+FFFD).
 * `load_text_split(block_size)`: the corpus cut into a training range and the
   validation range after it (contiguous: no window crosses from one into the other).
-* `RandomWindows(tokens, block_size)`: the training set, nanoGPT's `get_batch`: sample k
-  of epoch e is the window of block_size + 1 tokens starting at starts(e)[k], a uniform
-  draw from (seed, e) alone, so every rank and every strategy sees the same windows;
-  x is its first block_size tokens and y the next token at each position (x shifted by
-  one). With `trainer.data.iter_local_batches` splitting each global batch of window
-  indices by rank, this is the distributed sampler of random windows.
+* `RandomWindows(tokens, block_size)`: the training set, nanoGPT's `get_batch` as a data set:
+  windows at random starts drawn from (seed, epoch) alone, the same on every rank and strategy.
 * `Windows(tokens, block_size)`: the evaluation set, the tokens tiled by consecutive
   windows (the last partial one dropped), the same every epoch.
 * `unigram_loss(train, val)`: the cross-entropy (nats per byte) of the validation bytes
@@ -77,7 +73,13 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[n
 
 class RandomWindows:
     """Training windows at random starts, `num_windows` per epoch (default: len // block_size,
-    about one pass over the tokens); see the module docstring."""
+    about one pass over the tokens).
+
+    Sample k of epoch e is the window of block_size + 1 tokens starting at starts(e)[k], a uniform
+    draw from (seed, e) alone, so every rank and every strategy sees the same windows; x is its
+    first block_size tokens and y the next token at each position (x shifted by one). With
+    `trainer.data.iter_local_batches` splitting each global batch of window indices by rank, this
+    is the distributed sampler of random windows."""
 
     def __init__(self, tokens: np.ndarray, block_size: int, num_windows: int | None = None, *, seed: int = 0) -> None:
         self.tokens = _check_tokens(tokens, block_size)

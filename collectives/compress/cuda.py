@@ -226,8 +226,8 @@ SELECT_THREADS = 16 if SIMULATOR else 1024  # the one block that scans a histogr
 ITEMS = 2 if SIMULATOR else 16  # chunks of THREADS elements per tile
 TILE = THREADS * ITEMS
 # A kernel launched as one block of SELECT_THREADS declares it (.maxntid), so ptxas budgets its registers
-# for the whole block: without it _topk_scan_tiles took more than 64 a thread and every launch on an
-# H200 failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). The simulator's jit takes no launch bounds.
+# for the whole block; without it a launch fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+# (bench/results/device.md#the-gpu-cases). The simulator's jit takes no launch bounds.
 _one_block = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=SELECT_THREADS)
 
 

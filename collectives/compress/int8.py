@@ -1,30 +1,27 @@
 """int8 codec: blockwise absmax scaling, one float32 scale per block.
 
-Each block of ``block`` consecutive elements (default 256; the last block may
-be short) is sent as int8 codes q = round(x * 127 / absmax) in [-127, 127] and
-one float32 scale = absmax / 127; decode is q * scale. Scales are float32, not
-float16, so that any float32 gradient's absmax is representable; they cost
-4 / block bytes per element: wire bytes = n + 4 * ceil(n / block), 25.4% of
-float32 at block 256 (26.6% at 64 is the smallest block under the 27% goal).
+Each block of ``block`` consecutive elements (default 256; the last block may be short) is sent as
+int8 codes q = round(x * 127 / absmax) in [-127, 127] and one float32 scale = absmax / 127; decode
+is q * scale. Scales are float32, not float16, so that any float32 gradient's absmax is
+representable; they cost 4 / block bytes per element: wire bytes = n + 4 * ceil(n / block), 25.4%
+of float32 at block 256 (26.6% at 64 is the smallest block under the 27% goal).
 
 Error bound, per element, with scale = absmax(block) / 127:
 
-* round to nearest (default): |x - decode(encode(x))| <= scale * (0.5 + 1e-4)
-  (half a step, plus float32 rounding in the scale, the product and the
-  decode);
-* stochastic rounding (``stochastic=True``): error < scale * (1 + 1e-4), and
-  unbiased up to that rounding: E[decode] = x. The random numbers come from a
-  counter-based hash of (seed, call number, element index), so the NumPy,
-  Numba and CUDA versions give identical codes. Give each rank its own seed.
+* round to nearest (default): |x - decode(encode(x))| <= scale * (0.5 + 1e-4) (half a step, plus
+  float32 rounding in the scale, the product and the decode);
+* stochastic rounding (``stochastic=True``): error < scale * (1 + 1e-4), and unbiased up to that
+  rounding: E[decode] = x. The random numbers come from a counter-based hash of (seed, call number,
+  element index), so the NumPy, Numba and CUDA versions give identical codes. Give each rank its
+  own seed.
 
-A block whose absmax is below 2**-100 is sent as zeros (error <= absmax, which
-keeps 127 / absmax finite). A block containing inf or NaN decodes to all-NaN (scale NaN, codes 0), so
-overflow still reaches the loss scaler.
+A block whose absmax is below 2**-100 is sent as zeros (error <= absmax, which keeps 127 / absmax
+finite). A block containing inf or NaN decodes to all-NaN (scale NaN, codes 0), so overflow still
+reaches the loss scaler.
 
-Reduction across ranks (``"gather-decode-sum"``): int8 codes with different
-scales cannot be added. all_gather every rank's (codes, scales), then
-``decode_add`` each into a float32 accumulator (or reduce_scatter the same
-way: each rank gathers the shards it owns).
+Reduction across ranks (``"gather-decode-sum"``): int8 codes with different scales cannot be added.
+all_gather every rank's (codes, scales), then ``decode_add`` each into a float32 accumulator (or
+reduce_scatter the same way: each rank gathers the shards it owns).
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ def storage(a, logical_dtype=None):
         dtype = np.dtype(d.dtype)
     if not d.is_c_contiguous():
         raise ValueError(f"CUDA kernels need C-contiguous device arrays; got shape {d.shape}, strides {d.strides}")
-    flat = d if d.ndim == 1 else d.reshape(d.size)  # the same object keeps numba's cached type: ~20 us a call
+    # the same object keeps numba's cached type (bench/results/device.md#kernels-against-cupy)
+    flat = d if d.ndim == 1 else d.reshape(d.size)
     if dtype in reference.HALF_DTYPES and np.dtype(flat.dtype) != np.uint16:
         flat = flat.view(np.uint16)
     return flat, dtype

@@ -27,8 +27,8 @@ OFFLOAD_MIN_NBYTES = 4 << 20
 # twice on an oversubscribed machine (bench/results/shm.md#worker-threads).
 OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
 # Inline, a copy or reduction is cut into pieces of this many bytes (of its output), and the event
-# loop gets a turn between pieces when it is due (collectives/comm.py give_turn): a piece is 0.1-1 ms of work,
-# so a 64 MiB call no longer holds the loop for its 30 ms; a turn check costs one clock read.
+# loop gets a turn between pieces when it is due (collectives/comm.py give_turn), so a large call never
+# holds the loop for its whole length (bench/results/dataplane.md#the-loops-turns).
 PIECE_NBYTES = 2 << 20
 
 

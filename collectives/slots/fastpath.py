@@ -217,8 +217,8 @@ class _Compiled:
             self.wait = (SPIN_PAUSES, False, SLICE_NS)
         else:  # ranks share cores: a yield hands the core to one with work (bench/results/shm.md#waiting-and-waking)
             self.wait = (env.SHM_SPIN.get(), True, SLICE_NS)
-        # auto: where ranks share cores the compiled path was 4-19% slower than the Python one, with a
-        # core each 1.2-1.7x faster (bench/results/shm.md#the-compiled-small-path)
+        # auto: only where it pays, a core per rank or tasks of one process
+        # (bench/results/shm.md#the-compiled-small-path)
         setting = env.SHM_COMPILED.get()
         self.enabled = setting == "1" or (setting == "auto" and (own or dom.cooperative))
 

@@ -9,6 +9,7 @@ A tiny MLP (4 -> 6 -> 3, float32, AdamW) trained one step per checkpoint on synt
 each checkpoint has 2 units x 3 arrays, each array in 2 pieces (one per rank).
 
     race_tmp_steps(root, victim, "notes.txt", running, made)   # the .tmp-step-S racer, as the attacker
+    monkeypatch.setattr(ckptfs.Dir, "write_new", after_each_piece(fn))   # fn(rank, name) once each piece is durable
 
 Not here: the other attacks (each test file writes its own).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.testing import run_ranks
-from trainer import checkpoint
+from trainer import checkpoint, ckptfs
 from trainer.data import iter_local_batches, make_synthetic
 from trainer.nn import mlp
 from trainer.sharding import TrainConfig, make_strategy
@@ -106,6 +107,21 @@ def edit_meta(ckpt: Path, fn) -> None:
 def params_of(ckpt: Path) -> list[np.ndarray]:
     """The unit parameters stored in a checkpoint, read from its files."""
     return checkpoint.read_unit_params(ckpt)[0]
+
+
+def after_each_piece(fn):
+    """A ``ckptfs.Dir.write_new`` that calls ``fn(rank, name)`` after a save's piece
+    ``.tmp-step-S/rankRRRRR/<name>.npy`` is written and fsynced (and does nothing else new): where
+    a test makes a save fail, hang or race between one piece and the next."""
+    write_new = ckptfs.Dir.write_new
+
+    def write_new_then(self, filename: str, write) -> None:
+        write_new(self, filename, write)
+        here = self.path
+        if here.parent.name.startswith(".tmp-step-") and here.name.startswith("rank") and filename.endswith(".npy"):
+            fn(int(here.name[len("rank"):]), filename[: -len(".npy")])
+
+    return write_new_then
 
 
 def race_tmp_steps(root: str, victim: str, target: str, running, made: dict) -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.security.ckptutil import edit_meta, load_newest, params_of, race_tmp_steps, save_steps
+from tests.security.ckptutil import after_each_piece, edit_meta, load_newest, params_of, race_tmp_steps, save_steps
 from tests.security.stranger import NOBODY, Stopped, Stranger, as_stranger, needs_root
-from trainer import checkpoint
+from trainer import checkpoint, ckptfs
 from trainer.parallel.offload import Offload
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,7 +202,7 @@ async def test_a_tmp_directory_swapped_during_a_save_is_not_committed(tmp_path, 
             (tmp / "metadata.json").symlink_to(victim / "precious.txt")
             swapped.append(name)
 
-    monkeypatch.setattr(checkpoint, "_after_piece_written", swap)
+    monkeypatch.setattr(ckptfs.Dir, "write_new", after_each_piece(swap))
     with pytest.raises(checkpoint.CheckpointError, match="was replaced while saving; not committed"):
         await save_steps(root, 1, first=1, world=1)
     assert swapped and untouched(victim)

@@ -202,10 +202,10 @@ def test_the_kernels_cache_in_the_users_cache_folder_not_the_package():
     import os
 
     from collectives.kernels import jitcache
-    from trainer.nn import kernels
+    from trainer.nn import layer_kernels
 
-    kernels.layernorm_forward(np.ones((1, 2)), np.ones(2), np.zeros(2), 1e-5, np.empty((1, 2)), np.empty(1),
+    layer_kernels.layernorm_forward(np.ones((1, 2)), np.ones(2), np.zeros(2), 1e-5, np.empty((1, 2)), np.empty(1),
                               np.empty(1))
-    where = kernels.layernorm_forward._cache._cache_path
+    where = layer_kernels.layernorm_forward._cache._cache_path
     want = os.environ.get("NUMBA_CACHE_DIR") or jitcache.cache_root()
-    assert where.startswith(want) and not where.startswith(os.path.dirname(kernels.__file__)), where
+    assert where.startswith(want) and not where.startswith(os.path.dirname(layer_kernels.__file__)), where

@@ -14,7 +14,8 @@ import pytest
 
 from dist_helpers import assert_params_close, make_config, step_batches, tiny_model
 from runtime.testing import run_ranks
-from trainer import checkpoint
+from tests.security.ckptutil import after_each_piece
+from trainer import checkpoint, ckptfs
 from trainer.sharding import make_strategy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +116,7 @@ async def test_a_failed_save_leaves_the_last_good_checkpoint(tmp_path, monkeypat
         if rank == 1 and name == "unit1.param":  # after unit 0's pieces are already on disk
             raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(checkpoint, "_after_piece_written", fail_on_rank_1)
+    monkeypatch.setattr(ckptfs.Dir, "write_new", after_each_piece(fail_on_rank_1))
 
     async def body(group):
         strategy = make_strategy("zero3", tiny_model(group.size), make_config(), group)
@@ -143,7 +144,8 @@ KILLED_SAVER = textwrap.dedent("""
     sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
     from dist_helpers import make_config, step_batches, tiny_model
     from runtime.testing import run_ranks
-    from trainer import checkpoint
+    from tests.security.ckptutil import after_each_piece
+    from trainer import checkpoint, ckptfs
     from trainer.sharding import make_strategy
     root, flag = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -159,7 +161,7 @@ KILLED_SAVER = textwrap.dedent("""
         await s.train_step(batches[0])
         await checkpoint.save(s, root)
         await s.train_step(batches[1])
-        checkpoint._after_piece_written = hang_after_first_piece
+        ckptfs.Dir.write_new = after_each_piece(hang_after_first_piece)
         await checkpoint.save(s, root)
 
     asyncio.run(run_ranks(1, body))

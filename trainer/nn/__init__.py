@@ -57,4 +57,4 @@ __all__ = [
     "ParamSpec", "Unit", "round_up", "shard_bounds", "Call", "Tape", "Model", "mlp", "ActivationMeter",
 ]
 # Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): the layers' fast kernels.
-_INTERNAL = ("kernels",)
+_INTERNAL = ("layer_kernels",)

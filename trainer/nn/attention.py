@@ -41,7 +41,7 @@ import math
 
 import numpy as np
 
-from trainer.nn import kernels
+from trainer.nn import layer_kernels as kernels
 from trainer.nn.layers import Container, Dropout, Linear, check_kernel
 
 __all__ = ["CausalSelfAttention", "KVCache", "attention_forward", "attention_backward", "causal_softmax",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import kernels
+from trainer.nn import layer_kernels as kernels
 from trainer.nn.layers import Layer, check_kernel
 
 __all__ = ["Embedding", "PositionalEmbedding"]

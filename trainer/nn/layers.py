@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.nn import kernels
+from trainer.nn import layer_kernels as kernels
 from trainer.nn.context import Context
 
 __all__ = ["Layer", "Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Container", "Sequential", "KERNELS",

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import kernels
+from trainer.nn import layer_kernels as kernels
 
 __all__ = ["cross_entropy_forward", "cross_entropy_backward", "softmax_cross_entropy", "Loss",
            "CrossEntropyLoss", "MSELoss"]

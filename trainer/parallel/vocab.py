@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import kernels
+from trainer.nn import layer_kernels as kernels
 from trainer.nn.layers import Layer
 from trainer.nn.loss import CrossEntropyLoss, Loss, _denominator
 from trainer.parallel.tp_group import TPGroup, part

@@ -1,5 +1,4 @@
-"""Halving-doubling (Rabenseifner) all_reduce: recursive-halving reduce-scatter, then
-recursive-doubling all-gather.
+"""Halving-doubling (Rabenseifner) all_reduce: recursive-halving reduce-scatter, recursive-doubling all-gather.
 
 How it works (n ranks, rank r; p = the largest power of two <= n, rem = n - p):
 

@@ -1,47 +1,25 @@
-"""The fast path of the layers where NumPy makes extra passes: Numba loops, NumPy's SIMD exp and tanh.
+"""The fast path of the layers where NumPy makes extra passes: Numba loops around NumPy's SIMD exp and tanh.
 
-What it is: the kernels behind `kernel="fast"` (the default) of LayerNorm, GELU,
-the causal softmax of attention, the embedding's scatter-add and the softmax
-cross-entropy. Each computes what the NumPy reference in the layer's file
-computes (trainer/nn/layers.py, attention.py, embedding.py, loss.py: the readable
-versions stay there, beside the math, and run with `kernel="reference"`), with
-fewer passes over memory and no temporaries. They agree with the reference to
-rounding (float64: relative 1e-12 in tests/trainer), not bit for bit: a loop sums
-in another order than NumPy's pairwise sums.
+What it is: the kernels behind `kernel="fast"` (the default) of LayerNorm, GELU, the causal
+softmax of attention, the embedding's scatter-add and the softmax cross-entropy. Each computes
+what the NumPy reference in the layer's file computes (trainer/nn/layers.py, attention.py,
+embedding.py, loss.py keep the readable versions, run with `kernel="reference"`), with fewer
+passes over memory and no temporaries; they agree with it to rounding (float64: relative 1e-12),
+not bit for bit, since a loop sums in another order than NumPy's pairwise sums. Every
+transcendental runs in NumPy, in place, and the arithmetic passes around it in Numba
+(bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped says why).
 
-Why the split between Numba and NumPy: this Numba has no vector math library
-(`numba.config.USING_SVML` is False), so `math.exp` / `math.tanh` inside a loop
-run one element at a time, while NumPy's `np.exp` / `np.tanh` are SIMD: a fused
-Numba softmax or tanh-GELU lost to the split one, and the tanh-GELU even to NumPy's
-reference (bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped).
-So every transcendental runs in NumPy, in place, and the arithmetic passes around it
-(max, shift, sums, normalisation, the polynomial, the backward) in Numba, one pass each.
+    if use_fast(x, w, b):                                   # float32 / float64, C contiguous
+        layernorm_forward(x, w, b, eps, out, mean, rstd)   # x (N, C); mean, rstd (N,)
+    out, t = gelu_tanh_forward(x)                           # t kept for gelu_tanh_backward
 
-    layernorm_forward(x (N, C), w, b, eps, out, mean (N,), rstd (N,))
-    layernorm_backward(dout, x, mean, rstd, w, dx, dw (C,) float64 +=, db (C,) float64 +=)
-    gelu_tanh_forward(x) -> (out, t)           # t = tanh(c (x + a x^3)), kept for the backward
-    gelu_tanh_backward(x, t, dout) -> dx
-    gelu_erf_forward(x) -> (out, cdf) / gelu_erf_backward(x, cdf, dout) -> dx
-    causal_softmax_forward(s (G, Tq, Tk), scale) -> p     # query i sees keys j <= i + Tk - Tq
-    causal_softmax_backward(p, dp, scale, ds)             # ds = scale p (dp - sum_j p dp)
-    embedding_backward(idx (N,), dout (N, C), dw (V, C))  # dw[idx[n]] += dout[n]
-    cross_entropy_forward_backward(logits (N, K), y (N,), weight) -> (sum_n l_n, dlogits)
+Every Numba kernel is `@njit(nogil=True)`, so the event loop moves collectives while the model
+computes on its thread; compiled lazily per dtype and cached in the user's cache folder
+(collectives/kernels/jitcache.py). The signatures and the summation order: docs/design.md, "The
+trainer: units and strategies".
 
-Statistics (means, variances, sums of the softmax) are accumulated in float64
-whatever the array dtype, in an order LLVM may choose (fastmath "reassoc": vectorised
-sums); results are stored in the arrays' dtype. Row maxima use four interleaved
-running maxima (`_row_max`), which LLVM vectorises where one running maximum would not. Every Numba
-kernel is `@njit(nogil=True)`: the strategies run the model on a thread beside the
-event loop, and a kernel that holds no GIL lets the loop move collectives meanwhile
-(NumPy's ufuncs release it too).
-
-Dispatch: a layer takes this path when `use_fast(*arrays)` holds (float32 / float64,
-C contiguous), else its reference (float16 activations, odd strides). Compiled
-lazily per dtype on first use and cached on disk (cache=True) in the user's cache folder
-(collectives/kernels/jitcache.py), not in the package.
-
-What it is not: no threading inside a kernel (several ranks already share the
-cores), no matmuls (NumPy's BLAS does those).
+What it is not: no threading inside a kernel (several ranks already share the cores), no matmuls
+(NumPy's BLAS does those), no float16 (the layers take their reference path for it).
 """
 
 from __future__ import annotations
@@ -64,9 +42,9 @@ __all__ = [
 ]
 
 _JIT = dict(nogil=True, cache=True)
-# sums may be reordered (and multiply-adds fused) so that LLVM vectorises them (LayerNorm's forward lost
-# to NumPy without: bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped); no flag
-# that assumes finite values, so inf and NaN still propagate (loss scaling looks for them)
+# sums may be reordered (and multiply-adds fused) so that LLVM vectorises them
+# (bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped); no flag that assumes
+# finite values, so inf and NaN still propagate (loss scaling looks for them)
 _JIT_SUMS = dict(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 _FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608...
