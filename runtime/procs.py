@@ -25,7 +25,7 @@ Lifecycle of one rank: ``spawn -> RUNNING [-> output*] -> exited (returncode)
 exit (what the rank wrote just before dying) until the pipes close.
 
 What this is not: deciding which exit code the launcher returns, when to
-restart or what to print about a failure (pure functions in launch.py).
+restart or what to print about a failure (pure functions in launch_outcome.py).
 """
 
 from __future__ import annotations
