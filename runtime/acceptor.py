@@ -38,7 +38,7 @@ stops the thread, joins it, and closes every socket it still holds, handed over 
 listening socket belongs to the owner, who closes it after ``close``.
 
 Not here: the handshake itself (auth.py), what the owner does with a connection (actor.py,
-store_tcp.py).
+store_server.py).
 """
 
 from __future__ import annotations

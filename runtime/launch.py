@@ -67,7 +67,7 @@ from runtime.launch_outcome import (
     stop_plan,
 )
 from runtime.scheduler import usable_cores
-from runtime.store_tcp import StoreServer
+from runtime.store_server import StoreServer
 from runtime import jobsecret
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -130,7 +130,7 @@ class Stopper:
 async def hosted_store(host: str, port: int, secret: str | None, job: str):
     """Runs the job's store server in this event loop; yields it (``.port``: the real port).
 
-    The only places the launcher touches the store (runtime.store_tcp): here and
+    The only places the launcher touches the store (runtime.store_server): here and
     :func:`abort_record`."""
     server = StoreServer(host, port, secret=secret.encode() if secret else None, job=job)
     await server.start()
