@@ -3,8 +3,9 @@
 run their asyncio objects on, for programs that are not asyncio.
 
 :class:`LoopThread` runs coroutines there and returns their results in the calling thread;
-``close`` cancels what still runs, awaits it, closes the loop and joins the thread, each bounded.
-One its owner never closed is closed at interpreter exit, before the interpreter is torn down.
+``close`` cancels what still runs and awaits it (at most :data:`CLOSE_TIMEOUT_S`), then stops the
+loop and joins the thread. One its owner never closed is closed at interpreter exit, before the
+interpreter is torn down.
 :func:`new_event_loop` is uvloop's loop where installed, else asyncio's.
 
 Not here: what runs on the loop (the stores, the communicator).
