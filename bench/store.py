@@ -30,7 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.store import MemoryStore, Store  # noqa: E402
-from runtime.store_tcp import StoreServer, TCPStore  # noqa: E402
+from runtime.store_server import StoreServer  # noqa: E402
+from runtime.store_tcp import TCPStore  # noqa: E402
 
 SECRET = b"bench-secret"
 

@@ -8,7 +8,7 @@
         h = comm.all_gather_async(out, x)         # returns at once; compute, then h.wait()
     # python -m runtime.launch -n 2 script.py   ->  both ranks: x = [3. 3. 3. 3.]
 
-A :class:`Communicator` owns one event loop on a daemon thread (``runtime.store.LoopThread``) and
+A :class:`Communicator` owns one event loop on a daemon thread (``runtime.loopthread.LoopThread``) and
 the runtime on it. Every call of collectives/api.py is here, blocking, with the same name and
 arguments, plus a ``<name>_async`` twin that returns a :class:`Handle` at once; its arrays belong
 to the collective until the handle is done. Any number of threads may call one communicator; each
@@ -40,7 +40,7 @@ from collectives import api, objects, uneven
 from runtime.errors import ClosedError
 from runtime.group import issuing_thread
 from runtime.init import abort_reason
-from runtime.store import LoopThread
+from runtime.loopthread import LoopThread
 
 
 class Handle:
@@ -211,7 +211,7 @@ class Communicator:
 @atexit.register
 def _close_at_exit() -> None:
     """Leaves the job for every communicator the program did not close, while the interpreter
-    is still whole (runtime/store.py LoopThread says why that matters): aborts when an uncaught
+    is still whole (runtime/loopthread.py LoopThread says why that matters): aborts when an uncaught
     exception is ending the program (``sys.last_value``, set before exit hooks run), else
     closes as ``close()`` does."""
     uncaught = abort_reason(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))

@@ -30,6 +30,6 @@ def run(main, *, debug: bool | None = None):
 
 __all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]
 # Imported only from inside runtime/ (tests/tree/test_surfaces.py): the listener's accept loop,
-# child processes, what a scheduler (SLURM, mpirun) tells the launcher and init, and the
-# connections' sender and receiver threads.
-_INTERNAL = ("acceptor", "dataplane", "procs", "scheduler")
+# child processes, the launcher's command line and decisions, what a scheduler (SLURM, mpirun)
+# tells the launcher and init, the store's frames, and the connections' sender and receiver threads.
+_INTERNAL = ("acceptor", "dataplane", "launch_config", "launch_outcome", "procs", "scheduler", "store_protocol")

@@ -2,43 +2,30 @@
 its own: accepting, bounding and authenticating strangers, so that neither a flood of
 connections nor a busy event loop decides who gets in.
 
-Why a thread. A rank's event loop also runs its collectives; in a tight loop of shared-memory
-collectives it came back to its other tasks about once a second (bench/results/security.md), so
-a handshake, a few loop turns, took seconds: peers and tools ran into their deadlines and
-``tools.status`` reported healthy ranks as not answering. Here a thread runs a small event loop
-of its own that accepts, runs ``auth.accept`` under its deadline, and hands each authenticated
-socket to the owner's loop (``call_soon_threadsafe``); the owner never touches a socket that has
-not authenticated.
+The thread runs a small event loop of its own that accepts, runs ``auth.accept`` under its
+deadline and hands each authenticated socket to the owner's loop (``call_soon_threadsafe``). The
+owner never touches a socket that has not authenticated, and a handshake never waits for the
+owner's loop, which a tight loop of collectives may keep busy for long stretches
+(bench/results/security.md#toolsstatus-while-the-ranks-run-collectives-back-to-back).
 
-Bounds (SECURITY.md states them, tests/security checks them):
+Bounds (SECURITY.md states them, tests/security checks them): at most ``max_handshaking``
+connections in the handshake at once (never more than a quarter of RLIMIT_NOFILE), one more drops
+the oldest; before it authenticates, a connection costs a task and one handshake buffer of
+``auth.HANDSHAKE_BUFFER_NBYTES``, never what a stranger announces; ``accept`` failing for want of
+descriptors or memory backs off and keeps listening; each refusal is logged in one line, up to
+``LOG_LINES`` per ``LOG_WINDOW_S``, and the rest are counted.
 
-* at most ``max_handshaking`` connections are in the handshake at once (and never more than a
-  quarter of the process's descriptor limit, RLIMIT_NOFILE); one more drops the oldest, so a
-  flood of idle connections costs at most that many descriptors, and a peer that connects
-  during the flood gets in as soon as its own handshake is done (its few milliseconds) instead
-  of waiting for the strangers' deadlines;
-* before authenticating, a connection costs a task and one handshake buffer of
-  ``auth.HANDSHAKE_BUFFER_NBYTES`` made before its first byte: nothing a stranger announces is
-  allocated, and the whole is bounded by ``max_handshaking`` times that;
-* ``accept`` failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) backs
-  off (10 ms doubling to 1 s) and keeps listening; the owner's sockets are never closed for it;
-* every refusal is logged, one line, with what the stranger chose cut to ``wire.SHOWN_CHARS``
-  characters; past ``LOG_LINES`` lines in ``LOG_WINDOW_S`` seconds the rest are counted and
-  said in one line.
-
-Tools (``who = {"tool": name}``) may be served here too, request by request (``serve_tool``):
-their handlers are read-only and thread-safe, so ``tools.status`` answers while the rank's loop
-is busy or stalled. At most ``MAX_TOOLS`` are served at once, and a tool connection that goes
-quiet is closed: each request must arrive whole, be answered (else the reply is an error) and
-its reply be taken, each within ``TOOL_IDLE_S`` seconds, so an authenticated tool that stops
-talking cannot keep one of the slots.
+Tools (``who = {"tool": name}``) are served here too, request by request (``serve_tool``): their
+handlers are read-only and thread-safe, so ``tools.status`` answers while the rank's loop is busy
+or stalled. At most ``MAX_TOOLS`` at once; each request, its answer and the taking of the reply
+have ``TOOL_IDLE_S`` each, so a tool that stops talking cannot keep a slot.
 
 Life (grammar): ``Acceptor(...) -> start -> (deliver | serve_tool)* -> close -> end``. ``close``
-stops the thread, joins it, and closes every socket it still holds, handed over or not. The
-listening socket belongs to the owner, who closes it after ``close``.
+stops and joins the thread and closes every socket it still holds, handed over or not. The
+listening socket is the owner's, closed after ``close``.
 
 Not here: the handshake itself (auth.py), what the owner does with a connection (actor.py,
-store_tcp.py).
+store_server.py).
 """
 
 from __future__ import annotations

@@ -94,8 +94,8 @@ def export_secret(environ: dict) -> dict:
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IPv4 or IPv6 literal, or a name) is loopback only: a name counts when
     every address it resolves to is loopback (``localhost`` -> 127.0.0.1 and ::1). ``0.0.0.0``,
-    ``::`` and names that do not resolve are not. (It used ``gethostbyname``, IPv4 only: ``::1``
-    was refused as not loopback, so an IPv6-loopback job wanted a secret.)"""
+    ``::`` and names that do not resolve are not. Names resolve through ``getaddrinfo``, so IPv6
+    loopback (``::1``) counts too."""
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback  # a literal; "%" scopes an IPv6 one
     except ValueError:

@@ -2,40 +2,24 @@
 
 A TCP connection's event loop (runtime/transport.py) parses every header, matches it to a posted
 receive, and carries small frames itself. A payload larger than :data:`BULK_MIN_NBYTES` is moved
-by one of two threads of the connection instead, as gloo's device loop reads into posted buffers
-while callers send, and NCCL's proxy threads move a connection's bytes:
+by one of two threads of the connection instead, as gloo's device loop and NCCL's proxy threads do:
 
 * the **receiver** reads a payload's bytes straight into the buffer its receive posted (or into the
-  buffer that keeps a frame nobody has asked for yet), while the transport's reading is paused, so
-  the stream's next header is read by the loop only after the payload;
+  buffer that keeps a frame nobody has asked for yet) while the transport's reading is paused, so
+  the loop reads the stream's next header only after the payload;
 * the **sender** writes a frame (header and payload, one ``writev`` at a time) while every later
   frame to that peer queues behind it, so the stream keeps the order the frames were sent in.
 
-Both run system calls on the connection's socket with the GIL released (``readv`` / ``writev``,
-``poll`` when it would block), through a duplicate of its descriptor that the thread owns: the
-transport may close its own at any time without the thread writing to a reused number. Jobs
-report to the loop through ``call_soon_threadsafe``; the loop in the meantime reduces, copies and
-runs everything else. So one collective's sends, receives and reductions of different segments
-overlap instead of taking turns on one thread.
+Both make their system calls with the GIL released, through a duplicate of the socket's descriptor
+that the thread owns, and report to the loop through ``call_soon_threadsafe``: one collective's
+sends, receives and reductions of different segments overlap. A job is cut short without a wrong
+answer and without breaking the stream: :meth:`RecvJob.divert` sends the bytes still to come to a
+scratch buffer, :meth:`SendJob.detach` copies the bytes still to go so that the caller's buffer is
+free at once. EOF or a socket error ends the job with that error, and the connection fails as a
+lost peer does; a thread waits in ``poll`` in slices of :data:`SLICE_S`, so :meth:`Worker.close`
+ends it within one slice.
 
-Cutting a job short, without a wrong answer and without breaking the stream:
-
-* :meth:`RecvJob.divert`: the bytes still to come go to a scratch buffer, not into the receive's
-  buffer (its call failed or was cancelled: nothing lands in the caller's array afterwards);
-* :meth:`SendJob.detach`: the bytes still to go are copied first, so the caller's buffer may be
-  reused at once (its send was cancelled); the frame still goes out whole.
-
-Each takes the job's lock, which the thread holds only while one system call copies (at most a
-socket buffer's worth, a millisecond or two), so neither waits long.
-
-Failure: EOF or an error on the socket ends the job with that error; the connection then fails as
-a lost peer does (transport.py). A thread waits in ``poll`` in slices of :data:`SLICE_S`, so
-:meth:`Worker.close` ends it within one slice (sooner: close also shuts the socket down).
-
-Off by default (``RINGWEAVE_DATA_PLANE=1`` turns it on): on the 2-core development machine,
-shared with other jobs, 2 ranks moved 2-64 MiB no faster with the threads than without, and the
-ratios against Gloo were 10-30% lower (bench/results/dataplane.md#where-the-threads-take-over).
-It is meant for machines with a core per rank and a thread, where it could not be measured.
+Off by default (``RINGWEAVE_DATA_PLANE=1`` turns it on): bench/results/dataplane.md#where-the-threads-take-over.
 
 Life of a worker (grammar)::
 
@@ -54,8 +38,8 @@ import socket
 import threading
 from typing import Callable
 
-# A payload is moved by a worker thread from this size: a hand-off to a thread and back costs tens
-# of microseconds, the copy of 1 MiB about as much (bench/results/dataplane.md#where-the-threads-take-over).
+# A payload is moved by a worker thread from this size, where copying it costs about what the hand-off
+# to a thread and back does (bench/results/dataplane.md#where-the-threads-take-over).
 BULK_MIN_NBYTES = 1024 * 1024 + 1
 SLICE_S = 0.05  # one wait in poll(): how soon a closing worker notices
 _CHUNK_NBYTES = 4 * 1024 * 1024  # one system call's share of a job, the longest a divert or detach waits

@@ -55,7 +55,8 @@ from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
 from runtime.shm import shm_usable
 from runtime.store import MemoryStore, PrefixStore
-from runtime.store_tcp import StoreServer, TCPStore
+from runtime.store_server import StoreServer
+from runtime.store_tcp import TCPStore
 from runtime import jobsecret
 
 try:  # limits BLAS / OpenMP pools already loaded when the launcher implies a thread count

@@ -7,17 +7,13 @@ the launcher's pid, and removes it when the job ends. ``python -m tools.status``
 reads it to ask every rank what it is doing. The runtime dir is
 ``$XDG_RUNTIME_DIR`` or the system temporary directory.
 
-Only this user may read or replace these files (SECURITY.md):
-
-* the directory is made by us with mode 0700 and, each time it is used, opened
-  once with ``O_DIRECTORY | O_NOFOLLOW`` and checked through that descriptor:
-  owned by this user, no access for group or others. Anything else (a
-  directory another user made, one that group or others may enter, a
-  symbolic link) raises :class:`JobFileError`; nothing is written or read there;
-* files are made relative to that descriptor, under a fresh random name, with
-  ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, then renamed into place;
-  files are read with ``O_NOFOLLOW`` and must be ours and not readable by others.
-  These rules live in runtime/private.py, shared with the checkpoints.
+Only this user may read or replace these files (SECURITY.md), by the rules of
+runtime/private.py: the directory (made with mode 0700) is opened once without
+following a link and checked through its descriptor (this user's, nothing for
+group or others), files are made under a fresh random name with ``O_EXCL`` and
+mode 0600 and renamed into place, and read only when they are this user's and
+not readable by others. Anything else raises :class:`JobFileError`; nothing is
+written or read there.
 
 Stale files: a launcher killed with SIGKILL cannot remove its file, so every
 ``write`` and ``find`` removes the files (and half-written temporary files) of

@@ -1,20 +1,16 @@
 """Rank processes for the launcher: spawn, prefix their output, stop whole trees.
 
-What this is:
-
 - :func:`spawn` starts one rank with fork+exec (``loop.subprocess_exec``, never
   a multiprocessing fork of a process that has threads) as the leader of a new
   process group (``start_new_session=True``), so that group holds the rank and
   everything it starts, and one ``killpg`` reaches all of it.
 - :class:`RankProtocol` splits the rank's stdout and stderr into lines, writes
   each line prefixed ``[rank R] `` to the launcher's stdout / stderr, keeps the
-  last lines for a failure report, and says when the rank exited. A traceback
-  on stderr that is a consequence of another rank's failure (the launcher says
-  so: that rank aborted the job first) is written as one line, its last
-  (:class:`TracebackFolder`): one rank's error makes one traceback, not N. It reports
-  the exit as soon as the process is reaped, not when its pipes close: a
-  grandchild that inherited the pipes must not delay the failure of its rank
-  (``asyncio.subprocess.Process.wait`` waits for both).
+  last lines for a failure report, and says when the rank exited: as soon as the
+  process is reaped, not when its pipes close (a grandchild that inherited them
+  must not delay its rank's failure). A traceback that is the echo of another
+  rank's failure (that rank aborted the job first) is written as its last line
+  (:class:`TracebackFolder`): one rank's error makes one traceback, not N.
 - :func:`stop_all` signals every rank's group, waits a grace period, kills what
   is left, and reaps orphaned descendants (the launcher makes itself a child
   subreaper on Linux, so grandchildren whose rank died are reparented to it
@@ -24,8 +20,8 @@ Lifecycle of one rank: ``spawn -> RUNNING [-> output*] -> exited (returncode)
 [-> output*] -> pipes closed -> close()``. Output may still arrive after the
 exit (what the rank wrote just before dying) until the pipes close.
 
-What this is not: deciding which exit code the launcher returns, when to
-restart or what to print about a failure (pure functions in launch.py).
+Not here: which exit code the launcher returns, when to restart or what to print
+about a failure (pure functions in launch_outcome.py).
 """
 
 from __future__ import annotations

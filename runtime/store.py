@@ -1,41 +1,35 @@
-"""The rendezvous key-value store: the interface and its in-process pieces.
+"""The rendezvous key-value store: the contract and its in-process pieces.
 
-Ranks meet through a small key-value store before any rank-to-rank
-connection exists: they publish addresses, count arrivals and wait for each
-other. Keys are ``str``, values are ``bytes``. This module holds
+Ranks meet through a small key-value store before any rank-to-rank connection exists: they
+publish addresses, count arrivals and wait for each other. Keys are ``str``, values are
+``bytes``. This module holds
 
-- :class:`Store`, the contract every store follows (async, every wait bounded),
-- :class:`MemoryStore`, the contract in one process (tests, single-host tools,
-  and the state behind :class:`runtime.store_tcp.StoreServer`),
-- :class:`PrefixStore`, a namespace over another store (one per round, group,
-  collective),
-- :class:`BlockingStore`, the same methods without ``await`` for code that is
-  not asyncio, driving any store on an event loop it owns on a daemon thread.
+- :class:`Store`, the contract every store follows (async, every wait bounded, a timeout that
+  names the keys still missing: :func:`timeout_error`),
+- :class:`MemoryStore`, the contract in one process: tests, single-host tools, and the table
+  behind :class:`runtime.store_server.StoreServer` (its ``*_nowait`` methods and ``wait_named``),
+- :class:`PrefixStore`, a namespace over another store (one per round, group, collective),
+- :class:`BlockingStore`, the same methods without ``await`` for code that is not asyncio,
+  driving any store on an event loop it owns (runtime/loopthread.py).
 
-It deliberately holds no networking: the server and the TCP client live in
-``runtime/store_tcp.py``. The behaviour every implementation must show is
-checked by ``tests/conformance/check_store.py``.
-
-Counters follow torch.distributed: :meth:`Store.add` keeps its value as ASCII
-decimal bytes (``b"200"``), so ``get`` of a counter returns those bytes.
+It holds no networking: the protocol, the server and the TCP client are store_protocol.py,
+store_server.py and store_tcp.py. The behaviour every implementation must show is checked by
+``tests/conformance/check_store.py``. Counters follow torch.distributed: :meth:`Store.add` keeps
+its value as ASCII decimal bytes (``b"200"``), so ``get`` of a counter returns those bytes.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import atexit
 import math
-import sys
-import threading
 import time
-import weakref
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from runtime.env import DEFAULT_TIMEOUT_S  # every wait that names no timeout waits this long at most
 from runtime.errors import ClosedError, StoreError, StoreTimeoutError, WouldBlock
-CLOSE_TIMEOUT_S = 30.0  # LoopThread.close: how long cancelled tasks may take to finish
+from runtime.loopthread import LoopThread
 
 
 def resolve_timeout(timeout_s: float | None, default_s: float) -> float:
@@ -465,122 +459,6 @@ class PrefixStore(Store):
         self._closed = True
         if self.owns_store:
             await self.store.close()
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A fresh event loop for a thread we own: uvloop where installed, else asyncio's."""
-    try:
-        import uvloop  # lazy: an optional dependency (Linux only)
-    except ImportError:  # pragma: no cover - uvloop is a Linux dependency
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-class LoopThread:
-    """An event loop running on a daemon thread, owned by one object.
-
-    Grammar: ``__init__ -> RUNNING [-> run(coro)*] -> close -> STOPPED``.
-    ``close`` cancels whatever still runs on the loop, awaits it, closes the
-    loop and joins the thread.
-
-    One its owner never closed is closed at interpreter exit (``atexit``, before the
-    interpreter is torn down): a loop still running then (uvloop's, in C, with the GIL
-    released) would call back into a finalized interpreter when a socket of it woke up,
-    e.g. when a peer process exits, and crash the process (SIGSEGV) after its last line.
-    """
-
-    def __init__(self, name: str):
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._closed = False
-        self._thread.start()
-        _running_loop_threads.add(self)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def run(self, coro: Awaitable) -> Any:
-        """Runs ``coro`` on the loop and returns its result in the calling thread.
-
-        The coroutine bounds its own time (store calls all have timeouts). If
-        the calling thread is interrupted (KeyboardInterrupt), the coroutine is
-        cancelled before the exception propagates.
-
-        Raises:
-            RuntimeError: called from the loop's own thread (that would deadlock).
-            ClosedError: the loop thread was closed.
-        """
-        if threading.current_thread() is self._thread:
-            coro.close()  # type: ignore[union-attr]
-            raise RuntimeError("a blocking store call was made from its own event loop thread; use the async store")
-        if self._closed:
-            coro.close()  # type: ignore[union-attr]
-            raise ClosedError("the blocking store's event loop thread is closed")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
-
-    def close(self, last: Awaitable | None = None) -> None:
-        """Runs ``last`` (the owner's own async close, if any) on the loop, then
-        cancels leftover tasks, stops the loop and joins the thread, even if
-        ``last`` raised. Idempotent: once closed, ``last`` is discarded unrun."""
-        if self._closed:
-            if last is not None:
-                last.close()  # type: ignore[union-attr]
-            return
-        try:
-            if last is not None:
-                self.run(last)
-        finally:
-            self._stop()
-
-    def _stop(self) -> None:
-        self._closed = True
-        _running_loop_threads.discard(self)
-
-        async def _cancel_rest() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self._loop.shutdown_asyncgens()
-
-        if self._thread.is_alive():
-            try:
-                asyncio.run_coroutine_threadsafe(_cancel_rest(), self._loop).result(CLOSE_TIMEOUT_S)
-            except TimeoutError:  # a task that ignores cancellation: leave the daemon thread to it
-                raise RuntimeError(f"{self._thread.name}: tasks on the loop still ran {CLOSE_TIMEOUT_S:g} s "
-                                   f"after being cancelled; the loop thread is left running") from None
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
-
-
-_running_loop_threads: "weakref.WeakSet[LoopThread]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_loop_threads() -> None:
-    """Stops every LoopThread still running (see the class docstring). Registered when this
-    module is imported, so it runs after the exit hooks of its users (atexit runs last-in,
-    first-out): a Communicator's own hook leaves the job first (collectives/blocking.py)."""
-    for lt in list(_running_loop_threads):
-        try:
-            lt.close()
-        except Exception as exc:  # an exit hook must not stop the others
-            print(f"ringweave: could not stop {lt._thread.name} at exit: {exc}", file=sys.stderr)
 
 
 class BlockingStore:

@@ -38,8 +38,8 @@ import weakref
 TURN_S = 0.002
 
 # Between whole calls where the node's ranks share cores: there a turn of the loop is a point at
-# which the kernel hands the core to another rank, and turns every TURN_S made small calls 1.5-3x
-# slower at 4 ranks on 2 cores (bench/results/dataplane.md#the-loops-turns).
+# which the kernel hands the core to another rank, so turns are rarer
+# (bench/results/dataplane.md#a-turn-after-every-call-where-ranks-share-cores).
 SHARED_TURN_S = 0.025
 
 _clock = time.perf_counter

@@ -36,7 +36,7 @@ from runtime import args as types
 from runtime import auth, wire
 from runtime.actor import SCHEMA as _ACTOR_SCHEMA
 from runtime.errors import RingweaveError
-from runtime.launch import attempt_prefix
+from runtime.launch_config import attempt_prefix
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
 from tools import locate

@@ -5,7 +5,7 @@ daemon thread into the interpreter's teardown; when a peer process exited, a soc
 loop woke, and uvloop called back into the finalized interpreter: SIGSEGV after the last line
 (6 of 25 runs at 4 ranks, shared memory on, where Numba's teardown widens the window). Now a
 communicator left open is closed at exit (collectives/blocking.py), and every LoopThread is
-stopped before the interpreter goes (runtime/store.py).
+stopped before the interpreter goes (runtime/loopthread.py).
 
 exit_without_close.py checks that cause directly in its last exit hook (so one run shows it);
 the test runs it 4 times at once. The 50-run loop is a tool (it takes 50-80 s here):

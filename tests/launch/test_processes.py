@@ -44,7 +44,7 @@ def wait_for(names, timeout_s=20):
 
 async def rendezvous():
     """Every rank of the job meets every other through the launcher's store."""
-    from runtime.launch import attempt_prefix
+    from runtime.launch_config import attempt_prefix
     from runtime.store import PrefixStore
     from runtime.store_tcp import TCPStore
     secret = os.environ.get("RINGWEAVE_SECRET")  # the launcher's contract: read as the launcher set it

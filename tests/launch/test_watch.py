@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from runtime import launch
-from runtime.launch import Console, Ending, Stopper
+from runtime.launch import Console, Stopper
+from runtime.launch_outcome import Ending
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -32,7 +32,8 @@ import numpy as np
 import collectives
 import runtime
 from runtime import scheduler
-from runtime.store_tcp import StoreServer, TCPStore
+from runtime.store_server import StoreServer
+from runtime.store_tcp import TCPStore
 from tests.security.netutil import listening
 from tests.security.stranger import Stopped
 

@@ -1,5 +1,5 @@
 """Joining a job and starting one, when the caller is careless (runtime/init.py, runtime/auth.py,
-runtime/launch.py):
+runtime/launch.py, runtime/launch_config.py):
 
 * ``init()`` twice: a clear error (before: a second runtime, or an ExceptionGroup, by timing);
 * a failed rendezvous raises the documented AuthenticationError / ConnectError, not an
@@ -19,8 +19,10 @@ import sys
 import pytest
 
 import runtime
-from runtime import auth, launch
+from runtime import auth, launch, launch_config
 from runtime.errors import AuthenticationError, ConnectError, RingweaveError
+from runtime.launch_outcome import EXIT_USAGE
+from runtime.scheduler import usable_cores
 from runtime.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,10 +94,10 @@ async def test_the_secret_leaves_the_environment_once_read(monkeypatch):
 
 
 def test_the_launcher_refuses_a_huge_n_without_force():
-    bound = launch.nproc_bound(launch.usable_cores())
+    bound = launch_config.nproc_bound(usable_cores())
     with pytest.raises(ValueError, match="pass --force"):
-        launch.parse_args(["-n", str(bound + 1), "train.py"])
-    assert launch.parse_args(["-n", str(bound), "train.py"]).nproc == bound
-    assert launch.parse_args(["-n", "100000", "--force", "train.py"]).nproc == 100000
-    assert launch.main(["-n", "100000", "train.py"]) == launch.EXIT_USAGE  # nothing was started
-    assert launch.nproc_bound(2) == 64 and launch.nproc_bound(64) == 256
+        launch_config.parse_args(["-n", str(bound + 1), "train.py"])
+    assert launch_config.parse_args(["-n", str(bound), "train.py"]).nproc == bound
+    assert launch_config.parse_args(["-n", "100000", "--force", "train.py"]).nproc == 100000
+    assert launch.main(["-n", "100000", "train.py"]) == EXIT_USAGE  # nothing was started
+    assert launch_config.nproc_bound(2) == 64 and launch_config.nproc_bound(64) == 256

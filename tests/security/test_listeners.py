@@ -29,7 +29,7 @@ import tracemalloc
 import pytest
 
 from runtime import auth, jobfile, net, wire
-from runtime.store_tcp import StoreServer
+from runtime.store_server import StoreServer
 from runtime.testing import make_runtimes
 from tests.security.netutil import fd_count, prefix
 from tests.security.jobutil import REPO, LaunchedJob, iters, rank_addresses, wait_until

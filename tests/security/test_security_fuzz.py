@@ -35,7 +35,8 @@ from runtime import auth, wire
 from runtime.actor import SCHEMA as RANK_SCHEMA
 from runtime.actor import TOOL_SCHEMA
 from runtime.errors import BadFrameError
-from runtime.store_tcp import REQUEST_SCHEMA, RESPONSE_SCHEMA, StoreServer, _Conn
+from runtime.store_protocol import REQUEST_SCHEMA, RESPONSE_SCHEMA
+from runtime.store_server import StoreServer, _Conn
 
 FRAMES = 12_000
 STORE_INPUTS = 10_000

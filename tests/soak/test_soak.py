@@ -106,7 +106,8 @@ STORE_RSS_BOUND = 4 * 1024**2  # growth allowed after the first round (which siz
 
 @pytest.mark.timeout(180)
 async def test_a_thousand_store_clients_at_once():
-    from runtime.store_tcp import StoreServer, TCPStore
+    from runtime.store_server import StoreServer
+    from runtime.store_tcp import TCPStore
 
     secret = b"soak-secret"
     server = await StoreServer("127.0.0.1", 0, secret=secret, job="soak").start()

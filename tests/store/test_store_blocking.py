@@ -9,7 +9,8 @@ import pytest
 
 from runtime.errors import ClosedError, StoreTimeoutError
 from runtime.store import BlockingStore, MemoryStore, PrefixStore
-from runtime.store_tcp import ServerThread, connect_blocking
+from runtime.store_server import ServerThread
+from runtime.store_tcp import connect_blocking
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,10 +107,10 @@ def test_server_thread_bind_error_raises_here(server):
 def test_loop_thread_close_is_bounded_when_a_task_ignores_cancellation(monkeypatch):
     import asyncio
 
-    from runtime import store as store_mod
+    from runtime import loopthread
 
-    monkeypatch.setattr(store_mod, "CLOSE_TIMEOUT_S", 0.5)
-    lt = store_mod.LoopThread("stubborn-loop")
+    monkeypatch.setattr(loopthread, "CLOSE_TIMEOUT_S", 0.5)
+    lt = loopthread.LoopThread("stubborn-loop")
 
     async def stubborn():
         while True:

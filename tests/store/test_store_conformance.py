@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.store import MemoryStore, PrefixStore, Store
-from runtime.store_tcp import StoreServer, TCPStore
+from runtime.store_server import StoreServer
+from runtime.store_tcp import TCPStore
 from tests.conformance.check_store import ALL_CHECKS
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,7 +13,8 @@ import warnings
 
 import pytest
 
-from runtime.store_tcp import DEFAULT_MAX_CLIENTS, StoreServer, TCPStore
+from runtime.store_server import DEFAULT_MAX_CLIENTS, StoreServer
+from runtime.store_tcp import TCPStore
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -14,7 +14,8 @@ import pytest
 
 from runtime import auth, net, wire
 from runtime.errors import AuthenticationError, ClosedError, ConnectError, StoreError, StoreTimeoutError
-from runtime.store_tcp import StoreServer, TCPStore
+from runtime.store_server import StoreServer
+from runtime.store_tcp import TCPStore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,7 +61,7 @@ async def read_until_closed(sock: socket.socket, timeout_s: float = 3.0) -> byte
 
 
 def error_frame(data: bytes) -> dict:
-    from runtime.store_tcp import RESPONSE_SCHEMA
+    from runtime.store_protocol import RESPONSE_SCHEMA
     header, _ = wire.decode(data, RESPONSE_SCHEMA)
     return header
 
@@ -178,6 +179,47 @@ async def test_malformed_frames_are_rejected(server, what):
     finally:
         sock.close()
         await good.close()
+
+
+async def read_reply(sock: socket.socket) -> tuple[dict, float]:
+    """The next reply frame the server sends on a raw socket, and when it came (time.monotonic())."""
+    from runtime.store_protocol import RESPONSE_SCHEMA
+    prefix = await auth.recv_exact(sock, wire.PREFIX_NBYTES, "store", "a reply")
+    hlen, plen = wire.parse_prefix(prefix, 1024)
+    header = wire.parse_header(await auth.recv_exact(sock, hlen, "store", "a reply"), RESPONSE_SCHEMA)
+    if plen:
+        await auth.recv_exact(sock, plen, "store", "a reply")
+    return header, time.monotonic()
+
+
+async def test_the_server_answers_a_wait_past_its_deadline_naming_only_the_missing_keys(server):
+    """The server's own timeout reply, without a client that could make it up: one deadline for all
+    the keys of a wait, the keys still missing then (not those present), how long it waited."""
+    t = 0.3
+    async with await client(server) as good:
+        await good.set("present", b"")
+        sock = await raw_authenticated(server)
+        loop = asyncio.get_running_loop()
+        try:
+            start = time.monotonic()
+            await loop.sock_sendall(sock, b"".join(
+                wire.encode({"k": "wait", "i": 7, "keys": ["present", "m1", "m2"], "t": t})
+                + wire.encode({"k": "get", "i": 8, "key": "g", "t": t})))
+            async with asyncio.timeout(5.0):
+                replies = [await read_reply(sock), await read_reply(sock)]
+            by_id = {h["i"]: (h, at - start) for h, at in replies}
+            for i, missing, call in ((7, ["m1", "m2"], "wait(3 keys)"), (8, ["g"], "get('g')")):
+                reply, took = by_id[i]
+                assert (reply["k"], reply["type"], list(reply["keys"])) == ("err", "timeout", missing)
+                assert t * 0.95 <= reply["waited"] <= took, (reply["waited"], took)
+                assert t * 0.95 <= took <= t + 2.0, took
+                assert call in reply["msg"] and "present" not in reply["msg"]
+            await loop.sock_sendall(sock, b"".join(wire.encode({"k": "wait", "i": 9, "keys": ["m3"], "t": 0})))
+            reply, _ = await read_reply(sock)  # t = 0: look once, answer at once
+            assert (reply["i"], reply["type"], list(reply["keys"])) == (9, "timeout", ["m3"])
+            assert server.statistics().waiting == 0
+        finally:
+            sock.close()
 
 
 async def test_truncated_frame_then_disconnect(server):
@@ -399,7 +441,7 @@ async def test_concurrent_requests_on_one_client_match_their_replies(server):
 
 
 def test_request_header_kinds_are_schema_checked():
-    from runtime.store_tcp import REQUEST_SCHEMA
+    from runtime.store_protocol import REQUEST_SCHEMA
     ok = wire.parse_header(msgpack.packb({"k": "wait", "i": 1, "keys": ["a"], "t": 1}), REQUEST_SCHEMA)
     assert ok["keys"] == ("a",)
     with pytest.raises(Exception):

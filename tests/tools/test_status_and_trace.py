@@ -132,7 +132,8 @@ async def test_status_reports_a_dead_rank_instead_of_failing():
 
     import msgpack
 
-    from runtime.store_tcp import StoreServer, TCPStore
+    from runtime.store_server import StoreServer
+    from runtime.store_tcp import TCPStore
     from tools.status import collect, render
 
     with socket.socket() as s:  # a port nobody listens on

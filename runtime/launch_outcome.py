@@ -1,0 +1,147 @@
+"""How one attempt of a job ended, and what the launcher does next: pure decisions over rank exits,
+no processes.
+
+:func:`first_failure` picks the rank that failed first from the exits seen; :class:`Outcome` is how
+an attempt ended (:class:`Ending`: every rank exited 0, a rank failed, the launcher got a signal,
+``--max-time-s`` ran out); :func:`next_step` turns an outcome into a restart or the launcher's exit
+code (the table of ``--help``); :func:`stop_plan` says which signal stops the rest of the attempt;
+:func:`failure_report` and :func:`restart_message` are what the launcher prints about it.
+
+Not here: watching and stopping processes (launch.py, procs.py), the command line
+(launch_config.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from runtime.launch_config import LaunchConfig
+
+EXIT_TIMEOUT = 124  # --max-time-s ran out
+EXIT_USAGE = 2  # bad arguments, or a secret was needed and not given
+EXIT_LAUNCHER = 1  # the launcher itself failed
+
+
+
+def exit_code_of(returncode: int) -> int:
+    """A rank's returncode as a shell would report it: a code as is, a
+    signal s (asyncio's -s) as 128+s."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL (exit code 137)"``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    return f"signal {signal_name(-returncode)} (exit code {exit_code_of(returncode)})"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    rank: int
+    returncode: int
+    exited_at: float  # time.monotonic()
+
+
+def first_failure(exits: Sequence[RankExit]) -> RankExit | None:
+    """The earliest non-zero exit (ties: the lowest rank), or None."""
+    failed = [e for e in exits if e.returncode != 0]
+    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+
+
+class Ending(enum.Enum):
+    SUCCEEDED = "succeeded"      # every rank exited 0
+    FAILED = "failed"            # a rank exited non-zero or by a signal
+    INTERRUPTED = "interrupted"  # the launcher got a signal
+    TIMED_OUT = "timed out"      # --max-time-s ran out
+
+
+@dataclass
+class Outcome:
+    """How one attempt ended."""
+
+    ending: Ending
+    failure: RankExit | None = None   # FAILED: the first failing rank
+    signum: int | None = None         # INTERRUPTED: the signal the launcher got
+    tail: list[str] = field(default_factory=list)  # FAILED: its last lines
+    last_exception: str | None = None  # FAILED: the last line of its last traceback
+    running: list[int] = field(default_factory=list)  # TIMED_OUT: ranks still running
+
+
+class Action(enum.Enum):
+    EXIT = "exit"
+    RESTART = "restart"
+
+
+def next_step(outcome: Outcome, restarts_done: int, max_restarts: int) -> tuple[Action, int]:
+    """What the launcher does after an attempt: ``(Action.RESTART, 0)`` or
+    ``(Action.EXIT, code)`` with the code of ``--help``'s table (launch_config.EPILOG)."""
+    if outcome.ending is Ending.SUCCEEDED:
+        return Action.EXIT, 0
+    if outcome.ending is Ending.INTERRUPTED:
+        return Action.EXIT, 128 + int(outcome.signum or signal.SIGTERM)
+    if outcome.ending is Ending.TIMED_OUT:
+        return Action.EXIT, EXIT_TIMEOUT
+    if restarts_done < max_restarts:
+        return Action.RESTART, 0
+    return Action.EXIT, exit_code_of(outcome.failure.returncode)
+
+
+def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str],
+                   aborted: dict | None = None, last_exception: str | None = None) -> list[str]:
+    """The lines printed about a failed rank (without the ``[launch]`` prefix). ``aborted``:
+    the job's abort record (``{"rank", "type", "message"}``), when a rank aborted it;
+    ``last_exception``: the last line of the last traceback the rank wrote.
+
+    A traceback that ends in ``tail`` was printed already, as the rank wrote it: it is named
+    by its last line, not printed again."""
+    local = failure.rank - cfg.node_rank * cfg.nproc
+    where = f" (node {cfg.node_rank}, local rank {local})" if cfg.nnodes > 1 else ""
+    lines = [f"rank {failure.rank}{where} failed first: {describe_exit(failure.returncode)}"]
+    if aborted is not None:
+        cause = f"{aborted.get('type')}: {aborted.get('message')}"
+        lines[0] += (f", after aborting the job ({cause})" if aborted.get("rank") == failure.rank
+                     else f"; rank {aborted.get('rank')} had aborted the job ({cause})")
+    if last_exception is not None and last_exception in tail:
+        lines.append(f"its traceback is above, ending: {last_exception}")
+    elif tail:
+        lines.append(f"last {len(tail)} lines of rank {failure.rank}:")
+        lines.extend(f"  | {line}" for line in tail)
+    else:
+        lines.append(f"rank {failure.rank} wrote no output")
+    return lines
+
+
+def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | None]:
+    """How the rest of an attempt is stopped: the signal for every rank's
+    group, and what to say first. ``outcome`` is None when the launcher
+    itself failed in the middle of the attempt. A SUCCEEDED attempt is
+    "stopped" too: that only reaches what the ranks left behind."""
+    if outcome is None:
+        return signal.SIGTERM, None
+    if outcome.ending is Ending.FAILED:
+        f = outcome.failure
+        return signal.SIGTERM, (f"rank {f.rank} failed with {describe_exit(f.returncode)}; "
+                                f"stopping the other ranks")
+    if outcome.ending is Ending.INTERRUPTED:
+        return outcome.signum, None  # forwarded as is: SIGINT stays SIGINT
+    if outcome.ending is Ending.TIMED_OUT:
+        return signal.SIGTERM, (f"the job ran past --max-time-s {cfg.max_time_s:g}; stopping ranks "
+                                f"{outcome.running}")
+    return signal.SIGTERM, None
+
+
+def restart_message(outcome: Outcome, restarts_done: int, max_restarts: int) -> str:
+    f = outcome.failure
+    return (f"restarting the job ({restarts_done + 1} of {max_restarts}) after rank {f.rank} "
+            f"failed with {describe_exit(f.returncode)}")
