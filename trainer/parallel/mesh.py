@@ -1,33 +1,28 @@
 """Device meshes: the world's ranks as an n-dimensional array with named dimensions, a group per dimension.
 
 What it is: torch's DeviceMesh over our `new_group`. ``DeviceMesh(world, (2, 2, 2), ("a", "b", "c"))``
-lays the P ranks out as ``arange(P).reshape(2, 2, 2)`` (the last dimension fastest); the group
-along a dimension holds the ranks that differ only in its coordinate, in index order (group
-rank == coordinate). ``mesh["c"]`` is this rank's ProcessGroup along c; ``mesh["c", "a"]`` the
-sub-mesh of this rank's slice, dimensions c then a (a transpose), over the same groups;
-``mesh.flatten(("a", "b"), "ab")`` one group over a x b (row-major); ``mesh.coords``,
-``mesh.coordinate(r)``, ``mesh.rank_of(a=1, b=0, c=1)``, ``mesh.members("b")`` (every b group).
+lays the P ranks out as ``arange(P).reshape(2, 2, 2)`` (the last dimension fastest); the group along
+a dimension holds the ranks that differ only in that coordinate, in index order (group rank ==
+coordinate). ``mesh["c"]``: this rank's group along c; ``mesh["c", "a"]``: the sub-mesh of this
+rank's slice, c then a, over the same groups; ``mesh.flatten(("a", "b"), "ab")``: one group over
+a x b (row-major); ``coords``, ``coordinate(r)``, ``rank_of(a=1, b=0, c=1)``, ``members("b")``.
 
-``Mesh(world, dp=, tp=, pp=, replicate=R)`` is the trainer's: axes pp x dp_replicate x dp_shard x
-tp, tp fastest, dp flattened from (dp_replicate, dp_shard); its shape and coords show pp, dp, tp
-as they always did. R = 1: dp_shard is the dp group, dp_replicate a 1-rank group. R > 1 is HSDP:
-parameters sharded over the dp/R ranks of a shard group, replicated over R of them. A tp group,
-and a shard group with its tp peers, are contiguous ranks, so on one host under the launcher's
-layout; ``replicate="hosts"`` takes the fewest replicas whose shard groups each sit on one host
-(torch's HYBRID_SHARD default). ``mesh.embedding_group`` joins the first and last stage (pp > 1).
+``Mesh(world, dp=, tp=, pp=, replicate=R)`` is the trainer's: axes pp x dp_replicate x dp_shard x tp,
+dp flattened from the two dp axes; shape and coords show pp, dp, tp as always. R = 1: dp_shard is
+the dp group, dp_replicate 1-rank groups. R > 1 is HSDP: shard over dp/R ranks, replicate over R.
+A tp group, and a shard group with its tp peers, are contiguous ranks (one host under the
+launcher); ``replicate="hosts"``: the fewest replicas whose shard groups each sit on one host.
 
-Every rank creates every group, members or not, in one order (the axes fastest first, each in
-rank order of its first member; then each flatten as called; then the embedding groups), as
-`new_group` requires; a flattened dimension over one non-trivial axis reuses that axis's groups.
-Making a group sends nothing.
+Every rank makes every group, members or not, in one order (the axes fastest first, each in rank
+order of its first member; each flatten as called; the embedding groups), as `new_group` requires;
+a flattened dimension over one axis of size > 1 is that axis's groups. Making a group sends nothing.
 
-Errors: sizes that do not multiply to the world, a replica count that does not divide dp, a tp
-group across hosts (its all-reduces must ride shared memory) are a ValueError saying what to
-change. A lost rank fails every group of the mesh (a tp group does not hold a lost pp peer, yet
-its ranks must stop too): a rank waiting in any dimension raises PeerLostError naming it.
+Errors: sizes that do not multiply to the world, R that does not divide dp, a tp group across hosts
+(its all-reduces must ride shared memory): a ValueError saying what to change. A lost rank fails
+every group of the mesh, so a rank waiting in any dimension raises PeerLostError naming it.
 
-What it is not: no re-meshing of a live job, no devices (ranks only). The worked examples:
-docs/design.md, "Model parallelism".
+What it is not: no re-meshing of a live job, no devices (ranks only). Worked examples and the HSDP
+traffic: docs/design.md, "Model parallelism"; README.md, "Parallelism".
 """
 
 from __future__ import annotations
