@@ -76,7 +76,7 @@ class DeviceMesh:
             raise ValueError(f"mesh {' x '.join(f'{n}={s}' for n, s in zip(names, shape))} = {math.prod(shape)} "
                              f"ranks, but the world has {world.size}; the sizes must multiply to the world size")
         self._init_view(world, np.arange(world.size).reshape(shape), names, self)
-        self._check(world)
+        self._check()
         for name in reversed(names):  # every rank makes every group, in this order
             self._groups[name] = self._make(self.members(name))
         self._error: BaseException | None = None  # the loss that failed the mesh (see _on_lost)
@@ -94,8 +94,9 @@ class DeviceMesh:
         self._groups: dict = {}  # name -> this rank's ProcessGroup along it
         self._extra: list = []  # groups of the mesh beyond its dimensions (the trainer's embedding group)
         self._root = root
+        self._coords: tuple = (None, {})  # (the shown names, this rank's coordinates on them)
 
-    def _check(self, world) -> None:
+    def _check(self) -> None:
         """Refuses a layout before any group is made (the trainer's Mesh checks hosts here)."""
 
     def _make(self, rows) -> object:
@@ -137,7 +138,9 @@ class DeviceMesh:
     @property
     def coords(self) -> dict[str, int]:
         """This rank's coordinates on the shown dimensions, e.g. {"pp": 1, "dp": 0, "tp": 1}."""
-        return self.coordinate(self.world.rank)
+        if self._coords[0] != self.dims:  # worked out once per set of shown names
+            self._coords = (self.dims, self.coordinate(self.world.rank))
+        return dict(self._coords[1])
 
     def coordinate(self, rank: int, dims=None) -> dict[str, int]:
         """{name: index} of world rank ``rank`` on ``dims`` (default the shown ones); a flattened
@@ -327,7 +330,7 @@ class Mesh(DeviceMesh):
             self.embedding_group = self._make(self.ranks[[0, pp - 1]].reshape(2, -1).T)
             self._extra.append(self.embedding_group)
 
-    def _check(self, world) -> None:
+    def _check(self) -> None:
         nodes = self._nodes
         if nodes is None or len(set(nodes)) < 2 or self.dim_size("tp") == 1:
             return  # one host (or not known): every tp group shares memory
