@@ -3,41 +3,24 @@
     python -m runtime.launch -n 4 -m trainer                      # 4 ranks, ddp, MLP on digits
     python -m runtime.launch -n 4 -m trainer --strategy fsdp --param-dtype bfloat16
     python -m trainer --epochs 3                                  # one process, world size 1
-    python -m runtime.launch -n 2 -m trainer --data synthetic --size 20000 --width 1024 --depth 3
     python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp    # the GPT on pydoc text
     python -m runtime.launch -n 4 -m trainer --model gpt --tp 2 --pp 2 --micro-batches 8 --schedule 1f1b
+    python -m runtime.launch -n 8 -m trainer --strategy fsdp --replicas 2   # HSDP: 2 replicas x 4 shards
     python -m trainer --model gpt --offload optimizer --offload-dir /scratch   # Adam's state on disk
 
-Every rank: `await runtime.init()`, load the data (the same on every rank), build
-the model (a strategy pads it to the world size), build and set up the strategy,
-`fit`, print the summary (rank 0), `await runtime.shutdown()`.
+Every rank: `await runtime.init()`, load the data (the same on every rank), build the model (a
+strategy pads it), lay out the mesh when a mesh flag asks for one (trainer/parallel/mesh.py), build
+and set up the strategy, `fit`, print the summary (rank 0), `await runtime.shutdown()`.
 
-Defaults, MLP (digits, MLP 64-256-256-10 with LayerNorm + GELU, AdamW at 2e-3
-with half an epoch of warm-up and cosine decay, global batch 64, 5 epochs) reach
->= 95% validation accuracy under every strategy; the figures are in the
-commit that set them. Defaults, GPT (`--model gpt`: 4 blocks, 4 heads, width
-128, block size 64, GELU tanh, byte tokens of the Python docs, AdamW at 2e-3,
-global batch 64 windows, 8 epochs; the loss each strategy reaches and the time:
-bench/results/gpt.md#the-default-gpt-at-4-ranks-every-strategy-loss-time-a-sample).
-Flags whose default depends on the model say so.
+Defaults: MODEL_DEFAULTS below and each flag's help; what they reach under every strategy:
+bench/results/trainer.md#the-main-job (MLP), bench/results/gpt.md (GPT). BLAS runs on
+`--blas-threads` threads per rank, default 1 (bench/results/trainer.md#blas-threads).
 
-BLAS threads: each rank limits BLAS to `--blas-threads` threads (default 1)
-with threadpoolctl, whatever OPENBLAS_NUM_THREADS says. The default model's
-matmuls (batch 64 x 256) gain nothing from a second thread, the strategies
-already run the model on a thread beside the event loop, and on a busy 2-core
-machine two BLAS threads made the single-process main job slower
-(bench/results/trainer.md#blas-threads). Give more threads to wide synthetic
-models on an idle machine.
-
-Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make
-every rank save a checkpoint after the same step and exit 128 + the signal
-(trainer/preempt.py); --resume continues from it.
-
-Runs (trainer/runid.py): every checkpoint names its run and what must match to continue
-it (run_fields below adds the data set and the MLP's shape). --resume continues the
-directory's run (--resume auto: only if there is a checkpoint), a restarted attempt of the
-same job continues without it, a new run refuses a directory of another run unless
---move-aside; a refusal is one line on rank 0 and exit code 2 on every rank.
+Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make every
+rank save a checkpoint after the same step and exit 128 + the signal (trainer/preempt.py); --resume
+continues from it. Runs (trainer/runid.py): a new run refuses another run's directory unless
+--move-aside; --resume continues the directory's run. Refusals, a mesh that does not fit the world
+among them, are one line on rank 0 and exit code 2 on every rank, no traceback.
 
 What it is not: no config files (flags only), no model zoo (the MLP and the GPT).
 """
@@ -82,6 +65,8 @@ MODEL_DEFAULTS = {
 }
 
 
+SPLIT_MODELS = ("gpt",)  # the models trainer.parallel splits over --tp and --pp (split_refusal)
+
 # every number's type comes from runtime/args.py: finite, in range, argparse's one-line error
 _positive_int = types.positive_int
 _non_negative_int = types.count
@@ -93,6 +78,14 @@ def _resume_mode(text: str) -> str:
         raise argparse.ArgumentTypeError(f"takes no value (resume, and refuse if there is no checkpoint) or auto "
                                          f"(resume if there is one), got {text!r}")
     return text
+
+
+def _replicas(text: str) -> int | str:
+    try:
+        return text if text == "hosts" else _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a replica count >= 1, or hosts (one replica per host)") \
+            from None
 
 
 def _stage_layers(text: str) -> tuple[int, ...]:
@@ -112,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(launch several ranks with: python -m runtime.launch -n 4 -m trainer ...).")
     g = p.add_argument_group("strategy")
     g.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="sharding strategy (default ddp)")
+    g.add_argument("--replicas", type=_replicas, nargs="?", const="hosts", default=1, metavar="R",
+                   help="HSDP (zero1/2/3, fsdp): shard over dp / R ranks, replicate over R such groups, dp = R x "
+                        "shard; without R, one replica per host (shard within a host, replicate across hosts: "
+                        "torch's HYBRID_SHARD); default 1, no replicas")
     g.add_argument("--param-dtype", choices=DTYPE_CHOICES, default="float32",
                    help="compute copy of the parameters and its all-gather (default float32)")
     g.add_argument("--reduce-dtype", choices=DTYPE_CHOICES, default="float32",
@@ -260,8 +257,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.compression_warmup_steps and not (args.compression or "").startswith("topk"):
         build_parser().error(f"--compression-warmup-steps is a topk option; --compression is {args.compression!r}")
-    if uses_mesh(args) and args.model != "gpt":
-        build_parser().error("--tp, --pp, --dp, --micro-batches and --stage-layers split the GPT: add --model gpt")
+    if refusal := split_refusal(args):
+        build_parser().error(refusal)
+    if args.replicas != 1 and args.strategy == "ddp":
+        build_parser().error("--replicas shards the model within each replica: HSDP needs --strategy zero1, zero2, "
+                             "zero3 or fsdp (ddp replicates it whole)")
+    if args.replicas not in (1, "hosts") and args.dp is not None and args.dp % args.replicas:
+        build_parser().error(f"--replicas {args.replicas} must divide --dp {args.dp} (dp = replicas x shard ranks)")
     if args.stage_layers is not None and len(args.stage_layers) != args.pp:
         build_parser().error(f"--stage-layers {','.join(map(str, args.stage_layers))} names {len(args.stage_layers)} "
                              f"stages; --pp is {args.pp}")
@@ -275,9 +277,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def uses_mesh(args: argparse.Namespace) -> bool:
-    """Whether the run goes through trainer.parallel's mesh (any model-parallel flag given)."""
+    """Whether a model-parallel flag is given (--tp, --pp, --dp, --micro-batches, --stage-layers)."""
     return (args.tp > 1 or args.pp > 1 or args.dp is not None or args.micro_batches is not None
             or args.stage_layers is not None)
+
+
+def mesh_strategy(args: argparse.Namespace) -> bool:
+    """Whether the run trains through trainer.parallel's strategy: a model-parallel flag, or the
+    GPT's offload. (HSDP alone does not: --replicas lays out a mesh for a plain strategy.)"""
+    return uses_mesh(args) or bool(args.offload and args.model == "gpt")
+
+
+def split_refusal(args: argparse.Namespace) -> str | None:
+    """Why the model-parallel flags cannot split this model (None: they can, or none is given)."""
+    if uses_mesh(args) and args.model not in SPLIT_MODELS:
+        return "--tp, --pp, --dp, --micro-batches and --stage-layers split the GPT: add --model gpt"
+    return None
 
 
 def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | None:
@@ -355,10 +370,14 @@ def run_fields(args: argparse.Namespace, data) -> dict:
 def describe(args: argparse.Namespace, data, model, world_size: int, steps: int, mesh=None) -> str:
     """The first line rank 0 prints: what trains on what."""
     head = f"{args.strategy} on {world_size} rank(s): "
-    if mesh is not None:
+    replicas = mesh.dim_size("dp_replicate") if mesh is not None else 1
+    hsdp = f" (HSDP: {replicas} replicas x {mesh.dim_size('dp_shard')} shard ranks)" if replicas > 1 else ""
+    if mesh is not None and mesh_strategy(args):
         m = args.micro_batches or args.grad_accum
-        head = (f"{args.strategy} on {world_size} rank(s) as dp {mesh.shape['dp']} x tp {mesh.shape['tp']} x pp "
-                f"{mesh.shape['pp']} ({args.schedule}, {m} micro-batches per step): ")
+        head = (f"{args.strategy} on {world_size} rank(s) as dp {mesh.shape['dp']}{hsdp} x tp {mesh.shape['tp']} "
+                f"x pp {mesh.shape['pp']} ({args.schedule}, {m} micro-batches per step): ")
+    elif hsdp:
+        head = f"{args.strategy} on {world_size} rank(s){hsdp}: "
     if args.offload:
         head += f"{args.offload} offloaded to {args.offload_dir or 'the temporary directory'}; "
     tail = (f" ({model.numel:,} parameters), {args.optimizer} lr {args.lr}, batch {args.batch_size} x "
@@ -389,16 +408,26 @@ async def run(args: argparse.Namespace) -> int:
         spe = steps_per_epoch(len(data.train), args.batch_size, args.grad_accum)
         config = make_config(args, spe)
         model = build_model(args, data)
-        mesh = None
-        if uses_mesh(args) or (args.offload and args.model == "gpt"):
-            mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
+        mesh, split = None, mesh_strategy(args)
+        if split or args.replicas != 1:
+            try:
+                mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, replicate=args.replicas)
+            except ValueError as exc:  # sizes that do not fit this world: the same on every rank
+                if world.rank == 0:
+                    print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+                return 2
+        # HSDP without a split model: the strategy shards over dp_shard and replicates over dp_replicate
+        group, hsdp = world, {}
+        if mesh is not None and not split and mesh.dim_size("dp_replicate") > 1:
+            group, hsdp = mesh["dp_shard"], {"replicate": mesh["dp_replicate"]}
+        if split:
             parallel = ParallelConfig(schedule=args.schedule, micro_batches=args.micro_batches,
                                       stage_layers=args.stage_layers)
             strategy = make_parallel_strategy(args.strategy, model.config, config, mesh, parallel=parallel)
         elif args.offload:
-            strategy = make_offload_strategy(args.strategy, model, config, world)
+            strategy = make_offload_strategy(args.strategy, model, config, group, **hsdp)
         else:
-            strategy = make_strategy(args.strategy, model, config, world)
+            strategy = make_strategy(args.strategy, model, config, group, **hsdp)
         await strategy.setup()
         if world.rank == 0 and not args.quiet:
             print(describe(args, data, model, world.size, spe, mesh), file=sys.stderr, flush=True)

@@ -30,7 +30,9 @@ async def test_coordinates_and_groups_of_an_8_rank_mesh():
         assert groups["dp"] == [r for r in range(8) if r % 2 == rank % 2 and r // 4 == rank // 4]
         assert groups["pp"] == [rank % 4, rank % 4 + 4]
         assert emb == [rank % 4, rank % 4 + 4]  # first and last stage
-        assert n_groups == 1 + 4 + 4 + 4 + 4  # world, then every group of every dimension on every rank
+        # world, then every group of every axis on every rank (tp, dp_shard, the 1-rank dp_replicate
+        # groups, pp; dp is dp_shard), then the embedding groups
+        assert n_groups == 1 + 4 + 4 + 8 + 4 + 4
 
 
 @pytest.mark.timeout(30)

@@ -120,7 +120,7 @@ def test_a_rank_killed_in_a_tp2_pp2_step_fails_every_rank_naming_it(tmp_path):
 def readme_mesh_example() -> str:
     """The python block of the README's parallelism section."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Parallelism: tensor, pipeline, a mesh, offload"):]
+    section = text[text.index("## Parallelism: tensor, pipeline, a mesh, HSDP, offload"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

@@ -56,12 +56,32 @@ def test_warmup_never_exceeds_the_schedule():
     (["--checkpoint-dir", "c", "--resume", "sometimes"], "takes no value (resume, and refuse if there is no"),
     (["--move-aside"], "--move-aside needs --checkpoint-dir"),
     (["--checkpoint-dir", "c", "--resume", "--move-aside"], "--move-aside starts a new run and --resume"),
+    (["--tp", "2"], "split the GPT: add --model gpt"),
+    (["--replicas", "2"], "HSDP needs --strategy zero1, zero2, zero3 or fsdp"),  # the default is ddp
+    (["--strategy", "ddp", "--replicas"], "HSDP needs --strategy"),
+    (["--strategy", "fsdp", "--replicas", "0"], "'0' must be a replica count >= 1, or hosts"),
+    (["--strategy", "fsdp", "--replicas", "host"], "'host' must be a replica count >= 1, or hosts"),
+    (["--model", "gpt", "--strategy", "fsdp", "--dp", "4", "--replicas", "3"], "--replicas 3 must divide --dp 4"),
 ])
 def test_bad_flags_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_replicas_and_the_models_the_mesh_splits(monkeypatch):
+    assert parse_args([]).replicas == 1
+    assert parse_args(["--strategy", "zero2", "--replicas", "2"]).replicas == 2
+    assert parse_args(["--strategy", "fsdp", "--replicas"]).replicas == "hosts"  # one replica per host
+    assert parse_args(["--strategy", "fsdp", "--replicas", "hosts", "--epochs", "1"]).replicas == "hosts"
+    assert parse_args(["--model", "gpt", "--strategy", "fsdp", "--dp", "4", "--replicas", "2"]).dp == 4
+    assert parse_args(["--replicas", "1"]).strategy == "ddp"  # one replica: plain data parallelism
+    from trainer import cli
+
+    assert cli.split_refusal(parse_args(["--model", "gpt", "--tp", "2"])) is None
+    monkeypatch.setattr(cli, "SPLIT_MODELS", ("gpt", "mlp"))  # a model the mesh learns to split: one entry
+    assert cli.split_refusal(parse_args(["--tp", "2"])) is None
 
 
 def test_resume_modes():
@@ -76,7 +96,7 @@ def test_help_lists_the_flags():
     text = build_parser().format_help()
     for flag in ("--strategy", "--epochs", "--batch-size", "--lr", "--optimizer", "--param-dtype",
                  "--reduce-dtype", "--grad-accum", "--clip-norm", "--compression", "--checkpoint-dir",
-                 "--resume", "--seed", "--data", "--size", "--width", "--depth"):
+                 "--resume", "--seed", "--data", "--size", "--width", "--depth", "--replicas"):
         assert flag in text
 
 
