@@ -32,7 +32,8 @@ import runtime  # noqa: E402
 from collectives import api, registry  # noqa: E402
 from collectives.algorithms.shared_memory import all_reduce_shm  # noqa: E402
 from collectives.slots import common  # noqa: E402
-from runtime import env, shm  # noqa: E402
+from runtime import env  # noqa: E402
+from runtime.sharedmem import domains  # noqa: E402
 
 
 def copy_gbs() -> float:
@@ -115,7 +116,7 @@ async def main():
                 print(f"all_reduce {nbytes:>10d} B  {name:>12s}  {wall * 1e6:10.1f} us (cpu {cpu * 1e6:8.1f} us)  "
                       f"busbw {busbw:6.3f} GB/s  busbw/copy {busbw / bw:6.1%}", flush=True)
     if g.rank == 0:
-        print("shm statistics of rank 0:", shm.statistics(g))
+        print("shm statistics of rank 0:", domains.statistics(g))
     await runtime.shutdown(rt)
 
 

@@ -30,7 +30,7 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) n
 import runtime  # noqa: E402
 from collectives import api  # noqa: E402
 from collectives.slots import fastpath  # noqa: E402
-from runtime import shm  # noqa: E402
+from runtime.sharedmem import domains  # noqa: E402
 
 
 class Inside:
@@ -73,7 +73,7 @@ async def main() -> None:
     usable, supported = fastpath.usable, fastpath.SUPPORTED
     for name, x in cases:  # warm-up: compile, set up the domain
         await loop(g, name, x, 100)
-    fastpath._compiled(shm.domain(g, list(range(g.size)))).enabled = True  # whatever RINGWEAVE_SHM_COMPILED says
+    fastpath._compiled(domains.domain(g, list(range(g.size)))).enabled = True  # whatever RINGWEAVE_SHM_COMPILED says
     for _ in range(a.reps):
         for name, x in cases:
             inside_ar, inside_b = Inside(fastpath._all_reduce), Inside(fastpath._barrier)

@@ -33,7 +33,7 @@ from typing import Callable
 
 from runtime import env
 from runtime.errors import SettingError
-from runtime.shm import shm_usable
+from runtime.sharedmem.segments import shm_usable
 from runtime.topology import LAYOUTS
 
 from collectives.algorithms.shared_memory import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm,

@@ -565,8 +565,8 @@ class Watchdog:
     ``asyncio.timeout`` per call did the deadlines with a timer of its own, a cost per call
     (bench/results/runtime.md#one-timer-for-the-deadlines): this one timer fires about once
     per ``check_s`` (1 s) while calls are in flight, and looks only at those. A wait that blocks
-    the thread (runtime/shm.py) hands the loop back after each 5 ms slice in which nothing woke
-    it, so the timer gets to run."""
+    the thread (runtime/sharedmem/waits.py) hands the loop back after each 2 ms slice in which
+    nothing woke it, so the timer gets to run."""
 
     def __init__(self, check_s: float = 0.0):
         self._calls: dict[Call, None] = {}
@@ -798,8 +798,8 @@ class Runtime:
             self.tracer.write()
         except (OSError, RingweaveError) as exc:  # PrivateDirError: the directory is no longer ours alone
             log.warning("rank %d: could not write its trace: %s", self.rank, exc)
-        if "runtime.shm" in sys.modules:  # release this runtime's shared-memory mappings
-            sys.modules["runtime.shm"].close_runtime(self)
+        if "runtime.sharedmem.domains" in sys.modules:  # release this runtime's shared-memory mappings
+            sys.modules["runtime.sharedmem.domains"].close_runtime(self)
         await self.actor.close(reason)
         if self.store is not None:
             await self.store.close()

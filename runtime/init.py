@@ -53,7 +53,7 @@ from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveEr
 from runtime import env as settings
 from runtime.env import timeout_s as env_timeout_s
 from runtime.group import ProcessGroup, Runtime
-from runtime.shm import shm_usable
+from runtime.sharedmem.segments import shm_usable
 from runtime.store import MemoryStore, PrefixStore
 from runtime.store_server import StoreServer
 from runtime.store_tcp import TCPStore

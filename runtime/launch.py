@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
-from runtime import auth, jobfile, procs, shm
+from runtime import auth, jobfile, procs
 from runtime import env as settings
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
@@ -67,6 +67,7 @@ from runtime.launch_outcome import (
     stop_plan,
 )
 from runtime.scheduler import usable_cores
+from runtime.sharedmem import segments
 from runtime.store_server import StoreServer
 from runtime import jobsecret
 
@@ -223,7 +224,7 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
         await procs.drain(ranks, timeout_s=1.0)
         for r in ranks:
             r.close()
-        remove_shm_segments(envs)  # shared-memory clean-up (runtime/shm.py)
+        remove_shm_segments(envs)  # shared-memory clean-up (runtime/sharedmem/segments.py)
     if outcome.ending is Ending.FAILED:
         failed = next(r for r in ranks if r.rank == outcome.failure.rank)
         outcome.tail = list(failed.protocol.tail)
@@ -241,11 +242,11 @@ def _echo_of_abort(aborted: Callable[[], dict | None], rank: int) -> str | None:
 
 
 def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
-    """Shared-memory clean-up at the end of an attempt (runtime/shm.py): unlinks the /dev/shm
+    """Shared-memory clean-up at the end of an attempt (runtime/sharedmem/): unlinks the /dev/shm
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
     job = settings.JOB.given(envs[0]) if envs else None
-    return shm.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
+    return segments.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:

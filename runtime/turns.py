@@ -22,7 +22,7 @@ task waits longer than 1.5 x TURN_S plus one piece of work (between whole calls 
 ranks share cores: :data:`SHARED_TURN_S`).
 
 Not here: where the checks are made (runtime/group.py after each call, the Comm's reduce step
-(collectives/comm.py), runtime/shm.py between sleeps, the compiled paths' slices).
+(collectives/comm.py), runtime/sharedmem/waits.py between sleeps, the compiled paths' slices).
 """
 
 from __future__ import annotations

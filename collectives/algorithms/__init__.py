@@ -4,7 +4,7 @@
   on the runtime's connections), so they run on any group: ring, tree, halving-doubling,
   recursive doubling, Bruck, direct, chain, flat, Rabenseifner, dissemination;
 * ``shared_memory/``: the ranks of one host read each other's slots in /dev/shm (collectives/slots,
-  runtime/shm.py), and move no TCP frame; ``all_reduce_hierarchical`` adds TCP among one leader per
+  runtime/sharedmem/), and move no TCP frame; ``all_reduce_hierarchical`` adds TCP among one leader per
   host. The registry runs them only where they can run (``registry.NEEDS``).
 
 A file's stem is ``<collective>_<name>``, and ``name`` is its key in ``registry.ALGORITHMS``, the

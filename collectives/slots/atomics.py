@@ -1,11 +1,11 @@
 """Atomic loads and stores, fences, a CPU pause and system calls, for compiled (Numba ``nopython``)
-code that shares memory with other processes: the words of runtime/shm.py's protocol.
+code that shares memory with other processes: the words of runtime/sharedmem/waits.py's protocol.
 
 Each is a Numba intrinsic written in LLVM IR through llvmlite, so the memory order is LLVM's own and
 the code generator emits what the architecture needs: on x86-64 an acquire load and a release store
 are plain moves (TSO) and a ``seq_cst`` fence is ``mfence``; on AArch64 they are ``ldar`` / ``stlr``
 and ``dmb ish``. Addresses are plain integers (``uintp``): the words live in ``mmap`` segments
-whose base address the caller knows (``runtime.shm.Segment.address``).
+whose base address the caller knows (``runtime.sharedmem.segments.Segment.address``).
 
 System calls are inline assembly (``syscall`` on x86-64, ``svc #0`` on AArch64), not ctypes
 function pointers: a compiled function that calls through a ctypes pointer cannot be kept in
@@ -22,7 +22,7 @@ The futex operations are the shared ones (no ``FUTEX_PRIVATE_FLAG``): the words 
 files mapped by several processes. ``timespec_address`` points at two int64 of scratch (a
 ``struct timespec``) owned by the caller.
 
-Not here: the protocol (runtime/shm.py says it; collectives/slots/fastpath.py runs it compiled).
+Not here: the protocol (runtime/sharedmem/waits.py says it; collectives/slots/fastpath.py runs it compiled).
 """
 
 from __future__ import annotations

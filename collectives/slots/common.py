@@ -1,7 +1,7 @@
 """What the shared-memory algorithms share: one call on a domain (:class:`DomainCall`), array
 views of the slots, running big copies and reductions off the event loop.
 
-Not here: segments and waiting (runtime/shm.py), the algorithms (one file each), where they may
+Not here: segments and waiting (runtime/sharedmem/), the algorithms (one file each), where they may
 run (collectives/registry.py ``NEEDS``; the hosts: ``ProcessGroup.topology``).
 """
 
@@ -14,7 +14,8 @@ import numpy as np
 
 from collectives.comm import Comm, give_turn
 from collectives.slots import memops
-from runtime import env, shm
+from runtime import env
+from runtime.sharedmem import domains
 
 __all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
            "copy_pairs", "data_view", "own_cores", "reduce_off_loop", "slot", "small_view", "small_views", "streams"]
@@ -58,7 +59,7 @@ class DomainCall:
 
     def __init__(self, comm: Comm, members: list[int], index: int = 0):
         self.comm = comm
-        self.dom = shm.domain(comm.group, members, index)
+        self.dom = domains.domain(comm.group, members, index)
 
     async def __aenter__(self):
         dom = self.dom
@@ -103,8 +104,8 @@ def data_view(dom, p: int, dtype, count: int) -> np.ndarray:
 
 async def claim_slot(comm, dom, nbytes: int) -> bool:
     """Which slot a call moving ``nbytes`` per member uses: True for the small one (when they fit
-    in ``runtime.shm.SMALL_NBYTES``), else False after claiming the data slot (``claim_data``)."""
-    if nbytes <= shm.SMALL_NBYTES:
+    in ``runtime.sharedmem.domains.SMALL_NBYTES``), else False after claiming the data slot (``claim_data``)."""
+    if nbytes <= domains.SMALL_NBYTES:
         return True
     await dom.claim_data(comm, nbytes)
     return False

@@ -1,6 +1,6 @@
 """The small shared-memory all_reduce and the barrier as one compiled, GIL-free call each.
 
-The protocol is runtime/shm.py's, step for step (sequence words, wants, doorbells, fingerprint
+The protocol is runtime/sharedmem/waits.py's, step for step (sequence words, wants, doorbells, fingerprint
 slots), so a member here and one on the Python path interoperate. The readable reference is that
 path (``all_reduce_shm._small`` with ``Domain.post`` / ``wait_all``, and ``barrier_shm``'s); tests/shm
 compare the two. One call of :func:`_all_reduce` (Numba ``nopython``, ``nogil``), for up to 64 KiB:
@@ -24,7 +24,7 @@ The barrier is steps 1-3 without data. Memory order is explicit (atomics.py), so
 on AArch64 as on x86-64; what the event loop must see between slices stays in Python
 (:func:`all_reduce`, :func:`barrier`; bench/results/shm.md#the-compiled-small-path).
 
-Not here: the domain, its set-up and its call bookkeeping (runtime/shm.py), the large path
+Not here: the domain, its set-up and its call bookkeeping (runtime/sharedmem/domains.py), the large path
 (all_reduce_shm.py), float16 / bfloat16 (the reference path reduces them).
 """
 
@@ -39,16 +39,17 @@ from numba.extending import intrinsic
 from collectives.kernels.cpu import OP_CODES, apply
 from collectives.slots import atomics as at
 from collectives.slots import common
-from runtime import env, shm
+from runtime import env
+from runtime.sharedmem import domains, waits
 
 DONE, WAITING, MISMATCH = 0, 1, 2
 SUPPORTED = at.SUPPORTED
 NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
 
-_HEADER, _SMALL = shm.HEADER_NBYTES, shm.SMALL_NBYTES
-_SEQ, _BELL, _WANT, _FP, _FP_NBYTES = shm.OFF_SEQ, shm.OFF_BELL, shm.OFF_WANT, shm.OFF_FP, shm.FP_NBYTES
-_WANT_ALL = np.uint64(shm.WANT_ALL << 62)
-_SEEN_MASK = shm.SEEN_MASK
+_HEADER, _SMALL = domains.HEADER_NBYTES, domains.SMALL_NBYTES
+_SEQ, _BELL, _WANT, _FP, _FP_NBYTES = waits.OFF_SEQ, waits.OFF_BELL, waits.OFF_WANT, waits.OFF_FP, waits.FP_NBYTES
+_WANT_ALL = np.uint64(waits.WANT_ALL << 62)
+_SEEN_MASK = waits.SEEN_MASK
 _WAKE_ALL = 0x7FFFFFFF
 _JIT = dict(nogil=True, cache=True)
 
@@ -65,7 +66,7 @@ def _pointer_like(typingctx, address, like):
 
 @njit(inline="always", cache=True)
 def _reached(word, target):
-    """``word`` at or past ``target`` in wrapping 32-bit sequence order (runtime.shm.reached)."""
+    """``word`` at or past ``target`` in wrapping 32-bit sequence order (runtime.sharedmem.waits.reached)."""
     return ((np.int64(word) - np.int64(target)) & 0xFFFFFFFF) < 0x80000000
 
 
@@ -81,7 +82,7 @@ def _all_reached(ctl, me, target):
 def _satisfied(ctl, q, want):
     """Is the condition peer ``q`` published (``want``) true now? (Domain._satisfied)"""
     target = np.int64(want & np.uint64(0xFFFFFFFF))
-    if (want >> np.uint64(62)) == np.uint64(shm.WANT_ONE):
+    if (want >> np.uint64(62)) == np.uint64(waits.WANT_ONE):
         p = np.int64((want >> np.uint64(32)) & np.uint64(0xFFFF))
         return _reached(at.load_acquire_u32(ctl[p] + _SEQ), target)
     return _all_reached(ctl, q, target)
@@ -91,7 +92,7 @@ def _satisfied(ctl, q, want):
 def _post(ctl, me, value):
     """Domain.post: my word, a full fence, then ring every peer whose want is now met."""
     at.store_release_u32(ctl[me] + _SEQ, np.uint32(value))
-    at.fence()  # our word is visible before we read the peers' wants (runtime/shm.py "Waking")
+    at.fence()  # our word is visible before we read the peers' wants (runtime/sharedmem/waits.py)
     for q in range(ctl.size):
         if q == me:
             continue
@@ -251,7 +252,7 @@ async def all_reduce(comm, dom, x: np.ndarray, op: str) -> None:
     fast = _compiled(dom)
     state = fast.state
     state[0] = 0
-    target = shm.encode(comm.seq, 1)
+    target = waits.encode(comm.seq, 1)
     args = (fast.ctl, dom.rank, dom.parity, target, np.uint64(dom.fp_header), x, OP_CODES[op], state) + fast.wait
     rc = _all_reduce(*args)
     while rc == WAITING:
@@ -265,7 +266,7 @@ async def barrier(comm, dom) -> None:
     fast = _compiled(dom)
     state = fast.state
     state[0] = 0
-    args = (fast.ctl, dom.rank, dom.parity, shm.encode(comm.seq, 1), np.uint64(dom.fp_header), state) + fast.wait
+    args = (fast.ctl, dom.rank, dom.parity, waits.encode(comm.seq, 1), np.uint64(dom.fp_header), state) + fast.wait
     rc = _barrier(*args)
     while rc == WAITING:
         rc = _barrier(*await _between(comm, dom, args))

@@ -5,7 +5,7 @@ Before: on shared memory the late rank found the peer's segment unlinked and rai
 FileNotFoundError (its group not failed, so its next call waited out its own timeout); over
 TCP it took the frames the peer had sent before timing out and succeeded while the peer failed.
 Now the rank that times out tells every member (runtime/group.py), and a member whose segment
-is gone when it is mapped means the group's error (runtime/shm.py Domain._attach).
+is gone when it is mapped means the group's error (runtime/sharedmem/domains.py Domain._attach).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import collectives as C
-from runtime import shm
+from runtime.sharedmem import segments
 from runtime.errors import CollectiveTimeoutError
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.mark.parametrize("transport,use_shm", [("memory", True), ("memory", False), ("tcp", False)])
 async def test_late_rank_gets_the_groups_timeout_at_once(ranks, transport, use_shm):
-    if use_shm and not shm.shm_usable():
+    if use_shm and not segments.shm_usable():
         pytest.skip("RINGWEAVE_SHM=0: no shared memory")
 
     async def body(g):
@@ -50,16 +50,16 @@ async def test_late_rank_gets_the_groups_timeout_at_once(ranks, transport, use_s
 async def test_a_segment_gone_when_mapped_is_the_groups_error(ranks, monkeypatch):
     """The window in between: the peer has unlinked its segment (its call failed) and its
     message saying why has not arrived. The rank waits for it and raises it, not an OS error."""
-    if not shm.shm_usable():
+    if not segments.shm_usable():
         pytest.skip("RINGWEAVE_SHM=0: no shared memory")
-    real_attach = shm.Segment.attach
+    real_attach = segments.Segment.attach
 
     def attach(path, nbytes):
         if path.endswith("-r0-ctl"):
             raise FileNotFoundError(2, "No such file or directory", path)
         return real_attach(path, nbytes)
 
-    monkeypatch.setattr(shm.Segment, "attach", staticmethod(attach))
+    monkeypatch.setattr(segments.Segment, "attach", staticmethod(attach))
 
     async def body(g):
         async def call():

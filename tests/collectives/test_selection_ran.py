@@ -14,10 +14,10 @@ import pytest
 
 import collectives as C
 from collectives import registry
-from runtime import shm
+from runtime.sharedmem import segments
 
 pytestmark = pytest.mark.timeout(120)
-SHM_ON = shm.shm_usable()  # the suite also runs with RINGWEAVE_SHM=0
+SHM_ON = segments.shm_usable()  # the suite also runs with RINGWEAVE_SHM=0
 BIG = 100_003  # float32 elements: over the hierarchical rule's 64 KiB
 
 

@@ -21,7 +21,8 @@ import numpy as np
 
 import collectives as C
 import runtime
-from runtime import env, shm
+from runtime import env
+from runtime.sharedmem import domains, segments
 
 
 def say(*words) -> None:
@@ -53,7 +54,7 @@ async def matrix(g) -> None:
         await C.reduce_scatter(o, np.arange(n * count, dtype=np.int64), group=g)
         assert np.array_equal(o, n * np.arange(r * count, (r + 1) * count))
         await C.barrier(group=g)
-    stats = shm.statistics(g)
+    stats = domains.statistics(g)
     assert stats and stats["0d0"]["posts"] > 0, stats  # it went through shared memory
     x = np.zeros(1, np.float32)
     for i in range(2000):  # many small calls of two fingerprints (a torn header once showed here)
@@ -67,7 +68,7 @@ async def matrix(g) -> None:
         x = np.full(count, r + 1, np.float64)
         await C.all_reduce(x, group=g)  # the table: hierarchical over 64 KiB, TCP below
         assert np.all(x == n * (n + 1) / 2), (count, x[:4])
-    assert set(shm.statistics(g)) == {"0d0", "0d1" if r % 2 == 0 else "0d2"}, shm.statistics(g)
+    assert set(domains.statistics(g)) == {"0d0", "0d1" if r % 2 == 0 else "0d2"}, domains.statistics(g)
     say("OK", r)
 
 
@@ -113,8 +114,8 @@ async def main() -> None:
         return
     if mode == "leftover":
         if g.rank == 1:
-            path = os.path.join(shm.SHM_DIR, shm.job_prefix(env.JOB.get()) + "x-g0d0-r1-ctl")
-            shm.Segment.create(path, 4096)
+            path = os.path.join(segments.SHM_DIR, segments.job_prefix(env.JOB.get()) + "x-g0d0-r1-ctl")
+            segments.Segment.create(path, 4096)
             say("CREATED", path)
             os.kill(os.getpid(), signal.SIGKILL)
         await asyncio.sleep(30)  # the launcher stops us when rank 1 dies
@@ -129,7 +130,7 @@ async def main() -> None:
         say("READY", g.rank)
         await asyncio.sleep(4 if mode == "timeout" else 60)
         os._exit(0)
-    dom = shm.domain(g, list(range(g.size)))
+    dom = domains.domain(g, list(range(g.size)))
     say("ENTER", g.rank, "compiled" if dom.compiled is not None and dom.compiled.enabled else "python")
     t = time.time()
     try:

@@ -17,11 +17,11 @@ import pytest
 
 import collectives as C
 from collectives.slots import fastpath
-from runtime import shm
+from runtime.sharedmem import domains, segments
 from runtime.errors import CollectiveMismatchError
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(not (fastpath.SUPPORTED and shm.shm_usable()), reason="no compiled shm path here")]
+              pytest.mark.skipif(not (fastpath.SUPPORTED and segments.shm_usable()), reason="no compiled shm path here")]
 
 FOLD = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
@@ -45,7 +45,7 @@ def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
 @pytest.mark.parametrize("n", [2, 4])
 async def test_equals_the_numpy_fold_in_rank_order(ranks, n):
     cases = [(np.dtype(t), op, count) for t in sorted(fastpath.NATIVE, key=str) for op in FOLD
-             for count in (1, 333, shm.SMALL_NBYTES // np.dtype(t).itemsize)]
+             for count in (1, 333, domains.SMALL_NBYTES // np.dtype(t).itemsize)]
     used = []
 
     async def body(g):
@@ -55,7 +55,7 @@ async def test_equals_the_numpy_fold_in_rank_order(ranks, n):
             await C.all_reduce(x, op=op, group=g)
             got.append(x)
         await C.barrier(group=g)
-        used.append(shm.domain(g, list(range(n))).compiled is not None)
+        used.append(domains.domain(g, list(range(n))).compiled is not None)
         return got
 
     results = await ranks(n, body)

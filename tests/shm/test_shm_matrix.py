@@ -15,12 +15,12 @@ import pytest
 
 import collectives as C
 from collectives import registry
-from runtime import shm
+from runtime.sharedmem import domains, segments
 
 pytestmark = pytest.mark.timeout(120)
 # the suite also runs with RINGWEAVE_SHM=0 (calls naming "shm" then run the table's choice): tests
 # about the shared memory itself are skipped then, the answers are checked either way
-SHM_ON = shm.shm_usable()
+SHM_ON = segments.shm_usable()
 needs_shm = pytest.mark.skipif(not SHM_ON, reason="RINGWEAVE_SHM=0: no shared memory to look at")
 
 DTYPES = [np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
@@ -85,7 +85,7 @@ async def test_all_reduce(ranks, n, count):
             x = contribution(g.rank, n, count, dtype, op)
             await C.all_reduce(x, op=op, group=g, algorithm="shm")
             same(x, expected(n, count, dtype, op), f"rank {g.rank} {dtype} {op}")
-        return shm.statistics(g)
+        return domains.statistics(g)
     stats = await ranks(n, body)
     if n > 1 and SHM_ON:
         assert stats[0]["0d0"]["posts"] > 0  # it did run over shared memory
@@ -174,7 +174,7 @@ async def test_segments_grow_and_shrinking_calls_reuse(ranks):
             x = np.full(count, g.rank + 1, np.float64)
             await C.all_reduce(x, group=g, algorithm="shm")
             assert np.all(x == 10), count
-        return shm.statistics(g)["0d0"]
+        return domains.statistics(g)["0d0"]
     stats = await ranks(4, body)
     assert stats[0]["grows"] == 4  # powers of two: 256 KiB, 1 MiB, 8 MiB, 16 MiB
     assert stats[0]["capacity"] == 16 << 20
@@ -185,11 +185,11 @@ async def test_names_are_gone_once_every_member_mapped_them(ranks):
     async def body(g):
         x = np.ones(100_000, np.float32)
         await C.all_reduce(x, group=g, algorithm="shm")
-        dom = shm.domain(g, list(range(g.size)))
+        dom = domains.domain(g, list(range(g.size)))
         # this domain's names only: every in-process job is "test", so other test processes on
         # the machine (running the suite at the same time) have files under the same prefix
         ours = {t for tokens in dom._tokens for t in tokens.values()}
-        return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(dom._prefix) and any(t in n for t in ours)]
+        return [n for n in os.listdir(segments.SHM_DIR) if n.startswith(dom._prefix) and any(t in n for t in ours)]
     left = await ranks(4, body)
     assert left == [[], [], [], []]
 
@@ -227,9 +227,9 @@ async def test_hierarchical_on_fake_nodes(ranks, n, transport):
                     x = contribution(g.rank, n, count, dtype, op)
                     await C.all_reduce(x, op=op, group=g, algorithm=algo)
                     same(x, expected(n, count, dtype, op), f"rank {g.rank} {algo} {dtype} {op} {count}")
-        return sorted(shm.statistics(g))
-    domains = await ranks(n, body, transport=transport)
-    for r, names in enumerate(domains if SHM_ON else []):
+        return sorted(domains.statistics(g))
+    domain_names = await ranks(n, body, transport=transport)
+    for r, names in enumerate(domain_names if SHM_ON else []):
         alone = layout.count(layout[r]) == 1
         assert names == ([] if alone else [f"0d{1 + sorted(set(layout), key=layout.index).index(layout[r])}"])
 
@@ -246,11 +246,11 @@ async def test_hierarchical_small_arrays_run_flat_over_tcp(ranks, tmp_path):
         x = contribution(g.rank, 4, small, np.float32, "sum")
         await C.all_reduce(x, group=g)
         same(x, expected(4, small, np.float32, "sum"), "flat")
-        flat = sorted(shm.statistics(g))
+        flat = sorted(domains.statistics(g))
         x = contribution(g.rank, 4, small + 1, np.float32, "sum")
         await C.all_reduce(x, group=g)
         same(x, expected(4, small + 1, np.float32, "sum"), "hierarchical")
-        return flat, sorted(shm.statistics(g)), [e["args"]["algorithm"] for e in g.runtime.tracer.events]
+        return flat, sorted(domains.statistics(g)), [e["args"]["algorithm"] for e in g.runtime.tracer.events]
     results = await ranks(4, body, transport="tcp")
     for r, (flat, after, ran) in enumerate(results):
         assert flat == [], (r, flat)
@@ -308,7 +308,7 @@ async def test_switched_off_runs_tcp(ranks, monkeypatch, how):
         await C.reduce_scatter(o, np.arange(8, dtype=np.int64), group=g, algorithm="shm")
         await C.barrier(group=g, algorithm="shm")
         assert np.all(y == 1) and np.array_equal(o, 4 * np.arange(2 * g.rank, 2 * g.rank + 2))
-        return shm.statistics(g)
+        return domains.statistics(g)
     assert await ranks(4, body) == [{}] * 4
 
 

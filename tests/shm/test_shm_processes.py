@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from collectives.slots import fastpath
-from runtime import shm
+from runtime.sharedmem import segments
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("shm_rank.py"))
@@ -44,7 +44,7 @@ def test_collectives_through_the_launcher_4_ranks():
     proc = _launch(4, "matrix", job)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(line.split()[-1] for line in proc.stdout.splitlines() if " OK " in line) == ["0", "1", "2", "3"]
-    assert shm.job_segments(job) == []
+    assert segments.job_segments(job) == []
 
 
 def test_launcher_removes_what_a_killed_rank_left():
@@ -53,7 +53,7 @@ def test_launcher_removes_what_a_killed_rank_left():
     assert proc.returncode != 0  # rank 1 was killed
     assert "CREATED" in proc.stdout, proc.stdout[-2000:]
     assert "SIGKILL" in proc.stdout + proc.stderr
-    assert shm.job_segments(job) == []
+    assert segments.job_segments(job) == []
 
 
 def _free_port() -> int:
@@ -120,7 +120,7 @@ def test_a_killed_rank_is_detected_within_seconds_and_dev_shm_is_clean(mode):
             p.wait(30)
     finally:
         _finish(procs)
-    assert shm.job_segments(job) == []
+    assert segments.job_segments(job) == []
 
 
 def test_timeout_is_bounded_when_a_rank_never_calls():
@@ -136,4 +136,4 @@ def test_timeout_is_bounded_when_a_rank_never_calls():
             p.wait(30)
     finally:
         _finish(procs)
-    assert shm.job_segments(job) == []
+    assert segments.job_segments(job) == []

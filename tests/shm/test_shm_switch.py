@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import collectives
-from runtime.shm import shm_usable
+from runtime.sharedmem.segments import shm_usable
 from runtime.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)

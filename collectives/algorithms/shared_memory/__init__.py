@@ -1,5 +1,5 @@
 """The algorithms for ranks that share a host, over shared-memory slots (collectives/slots,
-runtime/shm.py), one file each; the same signatures as the TCP ones (registry key in brackets):
+runtime/sharedmem/), one file each; the same signatures as the TCP ones (registry key in brackets):
 
 * ``all_reduce_shm`` [shm]: one copy in, a parallel reduce-scatter by reading the peers' slots, one
   copy out; one phase for messages up to 64 KiB.

@@ -2,7 +2,7 @@
 every block out once.
 
 How it works (n ranks, rank r, S_p = rank p's slot; the small slot when the block fits in
-``runtime.shm.SMALL_NBYTES``, else the data slot):
+``runtime.sharedmem.domains.SMALL_NBYTES``, else the data slot):
 
 1. S_r = x; post phase 1;
 2. wait for every peer's phase 1; out[p] = S_p for every p != r, and out[r] = x.

@@ -3,7 +3,7 @@ one copy out. For groups whose ranks are all on one host (registry.NEEDS).
 
 How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped by everyone):
 
-* **small** (``x.nbytes <= runtime.shm.SMALL_NBYTES``, 64 KiB; see ONE_PHASE_MAX_NBYTES): one phase.
+* **small** (``x.nbytes <= runtime.sharedmem.domains.SMALL_NBYTES``, 64 KiB; see ONE_PHASE_MAX_NBYTES): one phase.
   1. copy x into my small slot; post phase 1;
   2. wait for every peer's phase 1; x = S_0 <op> ... <op> S_{n-1} in rank order (the same bits).
 * **large**: n **chunks** (``chunk_bounds``, no padding); rank c owns chunk c.
@@ -34,15 +34,15 @@ import numpy as np
 
 from collectives.ops import chunk_bounds
 from collectives.slots import common, fastpath, memops
-from runtime import shm
+from runtime.sharedmem import domains
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
     n = comm.size
     if n == 1:
         return
-    if x.nbytes <= shm.SMALL_NBYTES:  # DomainCall, written out: this path is all overhead
-        dom = shm.domain(comm.group, None)
+    if x.nbytes <= domains.SMALL_NBYTES:  # DomainCall, written out: this path is all overhead
+        dom = domains.domain(comm.group, None)
         if not dom.try_begin(comm):
             await dom.begin(comm)
         ok = False
@@ -67,7 +67,7 @@ async def run(comm, x: np.ndarray, op: str) -> None:
 # data slot (every rank folds the whole array from all slots: one synchronisation fewer, but
 # n x the reads and no parallel split): never better, so it stays at the small slot's size
 # (bench/results/shm.md#one-phase-or-two).
-ONE_PHASE_MAX_NBYTES = shm.SMALL_NBYTES
+ONE_PHASE_MAX_NBYTES = domains.SMALL_NBYTES
 
 
 async def _small(comm, dom, x: np.ndarray, op: str, slots: list) -> None:

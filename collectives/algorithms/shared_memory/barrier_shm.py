@@ -12,14 +12,14 @@ Signature: ``await run(comm)`` like tcp/barrier_dissemination.py.
 from __future__ import annotations
 
 from collectives.slots import fastpath
-from runtime import shm
+from runtime.sharedmem import domains
 
 
 async def run(comm) -> None:
     n = comm.size
     if n == 1:
         return
-    dom = shm.domain(comm.group, None)  # common.DomainCall written out (all_reduce_shm's small path)
+    dom = domains.domain(comm.group, None)  # common.DomainCall written out (all_reduce_shm's small path)
     if not dom.try_begin(comm):
         await dom.begin(comm)
     ok = False

@@ -1,7 +1,7 @@
 """Shared-memory broadcast: the root copies x into its slot once; every other rank copies it out.
 
 How it works (n ranks, root t, S_t = the root's slot, the small one when x fits in
-``runtime.shm.SMALL_NBYTES``):
+``runtime.sharedmem.domains.SMALL_NBYTES``):
 
 1. root: S_t = x; post phase 1;
 2. others: wait for the root's phase 1; x = S_t.

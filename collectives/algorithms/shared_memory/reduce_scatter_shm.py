@@ -2,7 +2,7 @@
 its own block by reading every peer's slot.
 
 How it works (n ranks, rank r; x holds n blocks of ``out.size`` elements, block p is reduced
-by rank p; S_p = rank p's slot, the small one when x fits in ``runtime.shm.SMALL_NBYTES``):
+by rank p; S_p = rank p's slot, the small one when x fits in ``runtime.sharedmem.domains.SMALL_NBYTES``):
 
 1. S_r[p] = x[p] for every block p != r (my own block is read from x); post phase 1;
 2. wait for every peer's phase 1; out = x[r] <op> S_p[r] for p != r in rank order
