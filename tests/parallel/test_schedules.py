@@ -7,9 +7,9 @@ import pytest
 
 from mesh_cases import reference, train_mesh
 from trainer.parallel import ParallelConfig, executor
-from trainer.sharding.accounted import AccountedCollectives
 from trainer.parallel.schedules import (Action, bubble_formula, format_table, gpipe, in_flight_peak, lower,
                                         one_f_one_b, schedule, simulate, simulate_lists)
+from trainer.sharding.accounted import AccountedCollectives
 
 
 def names(actions):
