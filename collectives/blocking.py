@@ -9,7 +9,7 @@
     # python -m runtime.launch -n 2 script.py   ->  both ranks: x = [3. 3. 3. 3.]
 
 A :class:`Communicator` owns one event loop on a daemon thread (``runtime.loopthread.LoopThread``)
-and the runtime on it, reached through collectives/bridge.py. Every call of collectives/api.py is
+and the runtime on it, reached through runtime/bridge.py. Every call of collectives/api.py is
 here, blocking, with the same name and arguments, plus a ``<name>_async`` twin that returns a
 :class:`Handle` at once; its arrays belong to the collective until the handle is done. Any number
 of threads may call one communicator; each call carries its thread's name in its fingerprint, so
@@ -38,7 +38,7 @@ import threading
 
 import runtime
 from collectives import api, objects, uneven
-from collectives.bridge import LoopBridge, wait_done
+from runtime.bridge import LoopBridge, wait_done
 from runtime.errors import ClosedError
 from runtime.group import issuing_thread
 from runtime.init import abort_reason

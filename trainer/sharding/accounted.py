@@ -14,7 +14,7 @@ all_gather, reduce_scatter, broadcast), and the point-to-point send / recv a pip
   forward/backward on their own thread (so the event loop keeps moving the
   collectives meanwhile: that is the overlap), and its hooks `launch()` a
   collective (a task on the event loop, issued in program order, through
-  collectives/bridge.py) and later `wait()` for it; the time spent blocked in
+  runtime/bridge.py) and later `wait()` for it; the time spent blocked in
   `wait()` is the EXPOSED communication;
 * a world-size-1 shortcut (the collective is a local copy; nothing is sent).
 
@@ -34,7 +34,7 @@ from typing import Any, Awaitable
 
 import numpy as np
 
-from collectives.bridge import LoopBridge, wait_done
+from runtime.bridge import LoopBridge, wait_done
 
 __all__ = ["AccountedCollectives"]
 

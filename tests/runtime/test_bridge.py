@@ -1,4 +1,4 @@
-"""The thread-to-loop bridge (collectives/bridge.py) on its own: results and errors reach the
+"""The thread-to-loop bridge (runtime/bridge.py) on its own: results and errors reach the
 waiting thread as they were, a deadline raises without cancelling (``call`` cancels), refusal
 closes coroutines unrun, and cancelling or draining leaves nothing pending on the loop."""
 
@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from collectives.bridge import LoopBridge, wait_done
+from runtime.bridge import LoopBridge, wait_done
 from runtime.errors import ClosedError, CollectiveTimeoutError
 from runtime.loopthread import LoopThread
 
