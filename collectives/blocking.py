@@ -8,12 +8,13 @@
         h = comm.all_gather_async(out, x)         # returns at once; compute, then h.wait()
     # python -m runtime.launch -n 2 script.py   ->  both ranks: x = [3. 3. 3. 3.]
 
-A :class:`Communicator` owns one event loop on a daemon thread (``runtime.loopthread.LoopThread``) and
-the runtime on it. Every call of collectives/api.py is here, blocking, with the same name and
-arguments, plus a ``<name>_async`` twin that returns a :class:`Handle` at once; its arrays belong
-to the collective until the handle is done. Any number of threads may call one communicator; each
-call carries its thread's name in its fingerprint, so calls of one group that interleave differently
-on two ranks raise ``CollectiveMismatchError``, never a wrong answer (README.md, "Threads").
+A :class:`Communicator` owns one event loop on a daemon thread (``runtime.loopthread.LoopThread``)
+and the runtime on it, reached through runtime/bridge.py. Every call of collectives/api.py is
+here, blocking, with the same name and arguments, plus a ``<name>_async`` twin that returns a
+:class:`Handle` at once; its arrays belong to the collective until the handle is done. Any number
+of threads may call one communicator; each call carries its thread's name in its fingerprint, so
+calls of one group that interleave differently on two ranks raise ``CollectiveMismatchError``,
+never a wrong answer (README.md, "Threads").
 
 Life cycle (grammar)::
 
@@ -37,6 +38,7 @@ import threading
 
 import runtime
 from collectives import api, objects, uneven
+from runtime.bridge import LoopBridge, wait_done
 from runtime.errors import ClosedError
 from runtime.group import issuing_thread
 from runtime.init import abort_reason
@@ -64,12 +66,10 @@ class Handle:
 
         Raises:
             TimeoutError: not done within ``timeout``.
-            whatever the collective raised (CollectiveMismatchError, PeerLostError, ...).
+            whatever the collective raised, as raised (CollectiveMismatchError, PeerLostError,
+            CollectiveTimeoutError, ...).
         """
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{self._what} not done after {timeout} s (still running)") from None
+        return wait_done(self._future, timeout, self._what)
 
     async def wait_async(self):
         """Awaits the collective from any asyncio event loop (``await handle`` does the same);
@@ -114,8 +114,7 @@ class Communicator:
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                  master_port: int | None = None, timeout: float | None = None, shm: bool = True, **init_kw):
         self._thread = LoopThread("ringweave-communicator")
-        self._lock = threading.Lock()
-        self._closed = False
+        self._bridge = LoopBridge(self._thread.loop)  # refused once closed (ClosedError)
         try:
             self._rt = self._thread.run(runtime.init(rank, world_size, master_addr=master_addr,
                                                      master_port=master_port, timeout_s=timeout, **init_kw))
@@ -139,7 +138,7 @@ class Communicator:
 
     def new_group(self, ranks):
         """A sub-group of the given world ranks; every rank must call it, in the same order."""
-        return self._submit_sync(self._new_group(list(ranks)))
+        return self._bridge.call(self._new_group(list(ranks)), None, "new_group")
 
     async def _new_group(self, ranks):
         return self._rt.new_group(ranks)
@@ -148,29 +147,6 @@ class Communicator:
         if kw.get("group") is None:  # the world of *this* runtime (several may share a process)
             kw["group"] = self._rt.world
         return _issued_by(threading.current_thread().name[:64], _CALLS[name], args, kw)
-
-    def _submit(self, coro) -> concurrent.futures.Future:
-        with self._lock:  # issue order = call order, and never onto a closed loop
-            if self._closed:
-                coro.close()
-                raise ClosedError("the communicator is closed")
-            return asyncio.run_coroutine_threadsafe(coro, self._thread.loop)
-
-    def _submit_sync(self, coro):
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._thread.loop:
-            coro.close()
-            raise RuntimeError("a blocking collective was called from the communicator's own loop thread; "
-                               "use the async API (collectives.api) there")
-        fut = self._submit(coro)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
 
     def close(self, timeout: float = 30.0) -> None:
         """Leaves the job (waits up to ``timeout`` for the other ranks) and stops the loop thread. Idempotent."""
@@ -183,14 +159,12 @@ class Communicator:
         self._leave(runtime.abort(exc, self._rt), 10.0)
 
     def _leave(self, coro, timeout: float) -> None:
-        with self._lock:
-            if self._closed:
-                coro.close()
-                return
-            self._closed = True
+        leaving = self._bridge.refuse(ClosedError, "the communicator is closed", last=coro)
+        if leaving is None:  # closed before
+            return
         _open.discard(self)
         try:
-            asyncio.run_coroutine_threadsafe(coro, self._thread.loop).result(timeout)
+            wait_done(leaving, timeout, "leaving the job")
         finally:
             self._thread.close()
 
@@ -205,7 +179,7 @@ class Communicator:
             self.abort(reason)
 
     def __repr__(self) -> str:
-        return f"Communicator(rank={self.rank}, world_size={self.world_size}, closed={self._closed})"
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, closed={self._bridge.refused})"
 
 
 @atexit.register
@@ -230,7 +204,7 @@ def _blocking(name: str):
 
     @functools.wraps(fn)
     def call(self, *args, **kw):
-        return self._submit_sync(self._coro(name, args, kw))
+        return self._bridge.call(self._coro(name, args, kw), None, name)  # the call bounds its own time
     call.__doc__ = f"Blocking :func:`{fn.__module__}.{name}` (same arguments; ``group`` defaults to the world)."
     return call
 
@@ -239,7 +213,7 @@ def _nonblocking(name: str):
     fn = _CALLS[name]
 
     def call(self, *args, **kw) -> Handle:
-        return Handle(self._submit(self._coro(name, args, kw)), name)
+        return Handle(self._bridge.start(self._coro(name, args, kw)), name)
     call.__name__ = f"{name}_async"
     call.__doc__ = (f"Starts :func:`{fn.__module__}.{name}` and returns a :class:`Handle` at once "
                     "(same arguments; the arrays belong to the call until the handle is done).")

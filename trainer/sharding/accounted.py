@@ -10,12 +10,12 @@ all_gather, reduce_scatter, broadcast), and the point-to-point send / recv a pip
   gradient collective counts its codec's payload bytes), and the time at
   least one collective was in flight ("comm_s", a union of intervals, so
   overlapping collectives are not counted twice);
-* a bridge for the compute thread: strategies run the model's synchronous
+* the compute thread's door to the loop: strategies run the model's synchronous
   forward/backward on their own thread (so the event loop keeps moving the
   collectives meanwhile: that is the overlap), and its hooks `launch()` a
-  collective (a task on the event loop, issued in program order) and later
-  `wait()` for it; the time spent blocked in `wait()` is the EXPOSED
-  communication;
+  collective (a task on the event loop, issued in program order, through
+  runtime/bridge.py) and later `wait()` for it; the time spent blocked in
+  `wait()` is the EXPOSED communication;
 * a world-size-1 shortcut (the collective is a local copy; nothing is sent).
 
 Calls are issued in the same order on every rank because every rank runs the
@@ -33,6 +33,8 @@ import time
 from typing import Any, Awaitable
 
 import numpy as np
+
+from runtime.bridge import LoopBridge, wait_done
 
 __all__ = ["AccountedCollectives"]
 
@@ -54,15 +56,39 @@ class AccountedCollectives:
         self.codec = codec  # gradient codec: all_reduce / reduce_scatter(compression=codec) for gradients
         runtime_timeout = getattr(getattr(group, "runtime", None), "timeout_s", 300.0)
         self.timeout_s = float(timeout_s if timeout_s is not None else runtime_timeout) + 10.0
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
+        self._bridge = LoopBridge(keep=True)  # every launch is kept until drain or cancel_pending
+        self._lock = threading.Lock()  # the counters, updated from the loop and the compute thread
         self._inflight = 0
         self._busy_since = 0.0
         self.comm_s = 0.0  # union of in-flight intervals
         self.exposed_s = 0.0  # time the compute or the step blocked on communication
         self.bytes_sent = 0
-        self._pending: list[concurrent.futures.Future] = []
-        self.aborted = False  # set by cancel_pending: the compute thread must stop launching
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop collectives are launched onto (the strategy sets it at setup)."""
+        return self._bridge.loop
+
+    @loop.setter
+    def loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._bridge.loop = loop
+
+    @property
+    def aborted(self) -> bool:
+        """Set by cancel_pending: the compute thread must stop launching; False admits launches again."""
+        return self._bridge.refused
+
+    @aborted.setter
+    def aborted(self, value: bool) -> None:
+        if value:
+            self._bridge.refuse(RuntimeError, _ABORTED)
+        else:
+            self._bridge.reopen()
+
+    @property
+    def pending(self) -> int:
+        """Launched calls that ``drain`` has not waited for yet."""
+        return self._bridge.kept
 
     # ---- accounting -----------------------------------------------------------
 
@@ -159,14 +185,12 @@ class AccountedCollectives:
 
     def launch(self, coro) -> concurrent.futures.Future:
         """From the compute thread: runs ``coro`` as a task on the event loop, now.
-        Calls keep their program order (the loop takes them first in, first out)."""
-        with self._lock:
-            if self.aborted:
-                coro.close()
-                raise RuntimeError("the step was aborted (an earlier collective failed); not launching more")
-            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-            self._pending.append(fut)
-        return fut
+        Calls keep their program order (the loop takes them first in, first out).
+
+        Raises:
+            RuntimeError: the step was aborted (``cancel_pending``); ``coro`` is closed unrun.
+        """
+        return self._bridge.start(coro)
 
     def wait(self, fut: concurrent.futures.Future) -> Any:
         """From the compute thread: blocks until ``fut`` is done; the blocked time is exposed.
@@ -177,32 +201,25 @@ class AccountedCollectives:
         """
         t0 = time.perf_counter()
         try:
-            return fut.result(timeout=self.timeout_s)
+            return wait_done(fut, self.timeout_s, "a launched collective")
         finally:
             with self._lock:
                 self.exposed_s += time.perf_counter() - t0
 
     async def drain(self) -> None:
         """On the loop: waits for everything launched (exposed time), re-raising the first error."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        if pending:
-            await self.exposed(asyncio.gather(*(asyncio.wrap_future(f) for f in pending)))
+        if self._bridge.kept:
+            await self.exposed(self._bridge.drain())
 
     def cancel_nowait(self) -> None:
         """On the loop, at once (a failure found elsewhere): cancels what was launched, so a compute
         thread waiting on it wakes; ``cancel_pending`` reaps it later."""
-        with self._lock:
-            pending = list(self._pending)
-        for f in pending:
-            f.cancel()
+        self._bridge.cancel_nowait()
 
     async def cancel_pending(self) -> None:
-        """On the loop, after a failure: cancels and reaps what was launched (never raises)."""
-        with self._lock:
-            self.aborted = True
-            pending, self._pending = self._pending, []
-        for f in pending:
-            f.cancel()
-        if pending:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
+        """On the loop, after a failure: cancels and reaps what was launched (never raises);
+        later launches raise until ``aborted`` is set False again."""
+        await self._bridge.cancel_pending(RuntimeError, _ABORTED)
+
+
+_ABORTED = "the step was aborted (an earlier collective failed); not launching more"
