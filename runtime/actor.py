@@ -178,7 +178,8 @@ class Actor:
         self.requests.fail_to(peer, exc)
 
     async def _serve_tool(self, name: str, args: list, *, loop: asyncio.AbstractEventLoop):
-        """A tool's request, on the listener's thread (see Requests.serve_tool)."""
+        """A tool's request, on the listener's thread (see Requests.serve_tool); a method of the
+        Actor because the peers, which take it, are made before the requests."""
         return await self.requests.serve_tool(name, args, loop=loop)
 
     def add_abort_listener(self, fn: Callable[[dict], None]) -> None:
