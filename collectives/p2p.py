@@ -15,7 +15,7 @@ A receive from any source takes the first message under its tag from a rank that
 receive of its own posted for it (messages kept before it was posted count, the longest kept
 first). A lost peer does not end it (another may still send); its timeout does.
 
-Not here: the collectives (api.py), the mailbox matching (runtime/actor.py).
+Not here: the collectives (api.py), the mailbox matching (runtime/mailbox.py).
 """
 
 from __future__ import annotations

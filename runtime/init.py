@@ -313,7 +313,7 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
             keys = [f"addr/{r}" for r in range(world_size)]
             await prefixed.wait(keys, timeout_s)
             peers = {r: msgpack.unpackb(await prefixed.get(f"addr/{r}")) for r in range(world_size)}
-            await actor.connect_mesh({r: (p["host"], p["port"]) for r, p in peers.items()}, timeout_s)
+            await actor.connect_peers({r: (p["host"], p["port"]) for r, p in peers.items()}, timeout_s)
             nodes = [peers[r]["node"] for r in range(world_size)]
             # Shared memory only where every rank allows it: one rank with RINGWEAVE_SHM=0
             # would otherwise pick other algorithms than its peers (a mismatch, or a wait).

@@ -47,7 +47,7 @@ async def make_runtimes(n: int, transport: str = "memory", *, timeout_s: float =
             addresses = {r: await actors[r].listen("127.0.0.1", 0) for r in range(n)}
             async with asyncio.TaskGroup() as tg:
                 for a in actors:
-                    tg.create_task(a.connect_mesh(addresses, timeout_s))
+                    tg.create_task(a.connect_peers(addresses, timeout_s))
         else:
             raise ValueError(f"transport must be 'memory' or 'tcp', not {transport!r}")
     except BaseException:

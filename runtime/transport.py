@@ -1,61 +1,30 @@
 """Connections: frames between two ranks, over TCP or in memory, with one contract.
 
-A connection moves frames (runtime/wire.py) between exactly two endpoints. It
-knows bytes, never arrays. Receiving is driven by a *sink* (the actor) that is
-asked where each payload should go once its header has arrived::
+A connection moves frames (runtime/wire.py) between exactly two endpoints; it knows bytes, never
+arrays. Receiving is driven by a *sink* (the actor) that is asked where each payload goes once
+its header has arrived, so a large array lands straight in the buffer its receiver posted::
 
     sink.on_header(conn, header, nbytes) -> memoryview of nbytes | None (discard; called for every frame)
     sink.on_frame(conn, header, buf)        payload complete in buf
     sink.on_whole(conn, header, data)       instead of both, for a frame whose payload came with its
-                                            header (``data``: a view of the staging buffer, valid only
-                                            during the call; the sink copies what it keeps)
+                                            header (``data`` valid only during the call)
     sink.on_lost(conn, exc)                 the connection is gone (exc: why)
 
-so a large array lands straight in the buffer its receiver posted, with no
-intermediate copy (asyncio ``BufferedProtocol``: ``get_buffer`` hands the
-kernel that buffer). Small frames are read through a staging buffer, several
-per system call.
-
-While a large payload arrives, the socket's ``SO_RCVLOWAT`` is raised to what
-is left of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter of the receive
-buffer), so the event loop is woken once per few MiB instead of once per 64 KiB
-packet, and set back to 1 when the payload is complete (a frame boundary: the
-next header must wake us at once). ``RINGWEAVE_RCVLOWAT=0`` turns it off
-(bench/results/transport.md#segments-and-so_rcvlowat).
-
-Sending: ``await conn.send(header, payload)`` returns when the payload buffer
-may be reused by the caller (its bytes are in the kernel or copied). The write
-buffer's high-water mark is 0, so the transport tells us (``pause_writing`` /
-``resume_writing``) exactly when it holds bytes of ours; that is both the
-back-pressure and the "buffer reusable" signal. ``conn.send_now(packed, payload)``
-is the shortcut for frames up to 1 MiB: when nothing is queued it writes the frame
-(a small payload copied behind the header, a larger one with the header in one
-``writev``; what a full socket does not take is copied into the transport) and
-returns True without a coroutine; otherwise it sends nothing and the caller
-awaits ``send``.
-
-``conn.recv_now(head, dest, wait_s, spin_s)`` is the shortcut on the receive side, for a
-caller that knows the exact bytes the next frame's head must be (a collective's
-peer packs the same header): when nothing of the connection is staged or half
-read, it reads the frame straight from the socket (a small one whole, a larger
-one's payload straight into ``dest`` once its head has matched), blocking the
-thread for at most ``wait_s`` (re-reading with ``sched_yield`` for the first
-``spin_s`` of it, then asleep in ``poll()``), with no event-loop round trip and no
-sink callbacks. Bytes that are not that frame, or not all of it in time, are
-handed to the normal receive path (:meth:`_FrameProtocol.feed`), exactly as if
-the event loop had read them, so nothing is lost or reordered.
+``await conn.send(header, payload)`` returns when the payload buffer may be reused (its bytes are
+in the kernel or copied); the transport's write buffer (high-water mark 0) is the back-pressure.
+``send_now`` / ``recv_now`` are the fast path for frames up to 1 MiB: straight to and from the
+socket, without a coroutine or an event-loop round trip; what they cannot do at once goes the
+normal way, nothing lost or reordered (bench/results/transport.md#the-small-message-path).
 
 Call order of a connection (grammar)::
 
     open -> ((send | send_now)* | on_header on_frame | on_whole | recv_now)* -> [on_lost] -> close -> end
 
-The small-message path (these two, with runtime/group.Call and collectives/api) is
-measured with ``python bench/floor.py -n 4 --modes ringweave-inproc,ringweave-tcp``
-(bench/results/transport.md#the-small-message-path).
-
-Implementations: :class:`TCPConnection` (a socket through an asyncio or
-uvloop transport) and :class:`MemoryConnection` (a pair in one process that
-copies each payload once, as a network would); tests/conformance checks both.
+Implementations: :class:`TCPConnection` (a socket through an asyncio or uvloop transport; its
+receiving end is runtime/frame_protocol.py, its bulk payloads may move on the data plane's
+threads, runtime/dataplane.py) and :class:`MemoryConnection` (a pair in one process that copies
+each payload once, as a network would); tests/conformance checks both.
+Not here: what a frame means (the actor's mailbox), handshakes (auth.py).
 """
 
 from __future__ import annotations
@@ -65,27 +34,21 @@ import collections
 import logging
 import os
 import select
-import socket
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from runtime import dataplane, env, wire
-from runtime.errors import BadFrameError, ClosedError, PeerLostError
+from runtime.errors import ClosedError, PeerLostError
+from runtime.frame_protocol import FrameProtocol
 
 log = logging.getLogger("ringweave.transport")
 
-STAGE_NBYTES = 256 * 1024  # staging buffer for headers and small payloads
-READ_NBYTES = 64 * 1024  # largest read into the stage
-_DISCARD_NBYTES = 1024 * 1024
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
 SEND_NOW_NBYTES = 1024 * 1024  # the largest payload Connection.send_now takes
 RECV_NOW_NBYTES = 1024 * 1024  # the largest payload a caller should hand Connection.recv_now
 _NOW_WHOLE_NBYTES = 64 * 1024  # recv_now: frames up to this are read whole and their payload copied
-LOWAT_MIN_NBYTES = 256 * 1024  # payloads left to read below this wake us per packet, as before
-LOWAT_MAX_NBYTES = 4 * 1024 * 1024
 _CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in pieces of this size
-
 
 
 class Sink(Protocol):
@@ -164,190 +127,6 @@ class Connection:
         raise NotImplementedError
 
 
-class _FrameProtocol(asyncio.BufferedProtocol):
-    """The receive state machine: staging buffer for heads, direct payload reads."""
-
-    def __init__(self, conn: "TCPConnection", schema: wire.Schema, max_payload_nbytes: int):
-        self._conn = conn
-        self._schema = schema
-        self._max_payload = max_payload_nbytes
-        self._stage = bytearray(STAGE_NBYTES)
-        self._stage_mv = memoryview(self._stage)
-        self._stage_head = self._stage_mv[:READ_NBYTES]  # what an empty stage reads into (made once)
-        self._start = 0  # first unconsumed byte in the stage
-        self._end = 0  # one past the last received byte in the stage
-        self._header: dict | None = None  # header of the payload being received directly
-        self._dest: memoryview | None = None  # its destination (None: discard)
-        self._pos = 0  # bytes of the payload received so far
-        self._need = 0  # payload length
-        self._discard: memoryview | None = None
-        self.transport: asyncio.Transport | None = None
-        self.uvloop = False
-        self._paused = False
-        self._drained: asyncio.Future | None = None
-        self.lost: BaseException | None = None
-        self._where = f" from {conn.where}"  # for error messages; built once, not per frame
-        self._sock = None  # the transport's socket object, for SO_RCVLOWAT (None: not used)
-        self._lowat = 1  # the socket's SO_RCVLOWAT as we last set it
-        self._lowat_cap = 0
-
-    # -- asyncio callbacks -------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.uvloop = type(transport).__module__.startswith("uvloop")
-        transport.set_write_buffer_limits(high=0)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and env.RCVLOWAT.get():
-            try:  # a quarter of the receive buffer: the peer can always fill that much (its window)
-                cap = min(LOWAT_MAX_NBYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
-            except (OSError, AttributeError):
-                cap = 0
-            if cap >= LOWAT_MIN_NBYTES:
-                self._sock, self._lowat_cap = sock, cap
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._header is not None:  # payload mode: straight into its destination
-            if self._dest is not None:
-                return self._dest[self._pos:]
-            if self._discard is None:
-                self._discard = memoryview(bytearray(_DISCARD_NBYTES))
-            return self._discard[: min(_DISCARD_NBYTES, self._need - self._pos)]
-        if self._start == self._end:  # the usual case: everything read was consumed
-            self._start = self._end = 0
-            return self._stage_head
-        if STAGE_NBYTES - self._end < wire.MAX_HEADER_NBYTES + wire.PREFIX_NBYTES:
-            n = self._end - self._start  # compact: move the unread tail to the front
-            self._stage_mv[:n] = self._stage_mv[self._start:self._end]
-            self._start, self._end = 0, n
-        # At most READ_NBYTES per read in header mode: a large payload's first bytes
-        # land in the stage and are copied once; the rest goes straight to its buffer.
-        return self._stage_mv[self._end:self._end + READ_NBYTES]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        try:
-            if self._header is not None:
-                self._pos += nbytes
-                if self._pos == self._need:
-                    self._finish_payload()
-                elif self._lowat > self._need - self._pos:  # less is left than we wait for
-                    left = self._need - self._pos
-                    self._set_lowat(left if left >= LOWAT_MIN_NBYTES else 1)
-                return
-            self._end += nbytes
-            self._parse_stage()
-        except BadFrameError as exc:
-            log.warning("closing connection to %s: %s", self._conn.where, exc)
-            self._fail(exc)
-        except Exception as exc:  # a sink bug must not kill the event loop silently
-            log.exception("error handling a frame from %s", self._conn.where)
-            self._fail(exc)
-
-    def _parse_stage(self) -> None:
-        stage = self._stage_mv
-        conn = self._conn
-        while True:
-            avail = self._end - self._start
-            if avail < wire.PREFIX_NBYTES:
-                return
-            hlen, plen = wire.parse_prefix(stage[self._start:], self._max_payload, where=self._where)
-            if avail < wire.PREFIX_NBYTES + hlen:
-                return
-            hstart = self._start + wire.PREFIX_NBYTES
-            header = wire.parse_header(stage[hstart:hstart + hlen], self._schema, where=self._where)
-            start = hstart + hlen
-            conn.frames_received += 1
-            conn.bytes_received += wire.PREFIX_NBYTES + hlen + plen
-            if self._end - start >= plen:  # the whole frame is here: one call to the sink
-                self._start = start + plen
-                conn.sink.on_whole(conn, header, stage[start:start + plen])
-                continue
-            self._start = start
-            dest = conn.sink.on_header(conn, header, plen)
-            if not plen:
-                dest = None
-            inline = min(plen, self._end - self._start)
-            if dest is not None and inline:
-                dest[:inline] = stage[self._start:self._start + inline]
-            self._start += inline
-            if inline == plen:
-                conn.sink.on_frame(conn, header, dest)
-                continue
-            self._header, self._dest, self._pos, self._need = header, dest, inline, plen
-            if plen - inline >= dataplane.BULK_MIN_NBYTES and conn.data_plane:
-                conn._receive_bulk()  # the rest on the receiver thread (runtime/dataplane.py)
-            elif plen - inline >= LOWAT_MIN_NBYTES and self._sock is not None:
-                self._set_lowat(min(plen - inline, self._lowat_cap))
-            return
-
-    def idle(self) -> bool:
-        """Nothing received is waiting here (no bytes staged, no payload half read), and the
-        transport is reading (whoever paused it meant no bytes to be taken)."""
-        return (self._header is None and self._start == self._end and self.lost is None
-                and self.transport is not None and self.transport.is_reading())
-
-    def feed(self, data: memoryview) -> None:
-        """Takes bytes read from the socket by someone else (TCPConnection.recv_now) as if
-        the event loop had read them: same buffers, same parsing, same sink calls."""
-        while data.nbytes and self.lost is None:
-            buf = self.get_buffer(-1)
-            n = min(buf.nbytes, data.nbytes)
-            buf[:n] = data[:n]
-            self.buffer_updated(n)
-            data = data[n:]
-
-    def _set_lowat(self, nbytes: int) -> None:
-        """SO_RCVLOWAT = nbytes: epoll reports the socket readable only once that many bytes
-        are queued (or on EOF / error, so a lost peer is still seen at once)."""
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-            self._lowat = nbytes
-        except OSError:  # closed under us, or refused: read per packet from now on
-            self._sock, self._lowat = None, 1
-
-    def _finish_payload(self) -> None:
-        if self._lowat > 1:
-            self._set_lowat(1)
-        header, dest = self._header, self._dest
-        self._header = self._dest = None
-        self._pos = self._need = 0
-        self._conn.sink.on_frame(self._conn, header, dest)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.lost is None:
-            self.lost = exc
-        if self.transport is not None:
-            self.transport.abort()
-
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
-        self._drained = None
-        if self._conn._out:  # frames wait for the transport to drain before the sender thread takes them
-            self._conn._pump()
-
-    def eof_received(self):
-        return False  # close the transport; connection_lost follows
-
-    def connection_lost(self, exc) -> None:
-        if self.lost is None:
-            self.lost = exc or ConnectionResetError("connection closed by the peer")
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(PeerLostError(f"{self._conn.where}: {self.lost}", self._conn.peer))
-            self._drained.exception()  # mark retrieved; the sender re-raises
-        self._conn._on_protocol_lost(self.lost)
-
-    async def wait_drained(self) -> None:
-        if not self._paused:
-            return
-        if self._drained is None:
-            self._drained = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._drained)
-
-
 class TCPConnection(Connection):
     """A frame connection over an authenticated TCP socket."""
 
@@ -356,7 +135,7 @@ class TCPConnection(Connection):
         self.peer = peer
         self.where = where
         self.sink = sink
-        self._proto = _FrameProtocol(self, schema, max_payload_nbytes)
+        self._proto = FrameProtocol(self, schema, max_payload_nbytes)
         self._closed = False
         self._chunking: asyncio.Lock | None = None  # held while a large frame goes out in pieces
         self.data_plane = False  # payloads from dataplane.BULK_MIN_NBYTES move on worker threads (open)
@@ -450,7 +229,7 @@ class TCPConnection(Connection):
         if proto.lost is not None or self._closed:
             raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
         nbytes = payload.nbytes
-        if self._chunking is not None or proto._paused or nbytes > SEND_NOW_NBYTES or self._out or self._out_busy:
+        if self._chunking is not None or proto.paused or nbytes > SEND_NOW_NBYTES or self._out or self._out_busy:
             return False
         head = wire.encode_head(packed, nbytes)
         if nbytes <= _COALESCE_NBYTES:
@@ -483,11 +262,10 @@ class TCPConnection(Connection):
         byte that differs, EOF, an error or the end of ``wait_s`` (one budget for the whole
         frame, and one ``spin_s`` within it) ends the attempt.
 
-        Why spin: on this project's machine (a KVM guest with guest halt-polling off) a rank
-        that sleeps idles its virtual CPU, and waking it goes through the host: re-reading for a
-        while first cuts both the wall time and the CPU of a small call
-        (bench/results/transport.md#spinning-before-sleeping); ``sched_yield`` hands the core to
-        any rank that has work, so oversubscribed ranks do not starve each other."""
+        Why spin: re-reading for a while before sleeping cuts both the wall time and the CPU of a
+        small call where a wake-up is dear (bench/results/transport.md#spinning-before-sleeping);
+        ``sched_yield`` hands the core to any rank that has work, so oversubscribed ranks do not
+        starve each other."""
         proto = self._proto
         if self._fd < 0 or self._closed or not proto.idle():
             return False
@@ -561,20 +339,20 @@ class TCPConnection(Connection):
         return True
 
     # -- the data plane (runtime/dataplane.py) -------------------------------------------------
-    def _receive_bulk(self) -> None:
+    def receive_bulk(self) -> None:
         """The payload the protocol is in goes to the receiver thread; reading pauses until it is
         in (the next header is behind it in the stream)."""
         proto = self._proto
         proto.transport.pause_reading()
         if self._rx is None:
             self._rx = dataplane.Worker(self._fd, self._loop, f"ringweave-recv-{self.peer}")
-        self._rx_job = job = dataplane.RecvJob(proto._dest, proto._pos, proto._need, self._received_bulk,
-                                               proto._lowat_cap if proto._sock is not None else 0)
+        dest, pos, need, lowat_cap = proto.payload_rest()
+        self._rx_job = job = dataplane.RecvJob(dest, pos, need, self._received_bulk, lowat_cap)
         try:
             self._rx.submit(job)
         except OSError as exc:
             self._rx_job = None
-            proto._fail(exc)
+            proto.fail(exc)
 
     def _received_bulk(self, error: BaseException | None) -> None:
         """On the loop: the receiver thread is done with the payload."""
@@ -582,14 +360,13 @@ class TCPConnection(Connection):
         proto = self._proto
         if error is not None or self._closed or proto.lost is not None:
             if error is not None:
-                proto._fail(ConnectionResetError(f"receiving a payload: {error}"))
+                proto.fail(ConnectionResetError(f"receiving a payload: {error}"))
             return
-        proto._pos = proto._need
         try:
-            proto._finish_payload()
+            proto.finish_payload()
         except Exception as exc:  # a sink bug must not kill the event loop silently (as buffer_updated)
             log.exception("error handling a frame from %s", self.where)
-            proto._fail(exc)
+            proto.fail(exc)
             return
         if not self._closed and proto.lost is None:
             proto.transport.resume_reading()
@@ -597,11 +374,8 @@ class TCPConnection(Connection):
     def divert(self) -> None:
         """The payload being received now goes nowhere from here on (its receive was withdrawn:
         nothing more lands in its buffer); the stream is read on as before."""
-        proto = self._proto
-        if proto._header is not None and proto._dest is not None:
-            proto._dest = None
-            if self._rx_job is not None:
-                self._rx_job.divert()
+        if self._proto.divert() and self._rx_job is not None:
+            self._rx_job.divert()
 
     async def _send_bulk(self, head: bytes, payload: memoryview) -> None:
         """Hands the frame to the sender thread, behind the frames it holds; returns when
@@ -628,9 +402,14 @@ class TCPConnection(Connection):
                 job.detach()  # begun: it still goes out whole (the stream stays in step); the buffer is free
             raise
 
+    def writing_resumed(self) -> None:
+        """The transport holds nothing of ours any more (FrameProtocol.resume_writing)."""
+        if self._out:  # frames wait for the transport to drain before the sender thread takes them
+            self._pump()
+
     def _pump(self) -> None:
         """Gives the sender thread the next queued frame, once the transport holds nothing of ours."""
-        if self._out_busy or not self._out or self._proto._paused or self._closed:
+        if self._out_busy or not self._out or self._proto.paused or self._closed:
             return
         if self._tx is None:
             self._tx = dataplane.Worker(self._fd, self._loop, f"ringweave-send-{self.peer}")
@@ -655,7 +434,7 @@ class TCPConnection(Connection):
             fut.set_exception(lost)
         self._fail_queued(lost)
         if not self._closed:
-            self._proto._fail(ConnectionResetError(f"sending a payload: {error}"))
+            self._proto.fail(ConnectionResetError(f"sending a payload: {error}"))
 
     def _fail_queued(self, exc: BaseException) -> None:
         while self._out:
@@ -685,7 +464,7 @@ class TCPConnection(Connection):
         if self._proto.transport is not None:
             self._proto.transport.abort()
 
-    def _on_protocol_lost(self, exc: BaseException) -> None:
+    def protocol_lost(self, exc: BaseException) -> None:
         self._stop_workers(shutdown=True)
         self._fail_queued(PeerLostError(f"cannot send to {self.where}: connection lost ({exc})", self.peer))
         if not self._closed:

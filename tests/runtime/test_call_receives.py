@@ -100,7 +100,7 @@ async def test_send_now_sends_small_frames_and_steps_aside_for_a_frame_in_pieces
         sending = asyncio.ensure_future(a0.send(1, "big", big, timeout_s=30))
         for _ in range(200):
             await asyncio.sleep(0.005)
-            if (conn._chunking is not None and conn._proto._paused) or conn._out_busy:
+            if (conn._chunking is not None and conn._proto.paused) or conn._out_busy:
                 break
         assert conn._chunking is not None or conn._out_busy, "the large frame is not on its way"
         assert not conn.send_now(packed, memoryview(np.array([9, 9, 9], np.uint8)))

@@ -74,22 +74,22 @@ async def test_large_payload_raises_rcvlowat_and_restores_it_at_the_frame_end(mo
 
     import numpy as np
 
-    from runtime import transport as tr
+    from runtime import frame_protocol as fp
     from runtime.testing import make_runtimes
 
     seen = []
-    original = tr._FrameProtocol._set_lowat
+    original = fp.FrameProtocol._set_lowat
 
     def spy(self, nbytes):
         original(self, nbytes)
         seen.append((nbytes, self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)))
 
-    monkeypatch.setattr(tr._FrameProtocol, "_set_lowat", spy)
+    monkeypatch.setattr(fp.FrameProtocol, "_set_lowat", spy)
     monkeypatch.setenv("RINGWEAVE_DATA_PLANE", "0")  # the loop's own reads (runtime/dataplane.py's RecvJob does the same)
     rts = await make_runtimes(2, "tcp")
     try:
         proto = rts[1].actor.conns[0]._proto
-        assert proto._lowat_cap >= tr.LOWAT_MIN_NBYTES  # the default buffers allow it
+        assert proto._lowat_cap >= fp.LOWAT_MIN_NBYTES  # the default buffers allow it
         n = 9 * 1024 * 1024 + 12345  # not a multiple of anything: the tail is below LOWAT_MIN
         big = (np.arange(n, dtype=np.int64) % 251).astype(np.uint8)
         out = np.zeros(n, np.uint8)
@@ -102,7 +102,7 @@ async def test_large_payload_raises_rcvlowat_and_restores_it_at_the_frame_end(mo
         assert np.array_equal(out, big) and small.tolist() == [7, 8, 9]
         assert seen, "no SO_RCVLOWAT was set for a 9 MiB payload"
         first, last = seen[0], seen[-1]
-        assert tr.LOWAT_MIN_NBYTES <= first[0] <= proto._lowat_cap
+        assert fp.LOWAT_MIN_NBYTES <= first[0] <= proto._lowat_cap
         assert first[1] == first[0]  # the kernel took it
         assert last == (1, 1)
         assert all(v == w for v, w in seen)

@@ -48,7 +48,7 @@ async def test_peers_reach_a_rank_at_the_address_the_variable_names(monkeypatch)
         _, port0 = await actors[0].listen(OVERRIDE, 0)
         _, port1 = await actors[1].listen("127.0.0.1", 0)
         addresses = {0: (_advertised_host(MASTER), port0), 1: ("127.0.0.1", port1)}  # as published in the store
-        await asyncio.gather(*(a.connect_mesh(addresses, 3.0) for a in actors))
+        await asyncio.gather(*(a.connect_peers(addresses, 3.0) for a in actors))
         assert actors[1].conns[0].where == f"rank 0 at {OVERRIDE}:{port0}"
         await actors[1].send(0, "t", {"from": 1})
         assert await actors[0].recv(1, "t", timeout_s=5.0) == {"from": 1}

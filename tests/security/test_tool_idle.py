@@ -51,7 +51,7 @@ async def test_quiet_tools_lose_their_slots_and_a_real_tool_gets_in(monkeypatch)
     quiet = []
     try:
         host, port = rts[1].actor.address
-        stats = rts[1].actor._acceptor.statistics
+        stats = rts[1].actor.peers.acceptor.statistics
         quiet = [await _quiet_tool(host, port) for _ in range(acceptor.MAX_TOOLS)]
         t0 = time.monotonic()
         with pytest.raises(AuthenticationError, match="16 tool connections at once is the limit"):
@@ -113,9 +113,9 @@ async def test_a_request_whose_handler_does_not_answer_gets_an_error_in_time(mon
             await ask(host, port, SECRET, "test", name="ringweave.stuck", timeout_s=10)
         assert time.monotonic() - t0 < IDLE_S + 2
         deadline = time.monotonic() + 2  # the tool has closed: the listener sees it at its next read
-        while a._acceptor.statistics().tools and time.monotonic() < deadline:
+        while a.peers.acceptor.statistics().tools and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert a._acceptor.statistics().tools == 0
+        assert a.peers.acceptor.statistics().tools == 0
     finally:
         for rt in rts:
             await rt.close()
