@@ -95,7 +95,7 @@ class Actor:
         self.rank = rank
         self.world_size = world_size
         self.schema = SCHEMA
-        self._job = job  # (runtime/shm.py names its segments after it)
+        self._job = job  # (runtime/sharedmem/segments.py names segments after it)
         self._tasks: set[asyncio.Task] = set()
         self._abort_listeners: list[Callable[[dict], None]] = []
         timeout_s = env.timeout_s()  # send/recv deadlines, replies; a Runtime sets its own (group.py)
