@@ -13,7 +13,8 @@ process groups and the launcher. It knows bytes, never arrays.
 import asyncio
 
 from runtime.errors import *  # noqa: F401,F403 - the typed errors are part of the API
-from runtime.group import Call, ProcessGroup, Runtime
+from runtime.group import Call, ProcessGroup
+from runtime.rankruntime import RankRuntime
 from runtime.init import abort, current, init, read_env, shutdown, world
 
 
@@ -28,7 +29,7 @@ def run(main, *, debug: bool | None = None):
     return uvloop.run(main, debug=debug)
 
 
-__all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "Runtime", "ProcessGroup", "Call"]
+__all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "RankRuntime", "ProcessGroup", "Call"]
 # Imported only from inside runtime/ (tests/tree/test_surfaces.py): the listener's accept loop,
 # child processes, the launcher's command line and decisions, what a scheduler (SLURM, mpirun)
 # tells the launcher and init, the store's frames, and the connections' sender and receiver threads.

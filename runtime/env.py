@@ -22,7 +22,8 @@ module on POSIX) with the name encoded once, and :meth:`Setting.get` parses a va
 keeps it while the text stays the same (bench/results/runtime.md#reading-a-setting). Both see
 what ``os.environ[...] = ...`` (and pytest's monkeypatch) set; neither sees a bare ``os.putenv``.
 
-Not here: the launcher's and scheduler's own variables (RANK, MASTER_ADDR, SLURM_*: runtime/init.py).
+Not here: the launchers' and schedulers' own variables (RANK, MASTER_ADDR, SLURM_*: runtime/scheduler.py,
+runtime/rendezvous.py).
 """
 
 from __future__ import annotations

@@ -1,33 +1,24 @@
 """Process groups: who takes part in a collective, and how its messages match.
 
-A :class:`Runtime` is one rank's view of the job: its actor (connections to
-every peer), the rendezvous store, and its groups. The world group has id 0;
-``new_group(ranks)`` makes the next id, and, as in torch.distributed, every
-rank of the world calls ``new_group`` in the same order, members or not.
+``new_group(ranks)`` (runtime/rankruntime.py) makes the next group id after the world's 0;
+as in torch.distributed, every rank of the world calls it in the same order, members or not.
+Each collective call on a group takes the group's next sequence number (a :class:`Call`), and
+every message it sends is framed ``c {t: [gid, seq], f: fingerprint}``. The fingerprint says
+what the sender is doing, e.g. ``"all_reduce op=sum dtype=float32 count=1000 root=-"``.
+Messages of one call between one pair of ranks are matched in order (TCP keeps it) and each
+is checked against the receiver's own fingerprint: two ranks in different collectives, or in
+the same one with another dtype, length or root, fail with a :class:`CollectiveMismatchError`
+naming both calls and both ranks, and the rank that sees it tells every other member.
 
-Each collective call on a group takes the group's next sequence number, and
-every message it sends is framed ``c {t: [gid, seq], f: fingerprint}``. The
-fingerprint says what the sender is doing, e.g. ``"all_reduce op=sum
-dtype=float32 count=1000 root=-"``. Messages of one call between one pair of
-ranks are matched in order (TCP keeps it), and each is checked against the
-receiver's own fingerprint, so two ranks that call different collectives, or
-the same one with a different dtype, length or root, fail with a
-:class:`CollectiveMismatchError` naming both calls and both ranks. The rank
-that sees the mismatch tells every other member (an ``a`` frame), so every
-rank raises, not only the pair that met.
+A group fails as a whole: after a mismatch, a lost peer or a timeout, the pending calls of
+the group and every later call raise the same error (as a communicator does after an NCCL
+abort), and every member is told, a timeout too (a rank that arrives after its peer gave up
+must not take the frames sent before as a success). A peer that aborted fails every group it
+is in with its PeerAbortedError. The rules in full, with the stalled-call checks:
+docs/design.md.
 
-A group fails as a whole: after a mismatch, a lost peer or a timeout, the
-pending calls of the group and every later call raise the same error (as a
-communicator does after an NCCL abort): the group's message stream can no
-longer be trusted. The rank that sees it tells every member (a timeout too: a
-rank that arrives after its peer gave up must not take the frames the peer
-sent before as a success; only a call that completes here at the very instant
-the peer's deadline passes can still succeed, and this rank's next call on the
-group then raises the peer's error). A peer that aborted (its goodbye names the
-exception its program raised, runtime/init.py ``abort``) fails every group it
-is in with that PeerAbortedError.
-
-Not here: the algorithms and the arrays (collectives/), the sockets (actor.py).
+Not here: the rank's runtime that holds the groups (rankruntime.py), the algorithms and the
+arrays (collectives/), the sockets (actor.py).
 """
 
 from __future__ import annotations
@@ -37,26 +28,30 @@ import contextvars
 import logging
 import math
 import numbers
-import sys
 import time
 
-from runtime import env, turns, wire
-from runtime.actor import Actor
+from runtime import wire
 from runtime.topology import HostTopology
-from runtime.trace import Tracer
 from runtime.turns import LoopTurns
 from runtime.transport import RECV_NOW_NBYTES
-from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
-                            PeerAbortedError, PeerLostError, PeerTimeoutError, RingweaveError)
+from runtime.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, PeerTimeoutError,
+                            RingweaveError)
 
 log = logging.getLogger("ringweave.group")
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
-_live_runtimes = 0  # Runtimes made and not closed in this process (Call.sendrecv)
+_live_runtimes = 0  # RankRuntimes made and not closed in this process (Call.sendrecv; count_runtime)
 # The thread that issued the call running in this task, set by the blocking facade
 # (collectives/blocking.py): part of every fingerprint, so that ranks whose threads
 # interleaved their calls on a group differently fail with a mismatch, never a wrong answer.
 issuing_thread: contextvars.ContextVar[str | None] = contextvars.ContextVar("ringweave_issuing_thread",
                                                                             default=None)
+
+def count_runtime(delta: int) -> None:
+    """A RankRuntime counts itself in (+1, made) and out (-1, closed): Call.sendrecv waits off
+    the loop only while the process has one."""
+    global _live_runtimes
+    _live_runtimes += delta
+
 
 def check_timeout(timeout, what: str = "timeout") -> float | None:
     """``timeout`` as float seconds, or None (the runtime's default): every call checks it
@@ -252,8 +247,8 @@ class Call:
 class ProcessGroup:
     """A set of ranks that run collectives together."""
 
-    def __init__(self, runtime: "Runtime", ranks: list[int], gid: int):
-        self.runtime = runtime
+    def __init__(self, runtime, ranks: list[int], gid: int):
+        self.runtime = runtime  # the RankRuntime that holds it (runtime/rankruntime.py)
         self.ranks = list(ranks)  # group rank -> global rank
         self.gid = gid
         me = runtime.actor.rank
@@ -280,7 +275,7 @@ class ProcessGroup:
     @property
     def topology(self) -> HostTopology:
         """How the group's ranks sit on hosts (``runtime.topology``), from the node ids its runtime
-        was given at init (``Runtime.nodes``): the same on every member. Worked out once."""
+        was given at init (``RankRuntime.nodes``): the same on every member. Worked out once."""
         topology = self._topology
         if topology is None:
             nodes = self.runtime.nodes
@@ -295,7 +290,7 @@ class ProcessGroup:
         return f"ProcessGroup(gid={self.gid}, rank={self.rank}, size={self.size}, ranks={self.ranks})"
 
     def new_group(self, ranks) -> "ProcessGroup":
-        """See :meth:`Runtime.new_group` (sub-groups are always made from the world)."""
+        """See :meth:`RankRuntime.new_group` (sub-groups are always made from the world)."""
         return self.runtime.new_group(ranks)
 
     def group_rank(self, global_rank: int) -> int:
@@ -555,251 +550,3 @@ class ProcessGroup:
 def _answer_budget_s(call: Call) -> float:
     """How long a question to the other ranks about ``call`` waits for their answers."""
     return min(1.0, call.timeout_s / 4) if call.timeout_s is not None else 1.0
-
-
-class Watchdog:
-    """The deadlines of a runtime's calls in flight: one timer, armed for the earliest of them,
-    cancels the task of every call past its deadline (``expired`` then tells group.run that the
-    cancellation was the deadline's), and starts the mismatch check of every call in flight for
-    ``check_s`` (ProcessGroup.check_stalled; again after 2, 4, .. 64 x check_s more).
-    ``asyncio.timeout`` per call did the deadlines with a timer of its own, a cost per call
-    (bench/results/runtime.md#one-timer-for-the-deadlines): this one timer fires about once
-    per ``check_s`` (1 s) while calls are in flight, and looks only at those. A wait that blocks
-    the thread (runtime/sharedmem/waits.py) hands the loop back after each 2 ms slice in which
-    nothing woke it, so the timer gets to run."""
-
-    def __init__(self, check_s: float = 0.0):
-        self._calls: dict[Call, None] = {}
-        self._handle: asyncio.TimerHandle | None = None
-        self._at = float("inf")  # when the armed timer fires
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.check_s = check_s  # a call this long in flight gets a mismatch check (0: never)
-
-    def watch(self, call: Call) -> None:
-        # The loop through the task: asyncio.get_running_loop() and current_task() each make a
-        # getpid system call (CPython's fork check; bench/results/runtime.md#the-loop-through-the-task).
-        call.task = task = asyncio.current_task()
-        call.loop = loop = task.get_loop() if task is not None else asyncio.get_running_loop()
-        if call.timeout_s is None and not self.check_s:
-            call.deadline = float("inf")
-            return
-        if loop is not self._loop:  # first call, or the runtime moved to another loop
-            self.close()
-            self._loop = loop
-        now = loop.time()
-        call.deadline = now + call.timeout_s if call.timeout_s is not None else float("inf")
-        if self.check_s:
-            call.check_at = now + self.check_s
-        self._calls[call] = None
-        at = min(call.deadline, call.check_at)
-        if at < self._at:
-            self._arm(at)
-
-    def unwatch(self, call: Call) -> None:
-        self._calls.pop(call, None)  # the timer stays armed: it re-arms for the rest when it fires
-
-    def expired(self, call: Call) -> bool:
-        """Whether the watchdog cancelled ``call`` (and the task has no other cancellation)."""
-        if not call.expired:
-            return False
-        return call.task.uncancel() == 0
-
-    def _arm(self, at: float) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-        self._at = at
-        self._handle = self._loop.call_at(at, self._fire)
-
-    def _fire(self) -> None:
-        self._handle, self._at = None, float("inf")
-        now = self._loop.time()
-        later = float("inf")
-        for call in list(self._calls):
-            if call.deadline <= now:
-                del self._calls[call]
-                call.expired = True
-                call.task.cancel()
-                continue
-            if call.check_at <= now:  # in flight for a while: is every rank in the same call?
-                call.checks += 1
-                call.check_at = now + self.check_s * (2 ** min(call.checks, 6))  # 1, 2, 4 .. 64 x check_s
-                call.group.check_stalled(call)
-            later = min(later, call.deadline, call.check_at)
-        if later != float("inf"):
-            self._arm(later)
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle, self._at = None, float("inf")
-
-
-class Runtime:
-    """One rank's runtime: actor, store, groups."""
-
-    def __init__(self, actor: Actor, store=None, *, timeout_s: float | None = None,
-                 local_rank: int = 0, local_world_size: int = 1, trace_dir: str | None = None,
-                 nodes: list[str] | None = None):
-        """``timeout_s``: the default deadline of every call; None: ``RINGWEAVE_TIMEOUT_S`` as it is
-        now (``runtime.env.timeout_s``). ``nodes``: the node id of every world rank, as published
-        at init (the same list on every rank); None: all on one node (ranks that are tasks of one
-        process, runtime.testing)."""
-        if timeout_s is None:
-            timeout_s = env.timeout_s()
-        self.actor = actor
-        actor.default_timeout_s = timeout_s  # one deadline for collectives and point-to-point alike
-        self.tracer = Tracer(actor.rank, trace_dir or env.TRACE.get())
-        self.store = store
-        self.timeout_s = timeout_s
-        self.local_rank = local_rank
-        self.local_world_size = local_world_size
-        self.shm_enabled = True  # every rank must agree (the algorithm is in each call's fingerprint)
-        self.watchdog = Watchdog(env.mismatch_check_s())  # deadlines and mismatch checks of the calls in flight
-        self.inline_wait_s = env.inline_wait_s()  # Call.sendrecv's wait off the event loop (0: never)
-        self.spin_s = env.spin_s()  # of that wait, the part spent re-reading the socket before poll()
-        global _live_runtimes
-        _live_runtimes += 1  # Call.sendrecv waits off the loop only while this is the process's one runtime
-        self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)
-        self.call_turn_s = turns.call_turn_s(local_world_size)  # ProcessGroup.run's loop turns
-        self.groups: dict[int, ProcessGroup] = {}
-        self._nodes = list(nodes) if nodes is not None else ["local"] * actor.world_size
-        self.world = self._add_group(list(range(actor.world_size)))
-        actor.add_lost_listener(self._on_peer_lost)
-        actor.add_abort_listener(self._on_abort)
-        actor.stray_listener = self._on_stray
-        actor.register("ringweave.status", self.status, any_thread=True)
-        actor.register("ringweave.call_of", self._call_of)
-        self._closed = False
-
-    @property
-    def rank(self) -> int:
-        return self.actor.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.actor.world_size
-
-    @property
-    def nodes(self) -> list[str]:
-        """The node id of every world rank (``runtime.init.node_id``, published with the addresses
-        at init): the source of every group's ``topology``. Do not change the list in place."""
-        return self._nodes
-
-    @nodes.setter
-    def nodes(self, node_ids) -> None:
-        """Replaces the node ids (tests pretend to span hosts this way); every group works its
-        topology out again. Every rank must be given the same ids."""
-        node_ids = list(node_ids)
-        if len(node_ids) != self.world_size:
-            raise ValueError(f"nodes: {len(node_ids)} node ids for a world of {self.world_size} ranks")
-        self._nodes = node_ids
-        for group in self.groups.values():
-            group._topology = None
-
-    def _add_group(self, ranks: list[int]) -> ProcessGroup:
-        gid = len(self.groups)
-        group = ProcessGroup(self, ranks, gid)
-        self.groups[gid] = group
-        return group
-
-    def new_group(self, ranks) -> ProcessGroup:
-        """A sub-group of the given global ranks, in that order. Every rank of the
-        world must call it, in the same order (non-members get ``rank == -1``).
-
-        Raises:
-            TypeError: ``ranks`` is not a sequence of ints (a float, a bool, a str among them).
-            ValueError: no rank, a rank out of range, or one given twice.
-        """
-        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-            raise TypeError(f"new_group: ranks must be a sequence of int ranks, got {type(ranks).__name__} {ranks!r}")
-        ranks = list(ranks)
-        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
-        if bad:
-            raise TypeError(f"new_group: ranks must be ints, got {bad[0]!r} ({type(bad[0]).__name__}) in {ranks!r}")
-        ranks = [int(r) for r in ranks]
-        if not ranks:
-            raise ValueError("new_group: ranks is empty; a group needs at least one rank")
-        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
-            raise ValueError(f"new_group: ranks {ranks} must be distinct and within 0..{self.world_size - 1}")
-        return self._add_group(ranks)
-
-    def _on_peer_lost(self, peer: int, exc: BaseException) -> None:
-        for group in self.groups.values():
-            if peer in group.ranks and group.is_member:
-                # an abort names the rank and its exception already; it stays that type, for callers to catch
-                error = exc if isinstance(exc, PeerAbortedError) else PeerLostError(
-                    f"rank {peer} was lost (group {group.gid}): {exc}", peer)
-                group.abort(error, tell_peers=False)
-
-    def _on_stray(self, peer: int, header: dict) -> None:
-        group = self.groups.get(header["t"][0])
-        if group is not None:
-            group.on_stray(peer, header)
-
-    def _on_abort(self, header: dict) -> None:
-        group = self.groups.get(header["g"])
-        if group is not None:
-            kind = header["x"]
-            if kind == "timeout":  # another member's call timed out: this rank's copy of the call fails too
-                group.abort(CollectiveTimeoutError(f"group {group.gid} failed: {header['m']}"), tell_peers=False)
-                return
-            cls = {"mismatch": CollectiveMismatchError, "lost": PeerLostError}.get(kind, CollectiveError)
-            group.abort(cls(header["m"]), tell_peers=False)
-
-    def tell_abort(self, group: ProcessGroup, exc: BaseException) -> None:
-        kind = ("mismatch" if isinstance(exc, CollectiveMismatchError) else
-                "lost" if isinstance(exc, PeerLostError) else
-                "timeout" if isinstance(exc, CollectiveTimeoutError) else "error")
-        for r in group.ranks:
-            if r != self.rank and r not in self.actor.lost_peers():
-                self.actor._spawn(self._send_abort(r, group.gid, str(exc), kind), f"abort g{group.gid}")
-
-    async def _send_abort(self, dst: int, gid: int, message: str, kind: str) -> None:
-        try:  # a peer that stopped reading is not waited for past the runtime's timeout
-            async with asyncio.timeout(self.timeout_s):
-                await self.actor.send_frame(dst, {"k": "a", "g": gid, "m": message, "x": kind})
-        except (PeerLostError, ClosedError, OSError, TimeoutError):
-            pass
-
-    def _call_of(self, gid: int, seq: int) -> str | None:
-        """``ringweave.call_of``: this rank's call #seq in group gid (ProcessGroup.check_stalled)."""
-        group = self.groups.get(gid)
-        return group.call_of(seq) if group is not None and group.is_member else None
-
-    def status(self) -> dict:
-        """What this rank is doing now: its calls in flight and how long each has waited.
-
-        Runs on the listener's thread when a tool asks (tools.status), while this loop goes on:
-        it only reads, and takes each dict it walks with one ``list()`` (atomic under the GIL)."""
-        now = time.monotonic()
-        calls = []
-        groups = list(self.groups.values())
-        for g in groups:
-            for rec in list(g.calls.values()):
-                calls.append({"group": g.gid, "seq": rec.seq, "op": rec.fingerprint,
-                              "waited_s": round(now - rec.started, 3),
-                              "waiting_on": sorted(g.ranks[r] for r in rec.waiting_on)})
-        return {"rank": self.rank, "calls": calls,
-                "seqs": [[g.gid, g._seq] for g in groups],  # calls taken per group
-                "lost": sorted(self.actor.lost_peers()),
-                "failed_groups": {g.gid: repr(g.error) for g in groups if g.error}}
-
-    async def close(self, reason: BaseException | None = None) -> None:
-        """Closes the actor (saying goodbye to every peer; with ``reason``, the exception this
-        rank leaves because of, which each peer raises as PeerAbortedError), the store, the
-        shared-memory mappings. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        global _live_runtimes
-        _live_runtimes -= 1
-        self.watchdog.close()
-        try:
-            self.tracer.write()
-        except (OSError, RingweaveError) as exc:  # PrivateDirError: the directory is no longer ours alone
-            log.warning("rank %d: could not write its trace: %s", self.rank, exc)
-        if "runtime.sharedmem.domains" in sys.modules:  # release this runtime's shared-memory mappings
-            sys.modules["runtime.sharedmem.domains"].close_runtime(self)
-        await self.actor.close(reason)
-        if self.store is not None:
-            await self.store.close()

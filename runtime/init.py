@@ -1,34 +1,28 @@
 """Joining a job: ``rt = await runtime.init()`` and ``await runtime.shutdown()``.
 
-Where the numbers come from: the arguments of init(), else the environment as
-runtime/scheduler.py reads it (RANK/WORLD_SIZE as our launcher and torchrun set them,
-else Open MPI's, PMI's or SLURM's variables, with MASTER_ADDR, MASTER_PORT, local
-ranks and threads derived from what the scheduler knows; MASTER_ADDR / MASTER_PORT in
-the environment always win). A process that must not join as it is (a SLURM batch
-script that srun did not start, a multi-node job whose store host is unknown) gets a
-RingweaveError saying why at once, as does a MASTER_ADDR that does not resolve, or a
-store port that another program holds. In a multi-rank job every rank watches its
-parent and exits when its launcher dies (runtime/lifeline.py).
+init asks a rendezvous (runtime/rendezvous.py: chosen from the arguments and the environment,
+or given) for a generation's membership (store, rank, world size) and wires this rank's actor
+to it, each step under ``timeout_s``:
 
-Steps (each under ``timeout_s``):
+1. limits the thread pools the launcher implies and, in a multi-rank job, watches its parent
+   (runtime/lifeline.py); a rank of our launcher also dies with it (``die_with_launcher``);
+2. listens on port 0 (loopback when the store's host is loopback, else every interface) and
+   publishes ``addr/<rank>`` = {host, port, node, shm} in the generation's namespace, where
+   ``node`` names the machine (hostname + boot id: ranks with the same node share memory);
+3. reads every rank's address, connects to lower ranks and accepts higher ones, and turns
+   shared memory off unless every rank allows it.
 
-0. the secret: the argument, else ``RINGWEAVE_SECRET``, else (ranks on loopback) the job's
-   derived secret (runtime/jobsecret.py); a job beyond loopback without one refuses at once.
-1. the store: with ``RINGWEAVE_STORE_HOSTED=1`` (our launcher hosts it) every
-   rank connects to MASTER_ADDR:MASTER_PORT; otherwise rank 0 (under mpirun: the
-   first rank on mpirun's host) hosts it there and all ranks connect. Rank 0 sets
-   ``job/info`` (world size, restart) for tools. Keys go under
-   ``restart/<RINGWEAVE_RESTART>/`` so an attempt never reads the last one's keys.
-2. listen on port 0 (loopback when MASTER_ADDR is loopback, else every interface),
-   publish ``addr/<rank>`` = {host, port, node} where ``node`` names the machine
-   (hostname + boot id: ranks with the same node share memory).
-3. read every rank's address; connect to lower ranks, accept higher ones.
+A process that must not join as it is (a SLURM batch script, a multi-node job whose store
+host is unknown, a MASTER_ADDR that does not resolve, a store port another program holds)
+gets a RingweaveError saying why at once. ``shutdown`` waits for every rank, then closes;
+``abort`` leaves at once and tells every peer why.
 
-The current runtime is kept per task context (``contextvars``), so several
-runtimes can live in one event loop (runtime.testing) and collectives called
-without ``group=`` use the world of the runtime of the calling task.
+The current runtime is kept per task context (``contextvars``), so several runtimes can live in
+one event loop (runtime.testing) and collectives called without ``group=`` use the world of the
+runtime of the calling task.
 
-Not here: the store itself (store.py, store_tcp.py), the mesh (actor.py).
+Not here: finding the store, rank and generation (rendezvous.py), the store itself (store.py,
+store_tcp.py), the mesh (actor.py).
 """
 
 from __future__ import annotations
@@ -36,28 +30,21 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
-import errno
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import weakref
 
 import msgpack
 
-from runtime import auth, lifeline, scheduler, trace
+from runtime import auth, env, lifeline, rendezvous as rdzv, scheduler, trace
 from runtime.actor import Actor
-from runtime.errors import ClosedError, ConnectError, PeerLostError, RingweaveError
-from runtime import env as settings
-from runtime.env import timeout_s as env_timeout_s
-from runtime.group import ProcessGroup, Runtime
+from runtime.errors import ClosedError, PeerLostError, RingweaveError
+from runtime.group import ProcessGroup
+from runtime.rankruntime import RankRuntime
 from runtime.sharedmem.segments import shm_usable
-from runtime.store import MemoryStore, PrefixStore
-from runtime.store_server import StoreServer
-from runtime.store_tcp import TCPStore
-from runtime import jobsecret
 
 try:  # limits BLAS / OpenMP pools already loaded when the launcher implies a thread count
     from threadpoolctl import threadpool_limits
@@ -66,27 +53,24 @@ except ImportError:  # pragma: no cover - a dependency of scikit-learn
 
 log = logging.getLogger("ringweave.init")
 
-_current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("ringweave_runtime", default=None)
-_process_default: Runtime | None = None
+_current: contextvars.ContextVar[RankRuntime | None] = contextvars.ContextVar("ringweave_runtime", default=None)
+_process_default: RankRuntime | None = None
 
-def read_env(env=None) -> dict:
+def read_env(environ=None) -> dict:
     """Rank, sizes, the store's address and what else the launcher implies, from the
-    environment (see the module docstring and runtime/scheduler.py); never raises for a
-    process that must not join (``"problem"`` says why), only for a malformed variable."""
-    env = os.environ if env is None else env
-    p = scheduler.placement(env, scheduler.usable_cores())
+    environment (see runtime/scheduler.py); never raises for a process that must not join
+    (``"problem"`` says why), only for a malformed variable."""
+    environ = os.environ if environ is None else environ
+    p = scheduler.placement(environ, scheduler.usable_cores())
     return {"rank": p.rank, "world_size": p.world_size, "local_rank": p.local_rank,
             "local_world_size": p.local_world_size, "master_addr": p.master_addr,
             "master_addr_source": p.master_addr_source, "master_port": p.master_port,
             "master_port_source": p.master_port_source,
             "master_port_derived": p.master_port is not None and p.master_port_source != "MASTER_PORT",
             "restart": p.restart, "job": p.job or "ringweave",
-            "store_hosted": settings.STORE_HOSTED.get(env),
+            "store_hosted": env.STORE_HOSTED.get(environ),
             "hosts_store": p.hosts_store, "launcher": p.launcher, "problem": p.problem,
-            "threads": scheduler.thread_settings(p, env), "nodelist": p.nodelist}
-
-
-JOB_INFO_KEY = "job/info"  # {world_size, restart}, set by rank 0 outside the restart prefix
+            "threads": scheduler.thread_settings(p, environ), "nodelist": p.nodelist}
 
 
 def _limit_threads(thread_vars: dict[str, str]) -> None:
@@ -103,39 +87,6 @@ def _limit_threads(thread_vars: dict[str, str]) -> None:
         threadpool_limits(limits=count, user_api="openmp")
 
 
-async def _resolve_master(addr: str, source: str, env: dict) -> str:
-    """``addr`` if it resolves (or may later: a temporary DNS failure is left to the connect's
-    retries); under SLURM a node name that does not resolve is replaced by the NodeAddr
-    slurmctld has for it (``NodeName=n1 NodeAddr=10.0.0.5``).
-
-    Raises:
-        RingweaveError: the name does not resolve (a permanent DNS error), naming it and
-            where it came from; nothing is retried.
-    """
-    try:
-        await asyncio.get_running_loop().getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-        return addr
-    except socket.gaierror as exc:
-        if exc.errno == socket.EAI_AGAIN:
-            return addr
-        node_addr = await asyncio.to_thread(_slurm_node_addr, addr) if addr in env["nodelist"] else None
-        if node_addr:
-            return node_addr
-        raise RingweaveError(f"MASTER_ADDR {addr!r} ({source}) does not resolve: {exc.strerror}; "
-                             f"set MASTER_ADDR to a name or address of the store's host") from None
-
-
-def _slurm_node_addr(name: str) -> str | None:
-    """The NodeAddr of SLURM node ``name`` (``scontrol show node``), None where unknown."""
-    try:
-        out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True,
-                             timeout=30, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    addr = scheduler.parse_slurm_node_addr(out)
-    return addr if addr and addr != name else None
-
-
 def node_id() -> str:
     """Names this machine: ranks with equal node ids can share memory."""
     try:
@@ -148,8 +99,8 @@ def node_id() -> str:
 
 def _advertised_host(master_addr: str) -> str:
     """The address of this host that the master can reach (RINGWEAVE_HOST overrides)."""
-    if settings.HOST.get():
-        return settings.HOST.get()
+    if env.HOST.get():
+        return env.HOST.get()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent for UDP connect
@@ -158,17 +109,17 @@ def _advertised_host(master_addr: str) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def die_with_launcher(env=None) -> bool:
+def die_with_launcher(environ=None) -> bool:
     """When started by our launcher (RINGWEAVE_LAUNCHER_PID), asks the kernel to send this
     process SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so that a launcher killed
     with SIGKILL, which cannot stop its ranks itself, leaves none behind. Returns whether it
     was armed. If the launcher is already gone, SIGTERM is raised at once.
 
-    The variable is taken out of ``env``: it names this process's parent only. A child of
+    The variable is taken out of ``environ``: it names this process's parent only. A child of
     the rank (a worker, a nested job) that inherited it would find its parent is not that
     pid and SIGTERM itself at its own init."""
-    env = os.environ if env is None else env
-    pid = settings.LAUNCHER_PID.pop(env)
+    environ = os.environ if environ is None else environ
+    pid = env.LAUNCHER_PID.pop(environ)
     if not pid or not sys.platform.startswith("linux"):
         return False
     try:
@@ -189,33 +140,42 @@ _by_loop: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # event loo
 async def init(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                master_port: int | None = None, local_rank: int | None = None,
                local_world_size: int | None = None, secret: bytes | str | None = None,
-               job: str | None = None, timeout_s: float | None = None, store=None) -> Runtime:
-    """Joins the job and returns this rank's :class:`Runtime` (``rt.world`` is the world group).
+               job: str | None = None, timeout_s: float | None = None, store=None,
+               rendezvous: rdzv.Rendezvous | None = None) -> RankRuntime:
+    """Joins the job and returns this rank's :class:`RankRuntime` (``rt.world`` is the world group).
 
     Args override the environment. ``store`` may be any async Store shared by
     all ranks (tests); then no server is hosted or contacted. The secret is taken
     out of ``os.environ`` (``auth.secret_from_env``): processes this rank starts
-    do not inherit it unless given it (``auth.export_secret``).
+    do not inherit it unless given it (``auth.export_secret``). ``rendezvous``: one
+    of the caller's (runtime/rendezvous.py), instead of all of these: each call forms
+    its next generation (``rt.generation``), and the caller shuts it down at the end.
 
     Once per event loop (like ``torch.distributed.init_process_group`` per process): a second
     call while the runtime it made is open, or while another call is still joining, raises at
     once (call :func:`shutdown` first). Threads with loops of their own (the blocking facade,
-    collectives/blocking.py) each have theirs; with ``store=``, one loop may hold several, one per
-    task (tests, runtime.testing).
+    collectives/blocking.py) each have theirs; with ``store=`` or ``rendezvous=``, one loop may
+    hold several, one per task (tests, runtime.testing).
 
     Raises:
-        RingweaveError: missing or inconsistent rank / size / port; init() called again.
+        RingweaveError: missing or inconsistent rank / size / port; init() called again;
+            ``rendezvous`` given with any of rank, sizes, address, port, secret, job, store.
         ConnectError, StoreTimeoutError, AuthenticationError: the rendezvous failed;
             the message names the address and the ranks missing.
         AuthenticationError: no secret was given and none can be derived (the store is
             beyond this host, or the private directory is not this user's alone); the
             message says how to set ``RINGWEAVE_SECRET``.
     """
+    if rendezvous is not None and any(a is not None for a in (rank, world_size, master_addr, master_port, local_rank,
+                                                              local_world_size, secret, job, store)):
+        raise RingweaveError("init(rendezvous=...) takes the rank, sizes, store, job and secret from the "
+                             "rendezvous: give none of them")
     mine = _current.get()
     if mine is not None and not mine._closed:
         raise RingweaveError(f"init() was called again in this task while its runtime (rank {mine.rank} of "
                              f"{mine.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
-    loop = asyncio.get_running_loop() if store is None else None  # store=: several per loop (tests)
+    shared = store is not None or rendezvous is not None  # several per loop (tests)
+    loop = asyncio.get_running_loop() if not shared else None
     if loop is not None:
         held = _by_loop.get(loop)
         if held is _JOINING:
@@ -228,7 +188,7 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     try:
         rt = await _join(rank, world_size, master_addr=master_addr, master_port=master_port,
                          local_rank=local_rank, local_world_size=local_world_size, secret=secret, job=job,
-                         timeout_s=timeout_s, store=store)
+                         timeout_s=timeout_s, store=store, rendezvous=rendezvous)
     except BaseException:
         if loop is not None:
             del _by_loop[loop]
@@ -241,78 +201,52 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
 async def _join(rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                 master_port: int | None = None, local_rank: int | None = None,
                 local_world_size: int | None = None, secret: bytes | str | None = None,
-                job: str | None = None, timeout_s: float | None = None, store=None) -> Runtime:
+                job: str | None = None, timeout_s: float | None = None, store=None,
+                rendezvous: rdzv.Rendezvous | None = None) -> RankRuntime:
     """What :func:`init` does once it has checked that it may."""
     global _process_default
     die_with_launcher()
-    env = read_env()
-    placed_by_env = rank is None and world_size is None and master_addr is None
-    if env["problem"] and placed_by_env:
-        raise RingweaveError(env["problem"])
-    addr_source = env["master_addr_source"] if master_addr is None else "the master_addr argument"
-    port_source = env["master_port_source"] if master_port is None else "the master_port argument"
-    rank = env["rank"] if rank is None else rank
-    world_size = env["world_size"] if world_size is None else world_size
-    if rank is None and world_size is None:  # nothing says otherwise: a single process
-        rank, world_size = 0, 1
-    elif rank is None or world_size is None:
-        raise RingweaveError(f"rank is {rank!r} and world size {world_size!r}: give both (arguments, or RANK "
-                             f"and WORLD_SIZE / their mpirun or srun equivalents), or neither for one process")
-    if not 0 <= rank < world_size:
-        raise RingweaveError(f"rank {rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
-    local_rank = env["local_rank"] if local_rank is None else local_rank
-    local_world_size = env["local_world_size"] if local_world_size is None else local_world_size
-    master_addr = master_addr or env["master_addr"]
-    master_port_arg = master_port
-    master_port = env["master_port"] if master_port is None else master_port
-    job = job or env["job"]
-    timeout_s = env_timeout_s() if timeout_s is None else timeout_s  # RINGWEAVE_TIMEOUT_S, read now
-    trace.check_dir(settings.TRACE.get())  # a trace directory others may write in is refused before joining
-    if isinstance(secret, str):
-        secret = secret.encode()
-    secret = secret if secret is not None else auth.secret_from_env()
-
-    loopback = auth.is_loopback(master_addr)
-    server = secret_file = None
-    own_store = store is None
-    if store is None:  # a process of a real job (not ranks sharing a store in one process)
-        _limit_threads(env["threads"])
-        if world_size > 1 and settings.WATCH_PARENT.get():
-            lifeline.watch_parent(f"rank {rank}")
-        if world_size > 1 and master_port is None:
-            raise RingweaveError("MASTER_PORT is not set: rank 0's store address is needed for WORLD_SIZE > 1")
-        if world_size > 1:
-            master_addr = await _resolve_master(master_addr, addr_source, env)
-            loopback = auth.is_loopback(master_addr)
-        if world_size == 1 and (master_port is None or env["master_port_derived"] and master_port_arg is None):
-            store = MemoryStore(timeout_s)  # one process: no server (unless a MASTER_PORT asks for one)
-        else:
-            hosts = env["hosts_store"] if placed_by_env and env["hosts_store"] is not None else (
-                rank == 0 and not env["store_hosted"])
-            if not secret:  # no job runs unauthenticated by accident (runtime/jobsecret.py)
-                secret_file = await asyncio.to_thread(jobsecret.derive, job, master_port, master_addr, f"rank {rank}")
-                secret = secret_file.secret
-                log.info("rank %d: %s is unset; the job's secret is %s %s (this user's alone)", rank, auth.SECRET_ENV,
-                         "made in" if secret_file.made_here else "read from", secret_file.path)
-            try:
-                server, store = await _host_and_connect(rank, hosts, master_addr, master_port, port_source,
-                                                        secret=secret, job=job, timeout_s=timeout_s)
-            except BaseException:
-                jobsecret.release(secret_file)
-                raise
-    prefixed = PrefixStore(f"restart/{env['restart']}", store, owns_store=own_store)
-    actor = Actor(rank, world_size, secret=secret, job=job)
+    owned = rendezvous is None  # chosen here: shut down with the runtime
+    if owned:
+        rendezvous = rdzv.from_env(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                                   local_rank=local_rank, local_world_size=local_world_size, job=job, store=store,
+                                   secret=secret.encode() if isinstance(secret, str) else secret)
+    timeout_s = env.timeout_s() if timeout_s is None else timeout_s  # RINGWEAVE_TIMEOUT_S, read now
+    trace.check_dir(env.TRACE.get())  # a trace directory others may write in is refused before joining
+    seat = rendezvous.seat
+    if rendezvous.process_of_job:  # a process of a real job (not ranks sharing a store in one process)
+        _limit_threads(seat.threads)
+        if seat.world_size > 1 and env.WATCH_PARENT.get():
+            lifeline.watch_parent(f"rank {seat.rank}")
     try:
-        if own_store and rank == 0 and world_size > 1:  # how tools find the job through its store (tools/status.py)
-            await store.set(JOB_INFO_KEY, msgpack.packb({"world_size": world_size, "restart": env["restart"]}))
+        membership = await rendezvous.next_rendezvous(timeout_s)
+        rt = await _wire(membership, timeout_s, rendezvous if owned else None)
+    except BaseException:
+        if owned:
+            await rendezvous.shutdown(linger_s=0)
+        raise
+    _current.set(rt)
+    _process_default = rt
+    log.debug("rank %d of %d joined job %r (generation %d)", rt.rank, rt.world_size, membership.job,
+              membership.generation)
+    return rt
+
+
+async def _wire(m: rdzv.Membership, timeout_s: float, owned: rdzv.Rendezvous | None) -> RankRuntime:
+    """This rank's actor, connected to every member of generation ``m`` through the addresses
+    they publish in its store, and the runtime over it (which shuts ``owned`` down with it)."""
+    rank, world_size = m.rank, m.world_size
+    actor = Actor(rank, world_size, secret=m.secret, job=m.job)
+    try:
         if world_size > 1:
-            host = "127.0.0.1" if loopback else _advertised_host(master_addr)
+            loopback = auth.is_loopback(m.master_addr)
+            host = "127.0.0.1" if loopback else _advertised_host(m.master_addr)
             _, port = await actor.listen("127.0.0.1" if loopback else "0.0.0.0", 0)
             me = {"host": host, "port": port, "node": node_id(), "shm": shm_usable()}
-            await prefixed.set(f"addr/{rank}", msgpack.packb(me))
+            await m.store.set(f"addr/{rank}", msgpack.packb(me))
             keys = [f"addr/{r}" for r in range(world_size)]
-            await prefixed.wait(keys, timeout_s)
-            peers = {r: msgpack.unpackb(await prefixed.get(f"addr/{r}")) for r in range(world_size)}
+            await m.store.wait(keys, timeout_s)
+            peers = {r: msgpack.unpackb(await m.store.get(f"addr/{r}")) for r in range(world_size)}
             await actor.connect_peers({r: (p["host"], p["port"]) for r, p in peers.items()}, timeout_s)
             nodes = [peers[r]["node"] for r in range(world_size)]
             # Shared memory only where every rank allows it: one rank with RINGWEAVE_SHM=0
@@ -323,64 +257,24 @@ async def _join(rank: int | None = None, world_size: int | None = None, *, maste
             shm_everywhere = True
     except BaseException:
         await actor.close()
-        await prefixed.close()
-        if server is not None:
-            await server.close()
-        jobsecret.release(secret_file)
+        await m.store.close()
         raise
-    rt = Runtime(actor, prefixed, timeout_s=timeout_s, local_rank=local_rank or 0,
-                 local_world_size=local_world_size or 1, nodes=nodes)
+    rt = RankRuntime(actor, m.store, timeout_s=timeout_s, local_rank=m.local_rank,
+                     local_world_size=m.local_world_size, nodes=nodes, generation=m.generation, rendezvous=owned)
     if not shm_everywhere:
         rt.shm_enabled = False
         if shm_usable():
             log.warning("rank %d: shared memory is off for this job: some ranks have RINGWEAVE_SHM=0 "
                         "or no writable /dev/shm", rank)
-    rt.store_server = server
-    rt.secret_file = secret_file  # removed when this rank leaves, if it made it
-    _current.set(rt)
-    _process_default = rt
-    log.debug("rank %d of %d joined job %r", rank, world_size, job)
     return rt
 
 
-async def _host_and_connect(rank: int, hosts: bool, master_addr: str, master_port: int, port_source: str, *,
-                            secret: bytes | None, job: str, timeout_s: float):
-    """Hosts the store at ``master_addr:master_port`` when ``hosts`` (every interface unless that
-    address is loopback), then connects to it. Returns (the server or None, the client).
-
-    Raises:
-        ConnectError: the port is taken (naming it and ``port_source``), or nothing answered.
-        AuthenticationError: what answered is not this job's store.
-    """
-    server = None
-    if hosts:
-        listen = master_addr if auth.is_loopback(master_addr) else "0.0.0.0"
-        server = StoreServer(listen, master_port, secret=secret, job=job)
-        try:
-            await server.start()
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            given = port_source in ("MASTER_PORT", "the master_port argument")
-            how = f"set by {port_source}={master_port}" if given else f"from {port_source}"
-            raise ConnectError(f"rank {rank} cannot host the rendezvous store on {master_addr}:{master_port}: "
-                               f"port {master_port} ({how}) is in use by another program or job; choose "
-                               f"another port with MASTER_PORT") from exc
-    try:
-        return server, await TCPStore.connect(master_addr, master_port, secret=secret, job=job,
-                                              timeout_s=timeout_s, who={"rank": rank})
-    except BaseException:
-        if server is not None:
-            await server.close()
-        raise
-
-
-def set_current(rt: Runtime | None) -> None:
+def set_current(rt: RankRuntime | None) -> None:
     """Makes ``rt`` the runtime of the calling task context (runtime.testing uses it)."""
     _current.set(rt)
 
 
-def current() -> Runtime:
+def current() -> RankRuntime:
     """The runtime of the calling task, else the last one ``init`` made in this process.
 
     Raises:
@@ -412,7 +306,7 @@ def abort_reason(exc: BaseException | None) -> BaseException | None:
     return exc
 
 
-async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0, *, exc=_FROM_CONTEXT) -> None:
+async def shutdown(rt: RankRuntime | None = None, timeout_s: float = 30.0, *, exc=_FROM_CONTEXT) -> None:
     """Leaves the job.
 
     Orderly (no exception): waits (bounded by ``timeout_s``) for every rank to arrive here, so
@@ -438,14 +332,14 @@ async def shutdown(rt: Runtime | None = None, timeout_s: float = 30.0, *, exc=_F
         if rt.world_size > 1 and rt.store is not None and not rt.actor.lost_peers():
             # Everyone arrives before anyone leaves: a rank that closed early would look
             # like a lost peer to a rank still finishing its last collective.
-            await _rendezvous(rt, timeout_s)
+            await _arrive_together(rt, timeout_s)
     except (RingweaveError, OSError) as exc:
         log.warning("rank %d: shutdown rendezvous failed: %s", rt.rank, exc)
     finally:
         await _close(rt)
 
 
-async def _rendezvous(rt: Runtime, timeout_s: float) -> None:
+async def _arrive_together(rt: RankRuntime, timeout_s: float) -> None:
     """Waits until every rank has reached shutdown, or a peer aborts or is lost (then at once).
 
     Raises:
@@ -474,7 +368,7 @@ async def _rendezvous(rt: Runtime, timeout_s: float) -> None:
         log.info("rank %d: leaving without the others: %s", rt.rank, gone.result())
 
 
-async def abort(exc: BaseException | None = None, rt: Runtime | None = None) -> None:
+async def abort(exc: BaseException | None = None, rt: RankRuntime | None = None) -> None:
     """Leaves the job at once because of ``exc`` (what ``torch.distributed``'s abort does for
     a process group, for the whole runtime): records it in the store (the first rank that
     aborts is the job's root cause, which the launcher reports), tells every peer with the
@@ -500,21 +394,13 @@ async def abort(exc: BaseException | None = None, rt: Runtime | None = None) -> 
     await _close(rt, exc)
 
 
-async def _close(rt: Runtime, reason: BaseException | None = None) -> None:
-    """Closes ``rt`` (its goodbye carries ``reason``), then the store server it hosts, if any."""
+async def _close(rt: RankRuntime, reason: BaseException | None = None) -> None:
+    """Closes ``rt`` (its goodbye carries ``reason``; the rendezvous init chose for it, with the
+    store server this rank hosts, goes with it: RankRuntime.close)."""
     global _process_default
-    server = getattr(rt, "store_server", None)
     try:
         await rt.close(reason)
     finally:
-        jobsecret.release(getattr(rt, "secret_file", None))
-        if server is not None:
-            # The other ranks' store clients leave after the rendezvous; close the server
-            # once they have (bounded), so none of them sees it closing under a request.
-            deadline = asyncio.get_running_loop().time() + 5.0
-            while server.statistics().clients > 0 and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.01)
-            await server.close()
         if _process_default is rt:
             _process_default = None
         if _current.get() is rt:

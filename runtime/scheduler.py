@@ -1,12 +1,10 @@
 """What the process's launcher already knows: rank, sizes, where the store is, threads.
 
 Pure functions over an environment mapping (``os.environ`` or a dict in tests): no
-sockets, no files, no subprocesses. :func:`placement` reads whichever launcher
-started this process and returns a :class:`Placement`; ``runtime.init`` acts on it
-(checks that the master's name resolves, hosts or joins the store, limits
-threads, watches its parent).
-
-Launchers, first found wins::
+sockets, no files, no subprocesses. :func:`placement` reads whichever launcher started
+this process and returns a :class:`Placement`; runtime/rendezvous.py turns it into a
+rendezvous (which resolves the master's name and hosts or joins the store) and
+runtime/init.py limits the threads and watches the parent. Launchers, first found wins::
 
     RANK, WORLD_SIZE [LOCAL_RANK, LOCAL_WORLD_SIZE]        "env"      our launcher, torchrun, by hand
     OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE "openmpi"  Open MPI's mpirun
@@ -14,38 +12,16 @@ Launchers, first found wins::
     SLURM_PROCID, SLURM_NTASKS with SLURM_STEP_ID           "slurm"    a task that srun started
     SLURM_PROCID, SLURM_NTASKS without SLURM_STEP_ID        "slurm-batch": the batch script itself
 
-Under SLURM (a task of ``srun``, or PMI inside a SLURM step)::
+Under SLURM the store's host is the step's first node (127.0.0.1 on one node), its port
+PORT_BASE + SLURM_JOB_ID mod PORT_SPAN, the restart count SLURM_RESTART_COUNT and the threads
+SLURM_CPUS_PER_TASK. Under Open MPI the first local rank on mpirun's own host hosts the store,
+found in ``OMPI_MCA_orte_hnp_uri``, on a port from the Open MPI job id. The derivations in full:
+docs/design.md, "Under a scheduler". MASTER_ADDR and MASTER_PORT in the environment always win,
+and say so in errors (``Placement.master_addr_source``, ``master_port_source``), as
+``RINGWEAVE_JOB`` and ``RINGWEAVE_RESTART`` win over the derived job id and restart count.
 
-    rank, world size   SLURM_PROCID, SLURM_STEP_NUM_TASKS (else SLURM_NTASKS)
-    local rank         SLURM_LOCALID
-    local world size   SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE), e.g. "2(x3),1",
-                       at index SLURM_NODEID (else SLURM_NTASKS_PER_NODE)
-    MASTER_ADDR        127.0.0.1 when the step runs on one node; else the first host of
-                       SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), e.g. "n[01-04],m7" -> n01,
-                       where srun puts task 0 (runtime.init asks ``scontrol`` for the node's
-                       NodeAddr when that name does not resolve)
-    MASTER_PORT        PORT_BASE + SLURM_JOB_ID mod PORT_SPAN (15000..24999), the same on
-                       every task of the job and for a tool that joins it with srun --overlap
-    job id             slurm-<SLURM_JOB_ID>
-    restarts           SLURM_RESTART_COUNT (a requeued job)
-    threads            SLURM_CPUS_PER_TASK, else 1
-
-Under Open MPI's mpirun the store is hosted by the first local rank on mpirun's own host
-(the HNP: its ranks are the ones whose local daemon, ``OMPI_MCA_orte_local_daemon_uri``,
-is the HNP itself, vpid 0), and every rank finds that host in ``OMPI_MCA_orte_hnp_uri``:
-the address mpirun's daemons on the other nodes reached it at, so the ranks reach it
-too. One node: 127.0.0.1. MASTER_PORT from the Open MPI job id
-(``OMPI_MCA_ess_base_jobid``, else a CRC of ``PMIX_NAMESPACE``); threads: this
-process's cores (its affinity) shared among the node's ranks. mpirun started on a host
-that runs no rank (a login node) leaves nobody to host the store there: give
-MASTER_ADDR (rank 0's host) then.
-
-MASTER_ADDR and MASTER_PORT in the environment always win, and say so in errors
-(``Placement.master_addr_source``, ``master_port_source``). ``RINGWEAVE_JOB`` and
-``RINGWEAVE_RESTART`` win over the derived job id and restart count.
-
-Not here: acting on any of it (runtime/init.py), the launcher's own rank environment
-(runtime/launch.py), watching the parent (runtime/lifeline.py).
+Not here: acting on any of it (rendezvous.py, init.py), the launcher's own rank environment
+(launch.py), watching the parent (lifeline.py).
 """
 
 from __future__ import annotations
@@ -56,7 +32,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping
 
-from runtime import env as settings
+from runtime import env
 from runtime.errors import RingweaveError
 
 PORT_BASE = 15000  # derived store ports: below Linux's ephemeral range (32768+), which outgoing connections take
@@ -178,8 +154,8 @@ def derived_port(key: int) -> int:
 # -- reading the environment ---------------------------------------------------------------------
 
 
-def _int(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name)
+def _int(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name)
     if value is None or value == "":
         return None
     try:
@@ -188,16 +164,16 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         raise RingweaveError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _first_int(env: Mapping[str, str], name: str) -> int | None:
+def _first_int(environ: Mapping[str, str], name: str) -> int | None:
     """The first count of a SLURM per-node list variable ("4(x2)" -> 4), for the old SLURM_NTASKS_PER_NODE."""
-    value = env.get(name)
+    value = environ.get(name)
     if not value:
         return None
     return expand_tasks_per_node(value)[0]
 
 
-def placement(env: Mapping[str, str], cores: int = 1) -> Placement:
-    """This process's placement from ``env`` (see the module docstring); ``cores``: the CPUs
+def placement(environ: Mapping[str, str], cores: int = 1) -> Placement:
+    """This process's placement from ``environ`` (see the module docstring); ``cores``: the CPUs
     this process may run on (its affinity), for the Open MPI thread count.
 
     Raises:
@@ -206,41 +182,41 @@ def placement(env: Mapping[str, str], cores: int = 1) -> Placement:
             step with several tasks, a multi-node job whose store host is unknown) is not
             an error here: ``Placement.problem`` says why, and ``runtime.init`` raises it.
     """
-    if _int(env, "RANK") is not None and _int(env, "WORLD_SIZE") is not None:
-        p = _generic(env)
-    elif _int(env, "OMPI_COMM_WORLD_RANK") is not None and _int(env, "OMPI_COMM_WORLD_SIZE") is not None:
-        p = _openmpi(env, cores)
-    elif _int(env, "PMI_RANK") is not None and _int(env, "PMI_SIZE") is not None:
-        p = _pmi(env)
-    elif _int(env, "SLURM_PROCID") is not None and _int(env, "SLURM_NTASKS") is not None:
-        p = _slurm(env)
+    if _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None:
+        p = _generic(environ)
+    elif _int(environ, "OMPI_COMM_WORLD_RANK") is not None and _int(environ, "OMPI_COMM_WORLD_SIZE") is not None:
+        p = _openmpi(environ, cores)
+    elif _int(environ, "PMI_RANK") is not None and _int(environ, "PMI_SIZE") is not None:
+        p = _pmi(environ)
+    elif _int(environ, "SLURM_PROCID") is not None and _int(environ, "SLURM_NTASKS") is not None:
+        p = _slurm(environ)
     else:
         p = Placement("none")
-    return _overrides(env, p)
+    return _overrides(environ, p)
 
 
-def _overrides(env: Mapping[str, str], p: Placement) -> Placement:
+def _overrides(environ: Mapping[str, str], p: Placement) -> Placement:
     """MASTER_ADDR / MASTER_PORT / RINGWEAVE_JOB / RINGWEAVE_RESTART set by the user win; a store
     our launcher hosts (RINGWEAVE_STORE_HOSTED=1) is hosted by no rank."""
     fields: dict = {}
-    if env.get("MASTER_ADDR"):
-        fields.update(master_addr=env["MASTER_ADDR"], master_addr_source="MASTER_ADDR", hosts_store=None)
+    if environ.get("MASTER_ADDR"):
+        fields.update(master_addr=environ["MASTER_ADDR"], master_addr_source="MASTER_ADDR", hosts_store=None)
     elif p.master_addr is None:
         fields.update(master_addr=LOOPBACK, problem=p.problem or (
             f"MASTER_ADDR is not set and this {p.launcher} job spans nodes ({p.local_world_size} of "
             f"{p.world_size} ranks on this one): set MASTER_ADDR to the host of rank 0 (the default, "
             f"127.0.0.1, is right on one node only)"))
-    port = _int(env, "MASTER_PORT")
+    port = _int(environ, "MASTER_PORT")
     if port is not None:
         if not 0 <= port <= 65535:  # a socket call would take it modulo 65536: another port, silently
             raise RingweaveError(f"environment variable MASTER_PORT={port} is not a port: it must be in 1..65535")
         fields.update(master_port=port, master_port_source="MASTER_PORT")
-    if settings.STORE_HOSTED.get(env):
+    if env.STORE_HOSTED.get(environ):
         fields["hosts_store"] = False
-    if settings.JOB.given(env) is not None:
-        fields["job"] = settings.JOB.get(env)
-    if settings.RESTART.given(env) is not None:
-        fields["restart"] = settings.RESTART.get(env)
+    if env.JOB.given(environ) is not None:
+        fields["job"] = env.JOB.get(environ)
+    if env.RESTART.given(environ) is not None:
+        fields["restart"] = env.RESTART.get(environ)
     return _replace(p, **fields)
 
 
@@ -256,30 +232,30 @@ def _where_rank0(world_size: int, local_world_size: int | None) -> tuple[str | N
     return LOOPBACK, "default (one node)"
 
 
-def _generic(env: Mapping[str, str]) -> Placement:
-    rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    local_size = _int(env, "LOCAL_WORLD_SIZE")
+def _generic(environ: Mapping[str, str]) -> Placement:
+    rank, size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+    local_size = _int(environ, "LOCAL_WORLD_SIZE")
     addr, source = _where_rank0(size, local_size)
-    return Placement("env", rank, size, _int(env, "LOCAL_RANK"), local_size, addr, source)
+    return Placement("env", rank, size, _int(environ, "LOCAL_RANK"), local_size, addr, source)
 
 
-def _openmpi(env: Mapping[str, str], cores: int) -> Placement:
-    rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-    local_rank, local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-    jobid = _int(env, "OMPI_MCA_ess_base_jobid")
-    if jobid is None and env.get("PMIX_NAMESPACE"):
-        jobid = zlib.crc32(env["PMIX_NAMESPACE"].encode())
+def _openmpi(environ: Mapping[str, str], cores: int) -> Placement:
+    rank, size = _int(environ, "OMPI_COMM_WORLD_RANK"), _int(environ, "OMPI_COMM_WORLD_SIZE")
+    local_rank, local_size = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    jobid = _int(environ, "OMPI_MCA_ess_base_jobid")
+    if jobid is None and environ.get("PMIX_NAMESPACE"):
+        jobid = zlib.crc32(environ["PMIX_NAMESPACE"].encode())
     fields: dict = {}
-    nodes = _int(env, "OMPI_MCA_orte_num_nodes")
+    nodes = _int(environ, "OMPI_MCA_orte_num_nodes")
     if nodes == 1 or (local_size is not None and local_size == size):
         fields.update(master_addr=LOOPBACK, master_addr_source="127.0.0.1 (every rank runs on mpirun's node)")
     else:
-        hnp = hnp_address(env.get("OMPI_MCA_orte_hnp_uri", ""))
+        hnp = hnp_address(environ.get("OMPI_MCA_orte_hnp_uri", ""))
         if hnp is None:
             addr, source = _where_rank0(size, local_size)
             fields.update(master_addr=addr, master_addr_source=source)
         else:
-            on_hnp = env.get("OMPI_MCA_orte_local_daemon_uri", "").split(";")[0].endswith(".0")
+            on_hnp = environ.get("OMPI_MCA_orte_local_daemon_uri", "").split(";")[0].endswith(".0")
             fields.update(master_addr=hnp, hosts_store=on_hnp and local_rank == 0,
                           master_addr_source="mpirun's host, from OMPI_MCA_orte_hnp_uri "
                                              "(the store is hosted by the first rank there)")
@@ -302,11 +278,11 @@ def hnp_address(uri: str) -> str | None:
     return (v4 + v6)[0] if v4 or v6 else None
 
 
-def _pmi(env: Mapping[str, str]) -> Placement:
-    rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-    local_rank, local_size = _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS")
-    if env.get("SLURM_STEP_ID") is not None and env.get("SLURM_JOB_ID"):  # srun --mpi=pmi2, or Hydra under SLURM
-        s = _slurm_task(env, size)
+def _pmi(environ: Mapping[str, str]) -> Placement:
+    rank, size = _int(environ, "PMI_RANK"), _int(environ, "PMI_SIZE")
+    local_rank, local_size = _int(environ, "MPI_LOCALRANKID"), _int(environ, "MPI_LOCALNRANKS")
+    if environ.get("SLURM_STEP_ID") is not None and environ.get("SLURM_JOB_ID"):  # srun --mpi=pmi2, Hydra in SLURM
+        s = _slurm_task(environ, size)
         return _replace(s, launcher="pmi", rank=rank, world_size=size,
                         local_rank=local_rank if local_rank is not None else s.local_rank,
                         local_world_size=local_size if local_size is not None else s.local_world_size)
@@ -314,20 +290,20 @@ def _pmi(env: Mapping[str, str]) -> Placement:
     return Placement("pmi", rank, size, local_rank, local_size, addr, source)
 
 
-def _slurm(env: Mapping[str, str]) -> Placement:
-    if env.get("SLURM_STEP_ID") is None and env.get("SLURM_STEPID") is None:
-        return _slurm_batch(env)
-    s = _slurm_task(env, _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS"))
-    return _replace(s, rank=_int(env, "SLURM_PROCID"))
+def _slurm(environ: Mapping[str, str]) -> Placement:
+    if environ.get("SLURM_STEP_ID") is None and environ.get("SLURM_STEPID") is None:
+        return _slurm_batch(environ)
+    s = _slurm_task(environ, _int(environ, "SLURM_STEP_NUM_TASKS") or _int(environ, "SLURM_NTASKS"))
+    return _replace(s, rank=_int(environ, "SLURM_PROCID"))
 
 
-def _slurm_batch(env: Mapping[str, str]) -> Placement:
+def _slurm_batch(environ: Mapping[str, str]) -> Placement:
     """The batch script itself (sbatch): it inherits SLURM_PROCID=0 and SLURM_NTASKS, but srun
     started nothing, so no other rank will come."""
-    ntasks = _int(env, "SLURM_NTASKS")
-    job = env.get("SLURM_JOB_ID", "?")
+    ntasks = _int(environ, "SLURM_NTASKS")
+    job = environ.get("SLURM_JOB_ID", "?")
     if ntasks == 1:
-        return Placement("slurm-batch", 0, 1, 0, 1, job=f"slurm-{job}", threads=_slurm_threads(env))
+        return Placement("slurm-batch", 0, 1, 0, 1, job=f"slurm-{job}", threads=_slurm_threads(environ))
     return Placement("slurm-batch", problem=(
         f"this process is the batch script of SLURM job {job}, not a task that srun started "
         f"(SLURM_PROCID=0 and SLURM_NTASKS={ntasks} come from sbatch; SLURM_STEP_ID is unset), so no other "
@@ -335,38 +311,38 @@ def _slurm_batch(env: Mapping[str, str]) -> Placement:
         f"process here"))
 
 
-def _slurm_threads(env: Mapping[str, str]) -> int:
-    return _int(env, "SLURM_CPUS_PER_TASK") or 1
+def _slurm_threads(environ: Mapping[str, str]) -> int:
+    return _int(environ, "SLURM_CPUS_PER_TASK") or 1
 
 
-def _slurm_task(env: Mapping[str, str], world_size: int | None) -> Placement:
-    nodelist_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
-    hosts = tuple(expand_hostlist(env.get(nodelist_var, "")))
-    per_node_var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+def _slurm_task(environ: Mapping[str, str], world_size: int | None) -> Placement:
+    nodelist_var = "SLURM_STEP_NODELIST" if environ.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    hosts = tuple(expand_hostlist(environ.get(nodelist_var, "")))
+    per_node_var = "SLURM_STEP_TASKS_PER_NODE" if environ.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
     local_size = None
-    if env.get(per_node_var):
-        per_node = expand_tasks_per_node(env[per_node_var])
-        node = _int(env, "SLURM_NODEID") or 0
+    if environ.get(per_node_var):
+        per_node = expand_tasks_per_node(environ[per_node_var])
+        node = _int(environ, "SLURM_NODEID") or 0
         if node >= len(per_node):
-            raise RingweaveError(f"SLURM_NODEID={node} but {per_node_var}={env[per_node_var]!r} lists "
+            raise RingweaveError(f"SLURM_NODEID={node} but {per_node_var}={environ[per_node_var]!r} lists "
                                  f"{len(per_node)} node(s)")
         local_size = per_node[node]
     else:
-        local_size = _first_int(env, "SLURM_NTASKS_PER_NODE")
-    nnodes = _int(env, "SLURM_STEP_NUM_NODES") or _int(env, "SLURM_JOB_NUM_NODES") or len(hosts) or None
+        local_size = _first_int(environ, "SLURM_NTASKS_PER_NODE")
+    nnodes = _int(environ, "SLURM_STEP_NUM_NODES") or _int(environ, "SLURM_JOB_NUM_NODES") or len(hosts) or None
     if nnodes == 1 or (local_size is not None and local_size == world_size):
         addr, source = LOOPBACK, "127.0.0.1 (the step runs on one node)"
     elif hosts:
-        addr, source = hosts[0], f"the first host of {nodelist_var}={env[nodelist_var]!r}"
+        addr, source = hosts[0], f"the first host of {nodelist_var}={environ[nodelist_var]!r}"
     else:
         addr, source = LOOPBACK, "default"
     fields: dict = {}
-    job = _int(env, "SLURM_JOB_ID")
+    job = _int(environ, "SLURM_JOB_ID")
     if job is not None:
         fields.update(master_port=derived_port(job), job=f"slurm-{job}",
                       master_port_source=f"SLURM_JOB_ID={job}: {PORT_BASE} + id mod {PORT_SPAN}")
-    return Placement("slurm", None, world_size, _int(env, "SLURM_LOCALID"), local_size, addr, source,
-                     restart=_int(env, "SLURM_RESTART_COUNT") or 0, threads=_slurm_threads(env),
+    return Placement("slurm", None, world_size, _int(environ, "SLURM_LOCALID"), local_size, addr, source,
+                     restart=_int(environ, "SLURM_RESTART_COUNT") or 0, threads=_slurm_threads(environ),
                      nodelist=hosts, **fields)
 
 
@@ -378,13 +354,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def thread_settings(p: Placement, env: Mapping[str, str]) -> dict[str, str]:
-    """The thread variables to set: each of THREAD_VARS that ``env`` leaves unset or empty,
+def thread_settings(p: Placement, environ: Mapping[str, str]) -> dict[str, str]:
+    """The thread variables to set: each of THREAD_VARS that ``environ`` leaves unset or empty,
     to ``p.threads``; nothing where the launcher implies no count (by hand, our launcher,
     which sets them itself)."""
     if p.threads is None:
         return {}
-    return {name: str(p.threads) for name in THREAD_VARS if not env.get(name)}
+    return {name: str(p.threads) for name in THREAD_VARS if not environ.get(name)}
 
 
 def parse_slurm_node_addr(scontrol_output: str) -> str | None:

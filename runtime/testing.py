@@ -27,13 +27,14 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 from runtime.actor import Actor
-from runtime.group import ProcessGroup, Runtime
+from runtime.group import ProcessGroup
+from runtime.rankruntime import RankRuntime
 from runtime.init import set_current
 from runtime.transport import MemoryConnection
 
 
 async def make_runtimes(n: int, transport: str = "memory", *, timeout_s: float = 30.0,
-                        secret: bytes | None = None, store=None, **actor_kw) -> list[Runtime]:
+                        secret: bytes | None = None, store=None, **actor_kw) -> list[RankRuntime]:
     """Creates ``n`` connected runtimes in this event loop (the caller closes them)."""
     actors = [Actor(r, n, secret=secret, job="test", **actor_kw) for r in range(n)]
     try:
@@ -53,7 +54,7 @@ async def make_runtimes(n: int, transport: str = "memory", *, timeout_s: float =
     except BaseException:
         await asyncio.gather(*(a.close() for a in actors), return_exceptions=True)
         raise
-    return [Runtime(a, store, timeout_s=timeout_s) for a in actors]
+    return [RankRuntime(a, store, timeout_s=timeout_s) for a in actors]
 
 
 async def run_ranks(n: int, body: Callable[[ProcessGroup], Awaitable[Any]], *, transport: str = "memory",

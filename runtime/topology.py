@@ -1,8 +1,8 @@
 """How a group's ranks sit on hosts: :class:`HostTopology`, a pure value worked out from the node
 id of every member.
 
-Every rank publishes its node id with its address at init (runtime/init.py); the Runtime keeps
-them (``Runtime.nodes``, by world rank) and each ProcessGroup works its topology out once, when
+Every rank publishes its node id with its address at init (runtime/init.py); the RankRuntime keeps
+them (``RankRuntime.nodes``, by world rank) and each ProcessGroup works its topology out once, when
 first asked (``ProcessGroup.topology``). Every member sees the same ids, hence the same topology:
 algorithms and the selection table may branch on it without any rank disagreeing.
 

@@ -1,6 +1,6 @@
 """A per-rank trace of collective calls, in the Chrome trace-event format.
 
-Turned on with ``RINGWEAVE_TRACE=<dir>`` (or ``Runtime(trace_dir=...)``): every
+Turned on with ``RINGWEAVE_TRACE=<dir>`` (or ``RankRuntime(trace_dir=...)``): every
 collective call of every group becomes one complete event ("ph": "X") with its
 start, duration, bytes sent, algorithm, group, sequence number and the peers it
 waited on; at shutdown each rank writes ``<dir>/trace-rank<R>.json``.

@@ -11,7 +11,7 @@ First that applies wins:
 4. the newest job file on this machine.
 
 Through the store, the world size and restart count come from the ``job/info`` key that
-rank 0 sets (runtime/init.py). The secret comes from ``--secret-file`` or
+rank 0 sets (runtime/rendezvous.py). The secret comes from ``--secret-file`` or
 ``RINGWEAVE_SECRET``, else, for a job on this host started without one, from the file its
 ranks derived it in (runtime/jobsecret.py).
 
@@ -25,7 +25,8 @@ import msgpack
 from runtime import args as types
 from runtime import auth, jobfile
 from runtime.errors import RingweaveError
-from runtime.init import JOB_INFO_KEY, read_env
+from runtime.init import read_env
+from runtime.rendezvous import JOB_INFO_KEY
 from runtime.store_tcp import TCPStore
 from runtime import jobsecret
 

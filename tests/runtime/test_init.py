@@ -67,9 +67,18 @@ async def test_world_size_one_needs_no_store_or_port():
     await runtime.shutdown(rt)
 
 
+def launch(tmp_path, source: str, n: int) -> str:
+    """Runs ``source`` on ``n`` ranks under our launcher; returns their prefixed output."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(source))
+    out = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", str(n), str(script)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_a_job_through_the_launcher_authenticates_and_exchanges(tmp_path):
-    script = tmp_path / "ring.py"
-    script.write_text(textwrap.dedent("""
+    stdout = launch(tmp_path, """
         import asyncio, os, numpy as np, runtime
         async def main():
             assert os.environ["RINGWEAVE_SECRET"]          # the launcher's contract: it made a secret
@@ -83,12 +92,29 @@ def test_a_job_through_the_launcher_authenticates_and_exchanges(tmp_path):
             print(f"rank {w.rank} got {int(y[0])} from {left}")
             await runtime.shutdown()
         asyncio.run(main())
-    """))
-    out = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "3", str(script)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=50)
-    assert out.returncode == 0, out.stderr
+    """, 3)
     for r in range(3):
-        assert f"[rank {r}] rank {r} got {(r - 1) % 3} from {(r - 1) % 3}" in out.stdout
+        assert f"[rank {r}] rank {r} got {(r - 1) % 3} from {(r - 1) % 3}" in stdout
+
+
+def test_under_the_launcher_init_after_shutdown_forms_generation_1(tmp_path):
+    """A second init() of each rank (after shutdown) counts generation 1 in the launcher's store:
+    its own namespace, so neither the addresses nor the shutdown's counter meet generation 0's."""
+    stdout = launch(tmp_path, """
+        import asyncio, numpy as np, runtime
+        async def main():
+            for _ in range(2):
+                rt = await runtime.init()
+                x = np.full(4, rt.rank, np.int64); y = np.empty_like(x)
+                await rt.actor.send((rt.rank + 1) % rt.world_size, "t", x)
+                await rt.actor.recv_into((rt.rank - 1) % rt.world_size, "t", y)
+                print(f"generation {rt.generation} in {rt.store.prefix} got {int(y[0])}", flush=True)
+                await runtime.shutdown()
+        asyncio.run(main())
+    """, 2)
+    for r in range(2):
+        for generation, prefix in ((0, "restart/0"), (1, "restart/0/gen/1")):
+            assert f"[rank {r}] generation {generation} in {prefix} got {(r - 1) % 2}" in stdout, stdout
 
 
 def test_ranks_started_by_hand_with_torchrun_variables(tmp_path):

@@ -23,7 +23,7 @@ async def main():
     print(json.dumps({
         "rank": rt.rank, "world_size": rt.world_size, "local_rank": rt.local_rank,
         "local_world_size": rt.local_world_size, "sum": int(total[0]), "pid": os.getpid(),
-        "hosts_store": rt.store_server is not None, "master_addr": env["master_addr"],
+        "hosts_store": rt.rendezvous.hosts_store, "master_addr": env["master_addr"],
         "master_addr_source": env["master_addr_source"], "master_port": env["master_port"], "job": env["job"],
         "restart": env["restart"], "launcher": env["launcher"],
         "node": os.environ.get("SLURMD_NODENAME") or os.environ.get("OMPI_MCA_orte_local_daemon_uri", "")[:12],
