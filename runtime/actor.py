@@ -98,7 +98,7 @@ class Actor:
         self._job = job  # (runtime/sharedmem/segments.py names segments after it)
         self._tasks: set[asyncio.Task] = set()
         self._abort_listeners: list[Callable[[dict], None]] = []
-        timeout_s = env.timeout_s()  # send/recv deadlines, replies; a Runtime sets its own (group.py)
+        timeout_s = env.timeout_s()  # send/recv deadlines, replies; a RankRuntime sets its own (rankruntime.py)
         self.peers = peers = Peers(
             rank, world_size, self, SCHEMA, spawn=self._spawn, serve_tool=self._serve_tool, tool_schema=TOOL_SCHEMA,
             on_gone=self._fail_waiting_on, secret=secret, job=job, max_payload_nbytes=max_payload_nbytes,

@@ -29,7 +29,7 @@ async def test_the_surface_is_the_parts_own_and_the_deadline_reaches_both_parts(
     try:
         assert a0.post.__self__ is a0.mailbox and a0.call.__self__ is a0.requests
         assert a0.connection.__self__ is a0.peers and a0.conns is a0.peers.conns
-        a1.default_timeout_s = 7.5  # as a Runtime sets it
+        a1.default_timeout_s = 7.5  # as a RankRuntime sets it
         assert (a1.default_timeout_s, a1.mailbox.default_timeout_s, a1.requests.reply_timeout_s) == (7.5, 7.5, 7.5)
         stray = []
         a1.stray_listener = lambda peer, header: stray.append(peer)
