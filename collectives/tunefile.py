@@ -45,6 +45,7 @@ log = logging.getLogger("ringweave.tune")
 FORMAT = "ringweave-tune/1"
 MAX_FILE_BYTES = 1 << 20  # a rules file is a few KiB; anything larger is not ours
 STATES = ("shm", "tcp")  # rules for shared memory on, and off (TCP only)
+SHM_ONLY = ("shm", "hierarchical")  # algorithms that "tcp" rules may not name
 _FILE_RULES = private.Rules("the tuner's rules file", private.NOT_WRITABLE, PrivateDirError,
                             owner_risk="its owner decides which algorithms run", fix="remove it and tune again",
                             mode_fix="chmod go-w it")
@@ -53,7 +54,7 @@ _FILE_RULES = private.Rules("the tuner's rules file", private.NOT_WRITABLE, Priv
 @dataclass(frozen=True, eq=False)  # hashed by identity: a key of registry._CHOSEN
 class TuneRules:
     """A checked rules file: per state ("shm" on, "tcp" only) and collective, ``(upto, algorithm)``
-    pairs in rising ``upto`` (bytes, inclusive; None: any size)."""
+    pairs in rising ``upto`` (bytes, inclusive; None: any size); algorithm None: the table's."""
     key: dict
     rules: dict  # {"shm": {"all_reduce": ((65536, "recursive_doubling"), (None, "ring")), ...}, ...}
     path: str = ""
@@ -178,7 +179,7 @@ def _entries(where: str, entries, algorithms, state: str) -> tuple:
         if final != (upto is None) or (upto is not None and (isinstance(upto, bool) or not isinstance(upto, int)
                                                            or upto <= last)):
             raise ValueError(f"{where}[{i}]: upto must be a rising byte count, and null in the last entry only")
-        if algorithm not in algorithms or (state == "tcp" and algorithm in ("shm", "hierarchical")):
+        if algorithm is not None and (algorithm not in algorithms or (state == "tcp" and algorithm in SHM_ONLY)):
             raise ValueError(f"{where}[{i}]: {algorithm!r} is not a {state} algorithm; choose from {sorted(algorithms)}")
         out.append((upto, algorithm))
         last = upto if upto is not None else last
