@@ -42,7 +42,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gat
        "barrier")
 BLOCKED = {"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"}  # the size is n blocks
 GRID = tuple(4 << (2 * k) for k in range(13))  # 4 B .. 64 MiB in x4 steps: bench/collectives.py's default grid
-QUICK_GRID = (4, 4096, 256 << 10)
+QUICK_GRID = (4, 64 << 10)
 CLOSE = 3.0  # time the algorithms the model puts within this factor of its fastest
 TIE = 0.05  # the table's choice stays unless another is this much faster
 ITEMSIZE = 4  # float32, as the bench grid
