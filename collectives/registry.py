@@ -230,7 +230,7 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
         need = NEEDS.get(override)
         if need is None or need(shm, layout):
             return override, _parts(collective, override, fn, nbytes, hosts)
-    return _chosen(collective, nbytes, world, shm, layout, hosts, tunefile.rules_for(world, hosts, per_host))
+    return _chosen(collective, nbytes, world, shm, layout, hosts, tunefile.rules_for(world, hosts, per_host, ALGORITHMS))
 
 
 def _parts(collective: str, name: str, fn: Callable, nbytes: int, hosts: int) -> Callable:

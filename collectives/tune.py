@@ -36,7 +36,10 @@ import time
 
 import numpy as np
 
-from collectives import costmodel, registry, tunefile
+import runtime
+from collectives import api, costmodel, p2p, registry, tunefile
+from collectives.comm import reduce_step
+from runtime.sharedmem.segments import shm_usable
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
        "barrier")
@@ -62,7 +65,6 @@ def registry_nbytes(collective: str, size: int, p: int) -> int:
 
 def caller(collective: str, nbytes: int, p: int, rank: int):
     """A function that starts one call of ``collective`` on ``nbytes`` with a given algorithm."""
-    from collectives import api
     count = nbytes // ITEMSIZE
     x = np.zeros(count, np.float32)  # zeros: sums stay finite however often they run
     wide = np.zeros(count * p, np.float32)
@@ -83,7 +85,6 @@ def caller(collective: str, nbytes: int, p: int, rank: int):
 
 async def agreed_max(values) -> np.ndarray:
     """Every rank's ``values``, the largest of each over the ranks (the same array on every rank)."""
-    from collectives import api
     a = np.array(values, np.float64).ravel()
     await api.all_reduce(a, op="max")
     return a
@@ -98,9 +99,6 @@ async def _clock(fn, reps: int) -> float:
 
 async def probe(rt, quick: bool) -> costmodel.Machine:
     """The model's terms on this machine, the same on every rank (the largest any rank saw)."""
-    from collectives import api, p2p
-    from collectives.comm import reduce_step
-    from runtime.sharedmem.segments import shm_usable
     p, r = rt.world_size, rt.rank
     partner = r ^ 1 if (r ^ 1) < p else None
     sizes = (8, 1 << 20) if quick else (8, 64 << 10, 1 << 20, 4 << 20)
@@ -170,7 +168,6 @@ def candidates(machine: costmodel.Machine, collective: str, p: int, nbytes: int,
 
 async def time_algorithms(rt, collective: str, nbytes: int, names: list[str], quick: bool) -> dict[str, float]:
     """The slowest rank's median seconds of each algorithm, interleaved iteration by iteration."""
-    from collectives import api
     start = caller(collective, nbytes, rt.world_size, rt.rank)
     first = []
     for name in names:  # warm-up, and an estimate of how many iterations fit the budget
@@ -219,7 +216,6 @@ def thresholds(winners: list[tuple[int, str | None]], extrapolate: bool) -> list
 
 
 async def rank_main(args) -> None:
-    import runtime
     rt = await runtime.init()
     p, r = rt.world_size, rt.rank
     say = print if r == 0 else (lambda *a, **k: None)
@@ -259,7 +255,7 @@ async def rank_main(args) -> None:
                    "times": measured, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "command": f"python -m collectives.tune -n {p}" + (" --quick" if args.quick else "")
                    + (" --all" if args.all else "")}
-            path = tunefile.save(doc, args.out)
+            path = tunefile.save(doc, registry.ALGORITHMS, args.out)
             print(f"# rules written to {path} (RINGWEAVE_TUNE=0 ignores them)", flush=True)
     finally:
         await runtime.shutdown()

@@ -34,7 +34,10 @@ import logging
 import os
 import platform
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Mapping
 
+from collectives.costmodel import Machine
 from runtime import env, owndir, private
 from runtime.errors import PrivateDirError
 
@@ -70,8 +73,7 @@ class TuneRules:
 @functools.cache
 def library_version() -> str:
     """The package's version and a digest of the files that decide what an algorithm does."""
-    import collectives
-    base = os.path.dirname(os.path.abspath(collectives.__file__))
+    base = os.path.dirname(os.path.abspath(__file__))  # collectives/
     digest = hashlib.sha256()
     for top, dirs, files in sorted(os.walk(os.path.join(base, "algorithms"))):
         dirs.sort()
@@ -82,9 +84,8 @@ def library_version() -> str:
         with open(os.path.join(base, name), "rb") as f:
             digest.update(f.read())
     try:
-        from importlib.metadata import version
         pkg = version("ringweave")
-    except Exception:  # not installed: run from a checkout
+    except PackageNotFoundError:  # not installed: run from a checkout
         pkg = "0+checkout"
     return f"{pkg}+{digest.hexdigest()[:12]}"
 
@@ -125,14 +126,14 @@ def default_path(key: dict) -> str:
     return os.path.join(cache_dir(), f"w{key['world']}-h{key['hosts']}x{key['per_host']}-{digest}.json")
 
 
-def parse(data: bytes, key: dict | None, path: str = "") -> TuneRules:
-    """A checked :class:`TuneRules` from a file's bytes; ``key`` None accepts any key.
+def parse(data: bytes, key: dict | None, algorithms: Mapping, path: str = "") -> TuneRules:
+    """A checked :class:`TuneRules` from a file's bytes; ``key`` None accepts any key;
+    ``algorithms``: the names a rule may give, by collective (registry.ALGORITHMS).
 
     Raises:
         ValueError: not JSON, not this format, a field of the wrong type, an unknown collective or
             algorithm, sizes not rising, or a key other than ``key`` (the message names the field).
     """
-    from collectives.registry import ALGORITHMS  # the registry imports this module
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -149,7 +150,6 @@ def parse(data: bytes, key: dict | None, path: str = "") -> TuneRules:
         raise ValueError(f"keyed to another machine or layout ({', '.join(differ)} differ: file "
                          f"{ {k: doc['key'].get(k) for k in differ} }, here { {k: key.get(k) for k in differ} })")
     if "model" in doc:
-        from collectives.costmodel import Machine
         Machine.from_json(doc["model"])  # ValueError naming the term
     raw = doc.get("rules")
     if not isinstance(raw, dict) or not set(raw) <= set(STATES):
@@ -161,9 +161,9 @@ def parse(data: bytes, key: dict | None, path: str = "") -> TuneRules:
         rules[state] = {}
         for collective, entries in table.items():
             where = f"rules.{state}.{collective}"
-            if collective not in ALGORITHMS:
-                raise ValueError(f"{where}: unknown collective; known: {sorted(ALGORITHMS)}")
-            rules[state][collective] = _entries(where, entries, ALGORITHMS[collective], state)
+            if collective not in algorithms:
+                raise ValueError(f"{where}: unknown collective; known: {sorted(algorithms)}")
+            rules[state][collective] = _entries(where, entries, algorithms[collective], state)
     return TuneRules(doc["key"], rules, path)
 
 
@@ -186,7 +186,7 @@ def _entries(where: str, entries, algorithms, state: str) -> tuple:
     return tuple(out)
 
 
-def load(path: str, key: dict | None) -> TuneRules:
+def load(path: str, key: dict | None, algorithms: Mapping) -> TuneRules:
     """The checked rules of the file at ``path``, opened without following a link: a regular file
     of this user's that nobody else may write, in such a directory.
 
@@ -205,15 +205,15 @@ def load(path: str, key: dict | None) -> TuneRules:
         if st.st_size > MAX_FILE_BYTES:
             raise ValueError(f"{st.st_size} bytes, more than a rules file's {MAX_FILE_BYTES}")
         data = f.read(MAX_FILE_BYTES + 1)
-    return parse(data, key, path)
+    return parse(data, key, algorithms, path)
 
 
-def save(doc: dict, path: str | None = None) -> str:
+def save(doc: dict, algorithms: Mapping, path: str | None = None) -> str:
     """Writes ``doc`` (checked with :func:`parse` first) to ``path`` (default: its key's place in
     the cache), replacing what was there; returns the path. PrivateDirError: a directory that
     others may write in, or another user's."""
     text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
-    parse(text.encode(), None)
+    parse(text.encode(), None, algorithms)
     path = path or default_path(doc["key"])
     where = os.path.dirname(os.path.abspath(path))
     dfd = owndir.open_dir(where, create=True, what="the tuner's directory")
@@ -229,9 +229,10 @@ def save(doc: dict, path: str | None = None) -> str:
 _LOADED: dict[tuple, TuneRules | None] = {}
 
 
-def rules_for(world: int, hosts: int, per_host: int) -> TuneRules | None:
+def rules_for(world: int, hosts: int, per_host: int, algorithms: Mapping) -> TuneRules | None:
     """The rules for a group of ``world`` ranks on ``hosts`` hosts (at most ``per_host`` on one),
-    or None: off (``RINGWEAVE_TUNE=0``), no file, or a file refused (warned once). Cheap to call."""
+    or None: off (``RINGWEAVE_TUNE=0``), no file, or a file refused (warned once). Cheap to call;
+    ``algorithms`` as for :func:`parse`."""
     if world <= 1 or not env.TUNE.get():
         return None
     named = env.TUNE_FILE.get()
@@ -241,7 +242,7 @@ def rules_for(world: int, hosts: int, per_host: int) -> TuneRules | None:
     key = machine_key(world, hosts, per_host)
     path = named or default_path(key)
     try:
-        rules = load(path, key)
+        rules = load(path, key, algorithms)
     except FileNotFoundError:
         if named:
             log.warning("RINGWEAVE_TUNE_FILE=%s: no such file; the built-in table chooses", named)

@@ -22,7 +22,7 @@ def test_quick_tune_writes_a_valid_rules_file(tmp_path):
     path = tunefile.default_path(key).replace(tunefile.cache_dir(), os.path.join(tmp_path, "ringweave", "tune"))
     assert f"rules written to {path}" in proc.stdout
     assert os.stat(path).st_mode & 0o777 == 0o600
-    rules = tunefile.load(path, key)
+    rules = tunefile.load(path, key, registry.ALGORITHMS)
     for state in rules.rules:
         for collective in ("all_reduce", "barrier"):
             entries = rules.rules[state][collective]

@@ -34,11 +34,11 @@ def doc(world=2, hosts=1, per_host=None, rules=None):
 
 
 def test_round_trip(fresh):
-    path = tunefile.save(doc())
+    path = tunefile.save(doc(), registry.ALGORITHMS)
     assert path == tunefile.default_path(tunefile.machine_key(2))
     assert path.startswith(str(fresh / "cache" / "ringweave" / "tune"))
     assert os.stat(path).st_mode & 0o777 == 0o600
-    rules = tunefile.load(path, tunefile.machine_key(2))
+    rules = tunefile.load(path, tunefile.machine_key(2), registry.ALGORITHMS)
     assert rules.pick("all_reduce", False, 1024) == "ring"
     assert rules.pick("all_reduce", False, 1025) is None  # past the rules: the table
     assert rules.pick("all_reduce", True, 8) is None  # no rules for shared memory on
@@ -49,7 +49,7 @@ def test_choose_takes_the_rules_and_the_table_when_off(fresh, monkeypatch):
     monkeypatch.setenv("RINGWEAVE_SHM", "0")
     assert registry.choose("all_reduce", 1024, 2)[0] == "recursive_doubling"  # no file: the table
     tunefile._LOADED.clear()
-    tunefile.save(doc())
+    tunefile.save(doc(), registry.ALGORITHMS)
     assert registry.choose("all_reduce", 1024, 2)[0] == "ring"
     assert registry.choose("all_reduce", 4096, 2)[0] == "recursive_doubling"  # beyond the rules
     assert registry.choose("all_reduce", 1024, 2, "halving_doubling")[0] == "halving_doubling"  # overrides first
@@ -62,7 +62,7 @@ def test_a_rule_that_cannot_run_falls_back_to_the_table(fresh, monkeypatch):
     monkeypatch.setenv("RINGWEAVE_SHM", "1")
     monkeypatch.setattr(registry, "shm_usable", lambda: True)
     group = SimpleNamespace(topology=HostTopology.of("aabb"), size=4, shm_enabled=True)
-    tunefile.save(doc(4, 2, 2, {"shm": {"all_reduce": [[None, "shm"]]}}))  # "shm" needs one host
+    tunefile.save(doc(4, 2, 2, {"shm": {"all_reduce": [[None, "shm"]]}}), registry.ALGORITHMS)  # "shm" needs one host
     assert registry.choose("all_reduce", 4096, 4, group=group)[0] == "recursive_doubling"
     assert registry.choose("all_reduce", 1 << 20, 4, group=group)[0] == "hierarchical"
 
@@ -70,8 +70,8 @@ def test_a_rule_that_cannot_run_falls_back_to_the_table(fresh, monkeypatch):
 def refused(caplog, fresh, monkeypatch, path) -> str:
     monkeypatch.setenv("RINGWEAVE_TUNE_FILE", str(path))
     with caplog.at_level(logging.WARNING, logger="ringweave.tune"):
-        assert tunefile.rules_for(2, 1, 2) is None
-        assert tunefile.rules_for(2, 1, 2) is None  # warned once
+        assert tunefile.rules_for(2, 1, 2, registry.ALGORITHMS) is None
+        assert tunefile.rules_for(2, 1, 2, registry.ALGORITHMS) is None  # warned once
     lines = [r.getMessage() for r in caplog.records if r.name == "ringweave.tune"]
     assert len(lines) == 1 and "\n" not in lines[0] and "built-in table" in lines[0], lines
     assert registry.choose("all_reduce", 4, 2, subcall=True)[0] == "recursive_doubling"
@@ -127,7 +127,7 @@ def test_missing_named_file_is_warned(fresh, monkeypatch, caplog):
 
 def test_missing_cache_file_is_silent(fresh, caplog):
     with caplog.at_level(logging.WARNING, logger="ringweave.tune"):
-        assert tunefile.rules_for(2, 1, 2) is None
+        assert tunefile.rules_for(2, 1, 2, registry.ALGORITHMS) is None
     assert not caplog.records
 
 
