@@ -6,6 +6,7 @@ optionally beside torch.distributed's Gloo backend and OpenMPI (mpi4py) measured
     python bench/collectives.py -n 4 --compare mpi                   # + OpenMPI (shared memory), under mpirun
     python bench/collectives.py -n 4 --compare gloo,mpi --mpi-btl tcp
     python bench/collectives.py -n 2 --ops all_reduce --sizes 4,4096,1M --algorithm all --iters 50
+    python bench/collectives.py -n 2 --algorithm all --tune off  # the built-in table's choice as default (*)
     python bench/collectives.py -n 4 --device cuda --compare gloo --ops all_reduce --sizes 4K,1M,16M,64M
 
 Launch. Without RANK in the environment the script re-launches itself through the project's
@@ -554,6 +555,7 @@ async def rank_main(args) -> None:
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
             "RINGWEAVE_SHM": "(unset)" if shm_given is None else str(int(shm_given)), "launch": args.launched_by,
+            "tune_rules": tuned_rules(n, rt.world),
             "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), "memory": None,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if gloo:
@@ -564,11 +566,12 @@ async def rank_main(args) -> None:
     say(f"# ringweave bench/collectives: {n} ranks ({meta['launch']}), {dtype.name}, {args.iters} iters "
         f"(+{args.warmup} warm-up), loop {meta['loop']}, RINGWEAVE_SHM={meta['RINGWEAVE_SHM']}, "
         f"{meta['cores']} cores")
+    say(f"# tuning rules: {meta['tune_rules']}")
     if peers:
         say("# peers in the same processes: " + ", ".join(
             f"{p.label} ({meta['torch'] if p is gloo else meta['mpi']})" for p in peers))
     say("# time = median over iterations of the slowest rank; ratio x<peer> = peer time / ringweave time "
-        "(>1: ringweave faster); * = the default table's choice")
+        "(>1: ringweave faster); * = the default choice (the tuning rules above, else the table)")
     ticker = None
     if not args.no_ticker:
         ticker = Ticker()
@@ -759,6 +762,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shm", default="env", choices=["env", "on", "off"],
                    help="ringweave's same-host shared-memory path: off sets RINGWEAVE_SHM=0 (the TCP path), "
                         "on sets it to 1, env (default) leaves the environment alone")
+    p.add_argument("--tune", default="env", choices=["env", "on", "off"],
+                   help="the rules file of python -m collectives.tune: off sets RINGWEAVE_TUNE=0 (the built-in table), "
+                        "on RINGWEAVE_TUNE=1; env leaves it as it is")
     p.add_argument("--out-dir", default=None,
                    help="directory for collectives.json and collectives.png (default: the current directory)")
     p.add_argument("--json", default=None, help="JSON path (default: OUT_DIR/collectives.json)")
@@ -835,6 +841,17 @@ def relaunch(args, argv: list[str]) -> int:
     return subprocess.call(cmd, cwd=os.getcwd())
 
 
+def tuned_rules(n: int, group) -> str:
+    """The rules file the default algorithm comes from, or why none (collectives/tunefile.py)."""
+    from collectives import registry, tunefile
+    from runtime import env as settings
+    if not settings.TUNE.get():
+        return "off (RINGWEAVE_TUNE=0)"
+    nodes = group.topology.nodes
+    rules = tunefile.rules_for(n, len(nodes), max(len(node) for node in nodes), registry.ALGORITHMS)
+    return rules.path if rules is not None else "none for this machine and layout (the built-in table)"
+
+
 def _pythonpath() -> str:
     return os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
@@ -844,6 +861,8 @@ def main() -> None:
     args = parse_args(argv)
     if args.shm != "env":
         os.environ["RINGWEAVE_SHM"] = "0" if args.shm == "off" else "1"  # inherited by every rank
+    if args.tune != "env":
+        os.environ["RINGWEAVE_TUNE"] = "0" if args.tune == "off" else "1"
     if args.device == "cuda":
         from bench import device
         problem = device.gpu_problem()
