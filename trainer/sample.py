@@ -143,7 +143,8 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, rng) 
     z = np.asarray(logits, dtype=np.float64)  # (B, V)
     if temperature == 0:
         return z.argmax(axis=-1)
-    z = (z - z.max(axis=-1, keepdims=True)) / temperature  # <= 0 everywhere: no overflow at small temperatures
+    with np.errstate(over="ignore"):  # <= 0 everywhere: at a tiny temperature the others go to -inf, p to 0
+        z = (z - z.max(axis=-1, keepdims=True)) / temperature
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]  # (B, 1)
         z = np.where(z < kth, -np.inf, z)
