@@ -56,6 +56,7 @@ import runtime
 from runtime import args as types
 from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
+from trainer.extras import MissingExtra
 from trainer.callbacks import EPOCH_METRICS
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
 from trainer.metrics import metrics_format
@@ -410,10 +411,10 @@ async def run(args: argparse.Namespace) -> int:
     rt = await runtime.init()
     strategy = None
     try:
-        from threadpoolctl import threadpool_limits  # ships with scikit-learn
+        from threadpoolctl import threadpool_limits  # a dependency (pyproject.toml)
 
         limiter = threadpool_limits(limits=_blas_threads(args), user_api="blas")
-    except ImportError:  # pragma: no cover - scikit-learn is a dependency
+    except ImportError:  # pragma: no cover - a dependency
         limiter = None
     try:
         world = rt.world
@@ -473,4 +474,8 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return runtime.run(run(args))  # uvloop's event loop when installed
+    try:
+        return runtime.run(run(args))  # uvloop's event loop when installed
+    except MissingExtra as exc:  # e.g. the digits without the trainer extra: one line, no traceback
+        print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+        return 2
