@@ -4,8 +4,8 @@ What it is: `Progress`, fed one `StepMetrics` per optimizer step and one `EpochS
 On a terminal (``stream.isatty()``) it redraws one bar, at most ten times a second; elsewhere (a
 log file, the launcher's pipe) it writes a line every `log_every` steps and at the epoch's last::
 
-    epoch 2/5 step 10/23 loss 0.4321 lr 1.98e-03 grad norm 0.812 | 9,876 samples/s | ETA 0:42
-    epoch 2/8 step 40/92 loss 1.6012 lr 1.73e-03 grad norm 0.431 scale 65536 | 61,440 tokens/s | ETA 3:05
+    epoch 2/5 step 10/23 loss 0.1639 lr 7.04e-04 grad norm 0.725 | 25,397 samples/s | ETA 0:04
+    epoch 1/1 step 10/20 loss 3.8708 lr 2.00e-03 grad norm 1.89 scale 65536 | 2,840 tokens/s | ETA 0:14
 
 The rate is the epoch's so far (tokens/s where a sample is a window of tokens, trainer/text.py);
 grad norm, when the strategy reports one, is the global norm before clipping; scale is the loss
