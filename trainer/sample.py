@@ -7,7 +7,8 @@ it names (trainer/rundir.py: its one named run, else the checkpoints that name n
 several named runs are an error; a damaged checkpoint is skipped, saying why), from its files
 alone: no ranks, whatever world size and strategy saved it. The model is rebuilt from the
 checkpoint's "model" entry (`GPT.spec()`), the prompt is encoded as UTF-8 bytes, and `generate`
-samples one byte at a time. The prompt and the generated text go to stdout.
+samples one byte at a time. The prompt and the generated text go to stdout; the checkpoint read
+and its step, to stderr.
 
 The context slides, as nanoGPT's: each token is predicted from the last block_size tokens (a
 longer prompt is cropped the same way). While the context is filling, the KV cache makes each
@@ -37,7 +38,7 @@ from trainer.rundir import checkpoints_to_read
 from trainer.runid import RunError
 from trainer.text import decode, encode
 
-__all__ = ["build_parser", "load_model", "check_sampling", "sample_next", "Decoder", "generate", "main"]
+__all__ = ["build_parser", "load_model", "load_model_and_metadata", "check_sampling", "sample_next", "Decoder", "generate", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,13 +111,18 @@ def load_model(path) -> tuple[GPT, list[np.ndarray]]:
         CheckpointError: no checkpoint that passes trainer/ckptschema.py and its files' checks,
             no GPT in it, or a model whose sizes differ from the parameters stored.
     """
+    return load_model_and_metadata(path)[:2]
+
+
+def load_model_and_metadata(path) -> tuple[GPT, list[np.ndarray], dict]:
+    """`load_model`, and the metadata of the checkpoint read ("path", "step", ...)."""
     flats, meta = _read_newest_valid(path)
     model = GPT(_gpt_config(meta))  # its numbers of units agree: building it allocates no parameters
     for unit, flat in zip(model.units, flats):
         if flat.size != unit.numel:
             raise CheckpointError(f"{meta['path']}: unit {unit.index} has {flat.size} parameters, the spec's "
                                   f"model {unit.numel}")
-    return model, [np.asarray(f, dtype=np.float32) for f in flats]
+    return model, [np.asarray(f, dtype=np.float32) for f in flats], meta
 
 
 # ---- decoding ------------------------------------------------------------------------------
@@ -199,7 +205,7 @@ def generate(model: GPT, params: list[np.ndarray], prompt: np.ndarray, max_new_t
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)  # every number checked by its type (runtime/args.py)
     try:
-        model, params = load_model(args.checkpoint)
+        model, params, meta = load_model_and_metadata(args.checkpoint)
     except CheckpointError as exc:
         print(f"trainer.sample: {exc}", file=sys.stderr)
         return 1
@@ -207,6 +213,7 @@ def main(argv=None) -> int:
         print(f"trainer.sample: error: argument --top-k: {args.top_k} must be <= the vocabulary size "
               f"{model.config.vocab_size}", file=sys.stderr)
         return 2
+    print(f"trainer.sample: checkpoint {meta['path']} (optimizer step {meta['step']})", file=sys.stderr)
     prompt = encode(args.prompt) if args.prompt else encode("\n")
     ids = generate(model, params, prompt[None, :], args.tokens, temperature=args.temperature, top_k=args.top_k,
                    seed=args.seed, use_cache=args.cache)
