@@ -59,12 +59,6 @@ def test_warmup_never_exceeds_the_schedule():
     (["--checkpoint-dir", "c", "--resume", "sometimes"], "takes no value (resume, and refuse if there is no"),
     (["--move-aside"], "--move-aside needs --checkpoint-dir"),
     (["--checkpoint-dir", "c", "--resume", "--move-aside"], "--move-aside starts a new run and --resume"),
-    (["--betas", "0.9"], "argument --betas: must be two numbers B1,B2, each in [0, 1), e.g. 0.9,0.95; got '0.9'"),
-    (["--betas", "1,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
-    (["--betas", "nan,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
-    (["--save-best", "val_loss"], "--save-best needs --checkpoint-dir"),
-    (["--checkpoint-dir", "c", "--save-best", "loss"], "argument --save-best: invalid choice: 'loss'"),
-    (["--metrics", "m.txt"], "argument --metrics: metrics file 'm.txt' must end in .csv, .jsonl or .ndjson"),
 ])
 def test_bad_flags_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -105,3 +99,18 @@ def test_blas_threads_default_to_one_per_rank(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert _blas_threads(parse_args([])) == 1
     assert _blas_threads(parse_args(["--blas-threads", "2"])) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--betas", "0.9"], "argument --betas: must be two numbers B1,B2, each in [0, 1), e.g. 0.9,0.95; got '0.9'"),
+    (["--betas", "1,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
+    (["--betas", "nan,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
+    (["--save-best", "val_loss"], "--save-best needs --checkpoint-dir"),
+    (["--checkpoint-dir", "c", "--save-best", "loss"], "argument --save-best: invalid choice: 'loss'"),
+    (["--metrics", "m.txt"], "argument --metrics: metrics file 'm.txt' must end in .csv, .jsonl or .ndjson"),
+])
+def test_bad_betas_metrics_and_save_best_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
