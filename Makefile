@@ -9,7 +9,8 @@ BIN    := $(VENV)/bin
 # (tests/kernels/test_kernels_ptx.py; without them it skips, saying why, and with PTX=1 it must
 # run). PTX defaults to 1 where nvidia-smi reports a driver for CUDA 13 or later, else to nothing:
 # an older driver cannot load CUDA 13's PTX.
-PTX    ?= $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | awk '$$1 >= 13 {print 1; exit}')
+CUDA_DRIVER := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1)
+PTX    ?= $(shell [ -n "$(CUDA_DRIVER)" ] && [ "$(CUDA_DRIVER)" -ge 13 ] && echo 1)
 comma  := ,
 EXTRAS := test,cuda,trainer,plot$(if $(filter 1,$(PTX)),$(comma)ptx)
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))

@@ -41,8 +41,9 @@ from trainer.precision import resolve_dtype
 
 log = logging.getLogger("ringweave.checkpoint")
 
-__all__ = ["CheckpointError", "step_dir_name", "save", "load", "load_newest_valid", "latest", "list_checkpoints", "read_metadata",
-           "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint", "remove_checkpoint"]
+__all__ = ["CheckpointError", "step_dir_name", "save", "load", "load_newest_valid", "latest", "list_checkpoints",
+           "read_metadata", "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint",
+           "remove_checkpoint"]
 
 # ---- helpers ----------------------------------------------------------------------
 

@@ -331,8 +331,8 @@ class _Run:
         stats.epoch_time_s = time.perf_counter() - self.epoch_start
         self.progress.epoch_end(self.options.epochs, stats)
         if self.metrics_log is not None:
-            self.metrics_log.epoch({"step": self.state.step, "epoch": epoch, "elapsed_s": time.perf_counter() - self.started,
-                                    "samples_per_s": stats.samples_per_s, "tokens_per_s": stats.tokens_per_s,
+            self.metrics_log.epoch({"step": self.state.step, "epoch": epoch,
+                                    "elapsed_s": time.perf_counter() - self.started, "samples_per_s": stats.samples_per_s, "tokens_per_s": stats.tokens_per_s,
                                     **{k: getattr(stats, k) for k in EPOCH_METRICS}})
         if self.stop:
             self.history.stopped_early = True

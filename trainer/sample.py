@@ -38,7 +38,8 @@ from trainer.rundir import checkpoints_to_read
 from trainer.runid import RunError
 from trainer.text import decode, encode
 
-__all__ = ["build_parser", "load_model", "load_model_and_metadata", "check_sampling", "sample_next", "Decoder", "generate", "main"]
+__all__ = ["build_parser", "load_model", "load_model_and_metadata", "check_sampling", "sample_next", "Decoder",
+           "generate", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
