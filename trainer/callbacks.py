@@ -20,7 +20,8 @@ from trainer.history import EpochStats, History
 from trainer.metrics import StepMetrics
 from trainer.sharding.base import StepResult, Strategy
 
-__all__ = ["LoopState", "Callback", "EarlyStopping", "StopAtAccuracy", "Best", "metric_mode", "EPOCH_METRICS"]
+__all__ = ["LoopState", "Callback", "EarlyStopping", "StopAtAccuracy", "Best", "metric_mode", "epoch_metric",
+           "EPOCH_METRICS"]
 
 # the EpochStats fields a callback or `save_best` may watch
 EPOCH_METRICS = ("val_loss", "val_acc", "train_loss", "train_acc", "train_eval_loss", "val_bits_per_byte")

@@ -113,7 +113,6 @@ class _Options:
     save_best: str | None = None  # an EpochStats field, e.g. "val_loss"
 
 
-
 class _Run:
     """One call of `fit`: its state and its named parts, each a clear boundary::
 
@@ -493,10 +492,6 @@ async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings
 
 
 # ---- checkpoints (trainer.checkpoint does the files; the loop adds its position) ----
-
-
-async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_last: int, run: dict | None) -> None:
-    await checkpoint.save(strategy, directory, extra={"loop": meta}, keep_last=keep_last, run=run)
 
 
 async def _load_checkpoint(directory: str, strategy: Strategy, run: dict, candidates) -> tuple[str, dict]:
