@@ -61,14 +61,14 @@ def config(**kw) -> TrainConfig:
     return TrainConfig(**{"lr": 5e-3, "warmup_steps": 3, "total_steps": 4 * STEPS, "min_lr": 1e-4, "seed": 2, **kw})
 
 
-async def watch(ranks, data, *, epochs=2, record=None, stream=None, cfg=None, **kw):
-    """fit at one rank under ddp; returns (history, what rank 0 showed, the Record)."""
+async def watch(ranks, data, *, epochs=2, record=None, stream=None, cfg=None, world=1, **kw):
+    """fit under ddp at ``world`` ranks; returns (rank 0's history, what rank 0 showed, the Record)."""
     record = record or Record()
     stream = stream if stream is not None else io.StringIO()
     cfg = cfg or config()
 
     async def body(group):
-        strategy = make_strategy("ddp", mlp(8, (16,), 3), cfg, group)
+        strategy = make_strategy("ddp", mlp(8, (16,), 3, pad_to=group.size), cfg, group)
         await strategy.setup()
         try:
             return await fit(strategy, data, cfg, epochs=epochs, global_batch_size=16, callbacks=[record],
@@ -76,10 +76,11 @@ async def watch(ranks, data, *, epochs=2, record=None, stream=None, cfg=None, **
         finally:
             strategy.close()
 
-    [history] = await ranks(1, body, return_exceptions=True)
-    if isinstance(history, BaseException):
-        raise history  # as fit raised it, not in an ExceptionGroup
-    return history, stream.getvalue(), record
+    results = await ranks(world, body, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result  # as fit raised it, not in an ExceptionGroup
+    return results[0], stream.getvalue(), record
 
 
 LINE = re.compile(r"epoch (\d)/(\d) step (\d)/7 loss ([\d.]+) lr ([\d.e+-]+) grad norm ([\d.e+-]+)( scale (\d+))? "
@@ -244,3 +245,25 @@ async def test_token_windows_report_tokens_per_second(ranks):
     assert f"| {stats.tokens_per_s:,.0f} tokens/s, batch 16" in err
     assert rec.metrics[-1].tokens_per_s == pytest.approx(8 * rec.metrics[-1].samples_per_s)
     assert history.tokens_per_s == pytest.approx(8 * history.samples_per_s)
+
+
+async def test_at_two_ranks_rank_0_writes_the_file_and_a_path_it_cannot_write_stops_every_rank(ranks, tmp_path):
+    history, _, _ = await watch(ranks, split(), world=2, epochs=1, metrics=str(tmp_path / "m.jsonl"))
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == list(range(1, STEPS + 1)) + [STEPS]
+    (tmp_path / "file").write_text("")
+    cfg = config()
+
+    async def body(group):
+        strategy = make_strategy("ddp", mlp(8, (16,), 3, pad_to=2), cfg, group)
+        await strategy.setup()
+        try:
+            return await fit(strategy, split(), cfg, epochs=1, global_batch_size=16, group=group,
+                             metrics=str(tmp_path / "file" / "m.csv"), progress_stream=io.StringIO(),
+                             summary_stream=io.StringIO())
+        finally:
+            strategy.close()
+
+    errors = await ranks(2, body, return_exceptions=True)
+    for error in errors:  # every rank, before any step: none waits on a rank that died
+        assert isinstance(error, OSError) and str(error).startswith(f"metrics file {tmp_path / 'file' / 'm.csv'}: "
+                                                                    f"rank 0 cannot write it"), error
