@@ -1,4 +1,4 @@
-"""Exact evaluation across ranks, and the small group helpers the training loop shares with it.
+"""Exact evaluation across ranks, and the group functions the training loop shares with it.
 
 What it is: `evaluate(strategy, data)`, the mean of every metric of the strategy's loss over all
 samples of a data set, each rank a contiguous shard of it (nothing padded or repeated, the sums
@@ -23,7 +23,7 @@ from trainer.sharding.base import Strategy
 __all__ = ["evaluate", "rank_size", "sum_over", "default_group"]
 
 
-# ---- communication helpers ---------------------------------------------------
+# ---- the group: rank, size, sums ---------------------------------------------
 
 
 def rank_size(group) -> tuple[int, int]:
