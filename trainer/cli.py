@@ -39,7 +39,10 @@ import runtime
 from runtime import args as types
 from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
+from trainer.extras import MissingExtra
+from trainer.callbacks import EPOCH_METRICS
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
+from trainer.metrics import metrics_format
 from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
@@ -96,6 +99,24 @@ def _stage_layers(text: str) -> tuple[int, ...]:
     if any(n < 1 for n in layers):
         raise argparse.ArgumentTypeError(f"every stage needs at least one block, got {text!r}")
     return layers
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        betas = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise argparse.ArgumentTypeError(f"must be two numbers B1,B2, each in [0, 1), e.g. 0.9,0.95; got {text!r}")
+    return betas
+
+
+def _metrics_path(text: str) -> str:
+    try:
+        metrics_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which parameters weight decay applies to: the layers' matrices, not biases, LayerNorm or "
                         "embeddings (default, as nanoGPT and DeepSpeed), or all")
     g.add_argument("--momentum", type=types.fraction, default=0.9, help="sgd only")
+    g.add_argument("--betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2",
+                   help="adamw's beta1,beta2, each in [0, 1) (default 0.9,0.999; nanoGPT trains with 0.9,0.95)")
     g.add_argument("--nesterov", action="store_true", help="sgd only")
     g.add_argument("--min-lr", type=types.non_negative, default=None, help="cosine floor (default lr / 100)")
     g.add_argument("--adam-kernel", choices=("numba", "numpy"), default="numba")
@@ -233,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--blas-threads", type=_positive_int, default=None, metavar="T",
                    help="BLAS threads per rank (default 1)")
     g.add_argument("--json", default=None, metavar="PATH", help="write the history as JSON (rank 0)")
+    g.add_argument("--metrics", type=_metrics_path, default=None, metavar="PATH",
+                   help="write every step's metrics (loss, lr, grad norm, throughput) and every epoch's to PATH, "
+                        "CSV (.csv) or JSON lines (.jsonl), and TensorBoard event files to PATH's stem + "
+                        "-tensorboard/ where a writer is installed (rank 0); plot with python -m trainer.plot PATH")
+    g.add_argument("--save-best", choices=EPOCH_METRICS, default=None, metavar="METRIC",
+                   help="also keep the checkpoint of the epoch where METRIC was best (an accuracy highest, any other "
+                        "lowest): val_loss, val_acc, train_loss, ...; never pruned by --keep-last (needs "
+                        "--checkpoint-dir)")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -247,6 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.resume and not args.checkpoint_dir:
         build_parser().error("--resume needs --checkpoint-dir")
+    if args.save_best and not args.checkpoint_dir:
+        build_parser().error("--save-best needs --checkpoint-dir")
     if args.move_aside and not args.checkpoint_dir:
         build_parser().error("--move-aside needs --checkpoint-dir")
     if args.move_aside and args.resume:
@@ -313,7 +346,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
     warmup = steps_per_epoch // 2 if args.warmup_steps is None else args.warmup_steps
     fields = dict(
         strategy=args.strategy, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        momentum=args.momentum, nesterov=args.nesterov, adam_kernel=args.adam_kernel,
+        momentum=args.momentum, nesterov=args.nesterov, adam_kernel=args.adam_kernel, betas=args.betas,
         min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
@@ -397,10 +430,10 @@ async def run(args: argparse.Namespace) -> int:
     rt = await runtime.init()
     strategy = None
     try:
-        from threadpoolctl import threadpool_limits  # ships with scikit-learn
+        from threadpoolctl import threadpool_limits  # a dependency (pyproject.toml)
 
         limiter = threadpool_limits(limits=_blas_threads(args), user_api="blas")
-    except ImportError:  # pragma: no cover - scikit-learn is a dependency
+    except ImportError:  # pragma: no cover - a dependency
         limiter = None
     try:
         world = rt.world
@@ -444,7 +477,8 @@ async def run(args: argparse.Namespace) -> int:
                                     move_aside=args.move_aside, run_fields=run_fields(args, data),
                                     log_every=0 if args.quiet else args.log_every,
                                     checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
-                                    eval_batch_size=args.eval_batch_size, group=world)
+                                    eval_batch_size=args.eval_batch_size, group=world, metrics=args.metrics,
+                                    save_best=args.save_best)
         except Preempted as exc:
             if world.rank == 0:
                 print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
@@ -469,4 +503,8 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return runtime.run(run(args))  # uvloop's event loop when installed
+    try:
+        return runtime.run(run(args))  # uvloop's event loop when installed
+    except MissingExtra as exc:  # e.g. the digits without the trainer extra: one line, no traceback
+        print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+        return 2

@@ -35,6 +35,9 @@ def test_every_flag_reaches_the_config():
     assert (c.check_every, c.warmup_steps, c.total_steps, c.bucket_cap_mb) == (10, 5, 30, 2.0)
     assert make_config(parse_args(["--compression", "none"]), 5).compression is None
     assert make_config(parse_args(["--loss-scale", "off"]), 5).loss_scale is False
+    assert make_config(parse_args(["--betas", "0.9,0.95"]), 5).betas == (0.9, 0.95)
+    assert parse_args(["--metrics", "runs/m.jsonl"]).metrics == "runs/m.jsonl"
+    assert parse_args(["--checkpoint-dir", "c", "--save-best", "val_acc"]).save_best == "val_acc"
 
 
 def test_warmup_never_exceeds_the_schedule():
@@ -116,3 +119,18 @@ def test_blas_threads_default_to_one_per_rank(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert _blas_threads(parse_args([])) == 1
     assert _blas_threads(parse_args(["--blas-threads", "2"])) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--betas", "0.9"], "argument --betas: must be two numbers B1,B2, each in [0, 1), e.g. 0.9,0.95; got '0.9'"),
+    (["--betas", "1,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
+    (["--betas", "nan,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
+    (["--save-best", "val_loss"], "--save-best needs --checkpoint-dir"),
+    (["--checkpoint-dir", "c", "--save-best", "loss"], "argument --save-best: invalid choice: 'loss'"),
+    (["--metrics", "m.txt"], "argument --metrics: metrics file 'm.txt' must end in .csv, .jsonl or .ndjson"),
+])
+def test_bad_betas_metrics_and_save_best_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

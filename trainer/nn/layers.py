@@ -213,10 +213,11 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    """erf element-wise (NumPy has none; SciPy comes with scikit-learn)."""
-    from scipy.special import erf  # local: importing SciPy costs ~0.2 s, only the reference path needs it
+    """erf element-wise (NumPy has none; SciPy, the trainer extra, has)."""
+    from trainer.extras import need  # local, as SciPy: ~0.2 s to import, and only the reference path needs it
 
-    return erf(x).astype(x.dtype, copy=False)
+    special = need("scipy.special", package="SciPy", extra="trainer", what="the exact GELU's reference kernel")
+    return special.erf(x).astype(x.dtype, copy=False)
 
 
 class LayerNorm(Layer):

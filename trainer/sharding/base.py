@@ -50,6 +50,7 @@ class TrainConfig:
     optimizer: str = "adamw"          # adamw | sgd
     lr: float = 2e-3                  # peak learning rate
     weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw's (beta1, beta2), e.g. (0.9, 0.95) as nanoGPT
     decay: str = "matrices"           # which parameters decay: matrices (not biases, norms, embeddings) | all
     momentum: float = 0.9             # sgd only
     nesterov: bool = False            # sgd only

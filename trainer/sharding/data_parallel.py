@@ -85,7 +85,7 @@ DECAY_GROUPS = ("matrices", "all")  # TrainConfig.decay: the layers' matrices on
 
 def make_optimizer(config: TrainConfig):
     if config.optimizer == "adamw":
-        return AdamW(weight_decay=config.weight_decay, kernel=config.adam_kernel)
+        return AdamW(betas=config.betas, weight_decay=config.weight_decay, kernel=config.adam_kernel)
     if config.optimizer == "sgd":
         return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay)
     raise ValueError(f"TrainConfig.optimizer must be 'adamw' or 'sgd', got {config.optimizer!r}")
