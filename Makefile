@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python -m runtime.launch -n 4 -m trainer
 
 # The whole test suite (what CI runs): lint (pyproject.toml [tool.ruff]), then every test.
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
@@ -31,6 +31,28 @@ SCHEDULER_PACKAGES := slurmctld slurmd slurm-client munge openmpi-bin
 slurm mpi:
 	$(SUDO) apt-get update
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends $(SCHEDULER_PACKAGES)
+
+# What the SLURM, Open MPI and emulated-host tests need from the system (tests/scheduler,
+# tests/multinode, tests/bench/test_netem_smoke.py): SLURM with munge, Open MPI, iproute2, util-linux.
+# `make test` runs this first, so CI runs those tests. It looks for each command and, as root (or
+# with SUDO=sudo) where apt-get is, installs the packages of the missing ones through `make slurm`
+# (an install that fails stops `make test`); elsewhere it names them and goes on, and those tests
+# skip saying why. With everything there it returns at once.
+SYSDEPS := munged:munge slurmctld:slurmctld slurmd:slurmd srun:slurm-client sbatch:slurm-client \
+	scontrol:slurm-client mpirun:openmpi-bin ip:iproute2 tc:iproute2 unshare:util-linux
+.PHONY: sysdeps
+sysdeps:
+	@export PATH="$$PATH:/usr/sbin:/sbin"; \
+	missing=$$(for dep in $(SYSDEPS); do command -v $${dep%%:*} >/dev/null 2>&1 || echo $${dep#*:}; done \
+		| sort -u | xargs); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if { [ "$$(id -u)" = 0 ] || [ -n "$(SUDO)" ]; } && command -v apt-get >/dev/null 2>&1; then \
+		echo "sysdeps: installing $$missing"; \
+		$(MAKE) --no-print-directory slurm SCHEDULER_PACKAGES="$$missing"; \
+	else \
+		echo "sysdeps: $$missing not installed (needs root and apt-get: \`make sysdeps\` as root, or install" \
+			"them); the SLURM, Open MPI and emulated-host tests skip"; \
+	fi
 
 bench: $(STAMP)
 	$(BIN)/python bench/p2p.py --out-dir bench/out
