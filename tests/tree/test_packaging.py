@@ -104,10 +104,12 @@ def test_make_installs_the_cuda_compilers_only_where_asked_for_or_where_a_driver
     assert 'pip install -e ".[test,cuda,trainer,plot]"' in make("venv", path=bare)
     assert 'pip install -e ".[test,cuda,trainer,plot,ptx]"' in make("venv", "PTX=1", path=bare)
     assert "RINGWEAVE_REQUIRE_PTX=1 /nonexistent/venv/bin/python -m pytest" in make("test", "PTX=1", path=bare)
-    assert "RINGWEAVE_REQUIRE_PTX" not in make("test", path=bare)
+    assert 'pip install -e ".[test,cuda,trainer,plot,ptx]"' in make("test", path=bare)  # the tests need them
+    assert "RINGWEAVE_REQUIRE_PTX=1 /nonexistent/venv/bin/python -m pytest" in make("test", path=bare)
+    assert "RINGWEAVE_REQUIRE_PTX" not in make("test", "PTX=0", path=bare)
     smi = tmp_path / "nvidia-smi"
     for cuda, extras in (("13.0", "test,cuda,trainer,plot,ptx"), ("12.4", "test,cuda,trainer,plot")):
         smi.write_text(f"#!/bin/sh\necho '| NVIDIA-SMI 580.65   Driver Version: 580.65   CUDA Version: {cuda}  |'\n")
         smi.chmod(0o755)
         assert f'pip install -e ".[{extras}]"' in make("venv", path=bare), cuda
-    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test PTX=1")
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")  # exactly the README's
