@@ -1,7 +1,8 @@
 """How one attempt of a job ended, and what the launcher does next: pure decisions over rank exits,
 no processes.
 
-:func:`first_failure` picks the rank that failed first from the exits seen; :class:`Outcome` is how
+:func:`first_failure` picks the rank that failed first from the exits seen (the rank that aborted the
+job, else one that did not die of a peer: :func:`died_of_a_peer`); :class:`Outcome` is how
 an attempt ended (:class:`Ending`: every rank exited 0, a rank failed, the launcher got a signal,
 ``--max-time-s`` ran out); :func:`next_step` turns an outcome into a restart or the launcher's exit
 code (the table of ``--help``); :func:`stop_plan` says which signal stops the rest of the attempt;
@@ -51,12 +52,45 @@ class RankExit:
     rank: int
     returncode: int
     exited_at: float  # time.monotonic()
+    exception: str | None = None  # the exception line of its last traceback, if it wrote one
 
 
-def first_failure(exits: Sequence[RankExit]) -> RankExit | None:
-    """The earliest non-zero exit (ties: the lowest rank), or None."""
+# A rank that died of one of these failed because another rank did (it was lost, or aborted the job)
+VICTIM_ERRORS = ("PeerLostError", "PeerAbortedError")
+
+
+def died_of_a_peer(exception: str | None) -> bool:
+    """Whether an exception line (``runtime.errors.PeerAbortedError: rank 1 aborted ...``) says
+    its rank failed because of another rank: a victim, never the job's first failure."""
+    if not exception or ":" not in exception:
+        return False
+    return exception.split(":", 1)[0].strip().rsplit(".", 1)[-1] in VICTIM_ERRORS
+
+
+def first_failure(exits: Sequence[RankExit], aborted_rank: int | None = None) -> RankExit | None:
+    """The rank that failed first, from the exits seen so far, or None (no non-zero exit).
+
+    The rank that aborted the job (``aborted_rank``, from the abort record) when it has failed;
+    else the earliest failure (ties: the lowest rank) that did not die of a peer
+    (:func:`died_of_a_peer`); else, when only victims have failed, the earliest of them."""
     failed = [e for e in exits if e.returncode != 0]
-    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+    if not failed:
+        return None
+    for e in failed:
+        if e.rank == aborted_rank:
+            return e
+    causes = [e for e in failed if not died_of_a_peer(e.exception)] or failed
+    return min(causes, key=lambda e: (e.exited_at, e.rank))
+
+
+def cause_still_running(failure: RankExit, aborted_rank: int | None, running: Sequence[int]) -> bool:
+    """Whether the rank that caused ``failure`` may still be running here, so the launcher waits
+    for it (a bounded while) before naming a rank: the rank the abort record names, or, for a
+    victim, any rank still running (the one that raised exits after its traceback and its
+    interpreter's teardown, often after the peers it aborted)."""
+    if aborted_rank is not None and aborted_rank != failure.rank:
+        return aborted_rank in running
+    return aborted_rank is None and died_of_a_peer(failure.exception) and bool(running)
 
 
 class Ending(enum.Enum):
