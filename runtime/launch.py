@@ -66,6 +66,7 @@ from runtime.launch_outcome import (
     restart_message,
     signal_name,
     stop_plan,
+    usage_report,
 )
 from runtime.scheduler import usable_cores
 from runtime.sharedmem import segments
@@ -213,6 +214,7 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
     argv = rank_argv(cfg)
     first_rank = cfg.node_rank * cfg.nproc
     ranks: list[procs.RankProcess] = []
+    usage_errors: set[str] = set()  # written once per attempt, whichever ranks wrote them (procs.UsageFolder)
     outcome: Outcome | None = None
     try:
         for local_rank, env in enumerate(envs):
@@ -220,8 +222,12 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
                 break
             rank = first_rank + local_rank
             ranks.append(await procs.spawn(rank, argv, env, console.write, cfg.tail_lines,
-                                           fold=functools.partial(_echo_of_abort, aborted, rank)))
+                                           fold=functools.partial(_echo_of_abort, aborted, rank),
+                                           usage_errors=usage_errors))
         outcome = await watch(ranks, stopper, deadline, aborted, settle_s=cfg.grace_s)
+        if outcome.ending is Ending.FAILED and usage_errors:
+            failed = next(r for r in ranks if r.rank == outcome.failure.rank)
+            outcome.usage_error = failed.protocol.usage_error or next(iter(usage_errors))
     finally:
         sig, notice = stop_plan(cfg, outcome)
         if notice:
@@ -249,6 +255,14 @@ def _echo_of_abort(aborted: Callable[[], dict | None], rank: int) -> str | None:
     if record is None or record["rank"] == rank:
         return None
     return f"rank {record['rank']}'s {record.get('type', 'error')} aborted the job"
+
+
+def job_line(cfg: LaunchConfig, job: str) -> str:
+    """What the launcher says first: the job's id, its ranks, and how to ask what they do."""
+    first = cfg.node_rank * cfg.nproc
+    ranks = (f"{cfg.world_size} ranks" if cfg.nnodes == 1 else
+             f"ranks {first}-{first + cfg.nproc - 1} of {cfg.world_size} on node {cfg.node_rank}")
+    return f"job {job}: {ranks} (python -m tools.status --job {job} shows what each is doing)"
 
 
 def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
@@ -298,6 +312,7 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 master_port = server.port
             if cfg.hosts_store:  # tools.status finds the job through this file
                 stack.callback(jobfile.remove, job)
+            console.say(job_line(cfg, job))
             restart = 0
             while True:
                 if cfg.hosts_store:
@@ -316,6 +331,9 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 except OSError as exc:
                     console.say(f"error: could not start the ranks: {exc}")
                     return EXIT_LAUNCHER
+                if outcome.is_usage_error:
+                    console.say(usage_report(job, outcome.failure))
+                    return EXIT_USAGE
                 if outcome.ending is Ending.FAILED:
                     console.say(*failure_report(cfg, outcome.failure, outcome.tail, aborted(),
                                                 outcome.last_exception))

@@ -110,6 +110,14 @@ class Outcome:
     tail: list[str] = field(default_factory=list)  # FAILED: its last lines
     last_exception: str | None = None  # FAILED: the last line of its last traceback
     running: list[int] = field(default_factory=list)  # TIMED_OUT: ranks still running
+    usage_error: str | None = None  # FAILED with EXIT_USAGE: the usage error line a rank wrote
+
+    @property
+    def is_usage_error(self) -> bool:
+        """A rank exited with a usage error (exit code 2, after a ``PROG: error: ...`` line):
+        the command line or the configuration is wrong; a restart would fail the same way."""
+        return (self.ending is Ending.FAILED and self.failure.returncode == EXIT_USAGE
+                and self.usage_error is not None)
 
 
 class Action(enum.Enum):
@@ -126,7 +134,7 @@ def next_step(outcome: Outcome, restarts_done: int, max_restarts: int) -> tuple[
         return Action.EXIT, 128 + int(outcome.signum or signal.SIGTERM)
     if outcome.ending is Ending.TIMED_OUT:
         return Action.EXIT, EXIT_TIMEOUT
-    if restarts_done < max_restarts:
+    if restarts_done < max_restarts and not outcome.is_usage_error:
         return Action.RESTART, 0
     return Action.EXIT, exit_code_of(outcome.failure.returncode)
 
@@ -156,6 +164,12 @@ def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str],
     return lines
 
 
+def usage_report(job: str, failure: RankExit) -> str:
+    """The one line the launcher ends a job with after a rank's usage error (the rank's error
+    line is above it, written once)."""
+    return f"job {job} stopped by the usage error above; exiting with {exit_code_of(failure.returncode)}"
+
+
 def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | None]:
     """How the rest of an attempt is stopped: the signal for every rank's
     group, and what to say first. ``outcome`` is None when the launcher
@@ -163,6 +177,8 @@ def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | No
     "stopped" too: that only reaches what the ranks left behind."""
     if outcome is None:
         return signal.SIGTERM, None
+    if outcome.is_usage_error:
+        return signal.SIGTERM, None  # the error line above says it all: failure_report ends it
     if outcome.ending is Ending.FAILED:
         f = outcome.failure
         return signal.SIGTERM, (f"rank {f.rank} failed with {describe_exit(f.returncode)}; "
