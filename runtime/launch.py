@@ -314,12 +314,13 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 stack.callback(jobfile.remove, job)
             console.say(job_line(cfg, job))
             restart = 0
+            started_at = time.time()  # tools.status lists this user's jobs by it
             while True:
                 if cfg.hosts_store:
                     try:
                         jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
                                             "secret": secret, "restart": restart, "world_size": cfg.world_size,
-                                            "launcher_pid": os.getpid()})
+                                            "launcher_pid": os.getpid(), "started_at": started_at})
                     except JobFileError as exc:  # the job runs; only tools.status cannot find it
                         console.say(f"warning: no job file for tools.status: {exc}")
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
