@@ -14,7 +14,6 @@ import asyncio
 import io
 import itertools
 import os
-import sys
 
 import pytest
 
