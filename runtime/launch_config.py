@@ -48,7 +48,8 @@ signal S; a rank of this node that aborted the job, or one that did not die of a
 before the ranks that failed because of it; a rank's usage error, exit code 2 after a line
 "PROG: error: ...", is written once and never restarted); 124 past --max-time-s; 130, 143,
 129 when the launcher got SIGINT, SIGTERM, SIGHUP; 2 for bad arguments or a secret that was
-needed and not given; 1 when the launcher itself failed (the store could not listen, a rank could not be started)."""
+needed and not given; 1 when the launcher itself failed (the store could not listen, a rank
+could not be started)."""
 
 
 @dataclass(frozen=True)
