@@ -122,8 +122,8 @@ def _metrics_path(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer",
-        description="Train an MLP with a ringweave sharding strategy "
-                    "(launch several ranks with: python -m runtime.launch -n 4 -m trainer ...).")
+        description="Train an MLP (--model mlp, on --data) or a GPT (--model gpt, on --corpus text) with a ringweave "
+                    "sharding strategy (launch several ranks with: python -m runtime.launch -n 4 -m trainer ...).")
     g = p.add_argument_group("strategy")
     g.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="sharding strategy (default ddp)")
     g.add_argument("--replicas", type=_replicas, nargs="?", const="hosts", default=1, metavar="R",
