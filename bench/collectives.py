@@ -582,8 +582,8 @@ async def rank_main(args) -> None:
     gloo = await Gloo.join(rt) if "gloo" in args.compare else None
     peers = [p for p in (gloo, mpi) if p is not None]
     from collectives import api
-    from runtime import env as settings
-    shm_given = settings.SHM.given()  # None: unset
+    from runtime import env
+    shm_given = env.SHM.given()  # None: unset
 
     meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup, "block": args.block,
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
@@ -897,8 +897,8 @@ def mpirun_command(mpirun: str, nproc: int, mpi_btl: str, argv: list[str], *, ma
 def tuned_rules(n: int, group) -> str:
     """The rules file the default algorithm comes from, or why none (collectives/tunefile.py)."""
     from collectives import registry, tunefile
-    from runtime import env as settings
-    if not settings.TUNE.get():
+    from runtime import env
+    if not env.TUNE.get():
         return "off (RINGWEAVE_TUNE=0)"
     nodes = group.topology.nodes
     rules = tunefile.rules_for(n, len(nodes), max(len(node) for node in nodes), registry.ALGORITHMS)

@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Sequence
 import msgpack
 
 from runtime import auth, jobfile, procs
-from runtime import env as settings
+from runtime import env
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.launch_config import (
@@ -217,11 +217,11 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
     usage_errors: set[str] = set()  # written once per attempt, whichever ranks wrote them (procs.UsageFolder)
     outcome: Outcome | None = None
     try:
-        for local_rank, env in enumerate(envs):
+        for local_rank, rank_environ in enumerate(envs):
             if stopper.requested.done():
                 break
             rank = first_rank + local_rank
-            ranks.append(await procs.spawn(rank, argv, env, console.write, cfg.tail_lines,
+            ranks.append(await procs.spawn(rank, argv, rank_environ, console.write, cfg.tail_lines,
                                            fold=functools.partial(_echo_of_abort, aborted, rank),
                                            usage_errors=usage_errors))
         outcome = await watch(ranks, stopper, deadline, aborted, settle_s=cfg.grace_s)
@@ -269,14 +269,14 @@ def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
     """Shared-memory clean-up at the end of an attempt (runtime/sharedmem/): unlinks the /dev/shm
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
-    job = settings.JOB.given(envs[0]) if envs else None
+    job = env.JOB.given(envs[0]) if envs else None
     return segments.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
     """The whole job: secret, store, attempts, restarts. Returns the exit code."""
     try:
-        secret = choose_secret(cfg, settings.SECRET.get(environ))
+        secret = choose_secret(cfg, env.SECRET.get(environ))
     except ValueError as exc:
         console.say(f"error: {exc}")
         return EXIT_USAGE
