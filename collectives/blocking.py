@@ -69,6 +69,8 @@ class Handle:
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
+            if self._future.done():  # the collective's own timeout (CollectiveTimeoutError is a TimeoutError)
+                raise
             raise TimeoutError(f"{self._what} not done after {timeout} s (still running)") from None
 
     async def wait_async(self):

@@ -13,8 +13,6 @@ error it brings) is made once per hook, with error feedback for the lossy codecs
 Not here: the codecs (collectives/compress), the process group (backend.py).
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 
@@ -37,11 +35,11 @@ def compressed_allreduce_hook(codec="int8", *, error_feedback: bool = True, **op
     feedback = error_feedback and not (isinstance(codec, str) and codec in _OWN_FEEDBACK)
     made = get_codec(codec, error_feedback=feedback, **options)
 
-    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future:
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # DDP reads these
         pg = state if state is not None else dist.distributed_c10d._get_default_group()
         if not isinstance(pg, ProcessGroupRingweave):
-            raise TypeError(f"compressed_allreduce_hook runs on the ringweave backend; the group is "
-                            f"{type(pg).__name__} ({dist.get_backend(pg)})")
+            raise TypeError(f"compressed_allreduce_hook runs on the ringweave backend; the group is a "
+                            f"{type(pg).__name__} (backend {pg.name()!r})")
         return pg.compressed_allreduce(bucket.buffer(), made, key=bucket.index()).get_future()
     hook.__qualname__ = hook.__name__ = f"compressed_allreduce_hook_{getattr(made, 'name', codec)}"
     return hook
