@@ -350,7 +350,16 @@ def _counts(t: torch.Tensor, splits, size: int) -> list[int]:
 def create(opts: dist.DistributedBackendOptions, backend_options=None) -> ProcessGroupRingweave:
     """torch's constructor of the backend (``register_backend(..., extended_api=True)``): the
     default group is the job's world; a sub-group is made on the job's runtime (see module doc)."""
-    comm = jobs.job()
+    comm = jobs.formed()
+    if comm is None:  # torch met through a store of its own (tcp://, file://, store=, env:// elsewhere)
+        try:
+            comm = jobs.job()
+        except Exception as exc:
+            raise RuntimeError(f"ringweave: forming the job failed ({type(exc).__name__}: {exc}). The ringweave "
+                               f"backend forms its job itself (runtime.init): start the ranks with `python -m "
+                               f"runtime.launch -n N script.py`, or, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                               f"set by hand, pass init_method=\"ringweave://\" (rank 0 then hosts ringweave's store "
+                               f"at MASTER_PORT, where torch's own would clash); torchrun is not supported") from exc
     given = opts.timeout
     timeout_s = None if given is None or given == dist.constants.default_pg_timeout else given.total_seconds()
     ranks = list(opts.global_ranks_in_group)

@@ -34,7 +34,7 @@ from runtime.store import PrefixStore
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module (the package's
 # attribute of that name is its function)
 
-__all__ = ["JobStore", "job", "shutdown", "install", "align", "subgroup"]
+__all__ = ["JobStore", "job", "formed", "shutdown", "install", "align", "subgroup"]
 
 STORE_PREFIX = "torch/"  # torch's keys in the job's store
 _lock = threading.Lock()
@@ -51,6 +51,11 @@ def job() -> Communicator:
         if _job is None:
             _job = Communicator.from_env()
         return _job
+
+
+def formed() -> Communicator | None:
+    """The job, if this process formed it already (None: not yet)."""
+    return _job
 
 
 def shutdown(timeout: float = 30.0) -> None:
