@@ -114,7 +114,7 @@ def worker(args) -> dict:
         _check_sum(t, world)
         times[backend, "all_reduce"] = _all_reduce_times(args, lambda: dist.all_reduce(t))
         if backend == "ringweave":  # the same job's own API on a NumPy array of the same size
-            comm = ringweave_torch.job.job()
+            comm = ringweave_torch.communicator()
             a = np.full(count, float(rank + 1), np.float32)
             comm.all_reduce(a)
             _check_sum(a, world)

@@ -7,8 +7,9 @@
     model = torch.nn.parallel.DistributedDataParallel(model)
     model.register_comm_hook(None, ringweave_torch.hooks.compressed_allreduce_hook("int8"))
 
-The process groups are ringweave groups of the job that ``runtime.init()`` forms (job.py); torch's
-calls run on ringweave's collectives, CPU tensors in place (backend.py). DDP and FSDP2
+The process groups are ringweave groups of the job that ``runtime.init()`` forms (job.py;
+``ringweave_torch.communicator()`` is its ``Communicator``, for ringweave's own calls in the same
+job); torch's calls run on ringweave's collectives, CPU tensors in place (backend.py). DDP and FSDP2
 (``torch.distributed.fsdp.fully_shard``) run on it. torch's ``env://`` rendezvous is answered by
 the job under our launcher, so Gloo works there too.
 
@@ -21,8 +22,9 @@ import torch.distributed as dist
 
 from ringweave_torch import backend, hooks, job  # noqa: F401  (public modules)
 from ringweave_torch.backend import ProcessGroupRingweave, Work, create
+from ringweave_torch.job import job as communicator, shutdown
 
-__all__ = ["ProcessGroupRingweave", "Work", "create", "hooks", "job", "BACKEND"]
+__all__ = ["ProcessGroupRingweave", "Work", "create", "communicator", "shutdown", "hooks", "job", "BACKEND"]
 
 BACKEND = "ringweave"
 

@@ -349,24 +349,29 @@ def _counts(t: torch.Tensor, splits, size: int) -> list[int]:
 
 def create(opts: dist.DistributedBackendOptions, backend_options=None) -> ProcessGroupRingweave:
     """torch's constructor of the backend (``register_backend(..., extended_api=True)``): the
-    default group is the job's world; a sub-group is made on the job's runtime (see module doc)."""
-    comm = jobs.formed()
-    if comm is None:  # torch met through a store of its own (tcp://, file://, store=, env:// elsewhere)
-        try:
-            comm = jobs.job()
-        except Exception as exc:
-            raise RuntimeError(f"ringweave: forming the job failed ({type(exc).__name__}: {exc}). The ringweave "
-                               f"backend forms its job itself (runtime.init): start the ranks with `python -m "
-                               f"runtime.launch -n N script.py`, or, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
-                               f"set by hand, pass init_method=\"ringweave://\" (rank 0 then hosts ringweave's store "
-                               f"at MASTER_PORT, where torch's own would clash); torchrun is not supported") from exc
+    default group is the job's world; a sub-group is made on the job's runtime (see module doc).
+    torch's store (``opts.store``) is not used: the job's ranks meet through the job's store."""
+    ranks = list(opts.global_ranks_in_group)  # [] for the default group
+    comm = jobs.formed() or _form_job(None if ranks else opts.group_rank, None if ranks else opts.group_size)
     given = opts.timeout
     timeout_s = None if given is None or given == dist.constants.default_pg_timeout else given.total_seconds()
-    ranks = list(opts.global_ranks_in_group)
-    if not ranks:
-        if opts.group_size != comm.world_size or opts.group_rank != comm.rank:
-            raise RuntimeError(f"torch says rank {opts.group_rank} of {opts.group_size}, the ringweave job rank "
-                               f"{comm.rank} of {comm.world_size}: start both from the same environment")
-        jobs.align(comm)
-        return ProcessGroupRingweave(comm, comm.world, timeout_s)
-    return ProcessGroupRingweave(comm, jobs.subgroup(comm, ranks, opts.group_id), timeout_s)
+    if ranks:
+        return ProcessGroupRingweave(comm, jobs.subgroup(comm, ranks, opts.group_id), timeout_s)
+    if opts.group_size != comm.world_size or opts.group_rank != comm.rank:
+        raise RuntimeError(f"torch says rank {opts.group_rank} of {opts.group_size}, the ringweave job rank "
+                           f"{comm.rank} of {comm.world_size}: start both from the same environment")
+    jobs.align(comm)
+    return ProcessGroupRingweave(comm, comm.world, timeout_s)
+
+
+def _form_job(rank: int | None, world_size: int | None) -> C.Communicator:
+    """The job, formed here because torch met through a store of its own (``tcp://``, ``file://``,
+    ``store=``, ``env://`` outside our launcher); a failure says how to start instead."""
+    try:
+        return jobs.job(rank, world_size)
+    except Exception as exc:
+        raise RuntimeError(f"ringweave: forming the job failed ({type(exc).__name__}: {exc}). The ringweave backend "
+                           f"forms its job itself (runtime.init): start the ranks with `python -m runtime.launch -n N "
+                           f"script.py`, or, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand, pass "
+                           f"init_method=\"ringweave://\" (rank 0 then hosts ringweave's store at MASTER_PORT, where "
+                           f"torch's own would clash); torchrun is not supported") from exc

@@ -43,13 +43,15 @@ _stores: list["JobStore"] = []  # every JobStore made (a few per process)
 _base = 1  # the ringweave gid of torch's group "1" (its default group "0" is the world, gid 0)
 
 
-def job() -> Communicator:
-    """This process's ringweave job, formed by ``runtime.init()`` (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT and ringweave's own variables, as our launcher sets them) on first use."""
+def job(rank: int | None = None, world_size: int | None = None) -> Communicator:
+    """This process's ringweave job, formed by ``runtime.init()`` on first use: from RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT and ringweave's own variables, as our launcher sets them
+    (``rank`` and ``world_size``, where given, win). Its ``Communicator`` also runs ringweave's
+    own calls, on arrays and tensors, in the same job."""
     global _job
     with _lock:
         if _job is None:
-            _job = Communicator.from_env()
+            _job = Communicator(rank, world_size)
         return _job
 
 
@@ -161,9 +163,11 @@ def _bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def _rendezvous(url: str, timeout: timedelta = dist.constants.default_pg_timeout, **kwargs):
-    """torch's rendezvous (a generator of ``(store, rank, world size)``), answered by the job."""
-    comm = job()
+def _rendezvous(url: str, timeout: timedelta = dist.constants.default_pg_timeout, rank: int = -1,
+                world_size: int = -1, **kwargs):
+    """torch's rendezvous (a generator of ``(store, rank, world size)``), answered by the job;
+    ``rank`` and ``world_size`` are those given to ``init_process_group`` (-1: none)."""
+    comm = job(rank if rank >= 0 else None, world_size if world_size > 0 else None)
     yield JobStore(comm, timeout), comm.rank, comm.world_size
     raise RuntimeError("ringweave's rendezvous cannot be repeated in one process (torch asked a second time)")
 
