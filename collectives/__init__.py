@@ -25,7 +25,7 @@ __all__ = list(_FROM)
 # The machinery behind these names, imported only from inside collectives/ (tests/tree/test_surfaces.py):
 # choosing and opening a call, the host and device paths behind api.py, argument checks, shared
 # sizes, the algorithms (one file each under algorithms/, reached through registry.ALGORITHMS) and
-# the shared-memory slots they work on. The other modules are public: api, blocking, p2p, uneven,
+# the shared-memory slots they work on. The other modules are public: api, blocking, p2p, uneven, tensors,
 # objects, bucket, compressed, compress, kernels, registry, comm (the Comm protocol an algorithm
 # receives).
 _INTERNAL = ("calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots")

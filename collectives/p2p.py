@@ -24,6 +24,7 @@ import numpy as np
 
 from collectives import ops
 from collectives.calls import group_of
+from collectives.tensors import takes_tensors
 from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError
 from runtime.group import check_timeout
 
@@ -70,6 +71,7 @@ def _fits(x: np.ndarray, tag: int):
     return check
 
 
+@takes_tensors(reads=("x",))
 async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float | None = None) -> None:
     """Sends ``x`` to group rank ``dst`` under ``tag``; returns when ``x`` may be reused.
 
@@ -91,6 +93,7 @@ async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float
                                      f"{timeout:.1f} s", missing=[peer]) from None
 
 
+@takes_tensors(writes=("x",))
 async def recv(x: np.ndarray, src: int | None = None, tag: int = 0, group=None, timeout: float | None = None) -> int:
     """Receives into ``x`` what group rank ``src`` (None: any rank) sent under ``tag``; returns
     the source's group rank (as ``torch.distributed.recv`` does).
