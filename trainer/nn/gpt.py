@@ -165,6 +165,9 @@ class _Embed(Layer):
     def __init__(self, ends: "GPTEnds") -> None:
         self.ends = ends
 
+    def output_shape(self, shape):
+        return self.ends.wte.output_shape(shape)  # (B, T) -> (B, T, C)
+
     def forward(self, params, idx, ctx, start: int = 0):
         e = self.ends
         h, c_tok = e.wte.forward(e.sub(params, "wte"), idx, ctx)
@@ -230,6 +233,9 @@ class GPTEnds(Container):
 
     def entries(self) -> dict[str, Layer]:
         return {"embed": self.embed, "head": self.head}
+
+    def output_shape(self, shape):
+        return self.embed.output_shape(shape)
 
     def forward(self, params, idx, ctx):
         return self.embed.forward(params, idx, ctx)

@@ -338,18 +338,29 @@ def mlp(
     gelu: "tanh" (default) or "none" (exact erf form), as torch.nn.GELU(approximate=...).
     loss: default CrossEntropyLoss (classification); e.g. MSELoss() for regression.
 
+    Tensor-parallel declarations (trainer/nn/layers.py): the Linears pair up in order, the
+    first of a pair "column" (its LayerNorm and Dropout act on the cut features) and the
+    second "row"; an odd last one (the head, then) is replicated. At tp = 1 they change nothing.
+
     Example: mlp(64, (256, 256), 10, pad_to=4) has 3 units with numels
-    16640 + 512, 65792 + 512 and 2570 (each padded up to a multiple of 4).
+    16640 + 512, 65792 + 512 and 2570 (each padded up to a multiple of 4); under tp = 2
+    unit 0's Linear is column-split, unit 1's row-split, the head whole.
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    linears = len(hidden) + 1
+
+    def split(k: int) -> str | None:  # the k-th Linear's tensor-parallel split
+        return "row" if k % 2 else ("column" if k + 1 < linears else None)
+
     units, d = [], in_dim
-    for width in hidden:
-        layers = [Linear(d, width)]
-        layers += [LayerNorm(width, kernel=kernel)] if layernorm else []
+    for j, width in enumerate(hidden):
+        cut = "column" if split(j) == "column" else None  # what follows a column Linear acts on its parts
+        layers = [Linear(d, width, split=split(j))]
+        layers += [LayerNorm(width, kernel=kernel, split=cut)] if layernorm else []
         layers.append(GELU(gelu, kernel=kernel) if activation == "gelu" else ReLU())
-        layers += [Dropout(dropout)] if dropout > 0 else []
+        layers += [Dropout(dropout, split=cut)] if dropout > 0 else []
         units.append(Unit(layers, pad_to=pad_to, dtype=dtype))
         d = width
-    units.append(Unit([Linear(d, out_dim)], pad_to=pad_to, dtype=dtype))
+    units.append(Unit([Linear(d, out_dim, split=split(len(hidden)))], pad_to=pad_to, dtype=dtype))
     return Model(units, loss=loss)

@@ -206,3 +206,7 @@ class Unit:
                  entry: str | None = None, grads_zero: bool = False) -> np.ndarray:
         return self._layer(entry).backward(self.views(flat_params), cache, dout, self.views(flat_grad),
                                            grads_zero=grads_zero)
+
+    def output_shape(self, shape: tuple[int, ...], entry: str | None = None) -> tuple[int, ...]:
+        """The shape of ``forward``'s output for an input of ``shape`` (what a pipeline stage receives)."""
+        return self._layer(entry).output_shape(tuple(shape))
