@@ -47,9 +47,10 @@ class FullLayout:
         return self._tp_layouts[g]
 
     async def _gather_tp(self, g: int, local: np.ndarray) -> np.ndarray:
-        """Unit g's full flat buffer (unpadded) from every tp rank's unpadded local one."""
+        """Unit g's full flat buffer (unpadded) from every tp rank's unpadded local one (a unit no
+        layer of which is cut is whole on every tp rank already)."""
         size = self.tp.size
-        if size == 1:
+        if size == 1 or full_index(self.units[g]) is None:
             return local
         units = self._tp_units(g)
         counts = [u.numel for u in units]

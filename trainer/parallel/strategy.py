@@ -37,7 +37,7 @@ import numpy as np
 from trainer.nn import GPT, GPTConfig, Model
 from trainer.parallel.executor import StageRun
 from trainer.parallel.fullstate import FullLayout
-from trainer.parallel.gpt import check_divides, replicated_ranges
+from trainer.parallel.gpt import check_divides, full_index, replicated_ranges
 from trainer.parallel.mesh import Mesh
 from trainer.parallel.offload import DiskOffload
 from trainer.parallel.pipeline import PipelineLayout
@@ -166,8 +166,11 @@ class MeshParallel(ModelParallel):
         unit = s.units[i]
         if self.layout.owner(self.global_index[i]) != self.layout.stage:
             return []  # the second copy of a shared unit (the last stage's)
-        counted = [(0, unit.numel)]
-        return _subtract(counted, replicated_ranges(unit)) if self.tp_group.rank != 0 else counted
+        if self.tp_group.rank == 0:
+            return [(0, unit.numel)]
+        if full_index(unit) is None:
+            return []  # no layer of it is cut: every tp rank holds it whole
+        return _subtract([(0, unit.numel)], replicated_ranges(unit))
 
     async def agree(self, s, stats: np.ndarray) -> None:
         """See ModelParallel: one all_reduce over the whole mesh."""
