@@ -511,11 +511,15 @@ class DataParallelStrategy(Strategy):
         self.collectives.launch(self._reduce_and_free(i, full))
 
     async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
+        turn = self.replicas.turn()  # hybrid sharding: the replicas' all_reduces keep the launch order
         try:
-            await self.collectives.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
+            try:
+                await self.collectives.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
+            finally:
+                self._untrack(full.nbytes)
+            await self.replicas.reduce(self.grad_shards[i], turn)  # the shard summed over the replicas
         finally:
-            self._untrack(full.nbytes)
-        await self.replicas.reduce(self.grad_shards[i])  # hybrid sharding: the shard summed over replicas
+            self.replicas.release(turn)
 
     def _drop_full_grads(self) -> None:
         """Drops the full gradients a failed step may have left (none after a completed one)."""

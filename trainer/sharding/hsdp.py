@@ -8,7 +8,8 @@ replicas), and `step_bytes`, the bytes each rank sends in one step. With R = 1 i
     parameters, optimizer state  sharded within the shard group; replica 0's broadcast at setup,
                                  then every replica steps the same shard with the same gradient
     gradients                    reduce_scatter within the shard group, then the shard
-                                 all_reduce(sum) across the replicas (no compression there)
+                                 all_reduce(sum) across the replicas (no compression there),
+                                 issued in the units' launch order (`turn`) on every replica
     loss, overflow, norm         summed over the shard group, then across the replicas; the sum
                                  of squares counted on replica 0 only (the others hold copies)
     checkpoints                  replica 0 writes the shards, the others nothing; loading is as
@@ -25,6 +26,8 @@ What it is not: no compression of the replica all_reduce, no ddp (already every 
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 
@@ -43,15 +46,34 @@ class Replicas:
         self.acc = AccountedCollectives(self.group) if self.group is not None else None
         self.size = self.group.size if self.group is not None else 1
         self.rank = self.group.rank if self.group is not None else 0
+        self._last: _Turn | None = None  # the latest reduction's place in the replicas' order
 
     def accounted(self) -> list[AccountedCollectives]:
         return [self.acc] if self.acc is not None else []
 
-    async def reduce(self, shard: np.ndarray) -> None:
-        """A reduced gradient shard, summed in place over the replicas (awaited inside the launched
-        reduction of its unit, so the strategy's drain waits for it too)."""
-        if self.acc is not None:
-            await self.acc.all_reduce(shard)
+    def turn(self) -> "_Turn | None":
+        """A place in the replicas' order of reductions, taken by a launched reduction before its first
+        await (the loop starts launched tasks in launch order, the same on every rank), so the
+        replicas' all_reduces are issued in that order whichever shard group call ends first."""
+        if self.acc is None:
+            return None
+        self._last = _Turn(self._last)
+        return self._last
+
+    async def reduce(self, shard: np.ndarray, turn: "_Turn | None") -> None:
+        """A reduced gradient shard, summed in place over the replicas in ``turn``'s place (awaited
+        inside the launched reduction of its unit, so the strategy's drain waits for it too)."""
+        if turn is None:
+            return
+        if turn.before is not None:
+            await turn.before.done  # the previous reduction issued and finished its all_reduce
+        await self.acc.all_reduce(shard)
+
+    @staticmethod
+    def release(turn: "_Turn | None") -> None:
+        """The reduction holding ``turn`` is over (done, failed or cancelled): the next may go."""
+        if turn is not None and not turn.done.done():
+            turn.done.set_result(None)
 
     async def broadcast(self, arrays: list[np.ndarray]) -> None:
         """Replica 0's arrays onto every replica, in place (setup: one initialisation for all)."""
@@ -87,6 +109,14 @@ class Replicas:
     @property
     def comm_s(self) -> float:
         return self.acc.comm_s if self.acc is not None else 0.0
+
+
+class _Turn:
+    """One reduction's place in the replicas' order: the turn before it, and when it is over."""
+
+    def __init__(self, before: "_Turn | None") -> None:
+        self.before = before
+        self.done = asyncio.get_running_loop().create_future()
 
 
 def _ring(nbytes: int, factor: float, size: int) -> int:

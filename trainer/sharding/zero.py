@@ -137,13 +137,15 @@ class ZeroStrategy(DataParallelStrategy):
 
     async def _reduce_into_slice(self, i: int) -> None:
         """zero1: reduce-scatter unit i's full gradient; the chunk goes back into this rank's slice."""
+        turn = self.replicas.turn()  # hybrid sharding: the replicas' all_reduces keep the launch order
         chunk = np.empty(self.slices[i].stop - self.slices[i].start, self.reduce_dtype)  # scratch (S_i,)
         self._track(chunk.nbytes)
         try:
             await self.collectives.reduce_scatter(chunk, self.grads[i], key=i)  # key: unit i's codec state
-            await self.replicas.reduce(chunk)  # hybrid sharding: summed over the replicas
+            await self.replicas.reduce(chunk, turn)  # summed over the replicas
             self.grads[i][self.slices[i]] = chunk
         finally:
+            self.replicas.release(turn)
             self._untrack(chunk.nbytes)
 
     def _opt_shards(self) -> list:
