@@ -1,11 +1,9 @@
 """Layers with hand-written backward passes: Linear, ReLU, GELU, LayerNorm, Dropout, and the containers.
 
-What it is: each layer is a stateless description (shapes, hyper-parameters)
-with `forward` and `backward` side by side and the math above them. Parameters
-are NOT owned by the layer: they arrive as a dict of arrays (views into a unit's
-flat buffer, see `trainer.nn.unit`), and so do the gradients.
-
-The layer protocol (every class below follows it):
+What it is: each layer is a stateless description (shapes, hyper-parameters) with `forward` and
+`backward` side by side and the math above them. Parameters are NOT owned by the layer: they
+arrive as a dict of arrays (views into a unit's flat buffer, trainer/nn/unit.py), and so do the
+gradients. The layer protocol (every class below follows it):
 
     param_shapes() -> list[(name, shape)]          # size table, in buffer order
     decay(name) -> bool                            # weight decay applies (default: matrices)
@@ -15,35 +13,20 @@ The layer protocol (every class below follows it):
                                                    # ACCUMULATES (+=) into grads
     bind(stream) -> None                           # names the layer's RNG stream
     output_shape(shape) -> shape                   # the output's shape for an input's (pipeline stages)
-    split                                          # the tensor-parallel split it declares (below)
+    split                                          # its tensor-parallel declaration (below)
 
-`ctx` is an argument of every forward (not only Dropout's) so that a container
-can call its children without knowing which of them are random. `backward`
-accumulates into `grads` instead of returning fresh arrays, so gradient
-accumulation over micro-batches and writing straight into a flat buffer that a
-collective then reduces cost nothing extra. `grads_zero=True` is the caller's
-promise that `grads` holds zeros (+0.0, e.g. the first micro-batch of a step):
-a layer may then write its gradient instead of adding it, when that gives the
-same bits (Linear's weight gradient does, without a (in, out) temporary).
-A cache never aliases an array that a later layer writes in place.
+`grads_zero=True` promises `grads` holds +0.0 (a layer may write instead of add when the bits are
+the same); a cache never aliases an array a later layer writes in place. `Container` holds named
+children (parameter names "<child>.<name>"), `Sequential` runs numbered ones in order. LayerNorm
+and GELU take `kernel="fast"` (trainer/nn/kernels.py) or "reference" (the NumPy written here).
 
-Containers: `Container` holds named children (parameter names "<child>.<name>",
-torch style) and `Sequential` runs numbered ones in order; `trainer.nn.gpt`
-builds the transformer block from them.
+Tensor-parallel declarations (`split`, turned into layers by trainer/parallel/split.py): None
+(replicated), Linear "column" (output features cut across the tp group) or "row" (input features
+cut: it follows a column one and sums the parts), LayerNorm and Dropout "column" (acting on the
+cut features between the two). At tp = 1 a declaration changes nothing.
 
-Kernels: LayerNorm and GELU take `kernel="fast"` (default: trainer/nn/kernels.py,
-Numba passes around NumPy's in-place SIMD exp/tanh, for float32/float64 arrays;
-the reference otherwise) or `kernel="reference"` (the NumPy written here, always).
-
-Tensor-parallel declarations (`split`, turned into layers by trainer/parallel/split.py):
-None (replicated: every tp rank holds the layer whole), Linear "column" (its output
-features are cut across the tp group) or "row" (its input features are: it follows a
-column one and sums the parts), LayerNorm and Dropout "column" (they act on the cut
-features between the two). At tp = 1 a declaration changes nothing.
-
-Inputs are (N, C) or (..., C): leading dimensions are flattened by the layers
-that need it. What it is not: no autograd, no parameter storage, no device
-handling, no convolutions; attention and embeddings are in their own files.
+What it is not: no autograd, no parameter storage, no device handling, no convolutions;
+attention and embeddings are in their own files.
 """
 
 from __future__ import annotations
