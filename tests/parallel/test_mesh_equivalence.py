@@ -11,7 +11,7 @@ every strategy runs on dp, tp and pp, and both schedules meet accumulation and c
 import numpy as np
 import pytest
 
-from mesh_cases import CONFIG, make_config, reference, step_batches, train_mesh
+from mesh_cases import CONFIG, assert_equals_reference, make_config, reference, step_batches, train_mesh
 from runtime.testing import run_ranks
 from tests.overflow import OverflowAt
 from trainer.nn import GPT
@@ -53,11 +53,7 @@ async def test_mesh_equals_single_process(case):
                            **variant)
     assert len(out) == dp * tp * pp
     for params, results, strategy, _ in out:
-        for i, (got, want) in enumerate(zip(params, want_params)):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"unit {i}")
-        np.testing.assert_allclose([r.loss for r in results], want_losses, rtol=1e-12)
-        np.testing.assert_allclose([r.grad_norm for r in results], want_norms, rtol=1e-12)
-        assert not any(r.skipped for r in results)
+        assert_equals_reference(params, results, want_params, want_losses, want_norms)
         assert strategy.memory_bytes()["transient_now"] == 0
     if variant.get("clip_norm"):
         assert all(n > variant["clip_norm"] for n in want_norms)  # the clip bit

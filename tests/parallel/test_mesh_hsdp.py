@@ -11,7 +11,7 @@ groups of the members S apart.
 import numpy as np
 import pytest
 
-from mesh_cases import CONFIG, make_config, reference, step_batches
+from mesh_cases import CONFIG, assert_equals_reference, make_config, reference, step_batches
 from runtime.testing import run_ranks
 from trainer import checkpoint
 from trainer.nn import GPT
@@ -60,10 +60,7 @@ async def train_hybrid(name, *, tp=1, pp=1, steps=3, hook=None, **variant):
 async def test_two_replicas_of_two_shards_on_a_mesh_equal_single_process(name, tp, pp, variant):
     want_params, want_losses, want_norms = reference(variant.get("clip_norm"))
     for params, results, s, _ in await train_hybrid(name, tp=tp, pp=pp, **variant):
-        for i, (got, want) in enumerate(zip(params, want_params)):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"unit {i}")
-        np.testing.assert_allclose([r.loss for r in results], want_losses, rtol=1e-12)
-        np.testing.assert_allclose([r.grad_norm for r in results], want_norms, rtol=1e-12)
+        assert_equals_reference(params, results, want_params, want_losses, want_norms)
         expected = (4, 1) if name == "ddp" else (2, 2)  # ddp replicates everything over all of dp
         assert (s.N, s.replicas.size) == expected
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from mesh_cases import make_config
+from mesh_cases import assert_equals_reference, make_config
 from runtime.testing import run_ranks
 from trainer import checkpoint
 from trainer.data import iter_local_batches, make_synthetic
@@ -103,10 +103,7 @@ async def test_the_mlp_on_a_mesh_equals_single_process(case):
     out = await train(name, dp=dp, tp=tp, pp=pp, hidden=hidden, schedule=sched, m=m, **variant)
     assert len(out) == dp * tp * pp
     for params, results, s, _ in out:
-        for i, (got, want) in enumerate(zip(params, want_params)):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"unit {i}")
-        np.testing.assert_allclose([r.loss for r in results], want_losses, rtol=1e-12)
-        np.testing.assert_allclose([r.grad_norm for r in results], want_norms, rtol=1e-12)
+        assert_equals_reference(params, results, want_params, want_losses, want_norms)
         assert s.memory_bytes()["transient_now"] == 0
         if tp > 1:  # the first pair is cut: the tp dimension carried bytes
             assert all(r.comm_bytes_by_dim["tp"] > 0 for r in results)
