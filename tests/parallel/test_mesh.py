@@ -9,8 +9,14 @@ from trainer.nn import GPT, GPTConfig, Call, Model, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.tp_group import part
 from trainer.parallel.gpt import check_divides
+from trainer.parallel.offload import DiskOffload, make_offload_strategy
 from trainer.parallel.pipeline import PipelineLayout, balance, pinned_ends
-from trainer.sharding import TrainConfig
+from trainer.parallel.strategy import MeshParallel
+from trainer.sharding import TrainConfig, make_strategy
+from trainer.sharding.ddp import DDPStrategy
+from trainer.sharding.fsdp import FSDPStrategy
+from trainer.sharding.parts import ModelParallel, NoOffload
+from trainer.sharding.zero import ZeroStrategy
 
 
 @pytest.mark.timeout(30)
@@ -138,3 +144,26 @@ async def test_the_strategy_refuses_a_model_that_does_not_split_and_bad_micro_ba
         return True
 
     assert await run_ranks(2, body) == [True, True]
+
+
+@pytest.mark.timeout(30)
+async def test_a_strategy_is_its_data_parallel_class_holding_its_parts(tmp_path):
+    """No class is made per combination: a mesh strategy, an offloaded one and a plain one are the
+    data-parallel strategy's own class, holding their parts as objects."""
+    f64 = TrainConfig(master_dtype="float64", param_dtype="float64", reduce_dtype="float64")
+    gpt = GPTConfig(vocab_size=8, block_size=4, n_head=2, n_embd=4, n_layer=2)
+
+    async def body(world):
+        made = [make_parallel_strategy("fsdp", GPT(gpt, dtype=np.float64), f64, Mesh(world, tp=2)),
+                make_offload_strategy("zero2", mlp(4, (4,), 2), TrainConfig(offload="optimizer",
+                                                                            offload_dir=str(tmp_path)), world),
+                make_strategy("ddp", mlp(4, (4,), 2), f64, world)]
+        try:
+            return [(type(s), type(s.model_parallel), type(s.offload)) for s in made]
+        finally:
+            for s in made:
+                s.close()
+
+    for kinds in await run_ranks(2, body):
+        assert kinds == [(FSDPStrategy, MeshParallel, NoOffload), (ZeroStrategy, ModelParallel, DiskOffload),
+                         (DDPStrategy, ModelParallel, NoOffload)]
