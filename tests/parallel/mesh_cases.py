@@ -57,6 +57,15 @@ def reference(clip_norm: float | None = None, steps: int = STEPS):
     return [p[: u.numel] for p, u in zip(params, model.units)], losses, norms
 
 
+def assert_equals_reference(params, results, want_params, want_losses, want_norms) -> None:
+    """One rank's run equals single-process training: parameters, losses and norms to 1e-12."""
+    for i, (got, want) in enumerate(zip(params, want_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"unit {i}")
+    np.testing.assert_allclose([r.loss for r in results], want_losses, rtol=1e-12)
+    np.testing.assert_allclose([r.grad_norm for r in results], want_norms, rtol=1e-12)
+    assert not any(r.skipped for r in results)
+
+
 def step_batches(dp: int, dp_rank: int, accum: int):
     """This dp rank's micro-batches of each step: [(x, y, offset, global size)]."""
     micro = GLOBAL_BATCH // accum

@@ -1,38 +1,28 @@
 """Causal self-attention with its backward written by hand (llm.c's attention_forward / _backward).
 
-What it is: `CausalSelfAttention`, a container of the layer protocol, and the
-attention core as two plain functions, so that a tensor-parallel variant (heads
-split across ranks: a column-parallel `qkv`, a row-parallel `proj`) reuses the core
-and swaps the two projections.
-
-Shapes: B batch, T sequence, C = n_embd, H = n_head, hs = C / H, G = B H.
+What it is: `CausalSelfAttention`, a container of the layer protocol, and the attention core as
+two plain functions, so that a tensor-parallel variant (heads split across ranks) reuses the core
+and swaps the two projections. Shapes: B batch, T sequence, C = n_embd, H = n_head, hs = C / H.
 
     forward                                                   # x (B, T, C)
         qkv = x W_qkv + b_qkv                                  # (B, T, 3C): [q | k | v], heads inside each
         q, k, v = split_heads(qkv)                             # (B, H, T, hs) each, views (no copy)
-        s = q k^T                                              # (B, H, T, T)
-        p = softmax(s / sqrt(hs) with s[i, j] = -inf for j > i)   # causal; the row max is subtracted
-        pd = dropout(p)                                        # attention dropout (training)
-        y = pd v                                               # (B, H, T, hs)
+        p = softmax(q k^T / sqrt(hs) with s[i, j] = -inf for j > i)   # causal; the row max is subtracted
+        y = dropout(p) v                                       # (B, H, T, hs)
         out = dropout(merge_heads(y) W_proj + b_proj)          # (B, T, C); residual dropout
     backward                                                  # dout (B, T, C)
         dy = proj^T(dropout^T(dout)), split into heads         # (B, H, T, hs)
         dv = pd^T dy,  dpd = dy v^T,  dp = dropout^T(dpd)
         ds = p (dp - sum_j p dp) / sqrt(hs)                    # softmax backward, 0 above the diagonal
-        dq = ds k,  dk = ds^T q                                # (B, H, T, hs)
-        dx = qkv^T(merge [dq | dk | dv])
+        dq = ds k,  dk = ds^T q;  dx = qkv^T(merge [dq | dk | dv])
 
-The softmax and its backward run as Numba passes around NumPy's in-place exp
-(trainer/nn/kernels.py) with kernel="fast", or as the NumPy reference below with
-kernel="reference".
+The softmax and its backward run as Numba passes (trainer/nn/kernels.py) with kernel="fast", or
+as the NumPy reference below with kernel="reference". Decoding: `forward_cached(params, x_new,
+kv)` appends the new positions' keys and values to a `KVCache` and attends over everything
+cached, so each generated token costs one position.
 
-Decoding: `forward_cached(params, x_new, kv)` appends the new positions' keys and
-values to a `KVCache` and attends over everything cached, so each generated token
-costs one position (query i of T' new ones sees keys up to its own position).
-
-What it is not: no grouped-query attention, no rotary embeddings, no flash
-(tiled) attention: the (B, H, T, T) scores are materialised, which at the block
-sizes a CPU trains (<= 256) is a few MB.
+What it is not: no grouped-query attention, no rotary embeddings, no flash (tiled) attention:
+the (B, H, T, T) scores are materialised (a few MB at the block sizes a CPU trains).
 """
 
 from __future__ import annotations

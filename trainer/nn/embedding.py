@@ -45,6 +45,9 @@ class Embedding(Layer):
     def init(self, params, rng):
         params["weight"][...] = rng.normal(0.0, self.init_std, size=params["weight"].shape)
 
+    def output_shape(self, shape):
+        return (*shape, self.dim)
+
     def check_indices(self, idx: np.ndarray) -> None:
         if not np.issubdtype(idx.dtype, np.integer):
             raise TypeError(f"Embedding input must be integer token ids, got dtype {idx.dtype}")

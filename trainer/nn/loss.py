@@ -95,6 +95,8 @@ def softmax_cross_entropy(
 class Loss:
     """Base class of the loss objects (the protocol in the module docstring)."""
 
+    metric_names: tuple[str, ...] = ("loss",)  # the keys `metrics` returns
+
     def forward(self, out: np.ndarray, target: np.ndarray, denominator: float | None = None) -> tuple[float, object]:
         raise NotImplementedError
 
@@ -130,6 +132,8 @@ class CrossEntropyLoss(Loss):
     in-place np.exp) for float32/float64 logits; "reference": the functions above. The
     metrics are computed in float64.
     """
+
+    metric_names = ("loss", "accuracy")
 
     def __init__(self, kernel: str = "fast") -> None:
         if kernel not in ("fast", "reference"):

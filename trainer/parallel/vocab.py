@@ -61,6 +61,9 @@ class VocabParallelEmbedding(Layer):
     def tp_split(self, name: str) -> Split:
         return Split((self.num_embeddings, self.dim), 0, self.lo, self.hi)
 
+    def output_shape(self, shape):
+        return (*shape, self.dim)
+
     def forward(self, params, idx, ctx):
         if not np.issubdtype(idx.dtype, np.integer):
             raise TypeError(f"Embedding input must be integer token ids, got dtype {idx.dtype}")
@@ -110,6 +113,8 @@ class VocabParallelHead(Layer):
 class VocabParallelCrossEntropy(Loss):
     """Cross-entropy over logits split by vocabulary (the module docstring); shapes as
     CrossEntropyLoss: out (N, [T,] V_i), target (N, [T]) with ids of the whole vocabulary."""
+
+    metric_names = ("loss", "accuracy")
 
     def __init__(self, vocab_size: int, tp: TPGroup) -> None:
         self.vocab_size, self.tp = vocab_size, tp
