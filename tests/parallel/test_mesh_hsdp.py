@@ -1,11 +1,8 @@
 """Hybrid sharding on a mesh: make_parallel_strategy takes the shard and replicate groups from the mesh
 (`mesh["dp_shard"]`, `mesh["dp_replicate"]`), and dp = 2 replicas x 2 shards, beside tp or pp, equals
 single-process training to 1e-12 in float64; ddp on such a mesh takes all of dp;
-a checkpoint saved there loads on one rank.
-
-`HybridMesh` adds the two groups to trainer/parallel/mesh.py's Mesh as the mesh will name them: each
-dp group [d_0 .. d_{R S - 1}] cut into R shard groups of S consecutive members, and S replicate
-groups of the members S apart.
+a checkpoint saved there loads on one rank. The mesh is trainer/parallel/mesh.py's
+`Mesh(world, dp=4, replicate=2, ...)`.
 """
 
 import numpy as np
@@ -19,28 +16,11 @@ from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.sharding import make_strategy
 
 
-class HybridMesh(Mesh):
-    def __init__(self, world, *, replicate: int, **kw) -> None:
-        super().__init__(world, **kw)
-        self.hybrid = {}
-        for members in self._all_groups("dp"):  # every rank makes every group, in one order
-            S = len(members) // replicate
-            for cut, dim in ([members[r * S : (r + 1) * S] for r in range(replicate)], "dp_shard"), \
-                            ([members[k::S] for k in range(S)], "dp_replicate"):
-                for ranks in cut:
-                    group = world.new_group(ranks)
-                    if world.rank in ranks:
-                        self.hybrid[dim] = group
-
-    def __getitem__(self, dim):
-        return self.hybrid[dim] if dim in self.hybrid else super().__getitem__(dim)
-
-
 async def train_hybrid(name, *, tp=1, pp=1, steps=3, hook=None, **variant):
     config = make_config(**variant)
 
     async def body(world):
-        mesh = HybridMesh(world, replicate=2, dp=4, tp=tp, pp=pp)
+        mesh = Mesh(world, dp=4, tp=tp, pp=pp, replicate=2)
         s = make_parallel_strategy(name, CONFIG, config, mesh, parallel=ParallelConfig(micro_batches=2))
         try:
             await s.setup()

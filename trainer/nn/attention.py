@@ -16,7 +16,7 @@ and swaps the two projections. Shapes: B batch, T sequence, C = n_embd, H = n_he
         ds = p (dp - sum_j p dp) / sqrt(hs)                    # softmax backward, 0 above the diagonal
         dq = ds k,  dk = ds^T q;  dx = qkv^T(merge [dq | dk | dv])
 
-The softmax and its backward run as Numba passes (trainer/nn/kernels.py) with kernel="fast", or
+The softmax and its backward run as Numba passes (trainer/nn/layer_kernels.py) with kernel="fast", or
 as the NumPy reference below with kernel="reference". Decoding: `forward_cached(params, x_new,
 kv)` appends the new positions' keys and values to a `KVCache` and attends over everything
 cached, so each generated token costs one position.
@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.layers import Container, Dropout, Linear, check_kernel
 
 __all__ = ["CausalSelfAttention", "KVCache", "attention_forward", "attention_backward", "causal_softmax",
@@ -44,8 +44,8 @@ __all__ = ["CausalSelfAttention", "KVCache", "attention_forward", "attention_bac
 def causal_softmax(s: np.ndarray, scale: float, kernel: str = "fast") -> np.ndarray:
     """p = softmax over the last axis of scale * s, query i seeing keys j <= i + Tk - Tq.  s (..., Tq, Tk)."""
     Tq, Tk = s.shape[-2:]
-    if kernel == "fast" and kernels.use_fast(s):
-        return kernels.causal_softmax_forward(s.reshape(-1, Tq, Tk), scale).reshape(s.shape)
+    if kernel == "fast" and layer_kernels.use_fast(s):
+        return layer_kernels.causal_softmax_forward(s.reshape(-1, Tq, Tk), scale).reshape(s.shape)
     z = scale * s  # (..., Tq, Tk)
     z[..., np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)] = -np.inf  # the future
     z -= z.max(axis=-1, keepdims=True)  # stability: every row sees at least its own key
@@ -56,9 +56,9 @@ def causal_softmax(s: np.ndarray, scale: float, kernel: str = "fast") -> np.ndar
 def causal_softmax_backward(p: np.ndarray, dp: np.ndarray, scale: float, kernel: str = "fast") -> np.ndarray:
     """ds = scale p (dp - sum_j p dp): the gradient with respect to s (zero above the diagonal, where p is)."""
     Tq, Tk = p.shape[-2:]
-    if kernel == "fast" and kernels.use_fast(p, dp) and p.dtype == dp.dtype:
+    if kernel == "fast" and layer_kernels.use_fast(p, dp) and p.dtype == dp.dtype:
         ds = np.empty_like(p)
-        kernels.causal_softmax_backward(p.reshape(-1, Tq, Tk), dp.reshape(-1, Tq, Tk), scale, ds.reshape(-1, Tq, Tk))
+        layer_kernels.causal_softmax_backward(p.reshape(-1, Tq, Tk), dp.reshape(-1, Tq, Tk), scale, ds.reshape(-1, Tq, Tk))
         return ds
     return scale * p * (dp - (p * dp).sum(axis=-1, keepdims=True))
 

@@ -55,7 +55,7 @@ class GPTConfig:
     dropout: float = 0.0  # embedding, attention and residual dropout
     bias: bool = True  # biases in the Linear layers and LayerNorms' shift (LayerNorm always has one)
     gelu: str = "tanh"  # "tanh" (GPT-2's approximation) | "none" (exact erf, torch's default)
-    kernel: str = "fast"  # "fast" (trainer/nn/kernels.py) | "reference" (the readable NumPy)
+    kernel: str = "fast"  # "fast" (trainer/nn/layer_kernels.py) | "reference" (the readable NumPy)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

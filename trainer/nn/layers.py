@@ -18,7 +18,7 @@ gradients. The layer protocol (every class below follows it):
 `grads_zero=True` promises `grads` holds +0.0 (a layer may write instead of add when the bits are
 the same); a cache never aliases an array a later layer writes in place. `Container` holds named
 children (parameter names "<child>.<name>"), `Sequential` runs numbered ones in order. LayerNorm
-and GELU take `kernel="fast"` (trainer/nn/kernels.py) or "reference" (the NumPy written here).
+and GELU take `kernel="fast"` (trainer/nn/layer_kernels.py) or "reference" (the NumPy written here).
 
 Tensor-parallel declarations (`split`, turned into layers by trainer/parallel/split.py): None
 (replicated), Linear "column" (output features cut across the tp group) or "row" (input features
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.context import Context
 
 __all__ = ["Layer", "Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Container", "Sequential", "KERNELS",
@@ -166,7 +166,7 @@ class ReLU(Layer):
         return np.where(cache, dout, 0).astype(dout.dtype, copy=False)
 
 
-_GELU_C, _GELU_A = kernels.GELU_C, kernels.GELU_A  # sqrt(2 / pi), 0.044715
+_GELU_C, _GELU_A = layer_kernels.GELU_C, layer_kernels.GELU_A  # sqrt(2 / pi), 0.044715
 
 
 class GELU(Layer):
@@ -190,11 +190,11 @@ class GELU(Layer):
         self.exact = approximate == "none"
 
     def forward(self, params, x, ctx):
-        if self.kernel == "fast" and kernels.use_fast(x):
+        if self.kernel == "fast" and layer_kernels.use_fast(x):
             if self.exact:
-                out, e = kernels.gelu_erf_forward(x)
+                out, e = layer_kernels.gelu_erf_forward(x)
                 return out, (x, e, "fast")
-            out, t = kernels.gelu_tanh_forward(x)
+            out, t = layer_kernels.gelu_tanh_forward(x)
             return out, (x, t, "fast")
         if self.exact:
             cdf = 0.5 * (1.0 + _erf(x * _INV_SQRT2))
@@ -206,7 +206,7 @@ class GELU(Layer):
         if len(cache) == 3:  # the fast path: t is tanh(u), or erf(x / sqrt 2) for the exact form
             x, t, _ = cache
             if dout.dtype == x.dtype:
-                return (kernels.gelu_erf_backward if self.exact else kernels.gelu_tanh_backward)(x, t, dout)
+                return (layer_kernels.gelu_erf_backward if self.exact else layer_kernels.gelu_tanh_backward)(x, t, dout)
             t = 0.5 * (1.0 + t) if self.exact else t  # the reference's cache: Phi(x), or tanh(u)
         else:
             x, t = cache
@@ -256,11 +256,11 @@ class LayerNorm(Layer):
 
     def forward(self, params, x, ctx):
         w, b = params["weight"], params["bias"]
-        if self.kernel == "fast" and x.dtype == np.result_type(x, w) and kernels.use_fast(x, w, b):
+        if self.kernel == "fast" and x.dtype == np.result_type(x, w) and layer_kernels.use_fast(x, w, b):
             x2 = x.reshape(-1, self.dim)  # (N, C), a view
             out = np.empty_like(x2)
             mean, rstd = np.empty(len(x2), np.float64), np.empty(len(x2), np.float64)  # (N,)
-            kernels.layernorm_forward(x2, w, b, self.eps, out, mean, rstd)
+            layer_kernels.layernorm_forward(x2, w, b, self.eps, out, mean, rstd)
             return out.reshape(x.shape), (x2, mean, rstd)
         mu = x.mean(axis=-1, keepdims=True)  # (N, 1)
         xc = x - mu  # (N, C)
@@ -274,7 +274,7 @@ class LayerNorm(Layer):
             d2 = np.ascontiguousarray(dout.reshape(-1, self.dim), dtype=x2.dtype)  # (N, C)
             dx = np.empty_like(d2)
             dw, db = np.zeros(self.dim), np.zeros(self.dim)  # (C,) float64 sums
-            kernels.layernorm_backward(d2, x2, mean, rstd, params["weight"], dx, dw, db)
+            layer_kernels.layernorm_backward(d2, x2, mean, rstd, params["weight"], dx, dw, db)
             grads["weight"] += dw
             grads["bias"] += db
             return dx.reshape(dout.shape)

@@ -143,7 +143,7 @@ class MeshParallel(ModelParallel):
 
     def compute(self, s, micro_batches, denominator: float, scale: float) -> float:
         """See ModelParallel: this stage's schedule; the loss counts on the last stage's tp rank 0."""
-        run = _Run(_Stage(self, s), self._chunks(micro_batches), denominator, scale)
+        run = StageRun(_Stage(self, s), self._chunks(micro_batches), denominator, scale)
         self.last_run = run
         t0 = time.perf_counter()
         try:
@@ -204,7 +204,7 @@ class MeshParallel(ModelParallel):
 
     async def evaluate(self, s, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """See Strategy.evaluate: the metric sums of this dp slice's rows, on every rank of the slice."""
-        run = _Run(_Stage(self, s))
+        run = StageRun(_Stage(self, s))
         try:
             metrics = await s._in_thread(run.evaluate, x, y)
             await s.collectives.drain()
@@ -234,38 +234,16 @@ class MeshParallel(ModelParallel):
 
 class _Stage:
     """This rank's stage as the pipeline executor (executor.py) reads it: the strategy's hooks and
-    buffers, the part's layout, groups and activation dtype."""
+    buffers; the part's layout, groups, activation dtype and receive shapes (`activation_shape`:
+    the model's own boundary, so an MLP's stages exchange a different width at each boundary)."""
 
     def __init__(self, part: MeshParallel, s) -> None:
-        self.part = part
         self.layout, self.pp_acc, self.parallel = part.layout, part.pp_acc, part.parallel
-        self.activation_dtype, self.wait_on = part.activation_dtype, part.wait_on
-        model = part.logical_model
-        self.config_model = model.config if isinstance(model, GPT) else None
+        self.activation_dtype, self.activation_shape, self.wait_on = (
+            part.activation_dtype, part.activation_shape, part.wait_on)
         self.model, self.loss, self.config, self.step, self.meter = s.model, s.loss, s.config, s.step, s.meter
         self._compute_params, self._grad_list = s._compute_params, s._grad_list
         self._hooks, self._eval_hooks = s._hooks, s._eval_hooks
-
-    @staticmethod
-    def _with_injection(hooks: dict, grads: list) -> dict:
-        return hooks  # the executor's hook point for a changed last backward; nothing changes here
-
-
-class _Run(StageRun):
-    """StageRun whose receive buffers take the model's own boundary shapes (MeshParallel.activation_shape:
-    an MLP's stages exchange a different width at each boundary, not the GPT's (B, T, C))."""
-
-    _kind = "F"
-
-    def _post(self, kind: str, j: int) -> None:
-        self._kind = kind
-        try:
-            super()._post(kind, j)
-        finally:
-            self._kind = "F"
-
-    def _shape(self, j: int) -> tuple[int, ...]:
-        return self.s.part.activation_shape(self._kind, self.chunks[j][0].shape)
 
 
 def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -286,10 +264,7 @@ def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> li
 def _dp_groups(name: str, mesh: Mesh) -> tuple:
     """(shard group, replicate group or None) of the dp dimension: hybrid sharding where the mesh
     replicates (zero and fsdp; ddp takes all of dp)."""
-    try:
-        replicate = mesh["dp_replicate"]
-    except KeyError:  # a mesh without hybrid sharding
-        return mesh["dp"], None
+    replicate = mesh["dp_replicate"]
     if replicate.size == 1 or name == "ddp":
         return mesh["dp"], None
     return mesh["dp_shard"], replicate

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.layers import Layer
 from trainer.nn.loss import CrossEntropyLoss, Loss, _denominator
 from trainer.parallel.tp_group import TPGroup, part
@@ -81,8 +81,8 @@ class VocabParallelEmbedding(Layer):
         rows, here = cache
         d2 = np.ascontiguousarray(dout.reshape(-1, self.dim)[here])  # (n, C): this rank's tokens
         dw = grads["weight"]
-        if kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
-            kernels.embedding_backward(np.ascontiguousarray(rows, dtype=np.int64), d2, dw)
+        if layer_kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
+            layer_kernels.embedding_backward(np.ascontiguousarray(rows, dtype=np.int64), d2, dw)
         else:
             np.add.at(dw, rows, d2)
         return None  # no gradient flows into integer ids
