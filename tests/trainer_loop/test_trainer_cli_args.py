@@ -82,11 +82,11 @@ def test_replicas_and_the_models_the_mesh_splits(monkeypatch):
     from trainer import cli
 
     assert cli.split_refusal(parse_args(["--model", "gpt", "--tp", "2"])) is None
-    assert cli.split_refusal(parse_args(["--tp", "2", "--pp", "3"])) is None  # the MLP splits too
+    mlp_tp = parse_args(["--tp", "2", "--pp", "3"])
+    assert cli.split_refusal(mlp_tp) is None  # the MLP splits too
     monkeypatch.setattr(cli, "SPLIT_MODELS", ("gpt",))  # a model the mesh does not split: refused in one line
-    assert cli.split_refusal(parse_args(["--model", "gpt", "--tp", "2"])) is None
-    assert cli.split_refusal(parse_args(["--tp", "2"])) == ("--tp, --pp, --dp, --micro-batches and --stage-layers "
-                                                            "split --model gpt, not mlp")
+    assert cli.split_refusal(mlp_tp) == ("--tp, --pp, --dp, --micro-batches and --stage-layers split --model gpt, "
+                                         "not mlp")
 
 
 def test_resume_modes():
