@@ -5,6 +5,7 @@
     python -m trainer --epochs 3                                  # one process, world size 1
     python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp    # the GPT on pydoc text
     python -m runtime.launch -n 4 -m trainer --model gpt --tp 2 --pp 2 --micro-batches 8 --schedule 1f1b
+    python -m runtime.launch -n 2 -m trainer --tp 2                # the MLP's Linears cut over 2 ranks
     python -m runtime.launch -n 8 -m trainer --strategy fsdp --replicas 2   # HSDP: 2 replicas x 4 shards
     python -m trainer --model gpt --offload optimizer --offload-dir /scratch   # Adam's state on disk
 
@@ -68,7 +69,7 @@ MODEL_DEFAULTS = {
 }
 
 
-SPLIT_MODELS = ("gpt",)  # the models trainer.parallel splits over --tp and --pp (split_refusal)
+SPLIT_MODELS = ("mlp", "gpt")  # the models trainer.parallel splits over --tp and --pp (split_refusal)
 
 # every number's type comes from runtime/args.py: finite, in range, argparse's one-line error
 _positive_int = types.positive_int
@@ -162,11 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only each transformer block's input in the forward and recompute the block in "
                         "the backward (same gradients, less memory; the run summary shows the activation peak)")
 
-    g = p.add_argument_group("model parallelism (--model gpt) and offload")
+    g = p.add_argument_group("model parallelism and offload")
     g.add_argument("--tp", type=_positive_int, default=1, metavar="T",
-                   help="tensor-parallel ranks: each layer's matrices split over T ranks of one host (default 1)")
+                   help="tensor-parallel ranks: each layer's matrices split over T ranks of one host (the GPT's "
+                        "attention heads and MLPs, the MLP's Linears in column/row pairs; default 1)")
     g.add_argument("--pp", type=_positive_int, default=1, metavar="P",
-                   help="pipeline stages: the blocks split into P stages (default 1)")
+                   help="pipeline stages: the blocks (the GPT's --n-layer, the MLP's --depth hidden blocks and its "
+                        "head) split into P stages, at most one per block (default 1)")
     g.add_argument("--dp", type=_positive_int, default=None, metavar="D",
                    help="data-parallel ranks, --strategy on this dimension (default: what is left, world / (T P))")
     g.add_argument("--micro-batches", type=_positive_int, default=None, metavar="M",
@@ -174,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="pipeline schedule: 1f1b (at most P micro-batches in flight) or gpipe (all M); default 1f1b")
     g.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="N,N,...",
-                   help="blocks per pipeline stage, e.g. 3,1 (default: balanced by parameter count)")
+                   help="blocks per stage, e.g. 3,1, adding up to the model's blocks (default: balanced by "
+                        "parameter count)")
     g.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="keep the optimizer state (and with params also the float32 master weights, which needs "
                         "a lower --param-dtype) in memory-mapped files, read ahead and written back unit by unit")
@@ -300,6 +304,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.stage_layers is not None and len(args.stage_layers) != args.pp:
         build_parser().error(f"--stage-layers {','.join(map(str, args.stage_layers))} names {len(args.stage_layers)} "
                              f"stages; --pp is {args.pp}")
+    if refusal := stage_refusal(args):
+        build_parser().error(refusal)
     if args.micro_batches is not None and args.micro_batches % args.grad_accum:
         build_parser().error(f"--micro-batches {args.micro_batches} must be a multiple of --grad-accum "
                              f"{args.grad_accum}")
@@ -324,7 +330,25 @@ def mesh_strategy(args: argparse.Namespace) -> bool:
 def split_refusal(args: argparse.Namespace) -> str | None:
     """Why the model-parallel flags cannot split this model (None: they can, or none is given)."""
     if uses_mesh(args) and args.model not in SPLIT_MODELS:
-        return "--tp, --pp, --dp, --micro-batches and --stage-layers split the GPT: add --model gpt"
+        return (f"--tp, --pp, --dp, --micro-batches and --stage-layers split --model "
+                f"{' or '.join(SPLIT_MODELS)}, not {args.model}")
+    return None
+
+
+def pipeline_blocks(args: argparse.Namespace) -> int:
+    """The calls trainer/parallel/pipeline.py cuts into stages: the GPT's blocks (its embedding and
+    head are pinned to the first and last stage), the MLP's hidden blocks and its head."""
+    return args.n_layer if args.model == "gpt" else args.depth + 1
+
+
+def stage_refusal(args: argparse.Namespace) -> str | None:
+    """Why --pp / --stage-layers cannot cut this model's blocks (None: they can)."""
+    blocks, what = pipeline_blocks(args), ("--n-layer" if args.model == "gpt" else "--depth + 1")
+    if args.pp > blocks:
+        return f"--pp {args.pp} stages need a block each; the {args.model} has {blocks} ({what}): choose --pp <= {blocks}"
+    if args.stage_layers is not None and sum(args.stage_layers) != blocks:
+        return (f"--stage-layers {','.join(map(str, args.stage_layers))} adds up to {sum(args.stage_layers)} blocks; "
+                f"the {args.model} has {blocks} ({what})")
     return None
 
 
@@ -456,7 +480,7 @@ async def run(args: argparse.Namespace) -> int:
         if split:
             parallel = ParallelConfig(schedule=args.schedule, micro_batches=args.micro_batches,
                                       stage_layers=args.stage_layers)
-            strategy = make_parallel_strategy(args.strategy, model.config, config, mesh, parallel=parallel)
+            strategy = make_parallel_strategy(args.strategy, model, config, mesh, parallel=parallel)
         elif args.offload:
             strategy = make_offload_strategy(args.strategy, model, config, group, **hsdp)
         else:

@@ -59,7 +59,9 @@ def test_warmup_never_exceeds_the_schedule():
     (["--checkpoint-dir", "c", "--resume", "sometimes"], "takes no value (resume, and refuse if there is no"),
     (["--move-aside"], "--move-aside needs --checkpoint-dir"),
     (["--checkpoint-dir", "c", "--resume", "--move-aside"], "--move-aside starts a new run and --resume"),
-    (["--tp", "2"], "split the GPT: add --model gpt"),
+    (["--pp", "4"], "--pp 4 stages need a block each; the mlp has 3 (--depth + 1): choose --pp <= 3"),
+    (["--model", "gpt", "--n-layer", "2", "--pp", "3"], "the gpt has 2 (--n-layer): choose --pp <= 2"),
+    (["--pp", "2", "--stage-layers", "1,1"], "--stage-layers 1,1 adds up to 2 blocks; the mlp has 3"),
     (["--replicas", "2"], "HSDP needs --strategy zero1, zero2, zero3 or fsdp"),  # the default is ddp
     (["--strategy", "ddp", "--replicas"], "HSDP needs --strategy"),
     (["--strategy", "fsdp", "--replicas", "0"], "'0' must be a replica count >= 1, or hosts"),
@@ -83,8 +85,11 @@ def test_replicas_and_the_models_the_mesh_splits(monkeypatch):
     from trainer import cli
 
     assert cli.split_refusal(parse_args(["--model", "gpt", "--tp", "2"])) is None
-    monkeypatch.setattr(cli, "SPLIT_MODELS", ("gpt", "mlp"))  # a model the mesh learns to split: one entry
-    assert cli.split_refusal(parse_args(["--tp", "2"])) is None
+    mlp_tp = parse_args(["--tp", "2", "--pp", "3"])
+    assert cli.split_refusal(mlp_tp) is None  # the MLP splits too
+    monkeypatch.setattr(cli, "SPLIT_MODELS", ("gpt",))  # a model the mesh does not split: refused in one line
+    assert cli.split_refusal(mlp_tp) == ("--tp, --pp, --dp, --micro-batches and --stage-layers split --model gpt, "
+                                         "not mlp")
 
 
 def test_resume_modes():
