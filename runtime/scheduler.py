@@ -257,7 +257,7 @@ def is_torchrun(environ: Mapping[str, str]) -> bool:
 def torchrun_port(run_id: str, master_addr: str, master_port: int | None) -> int:
     """Our store's port under torchrun, the same on every worker of one rendezvous round:
     ``PORT_BASE + crc32("<run id>\\0<MASTER_ADDR>\\0<MASTER_PORT>") mod PORT_SPAN``."""
-    return derived_port(zlib.crc32(f"{run_id}\0{master_addr}\0{master_port}".encode()))
+    return derived_port(zlib.crc32(f"{run_id}\x00{master_addr}\x00{master_port}".encode()))
 
 
 def _torchrun(environ: Mapping[str, str]) -> Placement:
