@@ -335,8 +335,8 @@ class TorchrunRendezvous(TCPRendezvous):
             if not isinstance(exc.__cause__, OSError):
                 raise
             raise ConnectError(
-                f"rank {self.seat.rank} cannot host the rendezvous store on {self.master_addr}:{port} "
-                f"({self.seat.port_source}): the port is in use by another program or job; set "
+                f"rank {self.seat.rank} cannot host the rendezvous store on {self.master_addr}:{port}: port "
+                f"{port} ({self.seat.port_source}) is in use by another program or job; set "
                 f"{env.STORE_PORT.name} to a free port, the same for every rank (MASTER_PORT is torchrun's "
                 f"own store's)") from exc.__cause__
 

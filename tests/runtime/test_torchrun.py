@@ -74,7 +74,7 @@ async def test_a_taken_store_port_names_the_variable_that_moves_it():
                        RINGWEAVE_STORE_PORT=str(port))
         rdzv = rendezvous.from_env(environ, secret=b"s" * 32)
         assert type(rdzv) is TorchrunRendezvous
-        with pytest.raises(ConnectError, match=f"127.0.0.1:{port} \\(RINGWEAVE_STORE_PORT\\).* in use.* set "
+        with pytest.raises(ConnectError, match=f"127.0.0.1:{port}: port {port} \\(RINGWEAVE_STORE_PORT\\) is in use.* set "
                                                f"RINGWEAVE_STORE_PORT to a free port"):
             await rdzv.next_rendezvous(5)
         await rdzv.shutdown()
