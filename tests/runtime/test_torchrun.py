@@ -177,46 +177,35 @@ def test_two_agents_of_a_c10d_rendezvous_run_an_all_reduce(tmp_path):
 
 # -- the trainer, and a torchrun restart ------------------------------------------------------------------
 
-FAIL_STEP = 6  # after the checkpoint of optimizer step 4, before the end of the epoch (step 8)
 WRAPPER = r'''
 import os, sys
 
-FAIL_STEP = int(os.environ["FAIL_STEP"])
-ckpt, argv = sys.argv[1], sys.argv[2:]
-if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
-    import trainer.sharding
-
-    real_make = trainer.sharding.make_strategy
-
-    def make_strategy(*a, **kw):                    # counts optimizer steps, exits at FAIL_STEP
-        strategy = real_make(*a, **kw)
-        step = strategy.train_step
-        done = [0]
-
-        async def train_step(*sa, **skw):
-            if done[0] == FAIL_STEP:
-                print(f"rank 1: exiting with 3 at optimizer step {FAIL_STEP}", flush=True)
-                os._exit(3)
-            done[0] += 1
-            return await step(*sa, **skw)
-        strategy.train_step = train_step
-        return strategy
-    trainer.sharding.make_strategy = make_strategy
-
+import trainer.checkpoint
 from trainer.cli import main
-sys.exit(main(argv + ["--checkpoint-dir", ckpt]))
+
+real_save = trainer.checkpoint.save
+
+
+async def save(*args, **kwargs):  # in attempt 0, rank 1 exits 3 once the first checkpoint is committed
+    path = await real_save(*args, **kwargs)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" and os.environ["FAIL"] == "1":
+        print(f"rank 1: exiting with 3 after saving {path.name}", flush=True)
+        os._exit(3)
+    return path
+
+trainer.checkpoint.save = save
+sys.exit(main(sys.argv[2:] + ["--checkpoint-dir", sys.argv[1]]))
 '''
 TRAIN_ARGS = ["--data", "synthetic", "--size", "320", "--in-dim", "8", "--classes", "4", "--width", "16",
               "--depth", "1", "--epochs", "1", "--batch-size", "32", "--master-dtype", "float64", "--param-dtype",
               "float64", "--reduce-dtype", "float64", "--adam-kernel", "numpy", "--checkpoint-every", "4",
-              "--no-eval-train", "--log-every", "0", "--seed", "3"]
+              "--no-eval-train", "--log-every", "0", "--seed", "3"]  # 8 steps: checkpoints at 4 and 8
 
 
 def train(tmp_path: Path, name: str, max_restarts: int) -> str:
     wrapper = script(tmp_path, "wrapper.py", WRAPPER)
     return finish(torchrun(tmp_path, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
-                           wrapper, str(tmp_path / name), *TRAIN_ARGS,
-                           FAIL_STEP=str(FAIL_STEP) if max_restarts else "-1"))
+                           wrapper, str(tmp_path / name), *TRAIN_ARGS, FAIL="1" if max_restarts else "0"))
 
 
 def final_params(tmp_path: Path, name: str) -> dict[str, np.ndarray]:
@@ -246,7 +235,7 @@ def test_the_trainer_runs_under_torchrun(uninterrupted):
 @needs_torchrun
 def test_a_torchrun_restart_resumes_and_ends_with_the_uninterrupted_parameters(tmp_path, uninterrupted):
     out = train(tmp_path, "restarted", max_restarts=1)
-    assert f"rank 1: exiting with 3 at optimizer step {FAIL_STEP}" in out, out[-4000:]
+    assert "rank 1: exiting with 3 after saving step-00000004" in out, out[-4000:]
     # attempt 1 continued from the checkpoint, not from scratch (which would end equal too)
     assert "(optimizer step 4) (restart 1 of the run " in out and "TORCHELASTIC_RESTART_COUNT=1)" in out, out[-4000:]
     got, want = final_params(tmp_path, "restarted"), final_params(uninterrupted[0], "uninterrupted")
