@@ -60,9 +60,11 @@ def test_another_round_or_job_derives_another_port_and_the_override_wins():
     assert (seat.master_port, seat.port_source) == (23456, "RINGWEAVE_STORE_PORT")
 
 
-def test_our_launcher_inside_torchrun_is_our_launcher():
+def test_our_launcher_inside_torchrun_is_our_launcher_and_one_worker_is_alone():
     got = rendezvous.from_env(dict(NODE_1, RINGWEAVE_STORE_HOSTED="1"))
     assert type(got) is rendezvous.LauncherRendezvous and got.seat.master_port == 41863
+    alone = rendezvous.from_env(dict(NODE_0, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_WORLD_SIZE="1"))
+    assert type(alone) is rendezvous.SingleRendezvous  # `torchrun --nproc-per-node 1`: no store to host
 
 
 async def test_a_taken_store_port_names_the_variable_that_moves_it():
