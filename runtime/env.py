@@ -313,6 +313,10 @@ STORE_HOSTED = _("RINGWEAVE_STORE_HOSTED", switch, "0", "init",
                  "1: the launcher hosts the rendezvous store, so rank 0 does not (the launcher sets it)")
 RESTART = _("RINGWEAVE_RESTART", count, "0", "init",
             "how many times the job has restarted; store keys go under restart/N (the launcher sets it)")
+STORE_PORT = _("RINGWEAVE_STORE_PORT", integer("a port", lambda v: 1 <= v <= 65535, "must be a port in 1..65535"),
+                None, "init", "under torchrun: the port rank 0 hosts the rendezvous store on, the same for every rank "
+                "(default: derived from TORCHELASTIC_RUN_ID, MASTER_ADDR and MASTER_PORT, which torchrun's own store "
+                "holds)")
 LAUNCHER_PID = _("RINGWEAVE_LAUNCHER_PID", count, None, "init",
                  "the launcher's pid: the rank dies with it, and takes the variable out (the launcher sets it)")
 PINNED_POOL = _("RINGWEAVE_PINNED_POOL_MIB", mebibytes, "256", "each pool",

@@ -9,7 +9,7 @@ implementation that the environment (or init's arguments) describes, without any
     StoreRendezvous     a store the caller gives (ranks as tasks of one process, tests)
     SingleRendezvous    one process alone: an in-memory store
     LauncherRendezvous  our launcher (RINGWEAVE_STORE_HOSTED=1), which hosts the store
-    TorchrunRendezvous  torchrun (TORCHELASTIC_RUN_ID): rank 0 hosts it at MASTER_ADDR:MASTER_PORT
+    TorchrunRendezvous  torchrun (TORCHELASTIC_RUN_ID): rank 0 hosts it on a port every rank derives
     SlurmRendezvous     srun (SLURM_*, PMI under SLURM): rank 0 hosts it on the step's first node
     MpirunRendezvous    mpirun (OMPI_*, PMI_*): the first rank on mpirun's host hosts it
     EnvRendezvous       RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT by hand: rank 0 hosts it
@@ -329,14 +329,30 @@ class LauncherRendezvous(TCPRendezvous):
 
 
 class TorchrunRendezvous(TCPRendezvous):
-    """Under torchrun (TORCHELASTIC_RUN_ID, with RANK, WORLD_SIZE, LOCAL_*, GROUP_RANK,
-    MASTER_ADDR, MASTER_PORT): read as by hand, rank 0 hosting the store at MASTER_ADDR:MASTER_PORT."""
+    """A worker of torchrun (TORCHELASTIC_RUN_ID, with RANK, WORLD_SIZE, LOCAL_*, GROUP_RANK,
+    MASTER_ADDR, MASTER_PORT). MASTER_PORT is torchrun's own store's, which is never read: it
+    is unauthenticated. Rank 0 hosts our store on MASTER_ADDR's host (127.0.0.1 on one node) at
+    a port every worker derives from TORCHELASTIC_RUN_ID, MASTER_ADDR and MASTER_PORT
+    (scheduler.torchrun_port), or RINGWEAVE_STORE_PORT. Each torchrun attempt starts a new store."""
     kind = "torchrun"
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], placement: scheduler.Placement) -> bool:
         """See base class."""
-        return placement.launcher == "env" and "TORCHELASTIC_RUN_ID" in environ
+        return placement.launcher == "torchrun"
+
+    async def _host(self, port: int) -> StoreServer:
+        """See base class; a taken port names RINGWEAVE_STORE_PORT, MASTER_PORT being torchrun's."""
+        try:
+            return await super()._host(port)
+        except ConnectError as exc:
+            if not isinstance(exc.__cause__, OSError):
+                raise
+            raise ConnectError(
+                f"rank {self.seat.rank} cannot host the rendezvous store on {self.master_addr}:{port}: port "
+                f"{port} ({self.seat.port_source}) is in use by another program or job; set "
+                f"{env.STORE_PORT.name} to a free port, the same for every rank (MASTER_PORT is torchrun's "
+                f"own store's)") from exc.__cause__
 
 
 class SlurmRendezvous(TCPRendezvous):

@@ -6,7 +6,8 @@ this process and returns a :class:`Placement`; runtime/rendezvous.py turns it in
 rendezvous (which resolves the master's name and hosts or joins the store) and
 runtime/init.py limits the threads and watches the parent. Launchers, first found wins::
 
-    RANK, WORLD_SIZE [LOCAL_RANK, LOCAL_WORLD_SIZE]        "env"      our launcher, torchrun, by hand
+    RANK, WORLD_SIZE [LOCAL_RANK, LOCAL_WORLD_SIZE]        "env"      our launcher, by hand
+    the same with TORCHELASTIC_RUN_ID                       "torchrun" a worker that torchrun started
     OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE "openmpi"  Open MPI's mpirun
     PMI_RANK, PMI_SIZE [MPI_LOCALRANKID, MPI_LOCALNRANKS]   "pmi"      MPICH / Intel MPI, srun --mpi=pmi2
     SLURM_PROCID, SLURM_NTASKS with SLURM_STEP_ID           "slurm"    a task that srun started
@@ -15,10 +16,12 @@ runtime/init.py limits the threads and watches the parent. Launchers, first foun
 Under SLURM the store's host is the step's first node (127.0.0.1 on one node), its port
 PORT_BASE + SLURM_JOB_ID mod PORT_SPAN, the restart count SLURM_RESTART_COUNT and the threads
 SLURM_CPUS_PER_TASK. Under Open MPI the first local rank on mpirun's own host hosts the store,
-found in ``OMPI_MCA_orte_hnp_uri``, on a port from the Open MPI job id. The derivations in full:
-docs/design.md, "Under a scheduler". MASTER_ADDR and MASTER_PORT in the environment always win,
-and say so in errors (``Placement.master_addr_source``, ``master_port_source``), as
-``RINGWEAVE_JOB`` and ``RINGWEAVE_RESTART`` win over the derived job id and restart count.
+found in ``OMPI_MCA_orte_hnp_uri``, on a port from the Open MPI job id. Under torchrun, whose
+own store holds MASTER_PORT, rank 0 hosts ours on a port derived from TORCHELASTIC_RUN_ID,
+MASTER_ADDR and MASTER_PORT (RINGWEAVE_STORE_PORT wins). The derivations in full: docs/design.md,
+"Under a scheduler". MASTER_ADDR and MASTER_PORT in the environment win elsewhere, and say so in
+errors (``Placement.master_addr_source``, ``master_port_source``), as ``RINGWEAVE_JOB`` and
+``RINGWEAVE_RESTART`` win over the derived job id and restart count.
 
 Not here: acting on any of it (rendezvous.py, init.py), the launcher's own rank environment
 (launch.py), watching the parent (lifeline.py).
@@ -44,7 +47,7 @@ LOOPBACK = "127.0.0.1"
 @dataclass(frozen=True)
 class Placement:
     """This process in its job, as its launcher describes it (see the module docstring)."""
-    launcher: str                        # "env" | "openmpi" | "pmi" | "slurm" | "slurm-batch" | "none"
+    launcher: str                        # "env" | "torchrun" | "openmpi" | "pmi" | "slurm" | "slurm-batch" | "none"
     rank: int | None = None              # e.g. 5
     world_size: int | None = None        # e.g. 8
     local_rank: int | None = None        # e.g. 1
@@ -183,7 +186,7 @@ def placement(environ: Mapping[str, str], cores: int = 1) -> Placement:
             an error here: ``Placement.problem`` says why, and ``runtime.init`` raises it.
     """
     if _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None:
-        p = _generic(environ)
+        p = _torchrun(environ) if is_torchrun(environ) else _generic(environ)
     elif _int(environ, "OMPI_COMM_WORLD_RANK") is not None and _int(environ, "OMPI_COMM_WORLD_SIZE") is not None:
         p = _openmpi(environ, cores)
     elif _int(environ, "PMI_RANK") is not None and _int(environ, "PMI_SIZE") is not None:
@@ -196,20 +199,19 @@ def placement(environ: Mapping[str, str], cores: int = 1) -> Placement:
 
 
 def _overrides(environ: Mapping[str, str], p: Placement) -> Placement:
-    """MASTER_ADDR / MASTER_PORT / RINGWEAVE_JOB / RINGWEAVE_RESTART set by the user win; a store
-    our launcher hosts (RINGWEAVE_STORE_HOSTED=1) is hosted by no rank."""
+    """MASTER_ADDR / MASTER_PORT / RINGWEAVE_JOB / RINGWEAVE_RESTART set by the user win (torchrun's
+    MASTER_* are its own store's: :func:`_torchrun` read them); a store our launcher hosts
+    (RINGWEAVE_STORE_HOSTED=1) is hosted by no rank."""
     fields: dict = {}
-    if environ.get("MASTER_ADDR"):
+    if environ.get("MASTER_ADDR") and p.launcher != "torchrun":
         fields.update(master_addr=environ["MASTER_ADDR"], master_addr_source="MASTER_ADDR", hosts_store=None)
     elif p.master_addr is None:
         fields.update(master_addr=LOOPBACK, problem=p.problem or (
             f"MASTER_ADDR is not set and this {p.launcher} job spans nodes ({p.local_world_size} of "
             f"{p.world_size} ranks on this one): set MASTER_ADDR to the host of rank 0 (the default, "
             f"127.0.0.1, is right on one node only)"))
-    port = _int(environ, "MASTER_PORT")
-    if port is not None:
-        if not 0 <= port <= 65535:  # a socket call would take it modulo 65536: another port, silently
-            raise RingweaveError(f"environment variable MASTER_PORT={port} is not a port: it must be in 1..65535")
+    port = _master_port(environ)
+    if port is not None and p.launcher != "torchrun":
         fields.update(master_port=port, master_port_source="MASTER_PORT")
     if env.STORE_HOSTED.get(environ):
         fields["hosts_store"] = False
@@ -218,6 +220,13 @@ def _overrides(environ: Mapping[str, str], p: Placement) -> Placement:
     if env.RESTART.given(environ) is not None:
         fields["restart"] = env.RESTART.get(environ)
     return _replace(p, **fields)
+
+
+def _master_port(environ: Mapping[str, str]) -> int | None:
+    port = _int(environ, "MASTER_PORT")
+    if port is not None and not 0 <= port <= 65535:  # a socket call would take it modulo 65536: another port
+        raise RingweaveError(f"environment variable MASTER_PORT={port} is not a port: it must be in 1..65535")
+    return port
 
 
 def _replace(p: Placement, **fields) -> Placement:
@@ -237,6 +246,42 @@ def _generic(environ: Mapping[str, str]) -> Placement:
     local_size = _int(environ, "LOCAL_WORLD_SIZE")
     addr, source = _where_rank0(size, local_size)
     return Placement("env", rank, size, _int(environ, "LOCAL_RANK"), local_size, addr, source)
+
+
+def is_torchrun(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` is a torchrun worker's (TORCHELASTIC_RUN_ID), not a rank of our launcher
+    run inside one (RINGWEAVE_STORE_HOSTED=1: the launcher's store is the one to meet)."""
+    return bool(environ.get("TORCHELASTIC_RUN_ID")) and not env.STORE_HOSTED.get(environ)
+
+
+def torchrun_port(run_id: str, master_addr: str, master_port: int | None) -> int:
+    """Our store's port under torchrun, the same on every worker of one rendezvous round:
+    ``PORT_BASE + crc32("<run id>\\0<MASTER_ADDR>\\0<MASTER_PORT>") mod PORT_SPAN``."""
+    return derived_port(zlib.crc32(f"{run_id}\x00{master_addr}\x00{master_port}".encode()))
+
+
+def _torchrun(environ: Mapping[str, str]) -> Placement:
+    """A worker of torchrun. MASTER_ADDR:MASTER_PORT is torchrun's own store (its agent's, with
+    TORCHELASTIC_USE_AGENT_STORE=True) or a port left for torch's (False): ours never takes it.
+    Rank 0 (GROUP_RANK 0, LOCAL_RANK 0, on MASTER_ADDR's host) hosts ours on a port every worker
+    derives (:func:`torchrun_port`) unless RINGWEAVE_STORE_PORT gives one; on one node on
+    127.0.0.1. The restart count stays 0: torchrun's is each agent's own (an agent restarted
+    because another node failed does not count it), and our store is new in every attempt anyway."""
+    p = _generic(environ)
+    run_id, addr, port = environ["TORCHELASTIC_RUN_ID"], environ.get("MASTER_ADDR", ""), _master_port(environ)
+    fields: dict = {"launcher": "torchrun", "job": f"torchrun-{run_id}"}
+    if p.master_addr == LOOPBACK:  # every worker is on this node (LOCAL_WORLD_SIZE == WORLD_SIZE)
+        fields["master_addr_source"] = "127.0.0.1 (every torchrun worker runs on this node)"
+    elif addr:
+        fields.update(master_addr=addr, master_addr_source="torchrun's MASTER_ADDR (the host of rank 0)")
+    given = env.STORE_PORT.given(environ)
+    if given is not None:
+        fields.update(master_port=given, master_port_source=env.STORE_PORT.name)
+    else:
+        fields.update(master_port=torchrun_port(run_id, addr, port), master_port_source=(
+            f"derived from TORCHELASTIC_RUN_ID, MASTER_ADDR and MASTER_PORT={port} (torchrun's own store's): "
+            f"{PORT_BASE} + crc32 mod {PORT_SPAN}"))
+    return _replace(p, **fields)
 
 
 def _openmpi(environ: Mapping[str, str], cores: int) -> Placement:

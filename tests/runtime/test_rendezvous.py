@@ -5,6 +5,7 @@ launcher: tests/runtime/test_init.py)."""
 
 import asyncio
 import socket
+import zlib
 
 import msgpack
 import numpy as np
@@ -48,9 +49,11 @@ CASES = {
     "launcher-rank-0": (dict(LAUNCHER, RANK="0", LOCAL_RANK="0"), LauncherRendezvous, Seat(
         0, 4, 0, 2, "127.0.0.1", 29500, hosts_store=False, job="job-x", restart=2, addr_source="MASTER_ADDR",
         port_source="MASTER_PORT")),
-    "torchrun": (TORCHRUN, TorchrunRendezvous, Seat(
-        0, 2, 0, 2, "127.0.0.1", 29400, hosts_store=True, job="ringweave", restart=0, addr_source="MASTER_ADDR",
-        port_source="MASTER_PORT")),
+    "torchrun": (TORCHRUN, TorchrunRendezvous, Seat(  # 29400 is torchrun's own store's: ours is derived
+        0, 2, 0, 2, "127.0.0.1", 15000 + zlib.crc32(b"exp7\x00127.0.0.1\x0029400") % 10000, hosts_store=True,
+        job="torchrun-exp7", restart=0, addr_source="127.0.0.1 (every torchrun worker runs on this node)",
+        port_source="derived from TORCHELASTIC_RUN_ID, MASTER_ADDR and MASTER_PORT=29400 (torchrun's own store's): "
+                    "15000 + crc32 mod 10000")),
     "by-hand": (BY_HAND, EnvRendezvous, Seat(
         1, 2, None, None, "10.0.0.1", 29501, hosts_store=False, addr_source="MASTER_ADDR", port_source="MASTER_PORT")),
     "by-hand-rank-0": (dict(BY_HAND, RANK="0"), EnvRendezvous, Seat(

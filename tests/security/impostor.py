@@ -84,7 +84,8 @@ def free_job_number(start: int = 4242) -> int:
 def launcher_env(kind: str, number: int, rank: int, base: dict | None = None) -> tuple[int, str, dict]:
     """(store port, job name, environment) of rank ``rank`` of a 2-rank job on this node as
     ``kind`` starts it: "srun" (SLURM job ``number``, step 0), "mpirun" (Open MPI job id
-    ``number``) or "hand" (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT). No secret."""
+    ``number``), "hand" (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) or "torchrun" (its
+    variables, our store's port given by RINGWEAVE_STORE_PORT). No secret."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(_SCRUBBED) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     port = scheduler.derived_port(number)
@@ -100,8 +101,13 @@ def launcher_env(kind: str, number: int, rank: int, base: dict | None = None) ->
     elif kind == "hand":
         env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         job = "ringweave"
+    elif kind == "torchrun":  # a worker of torchrun --standalone: MASTER_PORT is torchrun's own store's
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                   MASTER_ADDR="localhost", MASTER_PORT="1", TORCHELASTIC_RUN_ID=str(number),
+                   RINGWEAVE_STORE_PORT=str(port))
+        job = f"torchrun-{number}"
     else:
-        raise ValueError(f"kind must be srun, mpirun or hand, not {kind!r}")
+        raise ValueError(f"kind must be srun, mpirun, hand or torchrun, not {kind!r}")
     env.update(RINGWEAVE_WATCH_PARENT="0", RINGWEAVE_TIMEOUT_S="20")
     return port, job, env
 
