@@ -374,4 +374,4 @@ def _form_job(rank: int | None, world_size: int | None) -> C.Communicator:
                            f"forms its job itself (runtime.init): start the ranks with `python -m runtime.launch -n N "
                            f"script.py`, or, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand, pass "
                            f"init_method=\"ringweave://\" (rank 0 then hosts ringweave's store at MASTER_PORT, where "
-                           f"torch's own would clash); torchrun is not supported") from exc
+                           f"torch's own would clash), or start them with torchrun") from exc
