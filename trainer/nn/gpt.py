@@ -17,7 +17,7 @@ The tied matrix gets the sum of both uses' gradients in unit 0's one buffer, red
 
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64))   # dtype=np.float64 for checks
     loss = model.forward_backward(model.init_params(seed=0), model.zeros(), idx, targets, Context())
-    text_ids = model.generate(params, prompt_ids, 200, temperature=0.8, top_k=40, seed=0)
+    text_ids = trainer.sample.generate(model, params, prompt_ids, 200, temperature=0.8, top_k=40)   # decoding
 
 Init (GPT-2 / nanoGPT): weights and embeddings N(0, 0.02^2), biases 0, LayerNorm 1/0, the two
 residual projections of each block N(0, (0.02 / sqrt(2 n_layer))^2); weight decay on matrices
@@ -281,54 +281,3 @@ class GPT(Model):
     def new_caches(self, batch: int, dtype) -> list[KVCache]:
         c = self.config
         return [KVCache(batch, c.n_head, c.block_size, c.n_embd // c.n_head, dtype) for _ in range(c.n_layer)]
-
-    def generate(self, params_list, prompt: np.ndarray, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> np.ndarray:
-        """Samples `max_new_tokens` tokens after `prompt` (B, T0) ints; returns (B, T0 + new).
-
-        With the KV cache each new token costs one position. When the context reaches
-        block_size, the cache restarts from the last block_size // 2 tokens (a new prefill):
-        the positions of a learned embedding cannot slide. `use_cache=False` recomputes the
-        whole (same) context for every token: the reference the cache must equal.
-        Sampling: logits / temperature, optionally only the top_k, then a draw from
-        np.random.default_rng(seed); temperature 0 takes the arg-max.
-        """
-        idx = np.asarray(prompt, dtype=np.int64)
-        if idx.ndim != 2 or idx.shape[1] < 1:
-            raise ValueError(f"prompt must be (B, T0) token ids with T0 >= 1, got shape {idx.shape}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        rng = np.random.default_rng(seed)
-        T = self.config.block_size
-        dtype = np.result_type(params_list[0].dtype, np.float32)
-        context_start = max(0, idx.shape[1] - T)  # the context is idx[:, context_start:]
-        caches, fed = None, 0  # fed: tokens of the context already in the caches
-        out = idx
-        for _ in range(max_new_tokens):
-            if out.shape[1] - context_start > T:  # full: restart from the last T // 2 tokens
-                context_start = out.shape[1] - max(1, T // 2)
-                caches = None
-            context = out[:, context_start:]
-            if not use_cache:
-                logits = self.forward(params_list, context)[:, -1]
-            else:
-                if caches is None:
-                    caches, fed = self.new_caches(len(out), dtype), 0
-                logits = self.logits_cached(params_list, context[:, fed:], caches)[:, -1]
-                fed = context.shape[1]
-            out = np.concatenate([out, self._sample(logits, temperature, top_k, rng)[:, None]], axis=1)
-        return out
-
-    @staticmethod
-    def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng) -> np.ndarray:
-        logits = np.asarray(logits, dtype=np.float64)  # (B, V)
-        if temperature <= 0:
-            return logits.argmax(axis=-1)
-        z = logits / temperature
-        if top_k is not None and top_k < z.shape[-1]:
-            kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
-            z = np.where(z < kth, -np.inf, z)
-        z -= z.max(axis=-1, keepdims=True)
-        p = np.exp(z)
-        p /= p.sum(axis=-1, keepdims=True)
-        return np.array([rng.choice(len(row), p=row) for row in p], dtype=np.int64)
