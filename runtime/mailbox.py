@@ -14,6 +14,7 @@ it reads whole, at most MAX_OBJECT_NBYTES, and hands to ``on_control``. It reads
 state (lost, closed, the connection to divert) from runtime/peers.py and is told by its owner
 when a peer is gone (:meth:`Mailbox.fail_from`) or the actor closes (:meth:`Mailbox.fail_all`).
 
+A probe looks at the kept frames without taking one (:meth:`Mailbox.peek`, :meth:`Mailbox.wait_kept`).
 Deadlines: :meth:`Mailbox.send` and :meth:`Mailbox.wait_posted` take ``timeout_s`` (default
 ``default_timeout_s``) and raise PeerTimeoutError past it.
 
