@@ -62,7 +62,9 @@ async def split(color: int | None, key: int = 0, group=None, timeout: float | No
     world = runtime.world
     mine = np.array([color is not None and parent.is_member, color or 0, key], np.int64)
     every = np.empty((world.size, 3), np.int64)
-    await calls.all_gather(every, mine, world, timeout, None)
+    call, run = calls.open_call(world, "all_gather", mine.nbytes, None, timeout, name="split", dtype=mine.dtype,
+                                count=mine.size)  # named split: a rank in another call gets a mismatch
+    await world.run(call, run, every.reshape(-1), mine)
     members: dict[int, list[tuple[int, int, int]]] = {}  # color -> (key, parent rank, world rank)
     for world_rank, (has_color, their_color, their_key) in enumerate(every.tolist()):
         if has_color and world_rank in parent.ranks:

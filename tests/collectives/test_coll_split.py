@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import collectives as C
+from runtime.errors import CollectiveMismatchError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,6 +61,11 @@ async def test_split_refuses_what_is_not_an_int(ranks):
         with pytest.raises(TypeError, match="key must be an int, got bool"):
             await C.split(1, key=True)
         assert (await C.split(1)).ranks == [0, 1]  # nothing was exchanged by the refused ones
+        with pytest.raises(CollectiveMismatchError, match="split"):  # a rank in another call
+            if g.rank == 0:
+                await C.split(1, timeout=10)
+            else:
+                await C.all_gather(np.empty(6, np.int64), np.zeros(3, np.int64), timeout=10)
     await ranks(2, body)
 
 
