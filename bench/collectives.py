@@ -6,6 +6,7 @@ optionally beside torch.distributed's Gloo backend and OpenMPI (mpi4py) measured
     python bench/collectives.py -n 4 --compare mpi                   # + OpenMPI (shared memory), under mpirun
     python bench/collectives.py -n 4 --compare gloo,mpi --mpi-btl tcp
     python bench/collectives.py -n 2 --ops all_reduce --sizes 4,4096,1M --algorithm all --iters 50
+    python bench/collectives.py -n 2 --algorithm all --tune off  # the built-in table's choice as default (*)
     python bench/collectives.py -n 4 --device cuda --compare gloo --ops all_reduce --sizes 4K,1M,16M,64M
 
 Launch. Without RANK in the environment the script re-launches itself through the project's
@@ -70,6 +71,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 
@@ -89,6 +91,9 @@ ROOTED = {"broadcast", "reduce", "gather", "scatter"}
 BLOCKED = {"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"}  # size = n blocks
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8"]
 ROOT_RANK = 0
+# Deadlines of the peers' waits, so that a peer that cannot be reached is an error, not a hang
+PEER_JOIN_TIMEOUT_S = 60     # Gloo: joining its TCPStore and its rendezvous
+PEER_CALL_TIMEOUT_S = 600    # Gloo: one collective (64 MiB over a 100 Mbit/s link takes seconds)
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -259,21 +264,30 @@ class Gloo:
 
     @classmethod
     async def join(cls, rt) -> "Gloo":
+        """Joins Gloo through a TCPStore on rank 0, dialled at the address where ringweave's
+        own store is (MASTER_ADDR, or what the launcher implies): rank 0's host, which ranks
+        on other hosts reach (127.0.0.1 would only serve ranks of rank 0's host)."""
         import torch
         import torch.distributed as dist
+        from runtime.init import read_env
         rank, n = rt.rank, rt.world_size
-        key = "bench/collectives/gloo_port"
+        key = "bench/collectives/gloo_store"
+        join = timedelta(seconds=PEER_JOIN_TIMEOUT_S)
         if rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
-            await rt.store.set(key, str(store.port).encode())
+            host = read_env()["master_addr"] or "127.0.0.1"
+            gloo_interface(host)
+            store = dist.TCPStore(host, 0, n, is_master=True, wait_for_workers=False, timeout=join)
+            await rt.store.set(key, f"{host} {store.port}".encode())
         else:
-            port = int(await rt.store.get(key))
-            store = dist.TCPStore("127.0.0.1", port, n, is_master=False)
-        # every rank has read the port before anyone blocks in Gloo's rendezvous: under mpirun
+            host, port = (await rt.store.get(key, timeout_s=PEER_JOIN_TIMEOUT_S)).decode().split()
+            gloo_interface(host)
+            store = dist.TCPStore(host, int(port), n, is_master=False, timeout=join)
+        # every rank has read the address before anyone blocks in Gloo's rendezvous: under mpirun
         # rank 0's event loop serves ringweave's store and must not be blocked while others read.
         from collectives import api
         await api.barrier()
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
+                                timeout=timedelta(seconds=PEER_CALL_TIMEOUT_S))
         self = cls(torch, dist, rank, n)
         self.store = store
         return self
@@ -317,6 +331,27 @@ class Gloo:
             in_list = blocks(tx) if root else None
             calls["scatter"] = lambda: d.scatter(tout, scatter_list=in_list, src=ROOT_RANK)
         return calls[op]
+
+
+def gloo_interface(master: str) -> None:
+    """Across hosts, Gloo's pairs on the interface that routes to ``master`` (GLOO_SOCKET_IFNAME,
+    unless set): by default Gloo binds to the address of the host's name, and where that name does
+    not resolve (an emulated host) it falls back to loopback, which no other host reaches."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or master.startswith("127.") or master == "localhost":
+        return
+    import fcntl
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(master), 9))  # no packet is sent for UDP connect
+        mine = socket.inet_aton(s.getsockname()[0])
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                addr = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+            except OSError:
+                continue
+            if addr == mine:
+                os.environ["GLOO_SOCKET_IFNAME"] = name
+                return
 
 
 class Mpi:
@@ -547,13 +582,14 @@ async def rank_main(args) -> None:
     gloo = await Gloo.join(rt) if "gloo" in args.compare else None
     peers = [p for p in (gloo, mpi) if p is not None]
     from collectives import api
-    from runtime import env as settings
-    shm_given = settings.SHM.given()  # None: unset
+    from runtime import env
+    shm_given = env.SHM.given()  # None: unset
 
     meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup, "block": args.block,
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
             "RINGWEAVE_SHM": "(unset)" if shm_given is None else str(int(shm_given)), "launch": args.launched_by,
+            "tune_rules": tuned_rules(n, rt.world),
             "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), "memory": None,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if gloo:
@@ -564,11 +600,12 @@ async def rank_main(args) -> None:
     say(f"# ringweave bench/collectives: {n} ranks ({meta['launch']}), {dtype.name}, {args.iters} iters "
         f"(+{args.warmup} warm-up), loop {meta['loop']}, RINGWEAVE_SHM={meta['RINGWEAVE_SHM']}, "
         f"{meta['cores']} cores")
+    say(f"# tuning rules: {meta['tune_rules']}")
     if peers:
         say("# peers in the same processes: " + ", ".join(
             f"{p.label} ({meta['torch'] if p is gloo else meta['mpi']})" for p in peers))
     say("# time = median over iterations of the slowest rank; ratio x<peer> = peer time / ringweave time "
-        "(>1: ringweave faster); * = the default table's choice")
+        "(>1: ringweave faster); * = the default choice (the tuning rules above, else the table)")
     ticker = None
     if not args.no_ticker:
         ticker = Ticker()
@@ -759,6 +796,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shm", default="env", choices=["env", "on", "off"],
                    help="ringweave's same-host shared-memory path: off sets RINGWEAVE_SHM=0 (the TCP path), "
                         "on sets it to 1, env (default) leaves the environment alone")
+    p.add_argument("--tune", default="env", choices=["env", "on", "off"],
+                   help="the rules file of python -m collectives.tune: off sets RINGWEAVE_TUNE=0 (the built-in table), "
+                        "on RINGWEAVE_TUNE=1; env leaves it as it is")
     p.add_argument("--out-dir", default=None,
                    help="directory for collectives.json and collectives.png (default: the current directory)")
     p.add_argument("--json", default=None, help="JSON path (default: OUT_DIR/collectives.json)")
@@ -819,20 +859,50 @@ def relaunch(args, argv: list[str]) -> int:
     if mpirun is None:
         print(f"--compare mpi: {why}", file=sys.stderr)
         return 2
-    btl = {"sm": "self,vader", "tcp": "self,tcp"}[args.mpi_btl]
-    threads = str(max(1, (os.cpu_count() or 1) // args.nproc))
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+    return subprocess.call(mpirun_command(mpirun, args.nproc, args.mpi_btl, argv), cwd=os.getcwd())
+
+
+def mpirun_command(mpirun: str, nproc: int, mpi_btl: str, argv: list[str], *, master_addr: str = "127.0.0.1",
+                   master_port: int | None = None, hosts: list[str] | None = None, agent: str | None = None,
+                   subnet: str | None = None, timeout_s: int | None = None, label: str = "") -> list[str]:
+    """mpirun starting this script on ``nproc`` ranks. On one machine by default; across hosts
+    with ``hosts`` (``ADDR:SLOTS`` each, rank 0 on the first, where ``master_addr`` is), the
+    daemons started through ``agent`` (Open MPI's plm_rsh_agent, in place of ssh) and every
+    connection of MPI's own (tcp btl, out-of-band) on ``subnet`` (CIDR): shared memory can only
+    join ranks of one host, so ``mpi_btl`` sm means vader within a host and tcp between hosts.
+    ``timeout_s``: mpirun ends the job past it (a hang of MPI's is an error)."""
+    btl = {"sm": "self,vader", "tcp": "self,tcp"}[mpi_btl]
+    if hosts and mpi_btl == "sm":
+        btl += ",tcp"
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port or free_port()), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads,
            "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(args.nproc),
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(nproc),
            "--mca", "btl", btl]
+    if hosts:
+        cmd += ["--host", ",".join(hosts), "--mca", "plm_rsh_agent", agent,
+                "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet]
+    if timeout_s:
+        cmd += ["--timeout", str(timeout_s)]
     for k, v in env.items():
         cmd += ["-x", f"{k}={os.environ.get(k, v) if k.endswith('THREADS') else v}"]
     for k in os.environ:
         if k.startswith("RINGWEAVE_"):
             cmd += ["-x", k]
-    cmd += [sys.executable, me, *argv, "--launched-by", f"mpirun (btl {btl})"]
-    return subprocess.call(cmd, cwd=os.getcwd())
+    by = f"mpirun (btl {btl})"
+    return cmd + [sys.executable, os.path.abspath(__file__), *argv, "--launched-by", f"{label}, {by}" if label else by]
+
+
+def tuned_rules(n: int, group) -> str:
+    """The rules file the default algorithm comes from, or why none (collectives/tunefile.py)."""
+    from collectives import registry, tunefile
+    from runtime import env
+    if not env.TUNE.get():
+        return "off (RINGWEAVE_TUNE=0)"
+    nodes = group.topology.nodes
+    rules = tunefile.rules_for(n, len(nodes), max(len(node) for node in nodes), registry.ALGORITHMS)
+    return rules.path if rules is not None else "none for this machine and layout (the built-in table)"
 
 
 def _pythonpath() -> str:
@@ -844,6 +914,8 @@ def main() -> None:
     args = parse_args(argv)
     if args.shm != "env":
         os.environ["RINGWEAVE_SHM"] = "0" if args.shm == "off" else "1"  # inherited by every rank
+    if args.tune != "env":
+        os.environ["RINGWEAVE_TUNE"] = "0" if args.tune == "off" else "1"
     if args.device == "cuda":
         from bench import device
         problem = device.gpu_problem()

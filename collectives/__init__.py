@@ -40,8 +40,8 @@ _warmup.add(_warm_up)  # before init() is the usual order: `import collectives` 
 # choosing and opening a call, the host and device paths behind api.py, argument checks, shared
 # sizes, the algorithms (one file each under algorithms/, reached through registry.ALGORITHMS) and
 # the shared-memory slots they work on, and the warm-up. The other modules are public: api,
-# blocking, p2p, uneven, objects, prefix, groups, monitor, bucket, compressed, compress, kernels,
-# registry, comm (the Comm protocol an algorithm receives).
+# blocking, p2p, uneven, tensors, objects, prefix, groups, monitor, bucket, compressed, compress,
+# kernels, registry, comm (the Comm protocol an algorithm receives).
 _INTERNAL = ("calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots", "warmup")
 
 

@@ -39,6 +39,7 @@ from collectives.groups import new_subgroups, split  # noqa: F401  (part of this
 from collectives.monitor import monitored_barrier  # noqa: F401
 from collectives.p2p import iprobe, probe, recv, send, sendrecv  # noqa: F401
 from collectives.prefix import exscan, scan  # noqa: F401
+from collectives.tensors import takes_tensors  # torch tensors in place of arrays (collectives/tensors.py)
 from runtime.group import check_timeout
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
@@ -60,6 +61,7 @@ def _device():
     return device
 
 
+@takes_tensors(writes=("x",))
 async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float | None = None,
                      algorithm: str | None = None, compression=None, key=None) -> np.ndarray:
     """Reduces ``x`` over all ranks of the group, in place on every rank; returns ``x``.
@@ -93,6 +95,7 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
     return await calls.all_reduce(x, op, group, timeout, algorithm)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
                      algorithm: str | None = None) -> np.ndarray:
     """Gathers every rank's ``x`` into ``out`` on every rank, in rank order; returns ``out``.
@@ -116,6 +119,7 @@ async def all_gather(out: np.ndarray, x: np.ndarray, group=None, timeout: float 
     return await calls.all_gather(out, x, group, timeout, algorithm)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=None,
                          timeout: float | None = None, algorithm: str | None = None, compression=None,
                          key=None) -> np.ndarray:
@@ -152,6 +156,7 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str = "sum", group=
     return await compressed.reduce_scatter(out, x, compression, op=op, group=group, timeout=timeout, key=key)
 
 
+@takes_tensors(writes=("x",))
 async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | None = None,
                     algorithm: str | None = None) -> np.ndarray:
     """Copies ``x`` of group rank ``src`` into ``x`` on every rank; returns ``x``.
@@ -169,6 +174,7 @@ async def broadcast(x: np.ndarray, src: int = 0, group=None, timeout: float | No
     return await calls.broadcast(x, src, group, timeout, algorithm)
 
 
+@takes_tensors(writes=("x",))
 async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeout: float | None = None,
                  algorithm: str | None = None) -> np.ndarray:
     """Reduces ``x`` over all ranks into ``x`` of group rank ``dst``; other ranks' ``x`` is unchanged.
@@ -183,6 +189,7 @@ async def reduce(x: np.ndarray, dst: int = 0, op: str = "sum", group=None, timeo
     return await calls.reduce(x, dst, op, group, check_timeout(timeout), algorithm)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None, timeout: float | None = None,
                  algorithm: str | None = None) -> np.ndarray | None:
     """Gathers every rank's ``x`` into ``out`` of group rank ``dst``, in rank order; returns ``out``.
@@ -200,6 +207,7 @@ async def gather(out: np.ndarray | None, x: np.ndarray, dst: int = 0, group=None
     return await calls.gather(out, x, dst, group, check_timeout(timeout), algorithm)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=None, timeout: float | None = None,
                   algorithm: str | None = None) -> np.ndarray:
     """Sends block ``r`` of ``x`` on group rank ``src`` to ``out`` of rank ``r``; returns ``out``.
@@ -217,6 +225,7 @@ async def scatter(out: np.ndarray, x: np.ndarray | None, src: int = 0, group=Non
     return await calls.scatter(out, x, src, group, check_timeout(timeout), algorithm)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def all_to_all(out: np.ndarray, x: np.ndarray, group=None, timeout: float | None = None,
                      algorithm: str | None = None) -> np.ndarray:
     """Block ``j`` of ``x`` on rank ``r`` goes to block ``r`` of ``out`` on rank ``j``; returns ``out``.

@@ -146,6 +146,12 @@ class Communicator:
     async def _new_group(self, ranks):
         return self._rt.new_group(ranks)
 
+    def submit(self, fn, *args, **kw) -> Handle:
+        """Starts ``await fn(*args, **kw)`` on the communicator's loop, where its runtime lives (a
+        coroutine function of the caller's: several collectives in a row, a store call), and
+        returns a :class:`Handle` at once. ``group=`` is not filled in: ``fn`` names its groups."""
+        return Handle(self._bridge.start(fn(*args, **kw)), getattr(fn, "__name__", "call"))
+
     def _coro(self, name: str, args, kw):
         if kw.get("group") is None:  # the world of *this* runtime (several may share a process)
             kw["group"] = self._rt.world

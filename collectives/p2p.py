@@ -31,6 +31,7 @@ import numpy as np
 
 from collectives import ops
 from collectives.calls import group_of
+from collectives.tensors import takes_tensors
 from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError
 from runtime.group import check_timeout
 
@@ -77,6 +78,7 @@ def _fits(x: np.ndarray, tag: int):
     return check
 
 
+@takes_tensors(reads=("x",))
 async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float | None = None) -> None:
     """Sends ``x`` to group rank ``dst`` under ``tag``; returns when ``x`` may be reused.
 
@@ -98,6 +100,7 @@ async def send(x: np.ndarray, dst: int, tag: int = 0, group=None, timeout: float
                                      f"{timeout:.1f} s", missing=[peer]) from None
 
 
+@takes_tensors(writes=("x",))
 async def recv(x: np.ndarray, src: int | None = None, tag: int = 0, group=None, timeout: float | None = None) -> int:
     """Receives into ``x`` what group rank ``src`` (None: any rank) sent under ``tag``; returns
     the source's group rank (as ``torch.distributed.recv`` does).
@@ -149,6 +152,7 @@ async def _recv_any(group, x: np.ndarray, key: tuple, tag: int, timeout: float) 
     return group.ranks.index(posted.src)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def sendrecv(x: np.ndarray, dst: int, out: np.ndarray, src: int | None = None, *, tag: int = 0,
                    recv_tag: int | None = None, group=None, timeout: float | None = None) -> int:
     """Sends ``x`` to group rank ``dst`` under ``tag`` and receives into ``out`` what ``src``

@@ -21,11 +21,13 @@ import numpy as np
 
 from collectives import calls, ops
 from collectives.kernels import divide_into
+from collectives.tensors import takes_tensors
 from runtime.group import check_timeout
 
 __all__ = ["scan", "exscan", "identity"]
 
 
+@takes_tensors(writes=("x",))
 async def scan(x: np.ndarray, op: str = "sum", group=None, timeout: float | None = None,
                algorithm: str | None = None) -> np.ndarray:
     """Inclusive prefix reduction over the group's ranks, in place; returns ``x``.
@@ -40,6 +42,7 @@ async def scan(x: np.ndarray, op: str = "sum", group=None, timeout: float | None
     return await _prefix(x, op, group, timeout, algorithm, exclusive=False)
 
 
+@takes_tensors(writes=("x",))
 async def exscan(x: np.ndarray, op: str = "sum", group=None, timeout: float | None = None,
                  algorithm: str | None = None) -> np.ndarray:
     """Exclusive prefix reduction over the group's ranks, in place; returns ``x``. Rank 0 gets

@@ -7,7 +7,9 @@ group's hosts (``Rule.hosts``) and whose ``applies(nbytes, world)`` holds names 
 1. ``algorithm="ring"`` on the call;
 2. the environment, ``RINGWEAVE_ALGO_<COLLECTIVE>=<name>``, e.g.
    ``RINGWEAVE_ALGO_ALL_REDUCE=ring`` (read at each call);
-3. the table.
+3. the rules file ``python -m collectives.tune`` wrote for this machine and layout
+   (collectives/tunefile.py; ``RINGWEAVE_TUNE=0`` turns it off);
+4. the table.
 
 Some algorithms can run only somewhere (:data:`NEEDS`): the shared-memory ones need it on, and
 "shm" every rank on one host. The table skips them elsewhere, and an override naming one there
@@ -36,6 +38,7 @@ from runtime.errors import SettingError
 from runtime.sharedmem.segments import shm_usable
 from runtime.topology import LAYOUTS
 
+from collectives import tunefile
 from collectives.algorithms.shared_memory import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm,
                                                   barrier_shm, broadcast_shm, reduce_scatter_shm)
 from collectives.algorithms.tcp import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling,
@@ -211,10 +214,11 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
     if algorithms is None:
         raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
     if group is None:
-        layout, hosts = "one", 1
+        layout, hosts, per_host = "one", 1, world
     else:
         topology = group.topology
         layout, hosts = topology.layout, topology.hosts
+        per_host = world if hosts == 1 else max(len(node) for node in topology.nodes)
     shm = not subcall and (group is None or group.shm_enabled) and shm_usable()
     from_env = override is None and not subcall
     if from_env:
@@ -228,7 +232,7 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
         need = NEEDS.get(override)
         if need is None or need(shm, layout):
             return override, _parts(collective, override, fn, nbytes, hosts)
-    return _chosen(collective, nbytes, world, shm, layout, hosts)
+    return _chosen(collective, nbytes, world, shm, layout, hosts, tunefile.rules_for(world, hosts, per_host, ALGORITHMS))
 
 
 def _parts(collective: str, name: str, fn: Callable, nbytes: int, hosts: int) -> Callable:
@@ -239,27 +243,33 @@ def _parts(collective: str, name: str, fn: Callable, nbytes: int, hosts: int) ->
     return functools.partial(fn, across=_chosen(collective, nbytes, hosts, False, "spread", hosts)[1])
 
 
-def _chosen(collective: str, nbytes: int, world: int, shm: bool, layout: str, hosts: int) -> tuple[str, Callable]:
-    """The table's choice (the first rule that can run, fits and applies) for ranks on ``hosts``
-    hosts laid out as ``layout``, remembered (_CHOSEN)."""
-    key = (collective, nbytes, world, shm, layout, hosts)
+def _chosen(collective: str, nbytes: int, world: int, shm: bool, layout: str, hosts: int,
+            tuned: tunefile.TuneRules | None = None) -> tuple[str, Callable]:
+    """The choice of the rules file ``tuned`` where it names an algorithm that can run here, else
+    the table's (the first rule that can run, fits and applies) for ranks on ``hosts`` hosts laid
+    out as ``layout``, remembered (_CHOSEN)."""
+    key = (collective, nbytes, world, shm, layout, hosts, tuned)
     chosen = _CHOSEN.get(key)
-    if chosen is None:
+    if chosen is not None:
+        return chosen
+    name = None if tuned is None else tuned.pick(collective, shm, nbytes)
+    need = NEEDS.get(name)
+    if name is None or not (need is None or need(shm, layout)):  # the table's choice
         for rule in TABLES[collective]:
             need = NEEDS.get(rule.algorithm)
             if (need is None or need(shm, layout)) and rule.fits(layout) and rule.applies(nbytes, world):
-                fn = _parts(collective, rule.algorithm, ALGORITHMS[collective][rule.algorithm], nbytes, hosts)
-                chosen = rule.algorithm, fn
+                name = rule.algorithm
                 break
         else:  # pragma: no cover - every table ends with a rule that always applies
             raise ValueError(f"no {collective} algorithm applies to {nbytes} bytes on {world} ranks ({layout})")
-        if len(_CHOSEN) > 4096:
-            _CHOSEN.clear()
-        _CHOSEN[key] = chosen
+    chosen = name, _parts(collective, name, ALGORITHMS[collective][name], nbytes, hosts)
+    if len(_CHOSEN) > 4096:
+        _CHOSEN.clear()
+    _CHOSEN[key] = chosen
     return chosen
 
 
-# (collective, nbytes, world, shared memory on, layout, hosts) -> the table's choice. The rules are
+# (collective, nbytes, world, shared memory on, layout, hosts, rules file) -> the choice. The rules are
 # pure functions of those: a training loop's calls repeat, and a look-up is cheaper than walking
 # the lambdas (bench/results/runtime.md#choosing-from-the-table). The tables are fixed at import;
 # code that edits them afterwards must call _CHOSEN.clear().

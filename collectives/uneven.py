@@ -29,6 +29,7 @@ import numpy as np
 
 from collectives import ops
 from collectives.calls import member_group_of, open_call
+from collectives.tensors import takes_tensors
 from runtime.group import check_timeout
 
 __all__ = ["all_gather_v", "all_to_all_v", "gather_v", "scatter_v"]
@@ -66,6 +67,7 @@ async def _run(group, collective: str, nbytes: int, algorithm, timeout, *args, c
     await group.run(call, run, *args)
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeout: float | None = None,
                        algorithm: str | None = None) -> np.ndarray:
     """Gathers every rank's ``x`` (``counts[r]`` elements on group rank r) into ``out`` on
@@ -95,6 +97,7 @@ async def all_gather_v(out: np.ndarray, x: np.ndarray, counts, group=None, timeo
     return out
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts, group=None,
                        timeout: float | None = None, algorithm: str | None = None) -> np.ndarray:
     """Sends ``send_counts[j]`` elements of ``x`` (block j, blocks in rank order) to group rank j
@@ -123,6 +126,7 @@ async def all_to_all_v(out: np.ndarray, x: np.ndarray, send_counts, recv_counts,
     return out
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def gather_v(out: np.ndarray | None, x: np.ndarray, counts, dst: int = 0, group=None,
                    timeout: float | None = None, algorithm: str | None = None) -> np.ndarray | None:
     """Gathers every rank's ``x`` (``counts[r]`` elements) into ``out`` of group rank ``dst``,
@@ -154,6 +158,7 @@ async def gather_v(out: np.ndarray | None, x: np.ndarray, counts, dst: int = 0, 
     return out
 
 
+@takes_tensors(writes=("out",), reads=("x",))
 async def scatter_v(out: np.ndarray, x: np.ndarray | None, counts, src: int = 0, group=None,
                     timeout: float | None = None, algorithm: str | None = None) -> np.ndarray:
     """Sends block r of ``x`` on group rank ``src`` (``counts[r]`` elements, blocks in rank

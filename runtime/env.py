@@ -295,6 +295,14 @@ KERNELS = _("RINGWEAVE_KERNELS", choice("numpy", "numba"), None, "each call",
             "numpy: the NumPy reference reduction kernels instead of Numba")
 ALGO = _("RINGWEAVE_ALGO_<COLLECTIVE>", text, None, "each call",
          "force an algorithm, e.g. RINGWEAVE_ALGO_ALL_REDUCE=ring (the same on every rank)")
+# -- the tuner's rules file (collectives/tunefile.py, written by python -m collectives.tune) --
+TUNE = _("RINGWEAVE_TUNE", switch, "1", "each call",
+         "0: ignore the rules file python -m collectives.tune wrote for this machine and layout; the built-in "
+         "table chooses")
+TUNE_FILE = _("RINGWEAVE_TUNE_FILE", text, None, "each call",
+              "a rules file to load instead of $XDG_CACHE_HOME/ringweave/tune/<machine key>.json (its key must "
+              "still match the machine and layout)")
+# -- end of the tuner's settings --
 TRACE = _("RINGWEAVE_TRACE", text, None, "init",
           "directory for per-rank collective traces (python -m tools.trace DIR merges them)")
 HOST = _("RINGWEAVE_HOST", text, None, "init",

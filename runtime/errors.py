@@ -11,6 +11,28 @@ layer (runtime, collectives, trainer, tools) can raise these.
 from __future__ import annotations
 
 
+def ranks_in_words(ranks) -> str:
+    """Ranks for a message, runs joined: ``"rank 1"``, ``"ranks 0, 2 and 5-7"``, ``"no rank"``.
+
+    >>> ranks_in_words([7, 0, 5, 6, 2])
+    'ranks 0, 2 and 5-7'
+    """
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return "no rank"
+    runs: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs += [str(start)] if start == prev else [str(start), str(prev)] if prev == start + 1 else [f"{start}-{prev}"]
+        if r is not None:
+            start = prev = r
+    words = runs[0] if len(runs) == 1 else f"{', '.join(runs[:-1])} and {runs[-1]}"
+    return f"rank {words}" if len(ranks) == 1 else f"ranks {words}"
+
+
 class RingweaveError(Exception):
     """Base of every error ringweave raises on purpose."""
 

@@ -35,7 +35,7 @@ from runtime.topology import HostTopology
 from runtime.turns import LoopTurns
 from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, PeerTimeoutError,
-                            RingweaveError)
+                            RingweaveError, ranks_in_words)
 
 log = logging.getLogger("ringweave.group")
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
@@ -366,11 +366,13 @@ class ProcessGroup:
             missing = call.cancel_outstanding()
             names = [self.ranks[m] for m in missing]
             absent, why = await self._not_arrived(call)
-            not_arrived = (f"; rank(s) {absent} had not reached this call "
-                           f"({', '.join(f'{r}: {why[r]}' for r in absent)})" if absent else "")
+            waiting = f" waiting on {ranks_in_words(names)}" if names else ""
+            not_arrived = (f"; {ranks_in_words(absent)} had not reached this call "
+                           f"({', '.join(f'{r}: {why[r]}' for r in absent)})" if absent else
+                           "; every rank had reached it")
             exc = CollectiveTimeoutError(
                 f"rank {self.runtime.actor.rank}: {call.fingerprint!r} (group {self.gid}, call #{call.seq}) "
-                f"timed out after {call.timeout_s:.1f} s waiting on rank(s) {names}{not_arrived}",
+                f"timed out after {call.timeout_s:.1f} s{waiting}{not_arrived}",
                 missing=names, absent=absent)
             self.abort(exc)  # the others fail too: a late rank must not take this call's frames as a success
             raise exc from None
@@ -474,10 +476,12 @@ class ProcessGroup:
             if self.error is None and self.calls.get(call.seq) is call:
                 waited = time.monotonic() - call.started
                 waited_on = sorted(self.ranks[r] for r in call.waiting_on)
-                missing = (f"; not reached by rank(s) {absent} ({', '.join(f'{r}: {why[r]}' for r in absent)})"
-                           if absent else "; every rank has reached it")
-                log.warning("rank %d: %r (group %d, call #%d) has waited %.0f s on rank(s) %s%s", actor.rank,
-                            call.fingerprint, self.gid, call.seq, waited, waited_on, missing)
+                reasons = ", ".join(f"{r}: {why[r]}" for r in absent)
+                missing = f"; not reached by {ranks_in_words(absent)} ({reasons})" if absent else \
+                    "; every rank has reached it"
+                on = f" on {ranks_in_words(waited_on)}" if waited_on else ""
+                log.warning("rank %d: %r (group %d, call #%d) has waited %.0f s%s%s", actor.rank,
+                            call.fingerprint, self.gid, call.seq, waited, on, missing)
 
     def call_of(self, seq: int) -> str | None:
         """The fingerprint of this rank's call #``seq`` in this group: in flight or finished

@@ -41,7 +41,7 @@ import msgpack
 
 from runtime import auth, env, lifeline, rendezvous as rdzv, scheduler, trace, warmup
 from runtime.actor import Actor
-from runtime.errors import ClosedError, PeerLostError, RingweaveError
+from runtime.errors import ClosedError, PeerLostError, RingweaveError, StoreTimeoutError
 from runtime.group import ProcessGroup
 from runtime.rankruntime import RankRuntime
 from runtime.sharedmem.segments import shm_usable
@@ -249,7 +249,10 @@ async def _wire(m: rdzv.Membership, timeout_s: float, owned: rdzv.Rendezvous | N
             me = {"host": host, "port": port, "node": node_id(), "shm": shm_usable()}
             await m.store.set(f"addr/{rank}", msgpack.packb(me))
             keys = [f"addr/{r}" for r in range(world_size)]
-            await m.store.wait(keys, timeout_s)
+            try:
+                await m.store.wait(keys, timeout_s)
+            except StoreTimeoutError as exc:  # said as the ranks that have not joined, not as store keys
+                raise rdzv.not_joined_error(m, exc, timeout_s) from None
             peers = {r: msgpack.unpackb(await m.store.get(f"addr/{r}")) for r in range(world_size)}
             await actor.connect_peers({r: (p["host"], p["port"]) for r, p in peers.items()}, timeout_s)
             nodes = [peers[r]["node"] for r in range(world_size)]

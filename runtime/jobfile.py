@@ -3,7 +3,7 @@
 The launcher of the node that hosts the store writes
 ``<runtime dir>/ringweave-<uid>/<job>.json`` (mode 0600: it holds the secret)
 with the store's address, the job id, the world size, the current restart and
-the launcher's pid, and removes it when the job ends. ``python -m tools.status``
+the launcher's pid and when the job started, and removes it when the job ends. ``python -m tools.status``
 reads it to ask every rank what it is doing. The runtime dir is
 ``$XDG_RUNTIME_DIR`` or the system temporary directory.
 
@@ -141,29 +141,58 @@ def remove(job: str) -> None:
 
 
 def find(job: str | None = None) -> dict:
-    """The named job's file, else the newest one of a launcher still running.
+    """The named job's file, else the newest one of a launcher still running (:func:`running`).
 
     Raises:
         FileNotFoundError: no such job (or no job running on this machine).
         JobFileError: the directory or the file is not safely ours.
     """
+    if not job:
+        jobs = running()
+        if not jobs:
+            raise FileNotFoundError(f"no ringweave job files in {job_dir()}: is a job running on this machine?")
+        return jobs[0]
     try:
         dfd = open_dir(create=False)
     except FileNotFoundError:
         raise FileNotFoundError(f"no ringweave job files in {job_dir()}: is a job running on this machine?") from None
     try:
         _remove_stale(dfd)
-        if job:
-            name = file_name(job)
-        else:
-            names = [n for n in os.listdir(dfd) if n.endswith(".json") and not n.startswith(".")]
-            if not names:
-                raise FileNotFoundError(f"no ringweave job files in {job_dir()}: is a job running on this machine?")
-            name = max(names, key=lambda n: _mtime(n, dfd))
+        name = file_name(job)
         info = _read(name, dfd)
         if info is None:
             raise FileNotFoundError(f"no job file {os.path.join(job_dir(), name)}")
         return info
+    finally:
+        os.close(dfd)
+
+
+def running() -> list[dict]:
+    """The files of this user's jobs whose launchers still run on this machine, newest first
+    (by ``started_at``, else when the file was written). Files that are not safely ours are
+    left out (:func:`find` names one when asked for it).
+
+    Raises:
+        JobFileError: the directory is not safely ours.
+    """
+    try:
+        dfd = open_dir(create=False)
+    except FileNotFoundError:
+        return []
+    try:
+        _remove_stale(dfd)
+        jobs = []
+        for name in os.listdir(dfd):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                info = _read(name, dfd)
+            except JobFileError:
+                continue
+            if info is not None:
+                started = info.get("started_at")
+                jobs.append((started if isinstance(started, (int, float)) else _mtime(name, dfd), name, info))
+        return [info for _, _, info in sorted(jobs, key=lambda t: (-t[0], t[1]))]
     finally:
         os.close(dfd)
 

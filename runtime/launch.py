@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Sequence
 import msgpack
 
 from runtime import auth, jobfile, procs
-from runtime import env as settings
+from runtime import env
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
 from runtime.launch_config import (
@@ -59,12 +59,14 @@ from runtime.launch_outcome import (
     Ending,
     Outcome,
     RankExit,
+    cause_still_running,
     failure_report,
     first_failure,
     next_step,
     restart_message,
     signal_name,
     stop_plan,
+    usage_report,
 )
 from runtime.scheduler import usable_cores
 from runtime.sharedmem import segments
@@ -153,44 +155,53 @@ def abort_record(server, restart: int) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("rank"), int) else None
 
 
-async def root_cause(outcome: Outcome, ranks: list[procs.RankProcess], aborted: dict | None,
-                     wait_s: float) -> Outcome:
-    """A FAILED outcome pointed at the rank that aborted the job, when that was one of ours and
-    not the rank seen failing first: the others fail *because* it aborted, and may exit before
-    it does (its exit waits for its traceback and its interpreter's teardown). Waits up to
-    ``wait_s`` for it to exit; a rank that aborted and then exited 0 is not the failure."""
-    if outcome.ending is not Ending.FAILED or aborted is None or aborted["rank"] == outcome.failure.rank:
-        return outcome
-    root = next((r for r in ranks if r.rank == aborted["rank"]), None)
-    if root is None:
-        return outcome
-    if not root.protocol.exited.done():
-        await asyncio.wait([root.protocol.exited], timeout=wait_s)
-    if root.returncode is None or root.returncode == 0:
-        return outcome
-    return Outcome(Ending.FAILED, failure=RankExit(root.rank, root.returncode, root.protocol.exited_at))
+PIPE_WAIT_S = 0.3  # how long a failed rank's last lines (its traceback) may take to arrive after its exit
 
 
-async def watch(ranks: list[procs.RankProcess], stopper: Stopper,
-                deadline: float | None) -> Outcome:
-    """Waits for the first of: a rank failing, every rank exiting 0, a
-    signal to the launcher, the deadline. Does not stop anything."""
+async def _exit_of(r: procs.RankProcess) -> RankExit:
+    """How ``r`` exited; for a failure, with the exception line of its last traceback, read once
+    its pipes close (bounded: a grandchild may hold them open)."""
+    if r.returncode and not r.protocol.pipes_closed.done():
+        await asyncio.wait([r.protocol.pipes_closed], timeout=PIPE_WAIT_S)
+    return RankExit(r.rank, r.returncode, r.protocol.exited_at, r.protocol.last_exception)
+
+
+async def watch(ranks: list[procs.RankProcess], stopper: Stopper, deadline: float | None,
+                aborted: Callable[[], dict | None] = lambda: None, settle_s: float = 0.0) -> Outcome:
+    """Waits for the first of: a rank failing, every rank exiting 0, a signal to the launcher,
+    the deadline. Does not stop anything.
+
+    A failure is the rank that caused it (launch_outcome.first_failure): when the first rank
+    seen failing died of a peer, or another rank of ours aborted the job, this waits up to
+    ``settle_s`` more for that rank to exit (its exit waits for its traceback and its
+    interpreter's teardown, often longer than its victims')."""
     by_future = {r.protocol.exited: r for r in ranks}
     waiting: set[asyncio.Future] = set(by_future) | {stopper.requested}
+    exits: list[RankExit] = []
+    settle_until: float | None = None
     while True:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ends = [t for t in (deadline, settle_until) if t is not None]
+        timeout = None if not ends else max(0.0, min(ends) - time.monotonic())
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if stopper.requested.done():
             return Outcome(Ending.INTERRUPTED, signum=stopper.requested.result())
-        exits = [RankExit(by_future[f].rank, f.result(), by_future[f].protocol.exited_at)
-                 for f in done]
-        failure = first_failure(exits)
-        if failure is not None:
-            return Outcome(Ending.FAILED, failure=failure)
+        exits += [await _exit_of(by_future[f]) for f in done]
         waiting -= done
+        record = aborted()
+        aborted_rank = record["rank"] if record is not None else None
+        failure = first_failure(exits, aborted_rank)
+        if failure is not None:
+            running = [by_future[f].rank for f in waiting if f is not stopper.requested]
+            if settle_until is None:
+                settle_until = time.monotonic() + settle_s
+            now = time.monotonic()
+            if (now >= settle_until or (deadline is not None and now >= deadline)
+                    or not cause_still_running(failure, aborted_rank, running)):
+                return Outcome(Ending.FAILED, failure=failure)
+            continue
         if waiting == {stopper.requested}:
             return Outcome(Ending.SUCCEEDED)
-        if not done:
+        if not done and deadline is not None and time.monotonic() >= deadline:
             return Outcome(Ending.TIMED_OUT, running=[r.rank for r in ranks if r.returncode is None])
 
 
@@ -203,15 +214,20 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
     argv = rank_argv(cfg)
     first_rank = cfg.node_rank * cfg.nproc
     ranks: list[procs.RankProcess] = []
+    usage_errors: set[str] = set()  # written once per attempt, whichever ranks wrote them (procs.UsageFolder)
     outcome: Outcome | None = None
     try:
-        for local_rank, env in enumerate(envs):
+        for local_rank, rank_environ in enumerate(envs):
             if stopper.requested.done():
                 break
             rank = first_rank + local_rank
-            ranks.append(await procs.spawn(rank, argv, env, console.write, cfg.tail_lines,
-                                           fold=functools.partial(_echo_of_abort, aborted, rank)))
-        outcome = await root_cause(await watch(ranks, stopper, deadline), ranks, aborted(), cfg.grace_s)
+            ranks.append(await procs.spawn(rank, argv, rank_environ, console.write, cfg.tail_lines,
+                                           fold=functools.partial(_echo_of_abort, aborted, rank),
+                                           usage_errors=usage_errors))
+        outcome = await watch(ranks, stopper, deadline, aborted, settle_s=cfg.grace_s)
+        if outcome.ending is Ending.FAILED and usage_errors:
+            failed = next(r for r in ranks if r.rank == outcome.failure.rank)
+            outcome.usage_error = failed.protocol.usage_error or next(iter(usage_errors))
     finally:
         sig, notice = stop_plan(cfg, outcome)
         if notice:
@@ -241,18 +257,26 @@ def _echo_of_abort(aborted: Callable[[], dict | None], rank: int) -> str | None:
     return f"rank {record['rank']}'s {record.get('type', 'error')} aborted the job"
 
 
+def job_line(cfg: LaunchConfig, job: str) -> str:
+    """What the launcher says first: the job's id, its ranks, and how to ask what they do."""
+    first = cfg.node_rank * cfg.nproc
+    ranks = (f"{cfg.world_size} ranks" if cfg.nnodes == 1 else
+             f"ranks {first}-{first + cfg.nproc - 1} of {cfg.world_size} on node {cfg.node_rank}")
+    return f"job {job}: {ranks} (python -m tools.status --job {job} shows what each is doing)"
+
+
 def remove_shm_segments(envs: list[dict[str, str]]) -> list[str]:
     """Shared-memory clean-up at the end of an attempt (runtime/sharedmem/): unlinks the /dev/shm
     segments of the job owned by this node's ranks. Ranks unlink their segments' names as soon
     as every peer has mapped them; this removes what a rank killed inside that window left."""
-    job = settings.JOB.given(envs[0]) if envs else None
+    job = env.JOB.given(envs[0]) if envs else None
     return segments.remove_job_segments(job, [int(e["RANK"]) for e in envs]) if job else []
 
 
 async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str]) -> int:
     """The whole job: secret, store, attempts, restarts. Returns the exit code."""
     try:
-        secret = choose_secret(cfg, settings.SECRET.get(environ))
+        secret = choose_secret(cfg, env.SECRET.get(environ))
     except ValueError as exc:
         console.say(f"error: {exc}")
         return EXIT_USAGE
@@ -288,13 +312,15 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 master_port = server.port
             if cfg.hosts_store:  # tools.status finds the job through this file
                 stack.callback(jobfile.remove, job)
+            console.say(job_line(cfg, job))
             restart = 0
+            started_at = time.time()  # tools.status lists this user's jobs by it
             while True:
                 if cfg.hosts_store:
                     try:
                         jobfile.write(job, {"master_addr": cfg.advertised_addr, "master_port": master_port,
                                             "secret": secret, "restart": restart, "world_size": cfg.world_size,
-                                            "launcher_pid": os.getpid()})
+                                            "launcher_pid": os.getpid(), "started_at": started_at})
                     except JobFileError as exc:  # the job runs; only tools.status cannot find it
                         console.say(f"warning: no job file for tools.status: {exc}")
                 envs = [rank_env(environ, cfg, local_rank, master_port=master_port, secret=secret,
@@ -306,6 +332,9 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 except OSError as exc:
                     console.say(f"error: could not start the ranks: {exc}")
                     return EXIT_LAUNCHER
+                if outcome.is_usage_error:
+                    console.say(usage_report(job, outcome.failure))
+                    return EXIT_USAGE
                 if outcome.ending is Ending.FAILED:
                     console.say(*failure_report(cfg, outcome.failure, outcome.tail, aborted(),
                                                 outcome.last_exception))

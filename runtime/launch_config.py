@@ -44,10 +44,12 @@ Each rank's environment (torchrun's names, then ours; the rest is the launcher's
   MKL_NUM_THREADS = max(1, cores // N) where the launcher's environment leaves them unset.
 
 Exit code: 0 when every rank exited 0; else that of the rank that failed first (128+S for
-signal S; a rank of this node that aborted the job is named before the ranks that failed
-because of it); 124 past --max-time-s; 130, 143, 129 when the launcher got SIGINT, SIGTERM,
-SIGHUP; 2 for bad arguments or a secret that was needed and not given; 1 when the launcher
-itself failed (the store could not listen, a rank could not be started)."""
+signal S; a rank of this node that aborted the job, or one that did not die of a peer, is named
+before the ranks that failed because of it; a rank's usage error, exit code 2 after a line
+"PROG: error: ...", is written once and never restarted); 124 past --max-time-s; 130, 143,
+129 when the launcher got SIGINT, SIGTERM, SIGHUP; 2 for bad arguments or a secret that was
+needed and not given; 1 when the launcher itself failed (the store could not listen, a rank
+could not be started)."""
 
 
 @dataclass(frozen=True)

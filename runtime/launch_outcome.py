@@ -1,7 +1,8 @@
 """How one attempt of a job ended, and what the launcher does next: pure decisions over rank exits,
 no processes.
 
-:func:`first_failure` picks the rank that failed first from the exits seen; :class:`Outcome` is how
+:func:`first_failure` picks the rank that failed first from the exits seen (the rank that aborted the
+job, else one that did not die of a peer: :func:`died_of_a_peer`); :class:`Outcome` is how
 an attempt ended (:class:`Ending`: every rank exited 0, a rank failed, the launcher got a signal,
 ``--max-time-s`` ran out); :func:`next_step` turns an outcome into a restart or the launcher's exit
 code (the table of ``--help``); :func:`stop_plan` says which signal stops the rest of the attempt;
@@ -51,12 +52,45 @@ class RankExit:
     rank: int
     returncode: int
     exited_at: float  # time.monotonic()
+    exception: str | None = None  # the exception line of its last traceback, if it wrote one
 
 
-def first_failure(exits: Sequence[RankExit]) -> RankExit | None:
-    """The earliest non-zero exit (ties: the lowest rank), or None."""
+# A rank that died of one of these failed because another rank did (it was lost, or aborted the job)
+VICTIM_ERRORS = ("PeerLostError", "PeerAbortedError")
+
+
+def died_of_a_peer(exception: str | None) -> bool:
+    """Whether an exception line (``runtime.errors.PeerAbortedError: rank 1 aborted ...``) says
+    its rank failed because of another rank: a victim, never the job's first failure."""
+    if not exception or ":" not in exception:
+        return False
+    return exception.split(":", 1)[0].strip().rsplit(".", 1)[-1] in VICTIM_ERRORS
+
+
+def first_failure(exits: Sequence[RankExit], aborted_rank: int | None = None) -> RankExit | None:
+    """The rank that failed first, from the exits seen so far, or None (no non-zero exit).
+
+    The rank that aborted the job (``aborted_rank``, from the abort record) when it has failed;
+    else the earliest failure (ties: the lowest rank) that did not die of a peer
+    (:func:`died_of_a_peer`); else, when only victims have failed, the earliest of them."""
     failed = [e for e in exits if e.returncode != 0]
-    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+    if not failed:
+        return None
+    for e in failed:
+        if e.rank == aborted_rank:
+            return e
+    causes = [e for e in failed if not died_of_a_peer(e.exception)] or failed
+    return min(causes, key=lambda e: (e.exited_at, e.rank))
+
+
+def cause_still_running(failure: RankExit, aborted_rank: int | None, running: Sequence[int]) -> bool:
+    """Whether the rank that caused ``failure`` may still be running here, so the launcher waits
+    for it (a bounded while) before naming a rank: the rank the abort record names, or, for a
+    victim, any rank still running (the one that raised exits after its traceback and its
+    interpreter's teardown, often after the peers it aborted)."""
+    if aborted_rank is not None and aborted_rank != failure.rank:
+        return aborted_rank in running
+    return aborted_rank is None and died_of_a_peer(failure.exception) and bool(running)
 
 
 class Ending(enum.Enum):
@@ -76,6 +110,14 @@ class Outcome:
     tail: list[str] = field(default_factory=list)  # FAILED: its last lines
     last_exception: str | None = None  # FAILED: the last line of its last traceback
     running: list[int] = field(default_factory=list)  # TIMED_OUT: ranks still running
+    usage_error: str | None = None  # FAILED with EXIT_USAGE: the usage error line a rank wrote
+
+    @property
+    def is_usage_error(self) -> bool:
+        """A rank exited with a usage error (exit code 2, after a ``PROG: error: ...`` line):
+        the command line or the configuration is wrong; a restart would fail the same way."""
+        return (self.ending is Ending.FAILED and self.failure.returncode == EXIT_USAGE
+                and self.usage_error is not None)
 
 
 class Action(enum.Enum):
@@ -92,7 +134,7 @@ def next_step(outcome: Outcome, restarts_done: int, max_restarts: int) -> tuple[
         return Action.EXIT, 128 + int(outcome.signum or signal.SIGTERM)
     if outcome.ending is Ending.TIMED_OUT:
         return Action.EXIT, EXIT_TIMEOUT
-    if restarts_done < max_restarts:
+    if restarts_done < max_restarts and not outcome.is_usage_error:
         return Action.RESTART, 0
     return Action.EXIT, exit_code_of(outcome.failure.returncode)
 
@@ -122,6 +164,12 @@ def failure_report(cfg: LaunchConfig, failure: RankExit, tail: Sequence[str],
     return lines
 
 
+def usage_report(job: str, failure: RankExit) -> str:
+    """The one line the launcher ends a job with after a rank's usage error (the rank's error
+    line is above it, written once)."""
+    return f"job {job} stopped by the usage error above; exiting with {exit_code_of(failure.returncode)}"
+
+
 def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | None]:
     """How the rest of an attempt is stopped: the signal for every rank's
     group, and what to say first. ``outcome`` is None when the launcher
@@ -129,6 +177,8 @@ def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | No
     "stopped" too: that only reaches what the ranks left behind."""
     if outcome is None:
         return signal.SIGTERM, None
+    if outcome.is_usage_error:
+        return signal.SIGTERM, None  # the error line above says it all: failure_report ends it
     if outcome.ending is Ending.FAILED:
         f = outcome.failure
         return signal.SIGTERM, (f"rank {f.rank} failed with {describe_exit(f.returncode)}; "

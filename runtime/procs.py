@@ -10,7 +10,10 @@
   process is reaped, not when its pipes close (a grandchild that inherited them
   must not delay its rank's failure). A traceback that is the echo of another
   rank's failure (that rank aborted the job first) is written as its last line
-  (:class:`TracebackFolder`): one rank's error makes one traceback, not N.
+  (:class:`TracebackFolder`): one rank's error makes one traceback, not N. A
+  usage error (argparse's ``usage:`` block, then ``PROG: error: ...``) is
+  written as its error line, once per attempt whichever ranks wrote it
+  (:class:`UsageFolder`): a bad flag on N ranks makes one line.
 - :func:`stop_all` signals every rank's group, waits a grace period, kills what
   is left, and reaps orphaned descendants (the launcher makes itself a child
   subreaper on Linux, so grandchildren whose rank died are reparented to it
@@ -30,6 +33,7 @@ import asyncio
 import collections
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +124,11 @@ class TracebackFolder:
             return self._take(line)
         return self.flush() + [line]
 
+    @property
+    def in_frames(self) -> bool:
+        """Whether the lines fed now are a traceback's, before its exception line."""
+        return self._state == "frames"
+
     def flush(self) -> list[bytes]:
         """Ends the traceback (at EOF, or when a line after it arrives); returns its one line if folded."""
         self._state = None
@@ -140,6 +149,57 @@ class TracebackFolder:
         return []
 
 
+USAGE_START = "usage: "
+ERROR_LINE = re.compile(r"^(\S[^:]*): error: \S")  # argparse's "PROG: error: MESSAGE"
+MAX_USAGE_LINES = 400  # a "usage" longer than this is written out as it came
+
+
+class UsageFolder:
+    """Usage errors in a stream of lines, each written once per attempt. No I/O: ``feed(line)``
+    and ``flush()`` return the lines to write.
+
+    A ``usage:`` line and the indented lines after it are held until the error line
+    (``PROG: error: MESSAGE``) that argparse writes after them: then the error line alone is
+    written, with a pointer to ``PROG --help``; any other line writes the held ones as they
+    came. An error line is written only if no rank of the attempt wrote the same one before
+    (``written``, shared by the attempt's ranks). ``error`` is the last error line of this
+    rank, written or not.
+    """
+
+    def __init__(self, written: set[str] | None = None):
+        self._written = set() if written is None else written
+        self._held: list[bytes] = []
+        self.error: str | None = None
+
+    def feed(self, line: bytes) -> list[bytes]:
+        text = line.rstrip(b"\r").decode("utf-8", "replace")
+        if self._held:
+            if text[:1].isspace() and len(self._held) < MAX_USAGE_LINES:
+                self._held.append(line)
+                return []
+            m = ERROR_LINE.match(text)
+            if m:
+                self._held = []
+                return self._error(text, f" (usage: {m.group(1)} --help)")
+            return self.flush() + self.feed(line)
+        if text.startswith(USAGE_START):
+            self._held = [line]
+            return []
+        return self._error(text, "") if ERROR_LINE.match(text) else [line]
+
+    def flush(self) -> list[bytes]:
+        """The held lines, as they came (at EOF, or when the block was no usage error)."""
+        held, self._held = self._held, []
+        return held
+
+    def _error(self, text: str, hint: str) -> list[bytes]:
+        self.error = text
+        if text in self._written:
+            return []
+        self._written.add(text)
+        return [(text + hint).encode()]
+
+
 class RankProtocol(asyncio.SubprocessProtocol):
     """The pipes and the exit of one rank.
 
@@ -151,13 +211,15 @@ class RankProtocol(asyncio.SubprocessProtocol):
         tail: the last lines of its stdout and stderr, interleaved as they came.
     """
 
-    def __init__(self, rank: int, sink: Sink, tail_lines: int, fold: Callable[[], str | None] = lambda: None):
+    def __init__(self, rank: int, sink: Sink, tail_lines: int, fold: Callable[[], str | None] = lambda: None,
+                 usage_errors: set[str] | None = None):
         loop = asyncio.get_running_loop()
         self.rank = rank
         self._sink = sink
         self._prefix = f"[rank {rank}] ".encode()
         self._splitters = {1: LineSplitter(), 2: LineSplitter()}
         self._folder = TracebackFolder(fold)  # stderr's tracebacks that are another rank's failure's echo
+        self._usage = UsageFolder(usage_errors)  # stderr's usage errors, once per attempt
         self._open_fds = {1, 2}
         self.transport: asyncio.SubprocessTransport | None = None
         self.exited: asyncio.Future[int] = loop.create_future()
@@ -176,7 +238,7 @@ class RankProtocol(asyncio.SubprocessProtocol):
             return
         self._emit(fd, self._splitters[fd].flush())
         if fd == 2:
-            self._emit(fd, self._folder.flush(), folded=True)
+            self._flush_folders()
         self._open_fds.discard(fd)
         if not self._open_fds and not self.pipes_closed.done():
             self.pipes_closed.set_result(None)
@@ -197,15 +259,31 @@ class RankProtocol(asyncio.SubprocessProtocol):
         for fd in sorted(self._open_fds):
             self._emit(fd, self._splitters[fd].flush())
             if fd == 2:
-                self._emit(fd, self._folder.flush(), folded=True)
+                self._flush_folders()
+
+    def _flush_folders(self) -> None:
+        """Writes what the folders of stderr hold, at its end."""
+        held = [out for line in self._usage.flush() for out in self._folder.feed(line)]
+        self._emit(2, held + self._folder.flush(), folded=True)
+
+    @property
+    def usage_error(self) -> str | None:
+        """The last usage error line the rank wrote to stderr (``PROG: error: ...``), if any."""
+        return self._usage.error
 
     def _emit(self, fd: int, lines: list[bytes], folded: bool = False) -> None:
         if fd == 2 and not folded:
-            lines = [out for line in lines for out in self._folder.feed(line)]
+            lines = [out for line in lines for out in self._fold(line)]
         if not lines:
             return
         self._sink(fd, b"".join(self._prefix + line + b"\n" for line in lines))
         self.tail.extend(line.rstrip(b"\r").decode("utf-8", "replace") for line in lines)
+
+    def _fold(self, line: bytes) -> list[bytes]:
+        """One stderr line through the folders: a traceback's frames go to the traceback's alone."""
+        if self._folder.in_frames:
+            return self._folder.feed(line)
+        return [out for kept in self._usage.feed(line) for out in self._folder.feed(kept)]
 
 
 @dataclass
@@ -243,16 +321,18 @@ class RankProcess:
 
 
 async def spawn(rank: int, argv: list[str], env: dict[str, str], sink: Sink,
-                tail_lines: int = 20, fold: Callable[[], str | None] = lambda: None) -> RankProcess:
+                tail_lines: int = 20, fold: Callable[[], str | None] = lambda: None,
+                usage_errors: set[str] | None = None) -> RankProcess:
     """Starts one rank in its own process group (``start_new_session=True``). ``fold()``, asked at
-    each traceback the rank writes to stderr, says why to write it as one line (or None).
+    each traceback the rank writes to stderr, says why to write it as one line (or None);
+    ``usage_errors``: the usage error lines the attempt's ranks wrote (:class:`UsageFolder`).
 
     Raises:
         OSError: the program could not be started.
     """
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.subprocess_exec(
-        lambda: RankProtocol(rank, sink, tail_lines, fold), *argv,
+        lambda: RankProtocol(rank, sink, tail_lines, fold, usage_errors), *argv,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=env, start_new_session=True)
     return RankProcess(rank, transport, protocol)

@@ -39,7 +39,7 @@ from typing import ClassVar, Mapping
 import msgpack
 
 from runtime import auth, env, jobsecret, scheduler
-from runtime.errors import ClosedError, ConnectError, RingweaveError
+from runtime.errors import ClosedError, ConnectError, RingweaveError, StoreTimeoutError, ranks_in_words
 from runtime.store import MemoryStore, PrefixStore, Store
 from runtime.store_server import StoreServer
 from runtime.store_tcp import TCPStore
@@ -93,6 +93,20 @@ class Membership:
     job: str                 # e.g. "ringweave"
     restart: int             # the attempt, e.g. 0
     secret: bytes | None     # the job's secret (given, from RINGWEAVE_SECRET, or derived)
+
+
+def not_joined_error(m: Membership, exc: StoreTimeoutError, timeout_s: float) -> StoreTimeoutError:
+    """The timeout of a member of generation ``m`` waiting for the others' addresses (``addr/<rank>``
+    keys of ``exc.keys``), said as ranks that have not joined: no store key in the message."""
+    missing = sorted({int(k.rsplit("/", 1)[1]) for k in exc.keys if k.rsplit("/", 1)[-1].isdigit()})
+    joined = [r for r in range(m.world_size) if r not in missing]
+    generation = f", generation {m.generation}" if m.generation else ""
+    where = f" (store at {m.master_addr})" if m.master_addr else ""
+    return StoreTimeoutError(
+        f"rank {m.rank} of {m.world_size} waited {exc.waited_s:.1f} s (timeout {timeout_s:g} s) for the others to "
+        f"join job {m.job!r}{generation}{where}; not joined: {ranks_in_words(missing)} "
+        f"(joined: {ranks_in_words(joined)}). Start all {m.world_size} ranks with the same MASTER_ADDR, MASTER_PORT "
+        f"and WORLD_SIZE, or give them more time (RINGWEAVE_TIMEOUT_S)", keys=exc.keys, waited_s=exc.waited_s)
 
 
 class Rendezvous(abc.ABC):

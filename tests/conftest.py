@@ -3,6 +3,7 @@ fixture ``ranks`` from runtime.testing, and the ``gpu`` marker: the GPU case mod
 (``tests/*/gpu_*_cases.py``) are collected where a GPU is usable (tests/cudasim.py), and run under
 the simulator in CI through tests/*/test_*_cuda.py either way."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,10 @@ if _ROOT not in sys.path:
 from tests import cudasim  # noqa: E402 - after the root is on sys.path
 
 pytest_plugins = ["runtime.testing"]
+
+# The built-in tables, whatever rules `python -m collectives.tune` left in this user's cache (the
+# tuner's own tests turn them back on); ranks that tests start inherit it.
+os.environ["RINGWEAVE_TUNE"] = "0"
 
 
 def pytest_configure(config):

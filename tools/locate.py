@@ -8,7 +8,8 @@ First that applies wins:
    MASTER_PORT / RINGWEAVE_JOB, or what SLURM or Open MPI imply. Inside an allocation,
    ``srun --jobid=J --overlap -n 1 python -m tools.status`` finds job J's store from
    SLURM_JOB_ID alone (a one-task step runs on the job's first node, where the store is);
-4. the newest job file on this machine.
+4. the newest job file of this user on this machine, with the others (``"others"``: the caller
+   says which it shows, and how to ask for another).
 
 Through the store, the world size and restart count come from the ``job/info`` key that
 rank 0 sets (runtime/rendezvous.py). The secret comes from ``--secret-file`` or
@@ -38,6 +39,19 @@ def add_arguments(p) -> None:
     p.add_argument("--secret-file", default=None, help="file holding the job's secret (default: RINGWEAVE_SECRET)")
 
 
+def newest_job() -> dict:
+    """The job file of this user's newest job on this machine, with ``"others"``: the files of
+    the other jobs still running, newest first (the caller says which one it shows).
+
+    Raises:
+        FileNotFoundError: no job of this user runs on this machine.
+    """
+    jobs = jobfile.running()
+    if not jobs:
+        raise FileNotFoundError(f"no ringweave job files in {jobfile.job_dir()}: is a job running on this machine?")
+    return dict(jobs[0], others=jobs[1:])
+
+
 def _secret(path: str | None) -> str | None:
     if path:
         with open(path) as f:
@@ -64,7 +78,9 @@ async def locate(args, timeout_s: float, env=None) -> dict:
                 pass
         if placed["master_port"] is None:
             try:
-                return jobfile.find(args.job)
+                if args.job:
+                    return jobfile.find(args.job)
+                return newest_job()
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{exc}; or give --master-addr and --master-port (the job's store), "
                                         f"or run where MASTER_PORT or a scheduler's variables name it") from None

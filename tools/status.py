@@ -1,6 +1,6 @@
 """What is every rank of a job doing now? The first thing to ask of a job that seems stuck.
 
-    python -m tools.status                 # the newest job started on this machine
+    python -m tools.status                 # this user's job on this machine (the newest of several, said so)
     python -m tools.status --job job-1a2b  # a given job
     python -m tools.status --json
     python -m tools.status --master-addr n01 --master-port 15042 --job slurm-5042   # through its store
@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 
 import msgpack
 
@@ -90,6 +91,25 @@ async def collect(info: dict, timeout_s: float) -> list[dict]:
         await store.close()
 
 
+def which_job(info: dict, chosen: bool) -> list[str]:
+    """The lines that say which job is shown: ``chosen`` when the flags or the environment named
+    it, else it is this user's only job on this machine, or the newest of several (then listed)."""
+    def about(job: dict) -> str:
+        started = job.get("started_at")
+        when = f", started {time.strftime('%H:%M:%S', time.localtime(started))}" if isinstance(
+            started, (int, float)) else ""
+        return f"{job.get('world_size', '?')} ranks{when}"
+
+    others = info.get("others") or []
+    head = f"job {info['job']} ({about(info)})"
+    if chosen:
+        return [head]
+    if not others:
+        return [f"{head}: the only job of this user on this machine"]
+    return [f"{head}: the newest of {len(others) + 1} jobs of this user on this machine; the others:",
+            *(f"  job {o['job']} ({about(o)}): python -m tools.status --job {o['job']}" for o in others)]
+
+
 def render(statuses: list[dict]) -> list[str]:
     lines = []
     for st in statuses:
@@ -109,7 +129,8 @@ def render(statuses: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--job", default=None)
+    p.add_argument("--job", default=None, help="the job's id (the launcher prints it first); default: this "
+                   "user's job on this machine, the newest of several (said so, the others listed)")
     p.add_argument("--timeout-s", type=types.positive_seconds, default=2.0,
                    help="how long each rank (and the store) may take to answer, in seconds (default 2)")
     p.add_argument("--json", action="store_true")
@@ -120,11 +141,15 @@ def main(argv=None) -> int:
     except (FileNotFoundError, RingweaveError, OSError) as exc:  # JobFileError (a RingweaveError): not safely ours
         print(exc, file=sys.stderr)
         return 1
+    chosen = args.job is not None or "others" not in info  # named, or found through the environment
+    header = which_job(info, chosen)
     statuses = asyncio.run(collect(info, args.timeout_s))
     if args.json:
+        if len(header) > 1:  # several jobs: which one this is goes beside the JSON, not into it
+            print("\n".join(header), file=sys.stderr)
         print(json.dumps(statuses, indent=1))
     else:
-        print("\n".join(render(statuses)))
+        print("\n".join(header + render(statuses)))
     return 0
 
 

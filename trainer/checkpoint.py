@@ -41,8 +41,9 @@ from trainer.precision import resolve_dtype
 
 log = logging.getLogger("ringweave.checkpoint")
 
-__all__ = ["CheckpointError", "save", "load", "load_newest_valid", "latest", "list_checkpoints", "read_metadata",
-           "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint", "remove_checkpoint"]
+__all__ = ["CheckpointError", "step_dir_name", "save", "load", "load_newest_valid", "latest", "list_checkpoints",
+           "read_metadata", "read_full_params", "read_unit_params", "export_npz", "export_npz_from_checkpoint",
+           "remove_checkpoint"]
 
 # ---- helpers ----------------------------------------------------------------------
 
@@ -51,7 +52,8 @@ def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8)) & 0xFFFFFFFF
 
 
-def _step_dir_name(step: int) -> str:
+def step_dir_name(step: int) -> str:
+    """The directory of the checkpoint of ``step``, e.g. "step-00000046"."""
     return f"step-{step:08d}"
 
 
@@ -176,7 +178,8 @@ def _commit(meta: dict, rootdir: Dir, tmp: Dir, tmp_name: str, name: str) -> Non
     rootdir.fsync()
 
 
-async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3, run: dict | None = None) -> Path:
+async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3, run: dict | None = None,
+               protected: tuple[str, ...] = ()) -> Path:
     """Saves ``strategy``'s state under ``root/step-SSSSSSSS``; every rank of its group calls it.
 
     Args:
@@ -185,6 +188,8 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3,
             user's and not writable by others), the same path on every rank.
         extra: JSON-able loop state, e.g. ``{"epoch": 2, "batch": 7}``.
         keep_last: committed checkpoints of this run kept (its older ones are deleted), >= 1.
+        protected: names of step directories never deleted by that pruning, e.g. ("step-00000046",),
+            the best checkpoint that ``fit(save_best=...)`` keeps beside the newest ones.
         run: ``{"id": 32 lowercase hex, "config": {name: JSON scalar or list of scalars}}``, the run
             this checkpoint belongs to (trainer/runid.py), stored as metadata["run"]; None: none.
     Returns:
@@ -203,7 +208,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3,
     # a mesh strategy gathers its arrays into the full model's layout first (collective)
     gather = getattr(strategy, "sharded_state_dict", None)
     state = await gather() if gather is not None else strategy.state_dict()
-    name = _step_dir_name(int(state["step"]))
+    name = step_dir_name(int(state["step"]))
     tmp_name = f".tmp-{name}"
     tmp_path, final = root / tmp_name, root / name
     rootdir = tmp = None
@@ -244,7 +249,8 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3,
                 meta = _metadata(state, getattr(strategy, "logical_model", strategy.model), tmp, world, extra, run)
                 _commit(meta, rootdir, tmp, tmp_name, name)
                 for stale in _own_checkpoints(root, run["id"] if run else None)[:-keep_last]:
-                    remove_checkpoint(rootdir, stale.name)
+                    if stale.name not in protected:
+                        remove_checkpoint(rootdir, stale.name)
             except Exception as exc:
                 commit[0] = 1
                 error = exc

@@ -5,6 +5,7 @@
     python -m trainer --epochs 3                                  # one process, world size 1
     python -m runtime.launch -n 4 -m trainer --model gpt --strategy fsdp    # the GPT on pydoc text
     python -m runtime.launch -n 4 -m trainer --model gpt --tp 2 --pp 2 --micro-batches 8 --schedule 1f1b
+    python -m runtime.launch -n 2 -m trainer --tp 2                # the MLP's Linears cut over 2 ranks
     python -m runtime.launch -n 8 -m trainer --strategy fsdp --replicas 2   # HSDP: 2 replicas x 4 shards
     python -m trainer --model gpt --offload optimizer --offload-dir /scratch   # Adam's state on disk
 
@@ -39,7 +40,10 @@ import runtime
 from runtime import args as types
 from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
+from trainer.extras import MissingExtra
+from trainer.callbacks import EPOCH_METRICS
 from trainer.loop import EarlyStopping, StopAtAccuracy, fit, steps_per_epoch
+from trainer.metrics import metrics_format
 from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
@@ -65,7 +69,7 @@ MODEL_DEFAULTS = {
 }
 
 
-SPLIT_MODELS = ("gpt",)  # the models trainer.parallel splits over --tp and --pp (split_refusal)
+SPLIT_MODELS = ("mlp", "gpt")  # the models trainer.parallel splits over --tp and --pp (split_refusal)
 
 # every number's type comes from runtime/args.py: finite, in range, argparse's one-line error
 _positive_int = types.positive_int
@@ -98,11 +102,29 @@ def _stage_layers(text: str) -> tuple[int, ...]:
     return layers
 
 
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        betas = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise argparse.ArgumentTypeError(f"must be two numbers B1,B2, each in [0, 1), e.g. 0.9,0.95; got {text!r}")
+    return betas
+
+
+def _metrics_path(text: str) -> str:
+    try:
+        metrics_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer",
-        description="Train an MLP with a ringweave sharding strategy "
-                    "(launch several ranks with: python -m runtime.launch -n 4 -m trainer ...).")
+        description="Train an MLP (--model mlp, on --data) or a GPT (--model gpt, on --corpus text) with a ringweave "
+                    "sharding strategy (launch several ranks with: python -m runtime.launch -n 4 -m trainer ...).")
     g = p.add_argument_group("strategy")
     g.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="sharding strategy (default ddp)")
     g.add_argument("--replicas", type=_replicas, nargs="?", const="hosts", default=1, metavar="R",
@@ -141,11 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only each transformer block's input in the forward and recompute the block in "
                         "the backward (same gradients, less memory; the run summary shows the activation peak)")
 
-    g = p.add_argument_group("model parallelism (--model gpt) and offload")
+    g = p.add_argument_group("model parallelism and offload")
     g.add_argument("--tp", type=_positive_int, default=1, metavar="T",
-                   help="tensor-parallel ranks: each layer's matrices split over T ranks of one host (default 1)")
+                   help="tensor-parallel ranks: each layer's matrices split over T ranks of one host (the GPT's "
+                        "attention heads and MLPs, the MLP's Linears in column/row pairs; default 1)")
     g.add_argument("--pp", type=_positive_int, default=1, metavar="P",
-                   help="pipeline stages: the blocks split into P stages (default 1)")
+                   help="pipeline stages: the blocks (the GPT's --n-layer, the MLP's --depth hidden blocks and its "
+                        "head) split into P stages, at most one per block (default 1)")
     g.add_argument("--dp", type=_positive_int, default=None, metavar="D",
                    help="data-parallel ranks, --strategy on this dimension (default: what is left, world / (T P))")
     g.add_argument("--micro-batches", type=_positive_int, default=None, metavar="M",
@@ -153,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="pipeline schedule: 1f1b (at most P micro-batches in flight) or gpipe (all M); default 1f1b")
     g.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="N,N,...",
-                   help="blocks per pipeline stage, e.g. 3,1 (default: balanced by parameter count)")
+                   help="blocks per stage, e.g. 3,1, adding up to the model's blocks (default: balanced by "
+                        "parameter count)")
     g.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="keep the optimizer state (and with params also the float32 master weights, which needs "
                         "a lower --param-dtype) in memory-mapped files, read ahead and written back unit by unit")
@@ -172,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which parameters weight decay applies to: the layers' matrices, not biases, LayerNorm or "
                         "embeddings (default, as nanoGPT and DeepSpeed), or all")
     g.add_argument("--momentum", type=types.fraction, default=0.9, help="sgd only")
+    g.add_argument("--betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2",
+                   help="adamw's beta1,beta2, each in [0, 1) (default 0.9,0.999; nanoGPT trains with 0.9,0.95)")
     g.add_argument("--nesterov", action="store_true", help="sgd only")
     g.add_argument("--min-lr", type=types.non_negative, default=None, help="cosine floor (default lr / 100)")
     g.add_argument("--adam-kernel", choices=("numba", "numpy"), default="numba")
@@ -233,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--blas-threads", type=_positive_int, default=None, metavar="T",
                    help="BLAS threads per rank (default 1)")
     g.add_argument("--json", default=None, metavar="PATH", help="write the history as JSON (rank 0)")
+    g.add_argument("--metrics", type=_metrics_path, default=None, metavar="PATH",
+                   help="write every step's metrics (loss, lr, grad norm, throughput) and every epoch's to PATH, "
+                        "CSV (.csv) or JSON lines (.jsonl), and TensorBoard event files to PATH's stem + "
+                        "-tensorboard/ where a writer is installed (rank 0); plot with python -m trainer.plot PATH")
+    g.add_argument("--save-best", choices=EPOCH_METRICS, default=None, metavar="METRIC",
+                   help="also keep the checkpoint of the epoch where METRIC was best (an accuracy highest, any other "
+                        "lowest): val_loss, val_acc, train_loss, ...; never pruned by --keep-last (needs "
+                        "--checkpoint-dir)")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -247,6 +282,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.resume and not args.checkpoint_dir:
         build_parser().error("--resume needs --checkpoint-dir")
+    if args.save_best and not args.checkpoint_dir:
+        build_parser().error("--save-best needs --checkpoint-dir")
     if args.move_aside and not args.checkpoint_dir:
         build_parser().error("--move-aside needs --checkpoint-dir")
     if args.move_aside and args.resume:
@@ -267,6 +304,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.stage_layers is not None and len(args.stage_layers) != args.pp:
         build_parser().error(f"--stage-layers {','.join(map(str, args.stage_layers))} names {len(args.stage_layers)} "
                              f"stages; --pp is {args.pp}")
+    if refusal := stage_refusal(args):
+        build_parser().error(refusal)
     if args.micro_batches is not None and args.micro_batches % args.grad_accum:
         build_parser().error(f"--micro-batches {args.micro_batches} must be a multiple of --grad-accum "
                              f"{args.grad_accum}")
@@ -291,7 +330,25 @@ def mesh_strategy(args: argparse.Namespace) -> bool:
 def split_refusal(args: argparse.Namespace) -> str | None:
     """Why the model-parallel flags cannot split this model (None: they can, or none is given)."""
     if uses_mesh(args) and args.model not in SPLIT_MODELS:
-        return "--tp, --pp, --dp, --micro-batches and --stage-layers split the GPT: add --model gpt"
+        return (f"--tp, --pp, --dp, --micro-batches and --stage-layers split --model "
+                f"{' or '.join(SPLIT_MODELS)}, not {args.model}")
+    return None
+
+
+def pipeline_blocks(args: argparse.Namespace) -> int:
+    """The calls trainer/parallel/pipeline.py cuts into stages: the GPT's blocks (its embedding and
+    head are pinned to the first and last stage), the MLP's hidden blocks and its head."""
+    return args.n_layer if args.model == "gpt" else args.depth + 1
+
+
+def stage_refusal(args: argparse.Namespace) -> str | None:
+    """Why --pp / --stage-layers cannot cut this model's blocks (None: they can)."""
+    blocks, what = pipeline_blocks(args), ("--n-layer" if args.model == "gpt" else "--depth + 1")
+    if args.pp > blocks:
+        return f"--pp {args.pp} stages need a block each; the {args.model} has {blocks} ({what}): choose --pp <= {blocks}"
+    if args.stage_layers is not None and sum(args.stage_layers) != blocks:
+        return (f"--stage-layers {','.join(map(str, args.stage_layers))} adds up to {sum(args.stage_layers)} blocks; "
+                f"the {args.model} has {blocks} ({what})")
     return None
 
 
@@ -313,7 +370,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
     warmup = steps_per_epoch // 2 if args.warmup_steps is None else args.warmup_steps
     fields = dict(
         strategy=args.strategy, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-        momentum=args.momentum, nesterov=args.nesterov, adam_kernel=args.adam_kernel,
+        momentum=args.momentum, nesterov=args.nesterov, adam_kernel=args.adam_kernel, betas=args.betas,
         min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
@@ -397,10 +454,10 @@ async def run(args: argparse.Namespace) -> int:
     rt = await runtime.init()
     strategy = None
     try:
-        from threadpoolctl import threadpool_limits  # ships with scikit-learn
+        from threadpoolctl import threadpool_limits  # a dependency (pyproject.toml)
 
         limiter = threadpool_limits(limits=_blas_threads(args), user_api="blas")
-    except ImportError:  # pragma: no cover - scikit-learn is a dependency
+    except ImportError:  # pragma: no cover - a dependency
         limiter = None
     try:
         world = rt.world
@@ -423,7 +480,7 @@ async def run(args: argparse.Namespace) -> int:
         if split:
             parallel = ParallelConfig(schedule=args.schedule, micro_batches=args.micro_batches,
                                       stage_layers=args.stage_layers)
-            strategy = make_parallel_strategy(args.strategy, model.config, config, mesh, parallel=parallel)
+            strategy = make_parallel_strategy(args.strategy, model, config, mesh, parallel=parallel)
         elif args.offload:
             strategy = make_offload_strategy(args.strategy, model, config, group, **hsdp)
         else:
@@ -444,7 +501,8 @@ async def run(args: argparse.Namespace) -> int:
                                     move_aside=args.move_aside, run_fields=run_fields(args, data),
                                     log_every=0 if args.quiet else args.log_every,
                                     checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
-                                    eval_batch_size=args.eval_batch_size, group=world)
+                                    eval_batch_size=args.eval_batch_size, group=world, metrics=args.metrics,
+                                    save_best=args.save_best)
         except Preempted as exc:
             if world.rank == 0:
                 print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
@@ -469,4 +527,8 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return runtime.run(run(args))  # uvloop's event loop when installed
+    try:
+        return runtime.run(run(args))  # uvloop's event loop when installed
+    except MissingExtra as exc:  # e.g. the digits without the trainer extra: one line, no traceback
+        print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+        return 2

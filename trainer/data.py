@@ -14,7 +14,8 @@ What it is:
 * Data sets, what `trainer.loop.fit` reads: anything with `len(ds)` samples and
   `ds.get(indices, epoch) -> (x, y)`; `ArrayDataset(x, y)`, and a split of two (`Split`,
   `trainer.text.TextSplit`).
-* `load_digits_split` (sklearn's 8x8 digits, shipped with scikit-learn, no download) and
+* `load_digits_split` (sklearn's 8x8 digits, shipped with scikit-learn, no download: the
+  `trainer` extra, a one-line MissingExtra without it) and
   `make_synthetic` (Gaussian class clusters of any size).
 
     for b in iter_local_batches(len(ds), 64, world, rank, seed=0, epoch=e):   # LocalBatch
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+
+from trainer.extras import need
 
 __all__ = [
     "epoch_order", "DistributedSampler", "split_bounds", "num_global_batches", "LocalBatch",
@@ -200,9 +203,9 @@ def train_val_split(x: np.ndarray, y: np.ndarray, *, val_fraction: float, seed: 
 
 def load_digits_split(*, seed: int = 0, val_fraction: float = 0.2, dtype=np.float32) -> Split:
     """sklearn digits: 1797 samples of 64 features, 10 classes; 360 validation rows by default."""
-    from sklearn.datasets import load_digits  # local: sklearn is slow to import, and only this needs it
-
-    digits = load_digits()
+    # local: scikit-learn is slow to import, only this needs it, and it is the trainer extra's
+    datasets = need("sklearn.datasets", package="scikit-learn", extra="trainer", what="the digits data set")
+    digits = datasets.load_digits()
     return train_val_split(digits.data, digits.target, val_fraction=val_fraction, seed=seed,
                            num_classes=10, dtype=dtype)
 

@@ -34,6 +34,7 @@ class EpochStats:
     train_eval_loss: float | None = None  # loss on the whole training set after the epoch
     val_metrics: dict = field(default_factory=dict)  # every metric of the loss, means over the validation set
     val_bits_per_byte: float | None = None  # val_loss / ln 2 / bytes per token, for text (None otherwise)
+    tokens_per_s: float | None = None  # samples_per_s x tokens per sample, for text windows (None otherwise)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,6 +80,8 @@ class History:
     train_time_s: float = 0.0
     stopped_early: bool = False
     resumed_from: tuple[int, int] | None = None  # (epoch, step in epoch) of the checkpoint
+    tokens_per_sample: int | None = None  # a text window's tokens, e.g. 64 (None: samples are not token windows)
+    best: dict | None = None  # save_best: {"metric", "mode", "value", "step", "path"} of the best checkpoint
 
     @property
     def comm_bytes(self) -> int:
@@ -90,12 +93,16 @@ class History:
         return self.samples / self.train_time_s if self.train_time_s > 0 else 0.0
 
     @property
+    def tokens_per_s(self) -> float | None:
+        return self.samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None
+
+    @property
     def final(self) -> EpochStats | None:
         return self.epochs[-1] if self.epochs else None
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out.update(comm_bytes=self.comm_bytes, samples_per_s=self.samples_per_s)
+        out.update(comm_bytes=self.comm_bytes, samples_per_s=self.samples_per_s, tokens_per_s=self.tokens_per_s)
         return out
 
 
@@ -127,8 +134,16 @@ def format_summary(history: History) -> str:
         if final.train_eval_loss is not None:
             lines.append(f"training accuracy   {_fmt(final.train_acc)}  loss {_fmt(final.train_eval_loss)}"
                          if final.train_acc is not None else f"training loss       {_fmt(final.train_eval_loss)}")
-    lines.append(f"throughput          {history.samples_per_s:,.0f} samples/s "
-                 f"({history.samples} samples in {history.train_time_s:.2f} s of training)")
+    if history.tokens_per_s is not None:
+        lines.append(f"throughput          {history.tokens_per_s:,.0f} tokens/s ({history.samples_per_s:,.0f} samples/s"
+                     f" of {history.tokens_per_sample} tokens; {history.samples} samples in "
+                     f"{history.train_time_s:.2f} s of training)")
+    else:
+        lines.append(f"throughput          {history.samples_per_s:,.0f} samples/s "
+                     f"({history.samples} samples in {history.train_time_s:.2f} s of training)")
+    if history.best is not None:
+        b = history.best
+        lines.append(f"best checkpoint     {b['path']} ({b['metric']} {_fmt(b['value'])} at step {b['step']})")
     lines.append(f"communicated        {format_bytes(history.comm_bytes)} sent by all ranks")
     if history.ranks:
         lines.append("rank      params       grads       optim   gathered peak  activations peak"

@@ -15,9 +15,11 @@ all stop at the same step.
 
 With `checkpoint_dir` each checkpoint holds the strategy's state and the loop's position, and
 names its run (trainer/rundir.py decides whether a call continues it); a continued run skips the
-micro-batches already consumed, so its losses equal an uninterrupted run's. The step schedule and
-the run's parts: `_Run`, and docs/design.md, "The training loop". Progress goes to stderr on rank
-0 (a bar on a terminal, a line every `log_every` steps otherwise), the summary to stdout.
+micro-batches already consumed, so its losses equal an uninterrupted run's; `save_best` keeps the
+best epoch's checkpoint too. The step schedule and the run's parts: `_Run`, and docs/design.md,
+"The training loop". Rank 0 shows progress on stderr (trainer/progress.py), logs every checkpoint
+saved or loaded, writes every step's metrics to a file when asked (trainer/metrics.py) and the
+summary to stdout. `evaluate` lives in trainer/evaluation.py.
 
 What it is not: no data loader threads, no metrics beyond the loss's (callbacks compute their own),
 no learning-rate logic (the strategy owns the schedule through TrainConfig), no command line
@@ -37,87 +39,18 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from trainer import checkpoint, preempt, rundir, runid
-from trainer.callbacks import Callback, EarlyStopping, LoopState, StopAtAccuracy
-from trainer.data import iter_local_batches, num_global_batches, split_bounds
+from trainer.callbacks import EPOCH_METRICS, Best, Callback, EarlyStopping, LoopState, StopAtAccuracy, epoch_metric
+from trainer.data import iter_local_batches, num_global_batches
+from trainer.evaluation import default_group, evaluate, rank_size, sum_over
 from trainer.history import EpochStats, History, RankStats, format_bytes, format_summary
+from trainer.metrics import MetricsLog, StepMetrics, metrics_format
+from trainer.progress import Progress
 from trainer.sharding.base import StepResult, Strategy, TrainConfig
 
 __all__ = [
     "fit", "evaluate", "steps_per_epoch", "EpochStats", "RankStats", "History", "LoopState",
     "Callback", "EarlyStopping", "StopAtAccuracy", "format_summary", "format_bytes", "EpochSums",
 ]
-
-
-# ---- communication helpers ---------------------------------------------------
-
-
-def _rank_size(group) -> tuple[int, int]:
-    return (0, 1) if group is None else (group.rank, group.size)
-
-
-async def _sum(group, x: np.ndarray) -> np.ndarray:
-    """Element-wise sum of `x` over the ranks of `group`, in place (nothing to do alone)."""
-    if group is not None and group.size > 1:
-        import collectives  # local: the loop runs single-process without the collectives package
-
-        await collectives.all_reduce(x, op="sum", group=group)
-    return x
-
-
-def _default_group(strategy: Strategy):
-    group = getattr(strategy, "group", None)
-    if group is not None:
-        return group
-    try:
-        import runtime
-
-        return runtime.world()
-    except Exception:  # no runtime: a single process
-        return None
-
-
-# ---- evaluation --------------------------------------------------------------
-
-
-def _as_dataset(data, y=None):
-    """A data set from a data set, or from (x, y) arrays."""
-    if y is None:
-        return data
-    from trainer.data import ArrayDataset
-
-    return ArrayDataset(data, y)
-
-
-async def evaluate(strategy: Strategy, data, y: np.ndarray | None = None, *, group=None,
-                   batch_size: int = 4096, epoch: int = 0) -> dict[str, float]:
-    """Exact means of every metric of the strategy's loss over all samples of `data`, across ranks.
-
-    `data` is a data set (`len`, `get(indices, epoch)`), or an x array with `y` beside it.
-    Rank r evaluates samples split_bounds(n, R)[r] : [r + 1] in chunks of at most
-    `batch_size`; every rank calls `strategy.evaluate` the same number of times (a rank
-    with fewer samples passes an empty chunk), because under zero3/fsdp each call
-    gathers parameters collectively. The sums of the metrics are all-reduced, so the
-    answer is the single-process one, e.g. {"loss": 0.061, "accuracy": 0.983}. Every
-    rank must pass the same data. Returns NaN for every metric when there are no samples.
-    """
-    dataset = _as_dataset(data, y)
-    if group is None:  # a mesh strategy's data are split over its dp dimension (trainer/parallel)
-        group = getattr(strategy, "data_group", None) or _default_group(strategy)
-    rank, size = _rank_size(group)
-    n = len(dataset)
-    bounds = split_bounds(n, size)
-    lo, hi = bounds[rank], bounds[rank + 1]
-    chunks = max(1, math.ceil(math.ceil(n / size) / batch_size))  # same on every rank
-    totals: dict[str, float] = {}
-    for c in range(chunks):
-        a, b = min(hi, lo + c * batch_size), min(hi, lo + (c + 1) * batch_size)
-        x_part, y_part = dataset.get(np.arange(a, b), epoch)
-        for key, value in (await strategy.evaluate(x_part, y_part)).items():
-            totals[key] = totals.get(key, 0.0) + value
-    keys = sorted(totals)  # the loss's metric names: the same on every rank
-    vector = np.array([totals[k] for k in keys], dtype=np.float64)
-    await _sum(group, vector)
-    return {k: (float(v / n) if n else float("nan")) for k, v in zip(keys, vector)}
 
 
 # ---- the loop ----------------------------------------------------------------
@@ -151,62 +84,9 @@ class EpochSums:
         return self.rows / self.train_time_s if self.train_time_s > 0 else 0.0
 
 
-class _Progress:
-    """Rank 0's progress on stderr: a redrawn bar on a terminal, else a line per `log_every` steps."""
-
-    def __init__(self, stream, enabled: bool, log_every: int) -> None:
-        self.stream, self.enabled, self.log_every = stream, enabled, max(0, log_every)
-        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
-        self._last_draw = 0.0
-
-    def step(self, epoch: int, epochs: int, k: int, steps: int, loss: float, rate: float) -> None:
-        if not self.enabled:
-            return
-        if self.tty:
-            now = time.monotonic()
-            if now - self._last_draw < 0.1 and k != steps:
-                return
-            self._last_draw = now
-            width = 24
-            done = int(width * k / max(1, steps))
-            bar = "#" * done + "." * (width - done)
-            self.stream.write(f"\repoch {epoch + 1}/{epochs} [{bar}] {k}/{steps} "
-                              f"loss {loss:.4f} {rate:,.0f} samples/s")
-            self.stream.flush()
-        elif self.log_every and (k % self.log_every == 0 or k == steps):
-            self.stream.write(f"epoch {epoch + 1}/{epochs} step {k}/{steps} loss {loss:.4f} "
-                              f"{rate:,.0f} samples/s\n")
-            self.stream.flush()
-
-    def epoch_end(self, epochs: int, s: EpochStats) -> None:
-        if not self.enabled:
-            return
-        if self.tty:
-            self.stream.write("\n")
-        parts = [f"epoch {s.epoch + 1}/{epochs}: train loss {s.train_loss:.4f}"]
-        if s.train_acc is not None:
-            parts.append(f"acc {s.train_acc:.4f}")
-        if s.val_loss is not None:
-            parts.append(f"| val loss {s.val_loss:.4f}")
-            if s.val_acc is not None:
-                parts.append(f"acc {s.val_acc:.4f}")
-            if s.val_bits_per_byte is not None:
-                parts.append(f"({s.val_bits_per_byte:.3f} bits per byte)")
-        parts.append(f"| {s.samples_per_s:,.0f} samples/s, batch {s.effective_batch_size}, {s.epoch_time_s:.2f} s")
-        if s.skipped_steps:
-            parts.append(f"({s.skipped_steps} steps skipped)")
-        self.stream.write(" ".join(parts) + "\n")
-        self.stream.flush()
-
-    def log(self, message: str) -> None:
-        if self.enabled:
-            self.stream.write(message + "\n")
-            self.stream.flush()
-
-
 async def _agree_stop(group, stop: bool) -> bool:
     flag = np.array([1.0 if stop else 0.0])
-    await _sum(group, flag)
+    await sum_over(group, flag)
     return bool(flag[0] > 0)
 
 
@@ -230,6 +110,7 @@ class _Options:
     checkpoint_every: int
     eval_train: bool
     eval_batch_size: int
+    save_best: str | None = None  # an EpochStats field, e.g. "val_loss"
 
 
 class _Run:
@@ -248,17 +129,21 @@ class _Run:
     to save and exit)."""
 
     def __init__(self, strategy: Strategy, data, config: TrainConfig, options: _Options, callbacks: list,
-                 group, progress: _Progress) -> None:
+                 group, progress: Progress) -> None:
         self.strategy, self.data, self.config, self.options, self.group = strategy, data, config, options, group
         self.progress = progress
-        self.rank, self.size = _rank_size(group)
+        self.metrics_log: MetricsLog | None = None  # rank 0's --metrics file, opened once the run's position is known
+        self.rank, self.size = rank_size(group)
         # the ranks the data is split over: the group, or a mesh strategy's dp dimension (trainer/parallel)
         self.data_group = getattr(strategy, "data_group", None) or group
-        self.data_rank, self.data_size = _rank_size(self.data_group)
+        self.data_rank, self.data_size = rank_size(self.data_group)
         self.accum = config.grad_accum
         self.n_train = len(data.train)
         self.steps_total = steps_per_epoch(self.n_train, options.global_batch_size, self.accum)
-        self.history = History(world_size=self.size, strategy=getattr(strategy, "name", type(strategy).__name__))
+        self.history = History(world_size=self.size, strategy=getattr(strategy, "name", type(strategy).__name__),
+                               tokens_per_sample=getattr(data, "tokens_per_sample", None))
+        self.best = Best(options.save_best) if options.save_best else None  # the kept checkpoint's metric
+        self.started = time.perf_counter()
         self.step_callbacks = [c for c in callbacks if hasattr(c, "on_step_end")]
         self.epoch_callbacks = [c for c in callbacks if hasattr(c, "on_epoch_end")]
         # what must match for a resume to continue the same data order
@@ -299,14 +184,45 @@ class _Run:
         self.sums = EpochSums(**meta["carried"])
         self.history.epochs = [EpochStats(**e) for e in meta["history"]]
         self.history.resumed_from = (self.start_epoch, self.start_k)
+        saved_best = meta.get("best")
+        if self.best is not None and isinstance(saved_best, dict) and saved_best.get("metric") == self.best.name:
+            self.best.value, self.best.step = saved_best.get("value"), saved_best.get("step")
         note = f" ({opened.note})" if opened.note else ""
         self.progress.log(f"resumed from {path}: epoch {self.start_epoch + 1}, step {self.start_k} of "
                           f"{self.steps_total} (optimizer step {self.state.step}){note}")
 
+    def _best_record(self) -> dict | None:
+        if self.best is None or self.best.step is None:
+            return None
+        return {**self.best.as_dict(), "path": os.path.join(self.options.checkpoint_dir,
+                                                            checkpoint.step_dir_name(self.best.step))}
+
     async def save(self, epoch: int, k: int, sums: EpochSums) -> None:
+        """A checkpoint of this position (every rank); the best one, with save_best, is never pruned."""
+        best = self._best_record()
         meta = {"epoch": epoch, "step_in_epoch": k, "step": self.state.step, "carried": asdict(sums),
                 "run": self.run_key, "history": [e.as_dict() for e in self.history.epochs]}
-        await _save_checkpoint(self.options.checkpoint_dir, self.strategy, meta, self.options.keep_last, self.run)
+        if best is not None:
+            meta["best"] = best
+        protected = (os.path.basename(best["path"]),) if best else ()
+        path = await checkpoint.save(self.strategy, self.options.checkpoint_dir, extra={"loop": meta},
+                                     keep_last=self.options.keep_last, run=self.run, protected=protected)
+        where = f"after epoch {epoch}" if k == 0 else f"epoch {epoch + 1}, step {k} of {self.steps_total}"
+        self.progress.log(f"saved checkpoint {path} (optimizer step {self.state.step}, {where})"
+                          + (f"; best {best['metric']} {best['value']:.4f}: {best['path']}" if best else ""))
+
+    async def open_metrics(self, path: str) -> None:
+        """Rank 0 opens the metrics file (a resumed run keeps its rows up to here); every rank
+        learns whether it could, so a path rank 0 cannot write stops all before the first step."""
+        error = None
+        if self.rank == 0:
+            try:
+                self.metrics_log = MetricsLog(path, resume_step=self.state.step if self.history.resumed_from else None,
+                                              say=self.progress.log)
+            except OSError as exc:
+                error = exc
+        if await _agree_stop(self.group, error is not None):
+            raise OSError(f"metrics file {path}: rank 0 cannot write it" + (f": {error}" if error else ""))
 
     # ---- one epoch ------------------------------------------------------------------
 
@@ -348,13 +264,31 @@ class _Run:
         self.steps_run += 1
         self.state.step += 1
         self.state.result = result
+        self.state.metrics = self._step_metrics(epoch, result, rows, seconds)
         return result
+
+    def _step_metrics(self, epoch: int, result: StepResult, rows: int, seconds: float) -> StepMetrics:
+        schedule = getattr(self.strategy, "schedule", None)  # step -> lr (trainer.optim), of this step's index
+        scaler = getattr(self.strategy, "scaler", None)
+        scaling = getattr(scaler, "enabled", result.loss_scale != 1.0)
+        rate = rows / seconds if seconds > 0 else 0.0
+        tokens = self.history.tokens_per_sample
+        return StepMetrics(step=self.state.step, epoch=epoch, step_in_epoch=self.state.step_in_epoch + 1,
+                           loss=float(result.loss), lr=float(schedule(self.state.step - 1)) if callable(schedule)
+                           else None, grad_norm=None if result.grad_norm is None else float(result.grad_norm),
+                           loss_scale=float(result.loss_scale) if scaling else None, skipped=bool(result.skipped),
+                           samples_per_s=rate, tokens_per_s=rate * tokens if tokens else None,
+                           elapsed_s=time.perf_counter() - self.started)
 
     async def step_boundary(self, epoch: int, k: int) -> bool:
         """Between two steps (k steps of the epoch done), on every rank: progress, the step
         callbacks, the periodic checkpoint. Returns True to stop the epoch."""
-        self.progress.step(epoch, self.options.epochs, k, self.steps_total, self.state.result.loss,
-                           self.sums.samples_per_s)
+        rate = self.sums.samples_per_s * (self.history.tokens_per_sample or 1)
+        steps_left = (self.options.epochs - epoch) * self.steps_total - k
+        self.progress.step(self.state.metrics, epochs=self.options.epochs, steps=self.steps_total, rate=rate,
+                           steps_left=steps_left)
+        if self.metrics_log is not None:
+            self.metrics_log.step(self.state.metrics)
         if await _run_callbacks(self.step_callbacks, "on_step_end", self.state, self.group):
             self.stop = True
         every = self.options.checkpoint_every
@@ -382,15 +316,23 @@ class _Run:
             train_time_s=self.sums.train_time_s, epoch_time_s=0.0, skipped_steps=self.sums.skipped,
             train_eval_loss=train_metrics.get("loss"), val_metrics=val_metrics,
             val_bits_per_byte=(val_loss / math.log(2) / bytes_per_token
-                               if bytes_per_token and val_loss is not None else None))
+                               if bytes_per_token and val_loss is not None else None),
+            tokens_per_s=(self.sums.samples_per_s * self.history.tokens_per_sample
+                          if self.history.tokens_per_sample else None))
         self.history.epochs.append(stats)
         self.state.epoch_stats = stats
         if await _run_callbacks(self.epoch_callbacks, "on_epoch_end", self.state, self.group):
             self.stop = True
+        if self.best is not None:  # the same numbers on every rank: every rank decides alike
+            self.best.update(epoch_metric(stats, self.best.name, "save_best"), self.state.step)
         if self.options.checkpoint_dir:
             await self._save_epoch(epoch, stats)
         stats.epoch_time_s = time.perf_counter() - self.epoch_start
         self.progress.epoch_end(self.options.epochs, stats)
+        if self.metrics_log is not None:
+            self.metrics_log.epoch({"step": self.state.step, "epoch": epoch,
+                                    "elapsed_s": time.perf_counter() - self.started, "samples_per_s": stats.samples_per_s, "tokens_per_s": stats.tokens_per_s,
+                                    **{k: getattr(stats, k) for k in EPOCH_METRICS}})
         if self.stop:
             self.history.stopped_early = True
             self.progress.log(f"stopped early after epoch {epoch + 1} (step {self.state.step})")
@@ -408,6 +350,7 @@ class _Run:
     # ---- the end ------------------------------------------------------------------------
 
     async def finish(self) -> History:
+        self.history.best = self._best_record()
         self.history.ranks = await _gather_rank_stats(self.strategy, self.group, self.comm_bytes, self.timings,
                                                       self.history.steps, self.comm_by_dim)
         return self.history
@@ -435,6 +378,8 @@ async def fit(
     progress_stream=None,
     summary_stream=None,
     print_summary: bool = True,
+    metrics: str | None = None,
+    save_best: str | None = None,
 ) -> History:
     """Trains `strategy` on `data` for `epochs` epochs; returns the History on every rank.
 
@@ -463,6 +408,11 @@ async def fit(
         group: the process group (default: the strategy's `group`, else the runtime's world).
         progress_stream / summary_stream: default stderr / stdout; used on rank 0 only.
         print_summary: print `format_summary(history)` at the end (rank 0).
+        metrics: a file (``.csv`` or ``.jsonl``) rank 0 writes every step's metrics to, and
+            TensorBoard event files beside it where a writer is installed (trainer/metrics.py).
+        save_best: an EpochStats field ("val_loss", "val_acc", ...: callbacks.EPOCH_METRICS); the
+            checkpoint of the epoch where it was best (lowest, or highest for an accuracy) is kept
+            beside the `keep_last` newest and never pruned. Needs checkpoint_dir.
 
     Raises:
         RunError (a ValueError): on every rank, before any step, when the checkpoint directory
@@ -478,21 +428,32 @@ async def fit(
         raise ValueError("resume=True needs a checkpoint_dir")
     if move_aside and mode is not runid.Resume.NEVER:
         raise ValueError("move_aside starts a new run: it cannot go with resume")
+    if metrics:
+        metrics_format(metrics)  # ValueError on every rank before anything runs
+    if save_best is not None and (not checkpoint_dir or save_best not in EPOCH_METRICS):
+        raise ValueError(f"save_best={save_best!r} needs a checkpoint_dir and one of {EPOCH_METRICS}")
     if group is None:
-        group = _default_group(strategy)
-    rank, _ = _rank_size(group)
+        group = default_group(strategy)
+    rank, _ = rank_size(group)
     options = _Options(epochs=epochs, global_batch_size=global_batch_size, checkpoint_dir=checkpoint_dir,
                        keep_last=keep_last, checkpoint_every=checkpoint_every, eval_train=eval_train,
-                       eval_batch_size=eval_batch_size)
+                       eval_batch_size=eval_batch_size, save_best=save_best)
+    unit = "tokens" if getattr(data, "tokens_per_sample", None) else "samples"
     run = _Run(strategy, data, config, options, list(callbacks), group,
-               _Progress(progress_stream or sys.stderr, rank == 0, log_every))
+               Progress(progress_stream or sys.stderr, rank == 0, log_every, unit=unit))
     if checkpoint_dir:
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
-    for epoch in range(run.start_epoch, epochs):
-        await run.train_epoch(epoch)
-        await run.end_epoch(epoch)
-        if run.stop:
-            break
+    try:
+        if metrics:
+            await run.open_metrics(metrics)
+        for epoch in range(run.start_epoch, epochs):
+            await run.train_epoch(epoch)
+            await run.end_epoch(epoch)
+            if run.stop:
+                break
+    finally:
+        if run.metrics_log is not None:
+            run.metrics_log.close()
     history = await run.finish()
     if print_summary and rank == 0:
         stream = summary_stream or sys.stdout
@@ -505,7 +466,7 @@ async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings
                              steps: int, comm_by_dim: dict | None = None) -> list[RankStats]:
     """Every rank's memory, traffic and timings, on every rank (one all-reduce of an (R, 23) table);
     a mesh strategy adds its coordinates, bytes per dimension and pipeline figures."""
-    rank, size = _rank_size(group)
+    rank, size = rank_size(group)
     mem = strategy.memory_bytes()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     report = strategy.pipeline_report() if hasattr(strategy, "pipeline_report") else None
@@ -518,7 +479,7 @@ async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings
                    dims.get("tp", 0), dims.get("pp", 0), timings.get("bubble_s", 0.0), timings.get("pipeline_s", 0.0),
                    report["bubble_formula"] if report else 0.0, report["in_flight_peak"] if report else 0,
                    mem.get("resident", 0), mem.get("offloaded", 0))
-    await _sum(group, table)
+    await sum_over(group, table)
     return [RankStats(rank=r, params_bytes=int(t[0]), grads_bytes=int(t[1]), optim_bytes=int(t[2]),
                       gathered_peak_bytes=int(t[3]), maxrss_bytes=int(t[4]), comm_bytes=int(t[5]),
                       compute_s=float(t[6]), comm_s=float(t[7]), exposed_comm_s=float(t[8]), steps=int(t[9]),
@@ -531,10 +492,6 @@ async def _gather_rank_stats(strategy: Strategy, group, comm_bytes: int, timings
 
 
 # ---- checkpoints (trainer.checkpoint does the files; the loop adds its position) ----
-
-
-async def _save_checkpoint(directory: str, strategy: Strategy, meta: dict, keep_last: int, run: dict | None) -> None:
-    await checkpoint.save(strategy, directory, extra={"loop": meta}, keep_last=keep_last, run=run)
 
 
 async def _load_checkpoint(directory: str, strategy: Strategy, run: dict, candidates) -> tuple[str, dict]:

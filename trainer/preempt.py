@@ -34,7 +34,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from runtime import env as rwenv
+from runtime import env
 from runtime import lifeline
 
 __all__ = ["Preemption", "Preempted", "at_step_boundary", "active"]
@@ -78,9 +78,9 @@ class Preemption:
 
     def __init__(self, signals: tuple[str, ...] | None = None, *, enabled: bool = True,
                  check_s: float | None = None):
-        self.signals = tuple(signal.Signals[s] for s in (rwenv.PREEMPT_SIGNALS.get() if signals is None else signals))
+        self.signals = tuple(signal.Signals[s] for s in (env.PREEMPT_SIGNALS.get() if signals is None else signals))
         self.enabled = enabled and bool(self.signals)
-        self.check_s = rwenv.PREEMPT_CHECK.get() if check_s is None else check_s  # about this often, e.g. 1.0
+        self.check_s = env.PREEMPT_CHECK.get() if check_s is None else check_s  # about this often, e.g. 1.0
         self.received = 0  # the first signal noted, 0 if none
         self._previous: dict[signal.Signals, object] = {}
         self._countdown = 0  # boundaries to pass before the next check (0: check at the next one)
@@ -169,4 +169,4 @@ async def at_step_boundary(group, save: Callable[[], Awaitable[None]] | None) ->
         return
     if save is not None:
         await save()
-    raise Preempted(signum, rwenv.preempt_exit_code(signum), save is not None)
+    raise Preempted(signum, env.preempt_exit_code(signum), save is not None)

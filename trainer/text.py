@@ -127,6 +127,11 @@ class TextSplit:
     bytes_per_token: float = 1.0  # the byte tokenizer: bits per byte = loss / ln 2
 
     @property
+    def tokens_per_sample(self) -> int:
+        """Tokens of one training window, e.g. 64: trainer.loop reports tokens/s with it."""
+        return self.train.block_size
+
+    @property
     def unigram_loss(self) -> float:
         """The validation loss of predicting every target byte by the training set's byte frequencies (nats)."""
         targets = self.val.tokens[1 : len(self.val) * self.val.block_size + 1]  # what the windows predict

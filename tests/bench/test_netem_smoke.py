@@ -1,13 +1,18 @@
-"""Smoke test of bench/netem.py: 2 ranks in 2 network namespaces behind 1 Gbit/s links run
-bench/collectives.py; the table, the JSON and the default algorithm across hosts are checked,
-and every namespace and link it made is gone afterwards. It asserts that the harness works,
-never a speed. Needs root, ip, tc and unshare; skipped with the reason otherwise."""
+"""Smoke tests of bench/netem.py: 2 ranks in 2 network namespaces behind 1 Gbit/s links run
+bench/collectives.py (alone, and beside Gloo and Open MPI between the hosts) and the trainer;
+the table, the JSON and the default algorithm across hosts are checked. Whatever ends a run (its
+end, SIGTERM, SIGINT; SIGKILL and then --cleanup), every namespace, link and process it made is
+gone afterwards, and nothing of anyone else's. They assert that the harness works, never a
+speed. Need root, ip, tc and unshare; skipped with the reason otherwise."""
 
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,19 +30,70 @@ if WHY_NOT is None:
     if made.returncode:
         WHY_NOT = f"`ip netns add` failed here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 
-@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def start(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return subprocess.Popen([sys.executable, str(ROOT / "bench" / "netem.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """Waits for a run; asserts it succeeded and left nothing behind; returns its output."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        subprocess.run([sys.executable, str(ROOT / "bench" / "netem.py"), "--cleanup"], capture_output=True)
+        raise AssertionError(f"netem.py ran past {timeout_s} s\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert_nothing_left(proc.pid, [])
+    return stdout, stderr
+
+
+def alive(pid: int) -> bool:
+    """Runs (a zombie, which no parent reaped yet, does not run)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_nothing_left(owner: int, pids: list[int]) -> None:
+    """No namespace or link of run ``owner`` (by the names netem.py gives), none of ``pids`` alive."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"rwnetem-{owner}-" not in namespaces, namespaces
+    assert f"rwe{owner}b" not in links and f"rwe{owner}o" not in links and f"rwe{owner}i" not in links, links
+    assert not [p for p in pids if alive(p)], [p for p in pids if alive(p)]
+
+
+def wait_running(proc: subprocess.Popen, hosts: int, timeout_s: float = 20) -> list[int]:
+    """The pids in run ``proc``'s namespaces once every one of them runs a process of the job."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        names = netem.namespaces(proc.pid)
+        pids = [[int(p) for p in netem.out("ip", "netns", "pids", ns).split()] for ns in names]
+        if len(names) == hosts and all(len(p) >= 2 for p in pids):  # the launcher and its rank
+            return [p for ps in pids for p in ps]
+        time.sleep(0.1)
+    raise AssertionError(f"the job had not started in every namespace after {timeout_s} s")
+
+
+SLEEPER = "import runtime, asyncio, time\nasyncio.run(runtime.init())\ntime.sleep(120)\n"
+
+
+@needs_netns
 @pytest.mark.timeout(180)
 def test_two_namespaces_behind_shaped_links(tmp_path):
     out_json = tmp_path / "n.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "netem.py"), "-n", "2", "--rate", "1gbit",
-                           "--max-time-s", "120", "--", "--ops", "broadcast,all_reduce",
-                           "--sizes", "4,1M", "--iters", "2", "--plot", "", "--json", str(out_json)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "2 ranks (netem 2 namespaces, 1gbit)" in proc.stdout, proc.stdout[-3000:]
+    stdout, _ = finish(start("-n", "2", "--rate", "1gbit", "--max-time-s", "120", "--", "--ops", "broadcast,all_reduce",
+                             "--sizes", "4,1M", "--iters", "2", "--plot", "", "--json", str(out_json)), 170)
+    assert "2 ranks (netem 2 namespaces, 1gbit)" in stdout, stdout[-3000:]
     rows = {(r["op"], r["bytes"]): r for r in json.loads(out_json.read_text())["rows"]}
     assert rows[("broadcast", 1 << 20)]["algorithm"] == "chain"  # the table's choice across hosts
     assert rows[("broadcast", 4)]["algorithm"] == "flat"
@@ -45,29 +101,129 @@ def test_two_namespaces_behind_shaped_links(tmp_path):
     # its first quarter through at once (256 KiB alone could pass in the burst: it took 1.43 ms in
     # one CI run); loopback takes well under 2 ms
     assert rows[("broadcast", 1 << 20)]["time_us"] > 4000, rows[("broadcast", 1 << 20)]
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    tag = "rwn"  # every namespace the tool makes starts so; its links rwbr/rwi/rwo
-    assert tag not in left and "rwbr" not in links and "rwo" not in links, (left, links)
 
 
-@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+@needs_netns
 @pytest.mark.timeout(180)
 def test_two_ranks_per_namespace(tmp_path):
     """--per-node 2 --shm on: 4 ranks on 2 emulated hosts. The default all_reduce (the hierarchical
     algorithm from 64 KiB across hosts, named so; the TCP table's choice below) gives the bench's
     closed-form answers."""
     out_json = tmp_path / "n.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "netem.py"), "-n", "2", "--per-node", "2",
-                           "--shm", "on", "--rate", "1gbit", "--max-time-s", "120", "--",
-                           "--ops", "all_reduce", "--sizes", "4,1M", "--iters", "2", "--plot", "",
-                           "--json", str(out_json)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "4 ranks (netem 2 namespaces x 2 ranks, 1gbit)" in proc.stdout, proc.stdout[-3000:]
+    stdout, _ = finish(start("-n", "2", "--per-node", "2", "--shm", "on", "--rate", "1gbit", "--max-time-s", "120",
+                             "--", "--ops", "all_reduce", "--sizes", "4,1M", "--iters", "2", "--plot", "",
+                             "--json", str(out_json)), 170)
+    assert "4 ranks (netem 2 namespaces x 2 ranks, 1gbit)" in stdout, stdout[-3000:]
     rows = {(r["op"], r["bytes"]): r for r in json.loads(out_json.read_text())["rows"]}
     assert rows[("all_reduce", 1 << 20)]["algorithm"] == "hierarchical", rows  # checked against the closed form
     assert rows[("all_reduce", 4)]["algorithm"] == "recursive_doubling", rows
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "rwn" not in left, left
+
+
+def peers_missing() -> str | None:
+    if WHY_NOT:
+        return WHY_NOT
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (the Gloo peer)"
+    if shutil.which("mpirun") is None:
+        return "mpirun is not installed: `make sysdeps` installs Open MPI"
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except ImportError as e:
+        return f"mpi4py does not load ({e}): pip install mpi4py, with Open MPI installed"
+    return None
+
+
+PEERS_MISSING = peers_missing()
+
+
+@pytest.mark.skipif(PEERS_MISSING is not None, reason=PEERS_MISSING or "")
+@pytest.mark.timeout(60)
+def test_every_row_has_its_peers_between_hosts(tmp_path):
+    """--compare gloo,mpi on 2 emulated hosts: one mpirun in the first namespace starts the other's
+    ranks through netem's agent; Gloo's store and pairs and MPI's tcp btl cross the link, and each
+    row holds both peers' times (each checked against the closed form before it is timed)."""
+    out_json = tmp_path / "n.json"
+    stdout, _ = finish(start("-n", "2", "--max-time-s", "45", "--", "--compare", "gloo,mpi", "--mpi-btl", "tcp",
+                             "--ops", "all_reduce,broadcast", "--sizes", "4,64K", "--iters", "2", "--warmup", "1",
+                             "--warmup-rounds", "5", "--plot", "", "--json", str(out_json)), 55)
+    report = json.loads(out_json.read_text())
+    assert report["meta"]["launch"] == "netem 2 namespaces, 1gbit, mpirun (btl self,tcp)", report["meta"]
+    assert report["meta"]["host"] == "rw-netem-0"
+    rows = report["rows"]
+    assert len(rows) == 4 and all(r["gloo"]["time_us"] > 0 and r["mpi-tcp"]["time_us"] > 0 for r in rows), rows
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_the_trainer_on_two_emulated_hosts(tmp_path):
+    """Any launcher job: `-m trainer`, one rank on each of 2 hosts behind links of different rates."""
+    out_json = tmp_path / "history.json"
+    stdout, _ = finish(start("-n", "2", "--rate", "100mbit,1gbit", "--max-time-s", "45", "--", "-m", "trainer",
+                             "--data", "synthetic", "--size", "256", "--width", "16", "--depth", "1", "--epochs", "1",
+                             "--quiet", "--json", str(out_json)), 55)
+    assert "ddp on 2 rank(s)" in stdout, stdout[-3000:]
+    history = json.loads(out_json.read_text())["history"]
+    assert history, history
+
+
+@needs_netns
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_run_leaves_no_namespace_link_or_process(tmp_path, sig):
+    job = tmp_path / "sleeper.py"
+    job.write_text(SLEEPER)
+    proc = start("-n", "2", "--max-time-s", "60", "--", str(job))
+    try:
+        pids = wait_running(proc, 2)
+        proc.send_signal(sig)
+        proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig, proc.returncode
+    assert_nothing_left(proc.pid, pids)
+
+
+@needs_netns
+@pytest.mark.timeout(30)
+def test_cleanup_removes_what_a_killed_run_left_and_nothing_else(tmp_path):
+    job = tmp_path / "sleeper.py"
+    job.write_text(SLEEPER)
+    other = f"rwnetemx-{os.getpid()}"  # near the pattern, not in it: not ours to delete
+    subprocess.run(["ip", "netns", "add", other], check=True, capture_output=True)
+    proc = start("-n", "2", "--max-time-s", "60", "--", str(job))
+    try:
+        pids = wait_running(proc, 2)
+        proc.kill()  # SIGKILL: nothing of netem.py runs; the job does, and holds its output pipes
+        proc.wait(timeout=10)
+        assert len(netem.namespaces(proc.pid)) == 2
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "netem.py"), "--cleanup"],
+                              capture_output=True, text=True, timeout=20)
+        assert done.returncode == 0, done.stderr
+        assert f"removed what run {proc.pid} left" in done.stdout, done.stdout
+        assert_nothing_left(proc.pid, pids)
+        assert other in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        proc.communicate(timeout=10)
+    finally:
+        subprocess.run(["ip", "netns", "del", other], capture_output=True)
+        if proc.poll() is None or netem.namespaces(proc.pid):
+            proc.kill()
+            netem.teardown(proc.pid)
+
+
+@needs_netns
+@pytest.mark.timeout(40)
+def test_a_job_past_its_time_limit_is_stopped_and_removed(tmp_path):
+    job = tmp_path / "sleeper.py"
+    job.write_text(SLEEPER)
+    proc = start("-n", "2", "--max-time-s", "8", "--", str(job))
+    try:
+        pids = wait_running(proc, 2)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 124, proc.returncode  # the launchers' exit for --max-time-s
+    assert_nothing_left(proc.pid, pids)

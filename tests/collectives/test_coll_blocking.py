@@ -110,6 +110,21 @@ def test_several_threads_per_rank():
     comms[0].close()  # idempotent
 
 
+@pytest.mark.timeout(60)
+def test_a_handle_raises_the_calls_own_timeout():
+    """A collective that times out raises its CollectiveTimeoutError (a TimeoutError) through
+    ``Handle.wait``, not the wait's own "still running"."""
+    from runtime.errors import CollectiveTimeoutError
+    port = _free_port()
+    comms = _run_threads([lambda r=r: Communicator(rank=r, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                                   timeout=30) for r in range(2)])
+    try:
+        with pytest.raises(CollectiveTimeoutError):  # rank 1 never joins the call
+            comms[0].all_reduce_async(np.ones(2), timeout=0.3).wait()
+    finally:
+        _run_threads([c.abort for c in comms])
+
+
 @pytest.mark.timeout(90)
 def test_the_mpi_and_torch_calls_block_too():
     """scan, exscan, sendrecv, probe/iprobe, split, new_subgroups and monitored_barrier on the

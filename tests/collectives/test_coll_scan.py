@@ -109,3 +109,15 @@ async def test_scan_and_exscan_do_not_match_each_other(ranks):
             await call(np.ones(2), timeout=10)
             await C.barrier(timeout=10)  # rank 0 receives nothing in a scan: its next call raises
     await ranks(2, body)
+
+
+async def test_torch_tensors_in_place(ranks):
+    torch = pytest.importorskip("torch")
+
+    async def body(g):
+        t = torch.full((2,), float(g.rank + 1))
+        assert await C.scan(t) is t  # the caller's tensor, written in place
+        out = torch.empty(2, dtype=torch.int64)
+        await C.sendrecv(torch.tensor([g.rank, g.rank]), (g.rank + 1) % 3, out, (g.rank - 1) % 3)
+        return t.tolist(), out.tolist()
+    assert await ranks(3, body) == [([1.0, 1.0], [2, 2]), ([3.0, 3.0], [0, 0]), ([6.0, 6.0], [1, 1])]

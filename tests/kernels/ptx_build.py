@@ -2,7 +2,8 @@
 
 Run by test_kernels_ptx.py in a fresh interpreter (numba.cuda must not be simulating); prints one
 JSON object: kernel name -> {"error": message or null, "ops": the float instructions of its PTX,
-"maxntid": the threads per block its launch bounds declare, or null}.
+"maxntid": the threads per block its launch bounds declare, or null}; or {"missing": why} when
+not even a one-line kernel compiles (no libNVVM / NVRTC here).
 
 What it catches that the simulator cannot: the simulator runs kernels as Python, so code that does
 not type under numba.cuda (``math.floor`` returns a float there, ``or_(int64, float64)`` has no
@@ -42,6 +43,10 @@ def main() -> None:
 
     dispatcher.get_current_device = lambda: Target()
 
+    missing = missing_compilers(cc)
+    if missing:
+        print(json.dumps({"missing": missing}))
+        return
     from collectives.compress import cuda as ccuda
     from collectives.kernels import cuda as kcuda
 
@@ -62,6 +67,18 @@ def main() -> None:
     kernels += [(kcuda.__name__, f"{op}.{n}", k) for op, ks in kcuda._KERNELS.items() for n, k in ks.items()]
     unlisted = sorted(f"{m}:{n}" for m, n, k in kernels if id(k) not in listed)
     print(json.dumps({"results": results, "unlisted": unlisted}))
+
+
+def missing_compilers(cc) -> str | None:
+    """Why no kernel can be compiled here (no libNVVM or NVRTC that numba.cuda can load), or None."""
+    def probe(out):  # pragma: no cover - compiled, never run
+        out[0] = 1
+
+    try:
+        cuda.compile_ptx(probe, "void(int32[:])", cc=cc)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:500]
+    return None
 
 
 def _is_kernel(obj) -> bool:

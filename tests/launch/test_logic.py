@@ -305,3 +305,54 @@ def test_failure_report_names_the_abort_and_does_not_repeat_the_traceback():
 def test_every_launcher_option_is_described_in_help():
     undescribed = [a.dest for a in launch_config.build_parser()._actions if not (a.help or "").strip()]
     assert not undescribed, f"options without help: {undescribed}"
+
+
+# -- usage errors ---------------------------------------------------------------------------
+
+USAGE = [b"usage: python -m trainer [-h] [--strategy {ddp,zero1}]", b"                         [--quiet]",
+         b"python -m trainer: error: unrecognized arguments: --modle gpt"]
+
+
+def test_a_usage_block_is_its_error_line_written_once_by_the_ranks_of_an_attempt():
+    from runtime.procs import UsageFolder
+    written: set[str] = set()
+    first, second = UsageFolder(written), UsageFolder(written)
+    assert feed(first, [b"before", *USAGE, b"after"]) == [
+        b"before", USAGE[-1] + b" (usage: python -m trainer --help)", b"after"]
+    assert feed(second, USAGE) == []  # the same error from another rank
+    assert first.error == second.error == USAGE[-1].decode()
+    assert feed(second, [b"trainer: error: tp=3 does not divide 2"]) == [b"trainer: error: tp=3 does not divide 2"]
+    assert feed(first, [b"trainer: error: tp=3 does not divide 2"]) == []
+
+
+def test_lines_that_only_look_like_usage_pass_as_they_came():
+    from runtime.procs import UsageFolder
+    folder = UsageFolder()
+    lines = [b"usage: 3 GiB of 8", b"  still indented", b"epoch 1 done", b"no error: here", b"x:error: y"]
+    assert feed(folder, lines) == lines and folder.error is None
+    assert feed(folder, [b"usage: cut short at EOF", b"  [--flag]"]) == [b"usage: cut short at EOF", b"  [--flag]"]
+
+
+def test_an_exception_line_inside_a_traceback_is_not_a_usage_error():
+    from runtime.procs import RankProtocol
+
+    async def written():
+        out: list[bytes] = []
+        proto = RankProtocol(0, lambda fd, data: out.append(data), 20, usage_errors={"x"})
+        lines = [b"Traceback (most recent call last):", b'  File "a.py", line 1', b"ValueError: error: bad", b""]
+        proto.pipe_data_received(2, b"\n".join(lines))
+        proto.pipe_connection_lost(2, None)
+        return b"".join(out), proto.usage_error
+
+    import asyncio
+    out, usage = asyncio.run(written())
+    assert b"[rank 0] ValueError: error: bad\n" in out and usage is None
+
+
+def test_a_usage_error_is_never_restarted_and_stops_without_a_notice():
+    usage = Outcome(Ending.FAILED, failure=RankExit(0, 2, 0.0), usage_error="prog: error: bad flag")
+    assert usage.is_usage_error and not failed(rc=2).is_usage_error  # exit code 2 without an error line
+    assert launch_outcome.next_step(usage, 0, 3) == (Action.EXIT, 2)
+    assert launch_outcome.stop_plan(cfg(), usage) == (signal.SIGTERM, None)
+    assert launch_outcome.usage_report("job-1", usage.failure) == \
+        "job job-1 stopped by the usage error above; exiting with 2"

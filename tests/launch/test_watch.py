@@ -18,10 +18,18 @@ from runtime.launch_outcome import Ending
 pytestmark = pytest.mark.timeout(10)
 
 
+def _done_future() -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(None)
+    return fut
+
+
 @dataclass
 class FakeProtocol:
     exited: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     exited_at: float | None = None
+    pipes_closed: asyncio.Future = field(default_factory=_done_future)
+    last_exception: str | None = None  # the exception line of its last traceback
 
 
 @dataclass
@@ -33,7 +41,8 @@ class FakeRank:
     def returncode(self):
         return self.protocol.exited.result() if self.protocol.exited.done() else None
 
-    def exit(self, returncode: int) -> None:
+    def exit(self, returncode: int, exception: str | None = None) -> None:
+        self.protocol.last_exception = exception
         self.protocol.exited_at = time.monotonic()
         self.protocol.exited.set_result(returncode)
 
@@ -69,6 +78,33 @@ async def test_two_failures_seen_together_pick_the_earlier():
     ranks[1].exit(4)
     outcome = await launch.watch(ranks, Stopper(console()[0]), deadline=None)
     assert (outcome.failure.rank, outcome.failure.returncode) == (2, 7)
+
+
+async def test_a_victim_seen_first_waits_for_the_rank_that_raised():
+    ranks = [FakeRank(r) for r in range(3)]
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.01, ranks[0].exit, 1, "runtime.errors.PeerAbortedError: rank 2 aborted the job: ValueError: x")
+    loop.call_later(0.05, ranks[2].exit, 1, "ValueError: x")
+    outcome = await launch.watch(ranks, Stopper(console()[0]), deadline=None, settle_s=5.0)
+    assert (outcome.failure.rank, outcome.failure.exception) == (2, "ValueError: x")
+
+
+async def test_a_victim_is_named_when_no_cause_exits_within_the_settle_time():
+    ranks = [FakeRank(r) for r in range(2)]
+    ranks[0].exit(1, "runtime.errors.PeerLostError: rank 1 was lost")
+    t0 = time.monotonic()
+    outcome = await launch.watch(ranks, Stopper(console()[0]), deadline=None, settle_s=0.2)
+    assert outcome.failure.rank == 0 and 0.15 < time.monotonic() - t0 < 2.0
+    assert ranks[1].returncode is None
+
+
+async def test_the_rank_the_abort_record_names_is_waited_for():
+    ranks = [FakeRank(r) for r in range(2)]
+    ranks[0].exit(1)  # no traceback: only the abort record says rank 1 caused it
+    asyncio.get_running_loop().call_later(0.05, ranks[1].exit, 3)
+    outcome = await launch.watch(ranks, Stopper(console()[0]), deadline=None, aborted=lambda: {"rank": 1},
+                                 settle_s=5.0)
+    assert (outcome.failure.rank, outcome.failure.returncode) == (1, 3)
 
 
 async def test_a_signal_to_the_launcher_interrupts():

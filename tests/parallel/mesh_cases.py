@@ -1,5 +1,6 @@
-"""Shared pieces of the mesh tests: the tiny float64 GPT, its single-process reference, and a runner
-of a dp x tp x pp mesh whose ranks are tasks of one process.
+"""Shared pieces of the mesh tests: the tiny float64 GPT, its single-process reference, a runner
+of a dp x tp x pp mesh whose ranks are tasks of one process, and `run_trainer`, `python -m trainer`
+(through the launcher) with the tiny float64 MLP's flags `MLP`.
 
 The model: 4 heads of size 2 (tp = 4 splits them), a vocabulary of 11 (tp = 4 cuts it 3 3 3 2),
 4 blocks (pp = 4 gives each stage one), dropout 0.1 everywhere (the attention's masks cut by heads,
@@ -11,9 +12,15 @@ decay on the matrices only, clipping by the global norm.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from runtime.testing import run_ranks
 from trainer.data import iter_local_batches
@@ -28,6 +35,10 @@ TOKENS = np.random.default_rng(8).integers(0, 11, size=300)
 WINDOWS = RandomWindows(TOKENS, CONFIG.block_size, num_windows=24, seed=3)
 GLOBAL_BATCH, STEPS, LR, SEED = 8, 3, 2e-2, 5
 F64 = dict(param_dtype="float64", reduce_dtype="float64", master_dtype="float64", adam_kernel="numpy")
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ["--data", "synthetic", "--size", "320", "--in-dim", "8", "--classes", "3", "--width", "16", "--depth", "2",
+       "--batch-size", "32", "--epochs", "2", "--strategy", "fsdp", "--master-dtype", "float64",
+       "--param-dtype", "float64", "--reduce-dtype", "float64", "--log-every", "0", "--blas-threads", "1"]
 
 
 def make_config(**kw) -> TrainConfig:
@@ -57,6 +68,15 @@ def reference(clip_norm: float | None = None, steps: int = STEPS):
     return [p[: u.numel] for p, u in zip(params, model.units)], losses, norms
 
 
+def assert_equals_reference(params, results, want_params, want_losses, want_norms) -> None:
+    """One rank's run equals single-process training: parameters, losses and norms to 1e-12."""
+    for i, (got, want) in enumerate(zip(params, want_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"unit {i}")
+    np.testing.assert_allclose([r.loss for r in results], want_losses, rtol=1e-12)
+    np.testing.assert_allclose([r.grad_norm for r in results], want_norms, rtol=1e-12)
+    assert not any(r.skipped for r in results)
+
+
 def step_batches(dp: int, dp_rank: int, accum: int):
     """This dp rank's micro-batches of each step: [(x, y, offset, global size)]."""
     micro = GLOBAL_BATCH // accum
@@ -83,3 +103,23 @@ async def train_mesh(strategy: str, *, dp: int = 1, tp: int = 1, pp: int = 1, st
             s.close()
 
     return await run_ranks(dp * tp * pp, body)
+
+
+def run_trainer(argv, cwd, ranks: int = 0, timeout: int = 150):
+    """`python -m trainer ARGV` (through the launcher when ``ranks``): (exit code, output, history)."""
+    out = Path(cwd) / f"history-{ranks}.json"
+    cmd = [sys.executable, "-m", "trainer", *argv, "--json", str(out)]
+    if ranks:
+        cmd[1:3] = ["-m", "runtime.launch", "-n", str(ranks), "--max-time-s", str(timeout - 10), "-m", "trainer"]
+    proc = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=timeout)
+    history = json.loads(out.read_text())["history"] if out.exists() else None
+    return proc.returncode, proc.stdout + proc.stderr, history
+
+
+def assert_same_history(got: dict, want: dict) -> None:
+    """Two runs' epochs agree to 1e-12 (losses and accuracies)."""
+    assert len(got["epochs"]) == len(want["epochs"])
+    for g, w in zip(got["epochs"], want["epochs"]):
+        for key in ("train_loss", "train_eval_loss", "val_loss", "val_acc"):
+            assert g[key] == pytest.approx(w[key], rel=1e-12, abs=1e-12), key

@@ -59,8 +59,9 @@ async def run_step(dp, tp, pp, schedule, m, checkpointing):
             after = {p: c.statistics() for p, c in conns.items()}
             sent = {p: (after[p].bytes_sent - before[p].bytes_sent, after[p].frames_sent - before[p].frames_sent)
                     for p in conns}
-            ends = s.units[s.global_index.index(0)].numel if 0 in s.global_index else 0  # this tp rank's cut
-            return mesh.coords, sent, result, s.last_run.in_flight_peak, s.memory_bytes()["activations_peak"], ends
+            index, run = s.model_parallel.global_index, s.model_parallel.last_run
+            ends = s.units[index.index(0)].numel if 0 in index else 0  # this tp rank's cut
+            return mesh.coords, sent, result, run.in_flight_peak, s.memory_bytes()["activations_peak"], ends
         finally:
             s.close()
 

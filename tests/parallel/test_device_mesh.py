@@ -13,7 +13,7 @@ import pytest
 
 from runtime.errors import PeerLostError
 from runtime.testing import run_ranks
-from trainer.parallel.mesh import DeviceMesh, Mesh
+from trainer.parallel import DeviceMesh, Mesh
 
 SHAPES = [((5,), ("x",)), ((2, 3), ("dp", "tp")), ((2, 2, 2), ("a", "b", "c")),
           ((3, 1, 2, 2), ("pp", "r", "s", "tp"))]

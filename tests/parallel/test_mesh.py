@@ -5,12 +5,18 @@ import numpy as np
 import pytest
 
 from runtime.testing import run_ranks
-from trainer.nn import GPTConfig
+from trainer.nn import GPT, GPTConfig, Call, Model, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.tp_group import part
 from trainer.parallel.gpt import check_divides
-from trainer.parallel.pipeline import PipelineLayout, balance
-from trainer.sharding import TrainConfig
+from trainer.parallel.offload import DiskOffload, make_offload_strategy
+from trainer.parallel.pipeline import PipelineLayout, balance, pinned_ends
+from trainer.parallel.strategy import MeshParallel
+from trainer.sharding import TrainConfig, make_strategy
+from trainer.sharding.ddp import DDPStrategy
+from trainer.sharding.fsdp import FSDPStrategy
+from trainer.sharding.parts import ModelParallel, NoOffload
+from trainer.sharding.zero import ZeroStrategy
 
 
 @pytest.mark.timeout(30)
@@ -72,21 +78,38 @@ def test_balance_by_parameter_count_and_the_stage_layouts():
     assert balance([10] * 4, 2, ends_cost=5) == [2, 2]
     assert balance([10] * 4, 2, ends_cost=25) == [2, 2]
     assert balance([10] * 6, 3, ends_cost=30) == [1, 4, 1]  # the ends weigh on the first and last stage
+    assert balance([10] * 4, 2, ends_cost=(20, 0)) == [1, 3]  # on the first stage only
     assert balance([1, 1, 1, 9], 2) == [3, 1]
     assert balance([5] * 4, 4) == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="3 blocks cannot fill 4 pipeline stages"):
         balance([1, 1, 1], 4)
-    first, last = (PipelineLayout.build(4, 2, s, block_costs=[10] * 4, ends_cost=5) for s in (0, 1))
-    assert first.units() == [0, 1, 2] and last.units() == [0, 3, 4]
-    assert [str(c.entry) for c in first.calls()] == ["embed", "None", "None"]
-    assert [str(c.entry) for c in last.calls()] == ["None", "None", "head"]
+    gpt = GPT(GPTConfig(vocab_size=11, block_size=5, n_layer=4, n_head=4, n_embd=8))
+    first, last = (PipelineLayout.build(gpt, 2, s) for s in (0, 1))
+    assert first.layers == (2, 2) and first.ends == (1, 1)
+    assert first.units() == [0, 1, 2] and last.units() == [0, 3, 4] and first.shared() == [0]
+    assert [str(c.entry) for c in first.stage_calls()] == ["embed", "None", "None"]
+    assert [str(c.entry) for c in last.stage_calls()] == ["None", "None", "head"]
+    assert list(first.positions()) == [0, 1, 2] and list(last.positions()) == [3, 4, 5]
     assert [last.owner(u) for u in range(5)] == [0, 0, 0, 1, 1]
-    middle = PipelineLayout.build(4, 3, 1, layers=(1, 2, 1))
-    assert middle.units() == [2, 3] and middle.layers == (1, 2, 1)
+    middle = PipelineLayout.build(gpt, 3, 1, layers=(1, 2, 1))
+    assert middle.units() == [2, 3] and middle.layers == (1, 2, 1) and middle.shared() == [0]
     with pytest.raises(ValueError, match="add up to 3 blocks, the model has 4"):
-        PipelineLayout.build(4, 2, 0, layers=(2, 1))
+        PipelineLayout.build(gpt, 2, 0, layers=(2, 1))
     with pytest.raises(ValueError, match="at least one block"):
-        PipelineLayout(2, 0, (4, 0))
+        PipelineLayout(2, 0, (4, 0), tuple(gpt.calls), (1, 1))
+
+
+def test_any_model_is_cut_into_stages_by_its_calls():
+    model = mlp(10, (12, 12), 3)  # numels 156, 180, 39: the first unit alone balances best
+    assert pinned_ends(model.calls) == (0, 0)
+    first, last = (PipelineLayout.build(model, 2, s) for s in (0, 1))
+    assert first.layers == (1, 2) and first.units() == [0] and last.units() == [1, 2] and first.shared() == []
+    assert [c.unit for c in last.stage_model(model.units, model.loss).calls] == [0, 1]  # local indices
+    assert last.stage_model(model.units, model.loss).global_index == [1, 2]
+    tied = Model(model.units, calls=[Call(0), Call(1), Call(2), Call(0)])
+    assert pinned_ends(tied.calls) == (1, 1)
+    with pytest.raises(ValueError, match="unit 1 is called at several places, one of them call 1"):
+        pinned_ends([Call(0), Call(1), Call(1), Call(2)])
 
 
 def test_models_that_do_not_divide_are_refused():
@@ -123,3 +146,26 @@ async def test_the_strategy_refuses_a_model_that_does_not_split_and_bad_micro_ba
         return True
 
     assert await run_ranks(2, body) == [True, True]
+
+
+@pytest.mark.timeout(30)
+async def test_a_strategy_is_its_data_parallel_class_holding_its_parts(tmp_path):
+    """No class is made per combination: a mesh strategy, an offloaded one and a plain one are the
+    data-parallel strategy's own class, holding their parts as objects."""
+    f64 = TrainConfig(master_dtype="float64", param_dtype="float64", reduce_dtype="float64")
+    gpt = GPTConfig(vocab_size=8, block_size=4, n_head=2, n_embd=4, n_layer=2)
+
+    async def body(world):
+        made = [make_parallel_strategy("fsdp", GPT(gpt, dtype=np.float64), f64, Mesh(world, tp=2)),
+                make_offload_strategy("zero2", mlp(4, (4,), 2), TrainConfig(offload="optimizer",
+                                                                            offload_dir=str(tmp_path)), world),
+                make_strategy("ddp", mlp(4, (4,), 2), f64, world)]
+        try:
+            return [(type(s), type(s.model_parallel), type(s.offload)) for s in made]
+        finally:
+            for s in made:
+                s.close()
+
+    for kinds in await run_ranks(2, body):
+        assert kinds == [(FSDPStrategy, MeshParallel, NoOffload), (ZeroStrategy, ModelParallel, DiskOffload),
+                         (DDPStrategy, ModelParallel, NoOffload)]

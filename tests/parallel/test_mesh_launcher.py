@@ -2,7 +2,8 @@
 --micro-batches 4 --schedule 1f1b` with a checkpoint, its run summary (coordinates, bytes per
 dimension, the bubble beside its formula), the checkpoint resumed on 2 ranks without a mesh; and a
 rank killed with SIGKILL in the middle of a step, which every survivor reports as PeerLostError
-naming it within seconds. The mesh's flags are checked here too."""
+naming it within seconds; the MLP under `--tp 2` and `--pp 2`, equal to one process (float64, to
+1e-12). The mesh's flags are checked here too."""
 
 import math
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh_cases import MLP, assert_same_history, run_trainer
 from runtime.testing import run_ranks
 
 from tests.faults.harness import assert_no_process_left, launch
@@ -31,7 +33,7 @@ def test_the_mesh_flags_and_what_they_refuse(capsys):
         (2, 2, None, 8, "gpipe", (3, 1))
     config = make_config(args, 10)
     assert (config.offload, config.offload_dir) == ("optimizer", "/x")
-    for bad, message in [(["--tp", "2"], "add --model gpt"),
+    for bad, message in [(["--pp", "4"], "choose --pp <= 3"),
                          (["--model", "gpt", "--pp", "2", "--stage-layers", "1,1,2"], "names 3 stages; --pp is 2"),
                          (["--model", "gpt", "--grad-accum", "2", "--micro-batches", "3"], "multiple of --grad-accum"),
                          (["--model", "gpt", "--offload", "params"], "set --param-dtype bfloat16"),
@@ -64,6 +66,18 @@ def test_tp2_pp2_through_the_launcher_then_resumed_on_two_ranks(tmp_path):
     proc = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "epoch 2/2" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_the_mlp_on_tp2_and_on_pp2_through_the_launcher_equals_one_process(tmp_path):
+    code, out, one = run_trainer(MLP, tmp_path)
+    assert code == 0, out[-3000:]
+    for flags in (["--tp", "2"], ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "2"]):
+        code, out, got = run_trainer([*MLP, *flags], tmp_path, ranks=2, timeout=100)
+        assert code == 0, out[-3000:]
+        assert "fsdp on 2 rank(s) as dp 1 x tp %s x pp %s" % ((2, 1) if flags[0] == "--tp" else (1, 2)) in out, out
+        assert len(one["epochs"]) == 2
+        assert_same_history(got, one)
 
 
 VICTIM, BOUND_S = 3, 5.0

@@ -189,7 +189,7 @@ async def test_init_wires_the_runtime_again_on_generation_1(monkeypatch):
         await shut_all(members)
 
 
-async def test_a_member_out_of_step_times_out_naming_the_generations_missing_keys():
+async def test_a_member_out_of_step_times_out_naming_the_ranks_that_have_not_joined():
     store = MemoryStore(10)
     members = [rendezvous.from_env({}, rank=r, world_size=2, store=store) for r in range(2)]
     await members[0].next_rendezvous(1)  # rank 0 alone forms its generation 0: it is one ahead
@@ -199,10 +199,23 @@ async def test_a_member_out_of_step_times_out_naming_the_generations_missing_key
 
     results = await asyncio.gather(*(join(m) for m in members), return_exceptions=True)
     assert all(isinstance(r, StoreTimeoutError) for r in results), results
-    assert "restart/0/gen/1/addr/1" in str(results[0]) and "restart/0/addr/0" in str(results[1])
+    assert "generation 1" in str(results[0]) and "not joined: rank 1 (joined: rank 0)" in str(results[0])
+    assert "not joined: rank 0 (joined: rank 1)" in str(results[1])
+    assert not any("addr/" in str(r) or "restart/" in str(r) for r in results), results  # no store keys
+    assert results[0].keys == ["restart/0/gen/1/addr/1"]  # the keys stay for a program that wants them
 
 
 async def test_a_rendezvous_takes_no_other_placement():
     rdzv = rendezvous.from_env({}, rank=0, world_size=1, store=MemoryStore(1))
     with pytest.raises(RingweaveError, match="give none of them"):
         await runtime.init(rank=0, rendezvous=rdzv)
+
+
+async def test_a_rank_alone_over_tcp_times_out_naming_the_rank_that_has_not_joined(monkeypatch):
+    """Rank 0 of 2 hosts the store and nobody else comes: the message says which rank, in words."""
+    monkeypatch.setenv("RINGWEAVE_WATCH_PARENT", "0")
+    with pytest.raises(StoreTimeoutError) as caught:
+        await runtime.init(rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port(), timeout_s=0.5)
+    message = str(caught.value)
+    assert "rank 0 of 2" in message and "not joined: rank 1 (joined: rank 0)" in message, message
+    assert "addr/" not in message and "restart/" not in message and "keys" not in message, message

@@ -192,3 +192,52 @@ def test_weight_decay_applies_to_the_decayed_segments_only(kernel):
         np.testing.assert_allclose(p, [want, want, 1, 1, 1, want], rtol=1e-15)
     with pytest.raises(ValueError, match="tile"):
         adam.step(np.ones(6), np.zeros(6), adam.init_state(6, np.float64), 0.1, segments=[(0, 2, True), (3, 6, False)])
+
+
+# ---- --betas through the command line and a strategy -----------------------
+
+
+def numpy_adamw_run(model, x, y, steps, lr, b1, b2, eps=1e-8):
+    """Plain AdamW (no weight decay) on the whole model's flat buffers, written out in NumPy."""
+    from trainer.nn import Context
+
+    params, grads = model.init_params(1), model.zeros()
+    moments = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
+    for t in range(1, steps + 1):
+        model.zero_grads(grads)
+        model.forward_backward(params, grads, x, y, Context(seed=1, step=t - 1))
+        for p, g, (m, v) in zip(params, grads, moments):
+            m[...] = b1 * m + (1 - b1) * g
+            v[...] = b2 * v + (1 - b2) * g * g
+            p -= lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return np.concatenate([p[: u.numel] for p, u in zip(params, model.units)])
+
+
+async def test_betas_given_on_the_command_line_drive_the_strategys_adamw():
+    """Before, AdamW's betas were fixed at (0.9, 0.999) whatever a run asked for."""
+    from runtime.testing import run_ranks
+    from trainer.cli import make_config, parse_args
+    from trainer.data import make_synthetic
+    from trainer.nn import mlp
+    from trainer.sharding import make_strategy
+
+    args = parse_args(["--betas", "0.8,0.95", "--epochs", "1", "--weight-decay", "0", "--master-dtype", "float64",
+                       "--param-dtype", "float64", "--reduce-dtype", "float64", "--seed", "1"])
+    config = make_config(args, steps_per_epoch=1)  # one step in all: a constant learning rate
+    assert config.betas == (0.8, 0.95) and parse_args([]).betas == (0.9, 0.999)
+    x, y = make_synthetic(12, in_dim=4, num_classes=3, seed=2, dtype=np.float64)
+
+    async def body(group):
+        strategy = make_strategy("ddp", mlp(4, (5,), 3, dtype=np.float64), config, group)
+        await strategy.setup()
+        try:
+            for _ in range(4):
+                await strategy.train_step([(x, y, 0, len(x))])
+            return np.concatenate(await strategy.full_params())
+        finally:
+            strategy.close()
+
+    [trained] = await run_ranks(1, body)
+    model = mlp(4, (5,), 3, dtype=np.float64)
+    np.testing.assert_allclose(trained, numpy_adamw_run(model, x, y, 4, args.lr, 0.8, 0.95), rtol=1e-12, atol=1e-14)
+    assert not np.allclose(trained, numpy_adamw_run(model, x, y, 4, args.lr, 0.9, 0.999), rtol=1e-6, atol=0)

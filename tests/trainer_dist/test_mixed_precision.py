@@ -7,6 +7,7 @@ import pytest
 
 from dist_helpers import make_config, step_batches, tiny_model
 from runtime.testing import run_ranks
+from tests.overflow import OverflowAt
 from trainer.data import iter_local_batches, load_digits_split, num_global_batches
 from trainer.nn import mlp
 from trainer.sharding import TrainConfig, make_strategy
@@ -24,11 +25,11 @@ async def test_injected_overflow_skips_that_step_on_every_rank(name, dtypes):
     config = make_config(**dtypes, loss_scale=True, init_scale=2.0**10)
 
     async def body(group):
-        strategy = make_strategy(name, tiny_model(group.size), config, group)
+        # only rank 0's gradient gets the inf: under zero2/zero3 only rank 0's shard holds it
+        model = tiny_model(group.size)
+        strategy = make_strategy(name, OverflowAt(model, overflow_step) if group.rank == 0 else model, config, group)
         try:
             await strategy.setup()
-            # only rank 0's gradient gets the inf: under zero2/zero3 only rank 0's shard holds it
-            strategy.inject_overflow(overflow_step, ranks=[0])
             results, snapshots = [], []
             for mbs in step_batches(group.size, group.rank, 1)[:steps]:
                 results.append(await strategy.train_step(mbs))

@@ -98,9 +98,10 @@ def test_resume_refuses_another_architecture_and_allows_what_may_change(tmp_path
     assert f"trainer: error: cannot continue run {run} in {ckpt}" in out
     assert "n_layer: 2 -> 1" in out and "n_head: 2 -> 4" in out and "resumed from" not in out
 
-    # world size, strategy, learning rate, schedule, epochs, dropout and kernels may change
+    # world size, strategy, learning rate, betas, schedule, epochs, dropout and kernels may change
     code, out = trainer([*GPT, "--epochs", "2", "--resume", "--checkpoint-dir", str(ckpt), "--strategy", "zero3",
-                         "--lr", "1e-3", "--warmup-steps", "0", "--dropout", "0.1", "--kernel", "reference"],
+                         "--lr", "1e-3", "--betas", "0.9,0.95", "--warmup-steps", "0", "--dropout", "0.1",
+                         "--kernel", "reference"],
                         tmp_path, ranks=2)
     assert code == 0, out[-3000:]
     assert f"resumed from {ckpt}/step-00000002: epoch 2, step 0 of 2 (optimizer step 2) (run {run})" in out

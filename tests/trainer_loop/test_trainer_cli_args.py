@@ -35,6 +35,9 @@ def test_every_flag_reaches_the_config():
     assert (c.check_every, c.warmup_steps, c.total_steps, c.bucket_cap_mb) == (10, 5, 30, 2.0)
     assert make_config(parse_args(["--compression", "none"]), 5).compression is None
     assert make_config(parse_args(["--loss-scale", "off"]), 5).loss_scale is False
+    assert make_config(parse_args(["--betas", "0.9,0.95"]), 5).betas == (0.9, 0.95)
+    assert parse_args(["--metrics", "runs/m.jsonl"]).metrics == "runs/m.jsonl"
+    assert parse_args(["--checkpoint-dir", "c", "--save-best", "val_acc"]).save_best == "val_acc"
 
 
 def test_warmup_never_exceeds_the_schedule():
@@ -56,7 +59,9 @@ def test_warmup_never_exceeds_the_schedule():
     (["--checkpoint-dir", "c", "--resume", "sometimes"], "takes no value (resume, and refuse if there is no"),
     (["--move-aside"], "--move-aside needs --checkpoint-dir"),
     (["--checkpoint-dir", "c", "--resume", "--move-aside"], "--move-aside starts a new run and --resume"),
-    (["--tp", "2"], "split the GPT: add --model gpt"),
+    (["--pp", "4"], "--pp 4 stages need a block each; the mlp has 3 (--depth + 1): choose --pp <= 3"),
+    (["--model", "gpt", "--n-layer", "2", "--pp", "3"], "the gpt has 2 (--n-layer): choose --pp <= 2"),
+    (["--pp", "2", "--stage-layers", "1,1"], "--stage-layers 1,1 adds up to 2 blocks; the mlp has 3"),
     (["--replicas", "2"], "HSDP needs --strategy zero1, zero2, zero3 or fsdp"),  # the default is ddp
     (["--strategy", "ddp", "--replicas"], "HSDP needs --strategy"),
     (["--strategy", "fsdp", "--replicas", "0"], "'0' must be a replica count >= 1, or hosts"),
@@ -80,8 +85,11 @@ def test_replicas_and_the_models_the_mesh_splits(monkeypatch):
     from trainer import cli
 
     assert cli.split_refusal(parse_args(["--model", "gpt", "--tp", "2"])) is None
-    monkeypatch.setattr(cli, "SPLIT_MODELS", ("gpt", "mlp"))  # a model the mesh learns to split: one entry
-    assert cli.split_refusal(parse_args(["--tp", "2"])) is None
+    mlp_tp = parse_args(["--tp", "2", "--pp", "3"])
+    assert cli.split_refusal(mlp_tp) is None  # the MLP splits too
+    monkeypatch.setattr(cli, "SPLIT_MODELS", ("gpt",))  # a model the mesh does not split: refused in one line
+    assert cli.split_refusal(mlp_tp) == ("--tp, --pp, --dp, --micro-batches and --stage-layers split --model gpt, "
+                                         "not mlp")
 
 
 def test_resume_modes():
@@ -116,3 +124,18 @@ def test_blas_threads_default_to_one_per_rank(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert _blas_threads(parse_args([])) == 1
     assert _blas_threads(parse_args(["--blas-threads", "2"])) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--betas", "0.9"], "argument --betas: must be two numbers B1,B2, each in [0, 1), e.g. 0.9,0.95; got '0.9'"),
+    (["--betas", "1,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
+    (["--betas", "nan,0.9"], "must be two numbers B1,B2, each in [0, 1)"),
+    (["--save-best", "val_loss"], "--save-best needs --checkpoint-dir"),
+    (["--checkpoint-dir", "c", "--save-best", "loss"], "argument --save-best: invalid choice: 'loss'"),
+    (["--metrics", "m.txt"], "argument --metrics: metrics file 'm.txt' must end in .csv, .jsonl or .ndjson"),
+])
+def test_bad_betas_metrics_and_save_best_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -19,13 +19,9 @@ What it is: the re-exports of `context`, `layers`, `embedding`, `attention`, `lo
         after_unit_backward, grad_ready) -> loss
     Context(training, seed, step, batch_offset)
 
-Beyond the original brief: layers take `ctx` in every forward (so containers
-need not know which children are random) and accumulate gradients into views
-instead of returning them; the model also offers `after_unit_forward` and
-`before_unit_backward` hooks (FSDP frees after forward and re-gathers before
-backward) and `grad_ready` (a unit's gradient is complete: reduce it now);
-`Context.batch_offset` makes dropout masks independent of how the global batch is
-split; `grad_scale` carries the loss scale.
+Layers take `ctx` in every forward and accumulate gradients into views; `grad_ready` says a
+unit's gradient is complete; `Context.batch_offset` makes dropout masks independent of how the
+global batch is split; layers declare their tensor-parallel split (`split`, trainer/nn/layers.py).
 
 What it is not: no implementation lives here.
 """

@@ -1,38 +1,28 @@
 """Causal self-attention with its backward written by hand (llm.c's attention_forward / _backward).
 
-What it is: `CausalSelfAttention`, a container of the layer protocol, and the
-attention core as two plain functions, so that a tensor-parallel variant (heads
-split across ranks: a column-parallel `qkv`, a row-parallel `proj`) reuses the core
-and swaps the two projections.
-
-Shapes: B batch, T sequence, C = n_embd, H = n_head, hs = C / H, G = B H.
+What it is: `CausalSelfAttention`, a container of the layer protocol, and the attention core as
+two plain functions, so that a tensor-parallel variant (heads split across ranks) reuses the core
+and swaps the two projections. Shapes: B batch, T sequence, C = n_embd, H = n_head, hs = C / H.
 
     forward                                                   # x (B, T, C)
         qkv = x W_qkv + b_qkv                                  # (B, T, 3C): [q | k | v], heads inside each
         q, k, v = split_heads(qkv)                             # (B, H, T, hs) each, views (no copy)
-        s = q k^T                                              # (B, H, T, T)
-        p = softmax(s / sqrt(hs) with s[i, j] = -inf for j > i)   # causal; the row max is subtracted
-        pd = dropout(p)                                        # attention dropout (training)
-        y = pd v                                               # (B, H, T, hs)
+        p = softmax(q k^T / sqrt(hs) with s[i, j] = -inf for j > i)   # causal; the row max is subtracted
+        y = dropout(p) v                                       # (B, H, T, hs)
         out = dropout(merge_heads(y) W_proj + b_proj)          # (B, T, C); residual dropout
     backward                                                  # dout (B, T, C)
         dy = proj^T(dropout^T(dout)), split into heads         # (B, H, T, hs)
         dv = pd^T dy,  dpd = dy v^T,  dp = dropout^T(dpd)
         ds = p (dp - sum_j p dp) / sqrt(hs)                    # softmax backward, 0 above the diagonal
-        dq = ds k,  dk = ds^T q                                # (B, H, T, hs)
-        dx = qkv^T(merge [dq | dk | dv])
+        dq = ds k,  dk = ds^T q;  dx = qkv^T(merge [dq | dk | dv])
 
-The softmax and its backward run as Numba passes around NumPy's in-place exp
-(trainer/nn/kernels.py) with kernel="fast", or as the NumPy reference below with
-kernel="reference".
+The softmax and its backward run as Numba passes (trainer/nn/layer_kernels.py) with kernel="fast", or
+as the NumPy reference below with kernel="reference". Decoding: `forward_cached(params, x_new,
+kv)` appends the new positions' keys and values to a `KVCache` and attends over everything
+cached, so each generated token costs one position.
 
-Decoding: `forward_cached(params, x_new, kv)` appends the new positions' keys and
-values to a `KVCache` and attends over everything cached, so each generated token
-costs one position (query i of T' new ones sees keys up to its own position).
-
-What it is not: no grouped-query attention, no rotary embeddings, no flash
-(tiled) attention: the (B, H, T, T) scores are materialised, which at the block
-sizes a CPU trains (<= 256) is a few MB.
+What it is not: no grouped-query attention, no rotary embeddings, no flash (tiled) attention:
+the (B, H, T, T) scores are materialised (a few MB at the block sizes a CPU trains).
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ import math
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.layers import Container, Dropout, Linear, check_kernel
 
 __all__ = ["CausalSelfAttention", "KVCache", "attention_forward", "attention_backward", "causal_softmax",
@@ -54,8 +44,8 @@ __all__ = ["CausalSelfAttention", "KVCache", "attention_forward", "attention_bac
 def causal_softmax(s: np.ndarray, scale: float, kernel: str = "fast") -> np.ndarray:
     """p = softmax over the last axis of scale * s, query i seeing keys j <= i + Tk - Tq.  s (..., Tq, Tk)."""
     Tq, Tk = s.shape[-2:]
-    if kernel == "fast" and kernels.use_fast(s):
-        return kernels.causal_softmax_forward(s.reshape(-1, Tq, Tk), scale).reshape(s.shape)
+    if kernel == "fast" and layer_kernels.use_fast(s):
+        return layer_kernels.causal_softmax_forward(s.reshape(-1, Tq, Tk), scale).reshape(s.shape)
     z = scale * s  # (..., Tq, Tk)
     z[..., np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)] = -np.inf  # the future
     z -= z.max(axis=-1, keepdims=True)  # stability: every row sees at least its own key
@@ -66,9 +56,9 @@ def causal_softmax(s: np.ndarray, scale: float, kernel: str = "fast") -> np.ndar
 def causal_softmax_backward(p: np.ndarray, dp: np.ndarray, scale: float, kernel: str = "fast") -> np.ndarray:
     """ds = scale p (dp - sum_j p dp): the gradient with respect to s (zero above the diagonal, where p is)."""
     Tq, Tk = p.shape[-2:]
-    if kernel == "fast" and kernels.use_fast(p, dp) and p.dtype == dp.dtype:
+    if kernel == "fast" and layer_kernels.use_fast(p, dp) and p.dtype == dp.dtype:
         ds = np.empty_like(p)
-        kernels.causal_softmax_backward(p.reshape(-1, Tq, Tk), dp.reshape(-1, Tq, Tk), scale, ds.reshape(-1, Tq, Tk))
+        layer_kernels.causal_softmax_backward(p.reshape(-1, Tq, Tk), dp.reshape(-1, Tq, Tk), scale, ds.reshape(-1, Tq, Tk))
         return ds
     return scale * p * (dp - (p * dp).sum(axis=-1, keepdims=True))
 

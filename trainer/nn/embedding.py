@@ -9,8 +9,7 @@ What it is: two layers of the layer protocol (trainer/nn/layers.py).
                                backward: dP[t] += sum_b dy[b, t];  dx = dy
 
 The scatter-add runs as `np.add.at` (kernel="reference") or a Numba loop
-(kernel="fast", trainer/nn/kernels.py), 100-200x faster at the GPT's shapes
-(bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped).
+(kernel="fast", trainer/nn/layer_kernels.py; bench/results/trainer.md#the-layer-kernels-reference-fused-numba-shipped).
 Neither layer is weight-decayed (nanoGPT's and DeepSpeed's groups). Init: N(0, 0.02^2), as GPT-2.
 
 What it is not: no padding index, no max-norm, no sparse gradients (the gradient is
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.layers import Layer, check_kernel
 
 __all__ = ["Embedding", "PositionalEmbedding"]
@@ -45,6 +44,9 @@ class Embedding(Layer):
     def init(self, params, rng):
         params["weight"][...] = rng.normal(0.0, self.init_std, size=params["weight"].shape)
 
+    def output_shape(self, shape):
+        return (*shape, self.dim)
+
     def check_indices(self, idx: np.ndarray) -> None:
         if not np.issubdtype(idx.dtype, np.integer):
             raise TypeError(f"Embedding input must be integer token ids, got dtype {idx.dtype}")
@@ -59,8 +61,8 @@ class Embedding(Layer):
         idx = cache.reshape(-1)  # (N,)
         d2 = dout.reshape(-1, self.dim)  # (N, C)
         dw = grads["weight"]  # (V, C)
-        if self.kernel == "fast" and kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
-            kernels.embedding_backward(np.ascontiguousarray(idx, dtype=np.int64), d2, dw)
+        if self.kernel == "fast" and layer_kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
+            layer_kernels.embedding_backward(np.ascontiguousarray(idx, dtype=np.int64), d2, dw)
         else:
             np.add.at(dw, idx, d2)
         return None  # no gradient flows into integer ids

@@ -1,7 +1,7 @@
 """A decoder-only transformer (GPT-2's architecture) over units, with a KV-cached sampler.
 
-What it is: `GPTConfig`, the layers the model is made of (`MLP`, `Block`, `GPTEnds`
-with its two entries `embed` and `head`), and `GPT`, a trainer.nn.Model:
+What it is: `GPTConfig`, the layers the model is made of (`MLP`, `Block`, `GPTEnds` with its two
+entries `embed` and `head`), and `GPT`, a trainer.nn.Model:
 
     unit 0      GPTEnds: wte (V, C) token embedding, wpe (T, C) positions, ln_f; two entries:
                   embed:  h = dropout(wte[idx] + wpe[:T])            # idx (B, T) -> h (B, T, C)
@@ -12,27 +12,17 @@ with its two entries `embed` and `head`), and `GPT`, a trainer.nn.Model:
     calls       [Call(0, "embed"), Call(1, checkpoint), ..., Call(L, checkpoint), Call(0, "head")]
     loss        cross-entropy over the vocabulary at every position (CrossEntropyLoss)
 
-The tied matrix gets the sum of both uses' gradients: the head's backward (first)
-and the embedding's (last) accumulate into unit 0's one gradient buffer, and the
-strategies reduce it once, at `grad_ready(0)`. Each block is one unit (one flat
-buffer), so zero3/fsdp gather and free one block at a time and activation
-checkpointing keeps one block's input.
+The tied matrix gets the sum of both uses' gradients in unit 0's one buffer, reduced once at
+`grad_ready(0)`. Each block is one unit, so zero3/fsdp gather one block at a time.
 
-    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)
-    model = GPT(config)                       # float32 units; dtype=np.float64 for checks
-    params = model.init_params(seed=0)
-    loss = model.forward_backward(params, model.zeros(), idx, targets, Context())
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64))   # dtype=np.float64 for checks
+    loss = model.forward_backward(model.init_params(seed=0), model.zeros(), idx, targets, Context())
     text_ids = model.generate(params, prompt_ids, 200, temperature=0.8, top_k=40, seed=0)
 
-Init (GPT-2 / nanoGPT): weights and embeddings N(0, 0.02^2), biases 0, LayerNorm 1/0,
-and the two residual projections of each block N(0, (0.02 / sqrt(2 n_layer))^2).
-Weight decay: matrices only (the layers' `decay`), so no biases, norms or embeddings;
-the tied wte counts as the embedding.
-
-Openings for model parallelism (built elsewhere on this file): `Block(attn=, mlp=)`
-takes other attention / MLP layers (column- and row-parallel ones); `GPTEnds(head=, wte=)`
-another head and token embedding (vocabulary-parallel); `Model.forward_tape(calls=range(a, b))` runs a
-slice of the blocks (a pipeline stage); the loss is an object of its own.
+Init (GPT-2 / nanoGPT): weights and embeddings N(0, 0.02^2), biases 0, LayerNorm 1/0, the two
+residual projections of each block N(0, (0.02 / sqrt(2 n_layer))^2); weight decay on matrices
+only. Model parallelism builds on `Block(attn=, mlp=)` and `GPTEnds(head=, wte=)`
+(trainer/parallel/gpt.py: Megatron's layout).
 
 What it is not: no flash attention, no rotary positions, no mixture of experts.
 """
@@ -65,7 +55,7 @@ class GPTConfig:
     dropout: float = 0.0  # embedding, attention and residual dropout
     bias: bool = True  # biases in the Linear layers and LayerNorms' shift (LayerNorm always has one)
     gelu: str = "tanh"  # "tanh" (GPT-2's approximation) | "none" (exact erf, torch's default)
-    kernel: str = "fast"  # "fast" (trainer/nn/kernels.py) | "reference" (the readable NumPy)
+    kernel: str = "fast"  # "fast" (trainer/nn/layer_kernels.py) | "reference" (the readable NumPy)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -165,6 +155,9 @@ class _Embed(Layer):
     def __init__(self, ends: "GPTEnds") -> None:
         self.ends = ends
 
+    def output_shape(self, shape):
+        return self.ends.wte.output_shape(shape)  # (B, T) -> (B, T, C)
+
     def forward(self, params, idx, ctx, start: int = 0):
         e = self.ends
         h, c_tok = e.wte.forward(e.sub(params, "wte"), idx, ctx)
@@ -230,6 +223,9 @@ class GPTEnds(Container):
 
     def entries(self) -> dict[str, Layer]:
         return {"embed": self.embed, "head": self.head}
+
+    def output_shape(self, shape):
+        return self.embed.output_shape(shape)
 
     def forward(self, params, idx, ctx):
         return self.embed.forward(params, idx, ctx)

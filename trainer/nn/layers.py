@@ -1,11 +1,9 @@
 """Layers with hand-written backward passes: Linear, ReLU, GELU, LayerNorm, Dropout, and the containers.
 
-What it is: each layer is a stateless description (shapes, hyper-parameters)
-with `forward` and `backward` side by side and the math above them. Parameters
-are NOT owned by the layer: they arrive as a dict of arrays (views into a unit's
-flat buffer, see `trainer.nn.unit`), and so do the gradients.
-
-The layer protocol (every class below follows it):
+What it is: each layer is a stateless description (shapes, hyper-parameters) with `forward` and
+`backward` side by side and the math above them. Parameters are NOT owned by the layer: they
+arrive as a dict of arrays (views into a unit's flat buffer, trainer/nn/unit.py), and so do the
+gradients. The layer protocol (every class below follows it):
 
     param_shapes() -> list[(name, shape)]          # size table, in buffer order
     decay(name) -> bool                            # weight decay applies (default: matrices)
@@ -14,28 +12,21 @@ The layer protocol (every class below follows it):
     backward(params, cache, dout, grads, *, grads_zero=False) -> dx
                                                    # ACCUMULATES (+=) into grads
     bind(stream) -> None                           # names the layer's RNG stream
+    output_shape(shape) -> shape                   # the output's shape for an input's (pipeline stages)
+    split                                          # its tensor-parallel declaration (below)
 
-`ctx` is an argument of every forward (not only Dropout's) so that a container
-can call its children without knowing which of them are random. `backward`
-accumulates into `grads` instead of returning fresh arrays, so gradient
-accumulation over micro-batches and writing straight into a flat buffer that a
-collective then reduces cost nothing extra. `grads_zero=True` is the caller's
-promise that `grads` holds zeros (+0.0, e.g. the first micro-batch of a step):
-a layer may then write its gradient instead of adding it, when that gives the
-same bits (Linear's weight gradient does, without a (in, out) temporary).
-A cache never aliases an array that a later layer writes in place.
+`grads_zero=True` promises `grads` holds +0.0 (a layer may write instead of add when the bits are
+the same); a cache never aliases an array a later layer writes in place. `Container` holds named
+children (parameter names "<child>.<name>"), `Sequential` runs numbered ones in order. LayerNorm
+and GELU take `kernel="fast"` (trainer/nn/layer_kernels.py) or "reference" (the NumPy written here).
 
-Containers: `Container` holds named children (parameter names "<child>.<name>",
-torch style) and `Sequential` runs numbered ones in order; `trainer.nn.gpt`
-builds the transformer block from them.
+Tensor-parallel declarations (`split`, turned into layers by trainer/parallel/split.py): None
+(replicated), Linear "column" (output features cut across the tp group) or "row" (input features
+cut: it follows a column one and sums the parts), LayerNorm and Dropout "column" (acting on the
+cut features between the two). At tp = 1 a declaration changes nothing.
 
-Kernels: LayerNorm and GELU take `kernel="fast"` (default: trainer/nn/kernels.py,
-Numba passes around NumPy's in-place SIMD exp/tanh, for float32/float64 arrays;
-the reference otherwise) or `kernel="reference"` (the NumPy written here, always).
-
-Inputs are (N, C) or (..., C): leading dimensions are flattened by the layers
-that need it. What it is not: no autograd, no parameter storage, no device
-handling, no convolutions; attention and embeddings are in their own files.
+What it is not: no autograd, no parameter storage, no device handling, no convolutions;
+attention and embeddings are in their own files.
 """
 
 from __future__ import annotations
@@ -45,13 +36,20 @@ from typing import Any
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.context import Context
 
 __all__ = ["Layer", "Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Container", "Sequential", "KERNELS",
-           "check_kernel"]
+           "check_kernel", "SPLITS"]
 
 KERNELS = ("fast", "reference")
+SPLITS = {"Linear": ("column", "row"), "LayerNorm": ("column",), "Dropout": ("column",)}  # declarable splits
+
+
+def _check_split(layer: str, split: str | None) -> str | None:
+    if split is not None and split not in SPLITS[layer]:
+        raise ValueError(f"{layer} split must be None or one of {SPLITS[layer]}, got {split!r}")
+    return split
 
 
 def check_kernel(kernel: str) -> str:
@@ -64,6 +62,8 @@ Params = dict[str, np.ndarray]
 
 class Layer:
     """Base class: a layer without parameters and an identity forward."""
+
+    split: str | None = None  # the tensor-parallel split it declares (module docstring); None: replicated
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return []
@@ -78,6 +78,11 @@ class Layer:
 
     def bind(self, stream: tuple[int, ...]) -> None:
         """Name this layer's random stream (only Dropout uses it)."""
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the output for an input of ``shape`` (the default: the same, as an
+        activation, a norm or a dropout keeps it)."""
+        return tuple(shape)
 
     def forward(self, params: Params, x: np.ndarray, ctx: Context) -> tuple[np.ndarray, Any]:
         raise NotImplementedError
@@ -106,11 +111,15 @@ class Linear(Layer):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 init_std: float | None = None) -> None:
+                 init_std: float | None = None, split: str | None = None) -> None:
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear sizes must be > 0, got in={in_features} out={out_features}")
         self.in_features, self.out_features, self.bias = in_features, out_features, bias
         self.init_std = init_std
+        self.split = _check_split("Linear", split)
+
+    def output_shape(self, shape):
+        return (*shape[:-1], self.out_features)
 
     def param_shapes(self):
         shapes = [("weight", (self.in_features, self.out_features))]
@@ -157,7 +166,7 @@ class ReLU(Layer):
         return np.where(cache, dout, 0).astype(dout.dtype, copy=False)
 
 
-_GELU_C, _GELU_A = kernels.GELU_C, kernels.GELU_A  # sqrt(2 / pi), 0.044715
+_GELU_C, _GELU_A = layer_kernels.GELU_C, layer_kernels.GELU_A  # sqrt(2 / pi), 0.044715
 
 
 class GELU(Layer):
@@ -181,11 +190,11 @@ class GELU(Layer):
         self.exact = approximate == "none"
 
     def forward(self, params, x, ctx):
-        if self.kernel == "fast" and kernels.use_fast(x):
+        if self.kernel == "fast" and layer_kernels.use_fast(x):
             if self.exact:
-                out, e = kernels.gelu_erf_forward(x)
+                out, e = layer_kernels.gelu_erf_forward(x)
                 return out, (x, e, "fast")
-            out, t = kernels.gelu_tanh_forward(x)
+            out, t = layer_kernels.gelu_tanh_forward(x)
             return out, (x, t, "fast")
         if self.exact:
             cdf = 0.5 * (1.0 + _erf(x * _INV_SQRT2))
@@ -197,7 +206,7 @@ class GELU(Layer):
         if len(cache) == 3:  # the fast path: t is tanh(u), or erf(x / sqrt 2) for the exact form
             x, t, _ = cache
             if dout.dtype == x.dtype:
-                return (kernels.gelu_erf_backward if self.exact else kernels.gelu_tanh_backward)(x, t, dout)
+                return (layer_kernels.gelu_erf_backward if self.exact else layer_kernels.gelu_tanh_backward)(x, t, dout)
             t = 0.5 * (1.0 + t) if self.exact else t  # the reference's cache: Phi(x), or tanh(u)
         else:
             x, t = cache
@@ -213,10 +222,11 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    """erf element-wise (NumPy has none; SciPy comes with scikit-learn)."""
-    from scipy.special import erf  # local: importing SciPy costs ~0.2 s, only the reference path needs it
+    """erf element-wise (NumPy has none; SciPy, the trainer extra, has)."""
+    from trainer.extras import need  # local, as SciPy: ~0.2 s to import, and only the reference path needs it
 
-    return erf(x).astype(x.dtype, copy=False)
+    special = need("scipy.special", package="SciPy", extra="trainer", what="the exact GELU's reference kernel")
+    return special.erf(x).astype(x.dtype, copy=False)
 
 
 class LayerNorm(Layer):
@@ -232,10 +242,11 @@ class LayerNorm(Layer):
     the caller's array (no copy), and recomputes xhat in its one backward pass.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, kernel: str = "fast") -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, kernel: str = "fast", split: str | None = None) -> None:
         if dim <= 0:
             raise ValueError(f"LayerNorm dim must be > 0, got {dim}")
         self.dim, self.eps, self.kernel = dim, eps, check_kernel(kernel)
+        self.split = _check_split("LayerNorm", split)
 
     def param_shapes(self):
         return [("weight", (self.dim,)), ("bias", (self.dim,))]
@@ -246,11 +257,11 @@ class LayerNorm(Layer):
 
     def forward(self, params, x, ctx):
         w, b = params["weight"], params["bias"]
-        if self.kernel == "fast" and x.dtype == np.result_type(x, w) and kernels.use_fast(x, w, b):
+        if self.kernel == "fast" and x.dtype == np.result_type(x, w) and layer_kernels.use_fast(x, w, b):
             x2 = x.reshape(-1, self.dim)  # (N, C), a view
             out = np.empty_like(x2)
             mean, rstd = np.empty(len(x2), np.float64), np.empty(len(x2), np.float64)  # (N,)
-            kernels.layernorm_forward(x2, w, b, self.eps, out, mean, rstd)
+            layer_kernels.layernorm_forward(x2, w, b, self.eps, out, mean, rstd)
             return out.reshape(x.shape), (x2, mean, rstd)
         mu = x.mean(axis=-1, keepdims=True)  # (N, 1)
         xc = x - mu  # (N, C)
@@ -264,7 +275,7 @@ class LayerNorm(Layer):
             d2 = np.ascontiguousarray(dout.reshape(-1, self.dim), dtype=x2.dtype)  # (N, C)
             dx = np.empty_like(d2)
             dw, db = np.zeros(self.dim), np.zeros(self.dim)  # (C,) float64 sums
-            kernels.layernorm_backward(d2, x2, mean, rstd, params["weight"], dx, dw, db)
+            layer_kernels.layernorm_backward(d2, x2, mean, rstd, params["weight"], dx, dw, db)
             grads["weight"] += dw
             grads["bias"] += db
             return dx.reshape(dout.shape)
@@ -292,11 +303,12 @@ class Dropout(Layer):
     same for any dtype, process or world size.
     """
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, *, split: str | None = None) -> None:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"Dropout p must be in [0, 1), got {p}")
         self.p = p
         self.stream: tuple[int, ...] = (0,)
+        self.split = _check_split("Dropout", split)
 
     def bind(self, stream):
         self.stream = tuple(stream)
@@ -322,7 +334,8 @@ class Container(Layer):
 
     A subclass sets `self.children = [(name, layer), ...]` (buffer order) and writes
     its own forward/backward over `self.sub(params, name)`. Random streams: child j
-    gets (*stream, j); weight decay: each child decides for its own parameters.
+    gets (*stream, j); weight decay: each child decides for its own parameters. Its
+    output_shape is the input's unless the subclass says otherwise.
     """
 
     children: list[tuple[str, Layer]]
@@ -368,6 +381,11 @@ class Sequential(Container):
 
     def _split(self, params: Params) -> list[Params]:
         return [self.sub(params, name) for name, _ in self.children]
+
+    def output_shape(self, shape):
+        for layer in self.layers:
+            shape = layer.output_shape(shape)
+        return tuple(shape)
 
     def forward(self, params, x, ctx):
         caches = []

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 
 __all__ = ["cross_entropy_forward", "cross_entropy_backward", "softmax_cross_entropy", "Loss",
            "CrossEntropyLoss", "MSELoss"]
@@ -95,6 +95,8 @@ def softmax_cross_entropy(
 class Loss:
     """Base class of the loss objects (the protocol in the module docstring)."""
 
+    metric_names: tuple[str, ...] = ("loss",)  # the keys `metrics` returns
+
     def forward(self, out: np.ndarray, target: np.ndarray, denominator: float | None = None) -> tuple[float, object]:
         raise NotImplementedError
 
@@ -126,10 +128,12 @@ class CrossEntropyLoss(Loss):
     out (N, T, K), target (N, T)  l_n = (1/T) sum_t -log softmax(out_nt)[y_nt]
     loss = sum_n l_n / D;  dout_nt = dloss (softmax(out_nt) - onehot(y_nt)) / (T D)
 
-    kernel="fast": forward_backward runs trainer/nn/kernels.py's (Numba passes around an
+    kernel="fast": forward_backward runs trainer/nn/layer_kernels.py's (Numba passes around an
     in-place np.exp) for float32/float64 logits; "reference": the functions above. The
     metrics are computed in float64.
     """
+
+    metric_names = ("loss", "accuracy")
 
     def __init__(self, kernel: str = "fast") -> None:
         if kernel not in ("fast", "reference"):
@@ -157,11 +161,11 @@ class CrossEntropyLoss(Loss):
 
     def forward_backward(self, out, target, denominator=None, dloss=1.0):
         logits, y, T = self._flatten(out, target)
-        if self.kernel != "fast" or not kernels.use_fast(logits):
+        if self.kernel != "fast" or not layer_kernels.use_fast(logits):
             return super().forward_backward(out, target, denominator, dloss)
         _check(logits, y, 1.0)
         denom = _denominator(out.shape[0], denominator) * T
-        total, dlogits = kernels.cross_entropy_forward_backward(logits, y, dloss / denom)  # (N*T, K)
+        total, dlogits = layer_kernels.cross_entropy_forward_backward(logits, y, dloss / denom)  # (N*T, K)
         return total / denom, dlogits.reshape(out.shape)
 
     def metrics(self, out, target):

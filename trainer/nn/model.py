@@ -1,10 +1,9 @@
 """Model: units run by a list of calls, a loss, activation checkpointing; and the MLP builder.
 
-What it is: the single-process driver over units that the sharding strategies
-hook into. A model is its units (flat parameter buffers), the CALLS that run
-them in order, and its loss. A call names a unit and one of its entry points, so
-a unit may run at two places (the GPT's unit 0 embeds the tokens first and, with
-the same tied matrix, computes the logits last):
+What it is: the single-process driver over units that the sharding strategies hook into. A
+model is its units (flat parameter buffers), the CALLS that run them in order, and its loss. A
+call names a unit and one of its entry points, so a unit may run at two places (the GPT's unit 0
+embeds the tokens first and, with the same tied matrix, computes the logits last):
 
     MLP:  calls = [Call(0), Call(1), Call(2)]
     GPT:  calls = [Call(0, "embed"), Call(1, checkpoint=True), ..., Call(L, checkpoint=True), Call(0, "head")]
@@ -14,36 +13,16 @@ the same tied matrix, computes the logits last):
     for call c in calls:            before_unit_forward(c.unit); h = unit.forward(params[c.unit], h, entry)
                                     after_unit_forward(c.unit)
     loss, d = loss.forward_backward(h, y, loss_denominator, dloss=grad_scale)
-    for call c in reversed(calls):  before_unit_backward(c.unit)
-                                    d = unit.backward(params[c.unit], cache, d, grads[c.unit], entry)
+    for call c in reversed(calls):  before_unit_backward(c.unit); d = unit.backward(...)
                                     after_unit_backward(c.unit)
-                                    grad_ready(c.unit)   # only after the unit's LAST backward call:
-                                                         # its gradient is complete
+                                    grad_ready(c.unit)   # after the unit's LAST backward call only
 
-Hooks are plain callables taking the unit index (no asyncio here; a strategy
-that needs to wait does so inside its hook or hands work to its own thread).
-`params_list[i]` is read AFTER `before_unit_forward(i)` / `before_unit_backward(i)`
-return, and `grads_list[i]` after `before_unit_backward(i)`, so a hook may
-install a freshly gathered buffer into the list (FSDP) or free it afterwards
-(`after_unit_forward`: replace the entry with None until the backward needs it).
-A strategy launches a unit's gradient collective from `grad_ready`, never from
-`after_unit_backward` (a unit called twice is not done after its first backward).
-Units become ready in `grad_ready_order()`.
-
-Activation checkpointing (`checkpoint=True`): a call marked `checkpoint` keeps only
-its input; its backward first runs its forward again (same parameters, same
-dropout masks: the masks are a function of the Context), then the backward. The
-gradients are the same bits as without it; the activations alive at once fall
-from every block's to one block's plus every block's input. `meter` (an
-ActivationMeter) counts the bytes held.
-
-Pipeline stages (a slice of the calls): `forward_tape(..., calls=range(a, b))` and
-`backward_tape` run part of the model; the loss is the caller's business then.
-
-Gradients ACCUMULATE into `grads_list`; zero them (`zero_grads`) between steps.
-A caller that knows they hold zeros (the first micro-batch of a step) passes
-`grads_zero=True`, and layers may write instead of add (same bits, fewer passes);
-a unit's second backward call always adds.
+Hooks are plain callables taking the unit index; `params_list[i]` is read after
+`before_unit_forward(i)` / `before_unit_backward(i)` and `grads_list[i]` after the latter, so a
+hook may install a freshly gathered buffer (FSDP) or free it afterwards. Calls marked
+`checkpoint` keep only their input under activation checkpointing and run their forward again in
+the backward (the same bits). `forward_tape(calls=range(a, b))` / `backward_tape` run a slice (a
+pipeline stage). Gradients ACCUMULATE into `grads_list` (`grads_zero=True` when they hold zeros).
 
 What it is not: no optimizer, no communication.
 """
@@ -338,18 +317,29 @@ def mlp(
     gelu: "tanh" (default) or "none" (exact erf form), as torch.nn.GELU(approximate=...).
     loss: default CrossEntropyLoss (classification); e.g. MSELoss() for regression.
 
+    Tensor-parallel declarations (trainer/nn/layers.py): the Linears pair up in order, the
+    first of a pair "column" (its LayerNorm and Dropout act on the cut features) and the
+    second "row"; an odd last one (the head, then) is replicated. At tp = 1 they change nothing.
+
     Example: mlp(64, (256, 256), 10, pad_to=4) has 3 units with numels
-    16640 + 512, 65792 + 512 and 2570 (each padded up to a multiple of 4).
+    16640 + 512, 65792 + 512 and 2570 (each padded up to a multiple of 4); under tp = 2
+    unit 0's Linear is column-split, unit 1's row-split, the head whole.
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    linears = len(hidden) + 1
+
+    def split(k: int) -> str | None:  # the k-th Linear's tensor-parallel split
+        return "row" if k % 2 else ("column" if k + 1 < linears else None)
+
     units, d = [], in_dim
-    for width in hidden:
-        layers = [Linear(d, width)]
-        layers += [LayerNorm(width, kernel=kernel)] if layernorm else []
+    for j, width in enumerate(hidden):
+        cut = "column" if split(j) == "column" else None  # what follows a column Linear acts on its parts
+        layers = [Linear(d, width, split=split(j))]
+        layers += [LayerNorm(width, kernel=kernel, split=cut)] if layernorm else []
         layers.append(GELU(gelu, kernel=kernel) if activation == "gelu" else ReLU())
-        layers += [Dropout(dropout)] if dropout > 0 else []
+        layers += [Dropout(dropout, split=cut)] if dropout > 0 else []
         units.append(Unit(layers, pad_to=pad_to, dtype=dtype))
         d = width
-    units.append(Unit([Linear(d, out_dim)], pad_to=pad_to, dtype=dtype))
+    units.append(Unit([Linear(d, out_dim, split=split(len(hidden)))], pad_to=pad_to, dtype=dtype))
     return Model(units, loss=loss)

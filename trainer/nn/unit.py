@@ -1,39 +1,29 @@
 """A Unit: one module whose parameters live in ONE flat, padded 1-D buffer.
 
-What it is: the granularity at which sharding strategies work. FSDP gathers a
-unit's flat buffer just before its forward and frees it after; DDP/ZeRO reduce
-a unit's flat gradient as soon as its backward finishes. The buffer layout comes
-from a size table, as llm.c's `malloc_and_point_parameters`:
+What it is: the granularity at which sharding strategies work (FSDP gathers a unit's flat buffer
+before its forward and frees it after; DDP/ZeRO reduce a unit's flat gradient as soon as its
+backward finishes). The buffer layout comes from a size table, as llm.c's
+`malloc_and_point_parameters`:
 
     param_specs = [ParamSpec(name, shape, offset), ...]  # contiguous, in order
     numel        = sum of the specs' sizes                # unpadded
-    padded_numel = numel rounded up to a multiple of pad_to (the world size)
-
     flat: [ 0.weight | 0.bias | 1.weight | 1.bias | ... | zero padding ]
 
-Every layer weight is a view into the flat array; the padding is never read by
-a forward and never written by a backward, so a gradient's padding stays zero.
-Padding is the sharding strategy's business: a strategy pads every unit to a
-multiple of its world size (`padded_length(world)`), whatever `pad_to` the model
-was built with, and the model runs on any flat buffer of at least `numel`
-elements (the unpadded arrays `strategy.full_params()` returns included).
+Every layer weight is a view into the flat array; the padding is never read by a forward nor
+written by a backward. Padding is the strategy's: it pads every unit to a multiple of its world
+size (`padded_length(world)`), and the model runs on any flat buffer of at least `numel` elements.
 
 Contract:
     forward(flat_params, x, ctx, entry=None) -> (out, cache)
-        flat_params: ANY 1-D array of length >= numel (e.g. a buffer that was
-        just all-gathered); it is only viewed, never copied or kept past the cache.
-        entry: which of the module's entry points runs (None: the module itself;
-        a unit called at two places of a model, as the GPT's embedding and its
-        tied head, names them in `entries`).
+        flat_params: ANY 1-D array of length >= numel (only viewed); entry: which of the
+        module's entry points runs (None: the module; a unit called at two places names them)
     backward(flat_params, cache, dout, flat_grad, *, entry=None, grads_zero=False) -> dx
-        ACCUMULATES (+=) into flat_grad, a 1-D array of length >= numel;
-        grads_zero=True promises flat_grad holds +0.0 only (trainer.nn.layers).
+        ACCUMULATES (+=) into flat_grad, a 1-D array of length >= numel
     decay_segments(start, stop) -> [(lo, hi, decay)]
-        the weight-decay groups of the elements [start, stop), for an optimizer
-        stepping that range of the flat buffer (a shard).
+        the weight-decay groups of the elements [start, stop) (an optimizer's shard)
+    output_shape(shape, entry=None) -> shape           the output's shape (pipeline stages)
 
-What it is not: it owns no arrays; parameters, gradients and optimizer state
-all live outside it (in the model's lists or in a strategy's shards).
+What it is not: it owns no arrays; parameters, gradients and optimizer state all live outside it.
 """
 
 from __future__ import annotations
@@ -206,3 +196,7 @@ class Unit:
                  entry: str | None = None, grads_zero: bool = False) -> np.ndarray:
         return self._layer(entry).backward(self.views(flat_params), cache, dout, self.views(flat_grad),
                                            grads_zero=grads_zero)
+
+    def output_shape(self, shape: tuple[int, ...], entry: str | None = None) -> tuple[int, ...]:
+        """The shape of ``forward``'s output for an input of ``shape`` (what a pipeline stage receives)."""
+        return self._layer(entry).output_shape(tuple(shape))

@@ -8,7 +8,8 @@ the last stage. The list says where each receive is posted and each send launche
 what each action does, through the strategy's AccountedCollectives on the pp group:
 
     RECV_F j / RECV_B j   post the receive of j's activation (from stage - 1, tag 2 j) / gradient
-                          (from stage + 1, tag 2 j + 1) into the buffer F j / B j computes on
+                          (from stage + 1, tag 2 j + 1) into the buffer F j / B j computes on, of
+                          the shape the stage names (``activation_shape(kind, x_j.shape)``)
     F j       the forward of micro-batch j on its tokens (first stage) or on the received
               activation, waited for here (the stage's bubble); the last stage takes the loss and
               keeps its gradient for B j; the tape is kept until B j
@@ -58,8 +59,8 @@ class StageRun:
 
     def _post(self, kind: str, j: int, src: int) -> None:
         """Posts the receive of micro-batch j's activation ("F") or gradient ("B") from ``src``."""
-        x = self.chunks[j][0]
-        buf = np.empty((*x.shape, self.s.config_model.n_embd), self.s.activation_dtype)  # (B_j, T, C)
+        shape = self.s.activation_shape(kind, self.chunks[j][0].shape)  # the model's own boundary shape
+        buf = np.empty(shape, self.s.activation_dtype)
         tag = self.tag_base + 2 * j + (kind == "B")
         self.recvs[(kind, j)] = (self.acc.launch(self.acc.recv(buf, src, tag)), buf)
 
@@ -151,8 +152,6 @@ class StageRun:
             if dout is None:
                 dout = dlogits.pop(j)
             hooks = s._hooks(sync, params, grads)
-            if sync:
-                s._with_injection(hooks, grads)
             dx = model.backward_tape(
                 params, grads, tapes.pop(j), dout, grads_zero=backwards == 0, meter=s.meter,
                 before_unit_backward=hooks.get("before_unit_backward"),

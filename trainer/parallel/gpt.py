@@ -17,7 +17,7 @@ flat buffer (None for an unsharded unit: the identity). It serves
 
     init          the full unit's initialisation (one seed), cut: a tp run starts from the
                   single-process parameters
-    checkpoints   save the full layout (mesh-independent), load any layout (strategy.py)
+    checkpoints   save the full layout (mesh-independent), load any layout (fullstate.py)
     full_params   gather the tp parts back into the full unit
 
 `replicated_ranges(unit)`: the local ranges of replicated parameters (the global norm counts

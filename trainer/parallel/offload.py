@@ -1,36 +1,25 @@
 """Offload (DeepSpeed's ZeRO-Offload / ZeRO-Infinity for a CPU trainer): a rank's optimizer state,
 and its fp32 master weights, in memory-mapped files on disk.
 
-What it is: `Offload(kind, directory, rank)` moves a strategy's per-unit arrays into one file per
-rank, each array at a page-aligned offset, and pages them in and out around the optimizer step,
-the only time they are read (the step goes unit by unit, trainer/sharding/data_parallel.py):
+What it is: `DiskOffload`, the offload part a data-parallel strategy holds (trainer/sharding/parts.py:
+`make_offload_strategy`, or `make_parallel_strategy` when TrainConfig.offload is set), over
+`Offload(kind, directory, rank)`, which moves per-unit arrays into one file per rank (each at a
+page-aligned offset) and pages them in and out around the optimizer step, the only time they are read:
 
     kind "optimizer"   every unit's optimizer state (AdamW's exp_avg and exp_avg_sq)
-    kind "params"      that, and the master weights the optimizer updates (the strategy's
-                       float32 master, kept apart from the compute copy: needs param_dtype
-                       lower than master_dtype, as ZeRO-Offload's float32 master beside
-                       float16 / bfloat16 parameters)
+    kind "params"      that, and the float32 master weights (needs param_dtype lower than
+                       master_dtype: the compute copy stays in memory, as in ZeRO-Offload)
 
-    update:  prefetch(0)                          madvise(WILLNEED): the kernel reads ahead
-             for unit i:  prefetch(i + 1)         read ahead one unit while unit i steps
-                          step unit i
-                          release(i)              on the writer thread, behind the step:
-                                                  msync (written back to the file), then
-                                                  madvise(DONTNEED): out of this process's memory
-             finish()                             waits for the writer
+    update:  prefetch(0) when the step starts; for unit i: prefetch(i + 1) (madvise WILLNEED),
+             step unit i, release(i) on the writer thread (msync, then madvise DONTNEED);
+             finish() waits for the writer
 
-So between steps the offloaded bytes live in the files (the page cache may keep some, as it
-does for any file, but they are not this process's memory), and during the update at most
-about two units' worth are resident: the one stepping and the one read ahead (plus the one
-being written back). Resident bytes = the strategy's params + grads + optimizer state minus
-the offloaded ones (`memory_bytes()["resident"]`). The numbers are the same bits: the
-optimizer computes on the same values, only their storage moved (tests compare bytes).
+Between steps the offloaded bytes live in the files, and during the update at most about two
+units' worth are resident. The numbers are the same bits: only their storage moved.
 
-Files are ours alone (runtime/private.py): a fresh directory under `directory`, made with a
-random name and mode 0700 whatever the umask, opened once without following a link and checked
-(this user's, nothing for group or others); the file made relative to that descriptor with
-O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600; `close()` removes both through the descriptors, so
-a directory swapped for a link after it was made is never written through.
+Files are ours alone (runtime/private.py): a fresh 0700 directory under `directory` with a random
+name, opened once without following a link and checked; the 0600 file made relative to it with
+O_CREAT | O_EXCL | O_NOFOLLOW; `close()` removes both through the descriptors.
 
 What it is not: no offload of gradients or of the compute copy, no asynchronous I/O library (the
 kernel's readahead and writeback do the work), no NVMe-specific tuning.
@@ -49,9 +38,10 @@ import tempfile
 import numpy as np
 
 from runtime import private
-from trainer.parallel.bases import strategy_class
+from trainer.precision import resolve_dtype
+from trainer.sharding import make_strategy
 
-__all__ = ["Offload", "OffloadMixin", "make_offload_strategy", "KINDS", "return_freed_memory"]
+__all__ = ["Offload", "DiskOffload", "make_offload_strategy", "KINDS", "return_freed_memory"]
 
 KINDS = ("optimizer", "params")
 PAGE = mmap.PAGESIZE  # arrays start on a page: madvise works on whole pages
@@ -199,74 +189,69 @@ class Offload:
         self._dir_fd = self._base_fd = -1
 
 
-class OffloadMixin:
-    """Offload for any data-parallel strategy class (put in front of it: `make_offload_strategy`, or
-    `make_parallel_strategy` when TrainConfig.offload is set): after setup the per-unit arrays move
-    to the file; the update reads each unit ahead and writes it back behind (module docstring)."""
+class DiskOffload:
+    """The offload part of a strategy (trainer/sharding/parts.py's contract, the module docstring):
+    at setup the per-unit arrays move to the file; the update reads each unit ahead and writes it
+    back behind. ``dir``, ``path``: the file's, once adopted."""
 
-    supports_offload = True
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        kind = self.config.offload
+    def __init__(self, config) -> None:
+        kind = config.offload
         if kind not in KINDS:
             raise ValueError(f"TrainConfig.offload must be one of {KINDS}, got {kind!r}")
-        if kind == "params" and self.param_dtype == self.master_dtype:
-            raise ValueError(f"offload 'params' keeps the {self.master_dtype} master weights on disk beside a "
+        master = resolve_dtype(config.master_dtype)
+        if kind == "params" and resolve_dtype(config.param_dtype) == master:
+            raise ValueError(f"offload 'params' keeps the {master} master weights on disk beside a "
                              f"compute copy in memory; with param_dtype == master_dtype they are one array: "
                              f"set --param-dtype bfloat16 (or float16), or offload 'optimizer'")
-        self.offload: Offload | None = None
+        self.kind, self.directory = kind, config.offload_dir
+        self.file: Offload | None = None
 
-    async def setup(self) -> None:
-        await super().setup()
-        kind = self.config.offload
-        self.offload = Offload(kind, self.config.offload_dir, self.group.rank)
+    @property
+    def dir(self) -> str:
+        return self.file.dir
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    def adopt(self, s) -> None:
+        """After setup: moves ``s.states[i].buffers`` (and, kind "params", ``s.master[i]``) to the file."""
+        self.file = Offload(self.kind, self.directory, s.group.rank)
         units = []
-        for i in range(len(self.units)):
-            arrays = dict(self.states[i].buffers)
-            if kind == "params":
-                arrays["master"] = self.master[i]
+        for i in range(len(s.units)):
+            arrays = dict(s.states[i].buffers)
+            if self.kind == "params":
+                arrays["master"] = s.master[i]
             units.append(arrays)
-        for i, mapped in enumerate(self.offload.adopt(units)):
-            if kind == "params":
-                self.master[i] = mapped.pop("master")
-            self.states[i].buffers = mapped
+        for i, mapped in enumerate(self.file.adopt(units)):
+            if self.kind == "params":
+                s.master[i] = mapped.pop("master")
+            s.states[i].buffers = mapped
         del units
         return_freed_memory()  # the RAM copies just replaced
 
-    def _begin_step(self) -> None:
-        super()._begin_step()
-        if self.offload is not None:
-            self.offload.prefetch(0)  # unit 0's state is read while the forward and backward run
+    def begin_step(self) -> None:
+        self.file.prefetch(0)  # unit 0's state is read while the forward and backward run
 
-    def _before_shard_update(self, i: int) -> None:
-        super()._before_shard_update(i)
-        self.offload.prefetch(i + 1)  # read ahead one unit
+    def before_update(self, i: int) -> None:
+        self.file.prefetch(i + 1)  # read ahead one unit
 
-    def _after_shard_update(self, i: int) -> None:
-        super()._after_shard_update(i)  # (ddp, fsdp: the compute copy is cast; zero: its gather leaves)
-        self.offload.release(i)  # written back behind
+    def after_update(self, i: int) -> None:
+        self.file.release(i)  # written back behind (after the strategy's own work on unit i)
 
-    def _update(self, shards, grads, coef: float, lr: float) -> None:
-        try:
-            super()._update(shards, grads, coef, lr)
-        finally:
-            self.offload.finish()
+    def finish_update(self) -> None:
+        self.file.finish()
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.offload.release_all()
+    def after_load(self) -> None:
+        self.file.release_all()
 
-    def memory_bytes(self) -> dict:
-        mem = super().memory_bytes()
-        offloaded = self.offload.nbytes if self.offload is not None else 0
-        mem.update(offloaded=offloaded, resident=mem["total"] - offloaded)
-        return mem
+    def memory(self, mem: dict) -> dict:
+        offloaded = self.file.nbytes if self.file is not None else 0
+        return {**mem, "offloaded": offloaded, "resident": mem["total"] - offloaded}
 
     def close(self) -> None:
-        super().close()
-        if self.offload is not None:
-            self.offload.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def make_offload_strategy(name: str, model, config, group, **kw):
@@ -274,5 +259,4 @@ def make_offload_strategy(name: str, model, config, group, **kw):
     state (``config.offload="optimizer"``) or also its master weights (``"params"``) on disk."""
     if config.offload is None:
         raise ValueError("make_offload_strategy needs TrainConfig.offload ('optimizer' or 'params')")
-    cls, extra = strategy_class(name, OffloadMixin)
-    return cls(model, config, group, **extra, **kw)
+    return make_strategy(name, model, config, group, offload=DiskOffload(config), **kw)

@@ -1,42 +1,27 @@
 """Tensor parallelism (Megatron-LM): the conjugate f / g pairs, column- and row-parallel Linear,
-attention with its heads split across the tp group, and the MLP split column-then-row.
+attention with its heads split across the tp group, the MLP split column-then-row, and what acts on
+the cut features between a column and a row layer (LayerNorm, dropout).
 
-How it works (t ranks, Megatron-LM core/tensor_parallel/layers.py and mappings.py). A matrix
-multiply Y = X A is split two ways:
+How it works (t ranks, Megatron-LM core/tensor_parallel/layers.py and mappings.py). Y = X A is split
 
     column-parallel  A = [A_1 ... A_t] by columns:  Y_i = X A_i      every rank needs all of X
     row-parallel     A = [A_1; ...; A_t] by rows,   X = [X_1 ... X_t]:  Y = sum_i X_i A_i
 
-and the two communications are conjugate functions, each a forward and a backward:
-
     f  copy_to_tp       forward: identity           backward: all_reduce(sum) of dX
     g  reduce_from_tp   forward: all_reduce(sum)    backward: identity
 
-A column-parallel layer runs f on its input (each rank's dX is a partial sum over its
-columns), a row-parallel layer g on its output. Chained column-then-row, the part between
-needs nothing: the MLP's fc (C -> 4C) splits its 4C columns, GELU runs on each rank's
-columns alone, proj (4C -> C) splits the same 4C rows; attention's qkv splits the heads
-(each head's q, k, v columns: the fused weight viewed as (C, 3, H, hs), cut along H), the
-attention core runs on this rank's H/t heads alone, proj splits the same heads' rows. So
-each half of a block costs one all_reduce of the (B, T, C) activations in the forward (g)
-and one in the backward (f): per block and micro-batch 2 + 2, and 2 more when activation
-checkpointing runs the forward again. The row-parallel bias is added after the sum (it is
-whole on every rank); LayerNorms and the biases after a g are replicated: every tp rank
-holds them whole and computes the same gradient for them (inputs equal bit for bit, since
-an all-reduce hands every rank the same bits).
+A column-parallel layer runs f on its input, a row-parallel layer g on its output; chained
+column-then-row, the part between needs nothing but element-wise work on this rank's features
+(GELU; dropout with the single-process mask's columns, `ColumnDropout`, `HeadDropout`) or a
+LayerNorm whose row statistics are summed over the group (`SplitLayerNorm`: two all_reduces of
+N numbers forward, one of 2N backward). Attention splits its heads (qkv cut along H, proj the
+same heads' rows). The row-parallel bias, and LayerNorms after a g, are replicated: every tp rank
+holds them whole and computes the same gradient. Each layer names how its parameters cut the
+full ones (`tp_split(name)` -> Split, or None: replicated); trainer/parallel/gpt.py turns that
+into index maps between a rank's flat buffer and the full model's. docs/design.md has the
+communication count per block and the dropout streams.
 
-Dropout. The residual dropouts act on replicated activations: the same mask on every tp rank
-(the mask is a function of the Context and the layer's stream, never of the rank). The
-attention dropout acts on this rank's heads: `HeadDropout` draws exactly the elements of the
-single-process (B, H, T, T) mask that belong to heads [h0, h1), skipping the rest with the
-generator's `advance`, so a tp run has the masks of a tp = 1 run.
-
-Every layer here names how its parameters cut the full ones (`tp_split(name)` -> Split, or
-None: replicated); trainer/parallel/gpt.py turns that into index maps between a rank's flat
-buffer and the full model's (initialisation, checkpoints, full_params).
-
-What it is not: no sequence parallelism (LayerNorm and dropout stay replicated), no
-overlap of the tp all-reduce with the next matmul, no fp8.
+What it is not: no sequence parallelism, no overlap of the tp all-reduce with the next matmul.
 """
 
 from __future__ import annotations
@@ -52,7 +37,8 @@ from trainer.nn.layers import GELU, Container, Dropout, Layer, Linear, check_ker
 from trainer.parallel.tp_group import TPGroup, part
 
 __all__ = ["Split", "copy_to_tp", "copy_to_tp_backward", "reduce_from_tp", "reduce_from_tp_backward",
-           "ColumnParallelLinear", "RowParallelLinear", "HeadDropout", "ParallelSelfAttention", "ParallelMLP"]
+           "ColumnParallelLinear", "RowParallelLinear", "HeadDropout", "ColumnDropout", "SplitLayerNorm",
+           "ParallelSelfAttention", "ParallelMLP"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +111,9 @@ class ColumnParallelLinear(Layer):
             return Split((self.in_features, *self.out_view), 1 + self.out_axis, self.lo, self.hi)
         return Split(self.out_view, self.out_axis, self.lo, self.hi)
 
+    def output_shape(self, shape):
+        return self.linear.output_shape(shape)  # this rank's columns
+
     def forward(self, params, x, ctx):
         return self.linear.forward(params, copy_to_tp(x, self.tp), ctx)
 
@@ -160,6 +149,9 @@ class RowParallelLinear(Layer):
         if name == "weight":
             return Split((self.in_features, self.out_features), 0, self.lo, self.hi)
         return None  # the bias: replicated
+
+    def output_shape(self, shape):
+        return (*shape[:-1], self.out_features)
 
     def forward(self, params, x, ctx):
         local = self.hi - self.lo
@@ -199,6 +191,71 @@ class HeadDropout(Dropout):
             u[n] = rng.random(shape[1:])
             rng.bit_generator.advance(row - local * inner)  # the other ranks' heads of this row
         return ((u >= self.p) / (1.0 - self.p)).astype(dtype)
+
+
+class ColumnDropout(Dropout):
+    """Dropout on features [lo, hi) of ``features`` (after a column-parallel layer) with the
+    single-process mask's columns: the mask of the whole (..., features) input is drawn, as a tp = 1
+    run draws it, and this rank's columns kept."""
+
+    def __init__(self, p: float, features: int, lo: int, hi: int) -> None:
+        super().__init__(p)
+        self.features, self.lo, self.hi = features, lo, hi
+
+    def mask(self, shape, dtype, ctx):
+        if shape[-1] != self.hi - self.lo:
+            raise ValueError(f"ColumnDropout holds features [{self.lo}, {self.hi}), got shape {shape}")
+        whole = (*shape[:-1], self.features)
+        return super().mask(whole, dtype, ctx)[..., self.lo : self.hi]
+
+
+class SplitLayerNorm(Layer):
+    """LayerNorm over features [lo, hi) of ``dim`` (after a column-parallel layer): this rank holds
+    those features of the weight and bias; each row's statistics are sums over the tp group.
+
+    forward:  mu = all_reduce(sum_c x_i) / C;  var = all_reduce(sum_c (x_i - mu)^2) / C      # (N,) each
+              xhat_i = (x_i - mu) rstd,  y_i = xhat_i w_i + b_i,  rstd = 1 / sqrt(var + eps)
+    backward: dw_i += sum_n dy_i xhat_i,  db_i += sum_n dy_i,  g_i = dy_i w_i
+              [sum_c g, sum_c g xhat] all_reduced (2, N);  dx_i = rstd (g_i - mean g - xhat_i mean(g xhat))
+    """
+
+    def __init__(self, dim: int, tp: TPGroup, *, eps: float = 1e-5) -> None:
+        if dim < tp.size:
+            raise ValueError(f"a LayerNorm of {dim} features cannot split over tp={tp.size}")
+        self.dim, self.eps, self.tp = dim, eps, tp
+        self.lo, self.hi = part(dim, tp.rank, tp.size)
+
+    def param_shapes(self):
+        return [("weight", (self.hi - self.lo,)), ("bias", (self.hi - self.lo,))]
+
+    def tp_split(self, name: str) -> Split:
+        return Split((self.dim,), 0, self.lo, self.hi)
+
+    def init(self, params, rng):
+        params["weight"][...] = 1.0
+        params["bias"][...] = 0.0
+
+    def _sum(self, rows: np.ndarray) -> np.ndarray:
+        """Row sums over every rank's features, in place (every rank of the group holds the same rows)."""
+        return self.tp.all_reduce(rows) if rows.size else rows
+
+    def forward(self, params, x, ctx):
+        x2 = x.reshape(-1, self.hi - self.lo)  # (N, C_i)
+        mu = self._sum(np.ascontiguousarray(x2.sum(axis=1))) / self.dim  # (N,)
+        xc = x2 - mu[:, None]
+        rstd = 1.0 / np.sqrt(self._sum(np.ascontiguousarray((xc * xc).sum(axis=1))) / self.dim + self.eps)
+        xhat = xc * rstd[:, None]  # (N, C_i)
+        return (xhat * params["weight"] + params["bias"]).reshape(x.shape), (xhat, rstd)
+
+    def backward(self, params, cache, dout, grads, *, grads_zero=False):
+        xhat, rstd = cache
+        d2 = dout.reshape(xhat.shape)  # (N, C_i)
+        grads["weight"] += (d2 * xhat).sum(axis=0)
+        grads["bias"] += d2.sum(axis=0)
+        g = d2 * params["weight"]
+        sums = self._sum(np.stack([g.sum(axis=1), (g * xhat).sum(axis=1)]))  # (2, N)
+        dx = rstd[:, None] * (g - sums[0][:, None] / self.dim - xhat * (sums[1][:, None] / self.dim))
+        return dx.reshape(dout.shape)
 
 
 class ParallelSelfAttention(Container):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.nn import layer_kernels as kernels
+from trainer.nn import layer_kernels
 from trainer.nn.layers import Layer
 from trainer.nn.loss import CrossEntropyLoss, Loss, _denominator
 from trainer.parallel.tp_group import TPGroup, part
@@ -61,6 +61,9 @@ class VocabParallelEmbedding(Layer):
     def tp_split(self, name: str) -> Split:
         return Split((self.num_embeddings, self.dim), 0, self.lo, self.hi)
 
+    def output_shape(self, shape):
+        return (*shape, self.dim)
+
     def forward(self, params, idx, ctx):
         if not np.issubdtype(idx.dtype, np.integer):
             raise TypeError(f"Embedding input must be integer token ids, got dtype {idx.dtype}")
@@ -78,8 +81,8 @@ class VocabParallelEmbedding(Layer):
         rows, here = cache
         d2 = np.ascontiguousarray(dout.reshape(-1, self.dim)[here])  # (n, C): this rank's tokens
         dw = grads["weight"]
-        if kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
-            kernels.embedding_backward(np.ascontiguousarray(rows, dtype=np.int64), d2, dw)
+        if layer_kernels.use_fast(d2, dw) and d2.dtype == dw.dtype:
+            layer_kernels.embedding_backward(np.ascontiguousarray(rows, dtype=np.int64), d2, dw)
         else:
             np.add.at(dw, rows, d2)
         return None  # no gradient flows into integer ids
@@ -110,6 +113,8 @@ class VocabParallelHead(Layer):
 class VocabParallelCrossEntropy(Loss):
     """Cross-entropy over logits split by vocabulary (the module docstring); shapes as
     CrossEntropyLoss: out (N, [T,] V_i), target (N, [T]) with ids of the whole vocabulary."""
+
+    metric_names = ("loss", "accuracy")
 
     def __init__(self, vocab_size: int, tp: TPGroup) -> None:
         self.vocab_size, self.tp = vocab_size, tp

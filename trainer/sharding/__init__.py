@@ -6,11 +6,14 @@
     await strategy.setup()
     result = await strategy.train_step([(x_local, y_local, offset, global_size)])
     strategy.close()
+    make_strategy("fsdp", model, config, shard_group, replicate=replica_group)   # hybrid sharding
 
 Files: base.py (the contract, TrainConfig, StepResult), data_parallel.py (the
-data-parallel base: the step every strategy shares), accounted.py (the collectives a
-strategy runs, counted and timed, and the compute-thread bridge), ddp.py, zero.py
-(stages 1 and 2), fsdp.py (stage 3).
+data-parallel base: the step every strategy shares), parts.py (the parts a strategy
+holds: model parallelism, offload), hsdp.py (the replicate dimension of hybrid
+sharding and its bytes per step), accounted.py (the collectives a strategy runs,
+counted and timed, and the compute-thread bridge), ddp.py, zero.py (stages 1 and 2),
+fsdp.py (stage 3).
 
 What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no loop.
 """
@@ -32,7 +35,9 @@ def make_strategy(name: str, model, config: TrainConfig, group, **kw) -> Strateg
 
     ``kw`` goes to the strategy (e.g. ``schedule=`` a callable step -> lr that
     replaces the one TrainConfig describes, ``loss=`` a loss object other than the
-    model's). Call ``await setup()`` next.
+    model's, ``replicate=`` a ProcessGroup of the ranks holding copies of this rank's
+    shards: hybrid sharding over ``group`` x ``replicate``, zero1/2/3 and fsdp; ``world=``
+    then the group of them all, default the runtime's world). Call ``await setup()`` next.
 
     Raises:
         ValueError: an unknown name or a bad TrainConfig field.

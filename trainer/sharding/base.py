@@ -1,9 +1,8 @@
 """The contract every sharding strategy (ddp, zero1, zero2, zero3/fsdp) fulfils.
 
-The loop (trainer/loop.py) and checkpoints (trainer/checkpoint.py) talk to a
-strategy only through this class, so the same loop trains under every
-strategy. A strategy owns the model's flat buffers (whole or sharded), the
-optimizer state, the gradient communication and the loss scaler.
+The loop (trainer/loop.py) and checkpoints (trainer/checkpoint.py) talk to a strategy only
+through this class. A strategy owns the model's flat buffers (whole or sharded), the optimizer
+state, the gradient communication and the loss scaler.
 
 Life of a strategy (grammar)::
 
@@ -11,10 +10,8 @@ Life of a strategy (grammar)::
                   | await full_params() | await check_replicas()
                   | state_dict() / load_state_dict())* -> close() -> end
 
-All ranks of ``group`` call the async methods in the same order (they run
-collectives). ``load_state_dict`` is local; the collectives it implies (e.g.
-re-gathering replicated parameters from loaded shards) run at the start of the
-next async call. Not here: data loading, logging, checkpoint files.
+All ranks of ``group`` call the async methods in the same order (they run collectives).
+``load_state_dict`` is local; the collectives it implies run at the start of the next async call.
 
 Checkpoint state (``state_dict``), the format trainer/checkpoint.py writes::
 
@@ -26,12 +23,10 @@ Checkpoint state (``state_dict``), the format trainer/checkpoint.py writes::
      "shards": {"unit0.param": array, "unit0.exp_avg": array, ...},
      "layout": {"unit0.param": {"numel": 17152, "start": 4288, "replicated": False}, ...}}
 
-Every name is one unit's UNPADDED flat array of ``numel`` elements (padding
-depends on the world size, so it is never stored); this rank's shard covers
-``[start, start + len(shard))`` of it. A replicated array (ddp) has start 0 and
-the full length on every rank; the checkpoint writes it from rank 0 only.
-``load_state_dict`` takes the same structure with the shards this rank's
-``state_dict()["layout"]`` asks for, cut from whatever layout was saved.
+Every name is one unit's UNPADDED flat array of ``numel`` elements; this rank's shard covers
+``[start, start + len(shard))`` of it (a replicated array, ddp's, is written from rank 0 only).
+``load_state_dict`` takes the shards ``state_dict()["layout"]`` asks for, cut from any layout.
+Not here: data loading, logging, checkpoint files.
 """
 
 from __future__ import annotations
@@ -50,6 +45,7 @@ class TrainConfig:
     optimizer: str = "adamw"          # adamw | sgd
     lr: float = 2e-3                  # peak learning rate
     weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw's (beta1, beta2), e.g. (0.9, 0.95) as nanoGPT
     decay: str = "matrices"           # which parameters decay: matrices (not biases, norms, embeddings) | all
     momentum: float = 0.9             # sgd only
     nesterov: bool = False            # sgd only

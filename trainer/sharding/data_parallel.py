@@ -1,59 +1,31 @@
-"""The data-parallel strategy base: the step skeleton, the compute thread, the update, checksums, state.
+"""The data-parallel strategy base: the training step, read in one place, and what ddp, zero1/2 and
+zero3/fsdp share (the compute thread, the update, checksums, checkpoint state).
 
-What it is: `DataParallelStrategy`, the concrete half of the Strategy contract
-that ddp, zero1/2 and zero3/fsdp share. A step is
+What it is: `DataParallelStrategy`, the concrete half of the Strategy contract. A strategy holds
+its parts as objects (parts.py): `model_parallel` computes the micro-batches (the whole model here;
+tp x pp stages on a mesh, trainer/parallel/strategy.py) and agrees on the step over the job;
+`replicas` is the replicate dimension of hybrid sharding (hsdp.py); `offload` keeps optimizer
+state where TrainConfig.offload says. `train_step` below is the step, in order:
 
-    compute thread:  for each micro-batch j (sync = last j):
-                         model.forward_backward(params, grads, x_j, y_j,
-                             Context(step, batch_offset = rows before j + offset_j),
-                             loss = the strategy's loss (the model's, or the caller's),
-                             loss_denominator = rows of ALL micro-batches,
-                             grad_scale = loss scale, checkpoint = activation checkpointing,
-                             **strategy hooks(sync))
-                     (the hooks gather parameters and, at grad_ready, launch gradient collectives)
-    event loop:      drain the launched collectives -> this rank's reduced gradient shards
-                     unscale; local found_inf; local sum of squares
-                     ONE all_reduce(sum) of [loss, found_inf, sum of squares]:
-                         loss = the global mean; found_inf > 0 on any rank means
-                         skip everywhere (a sum of 0/1 flags is > 0 exactly when
-                         their max is 1, so it decides as an all_reduce max would);
-                         global norm = sqrt(sum of squares over every shard)
-    compute thread:  clip (coef = clip / (norm + 1e-6), as torch.nn.utils.clip_grad_norm_),
-                     optimizer step on this rank's shards (lr = schedule(step)), unit by
-                     unit, weight decay by parameter group (TrainConfig.decay: "matrices"
-                     decays the layers' matrices only, `unit.decay_segments`); after each,
-                     _after_shard_update(i) (zero1/2: launch unit i's all-gather, which
-                     travels while the next units step)
-    event loop:      strategy's after-update work (zero1/2: wait for those all-gathers)
+    compute thread  model_parallel.compute: forward/backward of every micro-batch; the strategy's
+                    hooks gather parameters and, at the last micro-batch's grad_ready, launch the
+                    gradient collectives (on the event loop, accounted.py)
+    event loop      drain them (and the replicas'), then the part's own (a tied embedding)
+                    unscale; local found_inf; this rank's share of the squared norm
+                    model_parallel.agree: ONE sum of [loss, found_inf, sum of squares]
+    compute thread  clip; the optimizer steps this rank's shards unit by unit (offload reads
+                    ahead and writes behind); _after_shard_update(i) (zero1/2 launch unit i's gather)
+    event loop      _after_update (zero1/2: wait for the gathers)
 
-Gradients are SUMMED across ranks, never averaged: each rank's loss is divided
-by the global row count (trainer.nn.loss), which makes every strategy equal
-single-process training on the same global batches.
+Gradients are SUMMED across ranks, never averaged (each rank's loss is divided by the global row
+count), so every strategy equals single-process training on the same global batches. Padding is
+the strategy's: unit i's buffers have `lengths[i]` = numel rounded up to the shard count.
 
-Padding is the strategy's: unit i's buffers have `lengths[i]` = numel rounded up
-to a multiple of the world size, whatever the model was built with, and rank r
-owns `shard_bounds(lengths[i], r, N)` of them (zero/fsdp).
+Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks: _allocate, _owned,
+_master_shard, _compute_params, _grad_list, _hooks, _eval_hooks, _opt_shards, _after_shard_update,
+_after_update, _begin_step, _replicated_arrays, _nbytes, _full_params.
 
-The model's forward/backward is synchronous, so it runs on one compute thread
-per strategy while the event loop moves collectives (see accounted.py); the hooks
-block only when a gathered unit is not there yet.
-
-Subclasses (ddp.py, zero.py, fsdp.py) provide the buffers and the hooks:
-
-    _allocate(full_init)          buffers from the full initial params (master dtype)
-    _before_shard_update(i)       compute thread, right before unit i's shard steps
-    _after_shard_update(i)        compute thread, right after unit i's shard stepped (may launch)
-    _after_update(applied)        async; re-derive compute params after the optimizer step
-    _compute_params()             list handed to the model (entries may be None: fsdp)
-    _grad_list()                  list handed to the model (entries may be None)
-    _hooks(sync, params, grads)   the model hooks for one micro-batch
-    _finish_grads()               async; after the compute thread, before the update
-    _opt_shards()                 [(param shard, reduced grad shard, optimizer state)]
-    _owned(i) -> (start, stop)    padded coordinates of this rank's master/optimizer shard
-    _replicated_arrays()          what check_replicas compares
-    _nbytes() -> (params, grads)  persistent bytes
-
-What it is not: no data loading, no checkpoint files, no logging.
+What it is not: no data loading, no checkpoint files, no logging, no model parallelism (parts).
 """
 
 from __future__ import annotations
@@ -61,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import functools
 import hashlib
 import math
 import threading
@@ -70,11 +41,13 @@ from typing import Callable
 
 import numpy as np
 
-from trainer.nn import EVAL, ActivationMeter, Context, Loss, Model, shard_bounds
+from trainer.nn import ActivationMeter, Loss, Model, shard_bounds
 from trainer.optim import SGD, AdamW, Constant, WarmupCosine
 from trainer.precision import DynamicLossScaler, PrecisionPolicy, dtype_name, has_inf_or_nan, resolve_dtype, unscale_
-from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
 from trainer.sharding.accounted import AccountedCollectives
+from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
+from trainer.sharding.hsdp import Replicas
+from trainer.sharding.parts import ModelParallel, NoOffload
 
 __all__ = ["STRATEGIES", "DECAY_GROUPS", "DataParallelStrategy", "make_optimizer", "make_schedule", "make_codec",
            "clip_coefficient"]
@@ -85,7 +58,7 @@ DECAY_GROUPS = ("matrices", "all")  # TrainConfig.decay: the layers' matrices on
 
 def make_optimizer(config: TrainConfig):
     if config.optimizer == "adamw":
-        return AdamW(weight_decay=config.weight_decay, kernel=config.adam_kernel)
+        return AdamW(betas=config.betas, weight_decay=config.weight_decay, kernel=config.adam_kernel)
     if config.optimizer == "sgd":
         return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay)
     raise ValueError(f"TrainConfig.optimizer must be 'adamw' or 'sgd', got {config.optimizer!r}")
@@ -131,28 +104,45 @@ def clip_coefficient(total_norm: float, clip_norm: float) -> float:
 
 
 class DataParallelStrategy(Strategy):
-    """The shared machinery; see the module docstring. Not used directly."""
+    """The shared machinery; see the module docstring. Not used directly.
+
+    Keywords beyond the Strategy contract's: ``replicate`` (a ProcessGroup: hybrid sharding, the
+    ranks holding copies of this rank's shards; zero and fsdp only), ``world`` (with
+    ``replicate``: the group of every data-parallel rank, for checkpoints and the loop; default
+    the runtime's world), ``model_parallel`` and ``offload`` (parts.py), ``schedule``, ``loss``.
+    """
 
     name = "base"
     replicated_state = False  # ddp: master params and optimizer state are the same on every rank
-    replicated_grads = False  # ddp: the reduced gradient is whole on every rank (norm needs no sum)
+    replicated_grads = False  # ddp: the reduced gradient is whole on every rank
 
-    def __init__(self, model: Model, config: TrainConfig, group, *, schedule: Callable[[int], float] | None = None,
-                 loss: Loss | None = None):
+    def __init__(self, model: Model, config: TrainConfig, group, *, replicate=None, world=None,
+                 model_parallel: ModelParallel | None = None, offload=None,
+                 schedule: Callable[[int], float] | None = None, loss: Loss | None = None):
         if config.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum must be >= 1, got {config.grad_accum}")
         if config.clip_norm is not None and not config.clip_norm > 0:
             raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {config.clip_norm}")
         if config.decay not in DECAY_GROUPS:
             raise ValueError(f"TrainConfig.decay must be one of {DECAY_GROUPS}, got {config.decay!r}")
-        if config.offload is not None and not getattr(self, "supports_offload", False):
+        if config.offload is not None and offload is None:
             raise ValueError(f"TrainConfig.offload={config.offload!r}: build the strategy with "
                              f"trainer.parallel.make_offload_strategy (or make_parallel_strategy)")
-        self.model, self.config, self.group = model, config, group
+        self.model, self.config = model, config
         self.units = model.units
         self.N, self.rank = group.size, group.rank
         self.lengths = [u.padded_length(self.N) for u in self.units]  # this strategy's padding, any model
         self.loss = loss if loss is not None else model.loss
+        self.model_parallel = model_parallel if model_parallel is not None else ModelParallel()
+        self.offload = offload if offload is not None else NoOffload()
+        self.replicas = Replicas(replicate)
+        if self.replicas.size > 1 and self.replicated_state:
+            raise ValueError(f"{self.name} replicates every parameter already: replicate= (hybrid sharding) is "
+                             f"for zero1, zero2, zero3 and fsdp")
+        mp_group = self.model_parallel.group
+        self.group = mp_group if mp_group is not None else self._whole_group(group, world)
+        self.data_group = self.model_parallel.data_group  # None: the loop's group
+        self.logical_model = model if self.model_parallel.logical_model is None else self.model_parallel.logical_model
         self.meter = ActivationMeter()  # activation bytes the model holds (memory_bytes()["activations_peak"])
         self.policy = PrecisionPolicy(master=config.master_dtype, compute=config.param_dtype,
                                       reduce=config.reduce_dtype)
@@ -181,8 +171,19 @@ class DataParallelStrategy(Strategy):
         self._transient = {"gathered": 0, "grads": 0}  # bytes of transient buffers alive now
         self._peak = {"gathered": 0, "grads": 0}
         self._stale = False  # load_state_dict ran; compute params are re-derived on the next async call
-        self._overflow_at: dict[int, set[int] | None] = {}
+        self._counted: list[list[tuple[int, int]]] | None = None  # _grad_sumsq's ranges, made on first use
         self._is_setup = False
+
+    def _whole_group(self, group, world):
+        """The group of every data-parallel rank: ``group`` itself, or with replicas ``world``."""
+        if self.replicas.size == 1:
+            return group
+        world = world if world is not None else group.runtime.world
+        if world.size != self.N * self.replicas.size:
+            raise ValueError(f"{self.N} shards x {self.replicas.size} replicas need a world of "
+                             f"{self.N * self.replicas.size} ranks, got {world.size}: pass world= the group of "
+                             f"every data-parallel rank")
+        return world
 
     # ---- life cycle -----------------------------------------------------------
 
@@ -193,11 +194,13 @@ class DataParallelStrategy(Strategy):
         self.states = [self.optimizer.init_state(self._owned(i)[1] - self._owned(i)[0], self.master_dtype)
                        for i in range(len(self.units))]
         self._segments = [self._decay_segments(i) for i in range(len(self.units))]
-        self.collectives.loop = asyncio.get_running_loop()
+        for acc in self._accounted():
+            acc.loop = asyncio.get_running_loop()
         await self._sync_initial_params()
         self._is_setup = True
         if self.config.check_every:
             await self.check_replicas()
+        self.offload.adopt(self)
 
     async def _sync_initial_params(self) -> None:
         """Every rank initialised from one seed; replicated strategies also broadcast from rank 0."""
@@ -206,6 +209,12 @@ class DataParallelStrategy(Strategy):
     def close(self) -> None:
         """See base class."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.offload.close()
+        self.model_parallel.close()
+
+    def _accounted(self) -> list[AccountedCollectives]:
+        """Every AccountedCollectives of the step: dp, the replicas', the model-parallel part's."""
+        return [self.collectives, *self.replicas.accounted(), *self.model_parallel.accounted()]
 
     def _shard(self, i: int) -> slice:
         """This rank's part of unit i's padded buffer (zero/fsdp sharding)."""
@@ -232,49 +241,20 @@ class DataParallelStrategy(Strategy):
             self._transient[kind] -= nbytes
 
     def memory_bytes(self) -> dict:
-        """See base class. Also ``grads_transient_peak`` (unsharded unit gradients
-        and scratch alive at once) and ``transient_now`` (0 between steps)."""
+        """See base class. Also ``grads_transient_peak`` (unsharded unit gradients and scratch alive
+        at once), ``transient_now`` (0 between steps), and with offload ``offloaded`` / ``resident``."""
         params, grads = self._nbytes()
         optim = sum(s.nbytes for s in self.states)
-        return {"params": params, "grads": grads, "optim": optim, "total": params + grads + optim,
-                "gathered_peak": self._peak["gathered"], "grads_transient_peak": self._peak["grads"],
-                "transient_now": sum(self._transient.values()), "activations_peak": self.meter.peak}
+        return self.offload.memory({
+            "params": params, "grads": grads, "optim": optim, "total": params + grads + optim,
+            "gathered_peak": self._peak["gathered"], "grads_transient_peak": self._peak["grads"],
+            "transient_now": sum(self._transient.values()), "activations_peak": self.meter.peak})
 
     def reset_peak(self) -> None:
         """See base class."""
         with self._mem_lock:
             self._peak = dict(self._transient)
         self.meter.reset_peak()
-
-    # ---- testing hook -----------------------------------------------------------
-
-    def inject_overflow(self, step: int, ranks: list[int] | None = None) -> None:
-        """Test hook: at ``step`` (the value of ``self.step`` when train_step starts)
-        the gradient of unit 0, element 0, becomes +inf on ``ranks`` (default: every
-        rank) at grad_ready(0), just before it is communicated, as an fp16 overflow would. With
-        ``ranks=[0]`` under zero2/zero3 only rank 0's shard sees it, which tests that
-        the skip is agreed by all ranks."""
-        self._overflow_at[int(step)] = None if ranks is None else {int(r) for r in ranks}
-
-    def _with_injection(self, hooks: dict, grads: list) -> dict:
-        """The last micro-batch's hooks, with inject_overflow's inf put into unit 0 at grad_ready(0)."""
-        if self._overflow_at:
-            ready = hooks.get("grad_ready")
-
-            def ready_with_injection(i):
-                if i == 0:
-                    self._inject(grads)
-                if ready is not None:
-                    ready(i)
-
-            hooks["grad_ready"] = ready_with_injection
-        return hooks
-
-    def _inject(self, grads: list) -> None:
-        if self.step in self._overflow_at:
-            ranks = self._overflow_at[self.step]
-            if ranks is None or self.rank in ranks:
-                grads[0][0] = np.inf
 
     # ---- the step -------------------------------------------------------------
 
@@ -292,67 +272,54 @@ class DataParallelStrategy(Strategy):
     async def _ensure_fresh(self) -> None:
         if not self._is_setup:
             raise RuntimeError(f"{self.name}: call `await setup()` before training or evaluating")
-        self.collectives.loop = asyncio.get_running_loop()
-        self.collectives.aborted = False
+        for acc in self._accounted():
+            acc.loop = asyncio.get_running_loop()
+            acc.aborted = False
         if self._stale:
             self._stale = False
             await self._after_update(True)
 
-    def _compute(self, micro_batches, denominator: float, scale: float) -> float:
-        """Compute thread: forward/backward of every micro-batch; returns the local loss sum."""
-        loss, rows_before = 0.0, 0
-        params = self._compute_params()
-        self.meter.clear()  # what a failed step may have left
-        for j, (x, y, offset, global_size) in enumerate(micro_batches):
-            sync = j == len(micro_batches) - 1
-            grads = self._grad_list()
-            hooks = self._hooks(sync, params, grads)
-            if sync:
-                self._with_injection(hooks, grads)
-            ctx = Context(training=True, seed=self.config.seed, step=self.step, batch_offset=rows_before + int(offset))
-            # grads_zero at j == 0: _begin_step zeroed every gradient buffer (ddp, zero1) or dropped
-            # them, and before_unit_backward allocates them as zeros (zero2, zero3/fsdp)
-            loss += self.model.forward_backward(params, grads, self._cast_input(x), y, ctx, loss=self.loss,
-                                                loss_denominator=denominator, grad_scale=scale,
-                                                grads_zero=j == 0, checkpoint=self.config.activation_checkpointing,
-                                                meter=self.meter, **hooks)
-            rows_before += int(global_size)
-        return loss
-
     async def train_step(self, micro_batches) -> StepResult:
-        """See base class."""
+        """See base class. The step, in order (the module docstring)."""
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         await self._ensure_fresh()
         t_start = time.perf_counter()
-        self.collectives.reset_counters()
+        for acc in self._accounted():
+            acc.reset_counters()
         denominator = float(sum(int(mb[3]) for mb in micro_batches))
         if denominator <= 0:
             raise ValueError(f"the step's global batch is empty (global sizes {[mb[3] for mb in micro_batches]})")
         scale = self.scaler.scale
         self._begin_step()
-        try:
+        self.offload.begin_step()
+        try:  # 1. forward and backward of every micro-batch; the hooks launch the gradient collectives
             t0 = time.perf_counter()
-            loss_local = await self._in_thread(self._compute, micro_batches, denominator, scale)
+            loss_local = await self._in_thread(self.model_parallel.compute, self, micro_batches, denominator, scale)
             thread_s = time.perf_counter() - t0
             thread_exposed = self.collectives.exposed_s
-            await self._finish_grads()
+            await self._finish_grads()  # 2. this rank's reduced gradient shards
+            await self.model_parallel.finish_grads(self)
         except BaseException:
             await self._cancel_pending()
             raise
+        # 3. grads in the master dtype (a cast copy only when reduce != master), unscaled, checked
         shards = self._opt_shards()
-        # grads in the master dtype (a cast copy only when reduce != master), unscaled, checked
         grads = [g if g.dtype == self.master_dtype else g.astype(self.master_dtype) for _, g, _ in shards]
         local_inf = False
         for g in grads:
             local_inf |= unscale_(g, scale) if scale != 1.0 else has_inf_or_nan(g)
         with np.errstate(over="ignore", invalid="ignore"):
             sumsq = self._grad_sumsq(grads)
-        loss, found_inf, total_sumsq = await self._agree(loss_local, local_inf, sumsq)
-        grad_norm = math.sqrt(total_sumsq) if not found_inf else math.inf
+        # 4. one sum over the job decides for every rank: the mean loss, any overflow (a sum of 0/1
+        # flags is > 0 exactly when their max is 1), the squared global norm
+        stats = np.array([loss_local, float(local_inf), sumsq], dtype=np.float64)
+        await self.model_parallel.agree(self, stats)
+        loss, found_inf = float(stats[0]), bool(stats[1] > 0)
+        grad_norm = math.sqrt(float(stats[2])) if not found_inf else math.inf
         applied = self.scaler.update(found_inf) and not found_inf
         t_update = time.perf_counter()
-        if applied:
+        if applied:  # 5. clip and step this rank's shards
             lr = self.schedule(self.step)
             coef = clip_coefficient(grad_norm, self.config.clip_norm) if self.config.clip_norm else 1.0
             try:
@@ -365,81 +332,103 @@ class DataParallelStrategy(Strategy):
         self.step += 1
         if self.config.check_every and self.step % self.config.check_every == 0:
             await self.check_replicas()
-        timings = {"compute_s": max(0.0, thread_s - thread_exposed) + update_s, "comm_s": self.collectives.comm_s,
-                   "exposed_comm_s": self.collectives.exposed_s, "step_s": time.perf_counter() - t_start}
-        return StepResult(loss=loss, skipped=not applied, grad_norm=grad_norm, comm_bytes=self.collectives.bytes_sent,
-                          timings=timings, loss_scale=scale)
+        own = [self.collectives, *self.replicas.accounted()]
+        timings = {"compute_s": max(0.0, thread_s - thread_exposed) + update_s,
+                   "comm_s": sum(a.comm_s for a in own), "exposed_comm_s": sum(a.exposed_s for a in own),
+                   "step_s": time.perf_counter() - t_start}
+        result = StepResult(loss=loss, skipped=not applied, grad_norm=grad_norm,
+                            comm_bytes=sum(a.bytes_sent for a in own), timings=timings, loss_scale=scale)
+        self.model_parallel.report(self, result)
+        return result
 
     def _grad_sumsq(self, grads: list) -> float:
-        """This rank's share of the squared global gradient norm: the sum of squares of its shards."""
-        return float(sum(float(np.dot(g, g)) for g in grads))
+        """This rank's share of the squared global norm: each element of the model counted once in
+        the job (ddp: rank 0's replica; hybrid sharding: replica 0's shards; the model-parallel
+        part's ranges: a tp-replicated parameter on one tp rank, a tied unit on one stage)."""
+        if self._counted is None:
+            self._counted = [self._counted_in_shard(i) for i in range(len(self.units))]
+        total = 0.0
+        for g, ranges in zip(grads, self._counted):
+            for lo, hi in ranges:
+                total += float(np.dot(g[lo:hi], g[lo:hi]))
+        return total
 
-    async def _agree(self, loss_local: float, local_inf: bool, sumsq: float) -> tuple[float, bool, float]:
-        """One all_reduce decides for every rank: [loss, found_inf flags, sum of squares] ->
-        (the global loss, whether any rank found inf/NaN, the squared global norm)."""
-        stats = np.array([loss_local, float(local_inf), 0.0 if self.replicated_grads else sumsq], dtype=np.float64)
-        await self.collectives.exposed(self.collectives.all_reduce(stats))
-        return float(stats[0]), bool(stats[1] > 0), sumsq if self.replicated_grads else float(stats[2])
+    def _counted_in_shard(self, i: int) -> list[tuple[int, int]]:
+        if (self.replicated_grads and self.rank != 0) or self.replicas.rank != 0:
+            return []
+        start, stop = self._owned(i)
+        return [(max(lo, start) - start, min(hi, stop) - start) for lo, hi in self.model_parallel.counted_ranges(self, i)
+                if max(lo, start) < min(hi, stop)]
 
     async def _cancel_pending(self) -> None:
         """After a failure: cancels and reaps every collective the step launched."""
-        await self.collectives.cancel_pending()
+        for acc in self._accounted():
+            await acc.cancel_pending()
 
     def _update(self, shards, grads, coef: float, lr: float) -> None:
         """Compute thread: clip and step this rank's shards, unit by unit in index order (the
         order of the collectives _after_shard_update may launch, the same on every rank)."""
-        for i, ((param, _, state), g) in enumerate(zip(shards, grads)):
-            self._before_shard_update(i)
-            if coef < 1.0:
-                g *= coef
-            self.optimizer.step(param, g, state, lr, segments=self._segments[i])
-            self._after_shard_update(i)
+        try:
+            for i, ((param, _, state), g) in enumerate(zip(shards, grads)):
+                self.offload.before_update(i)
+                if coef < 1.0:
+                    g *= coef
+                self.optimizer.step(param, g, state, lr, segments=self._segments[i])
+                self._after_shard_update(i)
+                self.offload.after_update(i)
+        finally:
+            self.offload.finish_update()
 
-    # ---- evaluation -------------------------------------------------------------
+    # ---- evaluation, full parameters -------------------------------------------------
 
     async def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         """See base class."""
         await self._ensure_fresh()
-        params = self._compute_params()
-        hooks = self._eval_hooks(params)
-        try:
-            forward = functools.partial(self.model.forward, params, self._cast_input(x), EVAL, **hooks)
-            out = await self._in_thread(forward)
-            await self.collectives.drain()
-        except BaseException:
-            await self._cancel_pending()
-            raise
-        return {k: float(v) for k, v in self.loss.metrics(out, y).items()}
+        return await self.model_parallel.evaluate(self, x, y)
 
     def _eval_hooks(self, params: list) -> dict:
         return {}
 
+    async def full_params(self) -> list[np.ndarray]:
+        """See base class (the model-parallel part assembles the full model from its parts)."""
+        await self._ensure_fresh()
+        return await self.model_parallel.full_params(self)
+
+    async def _full_unit(self, i: int, shard: np.ndarray) -> np.ndarray:
+        """Unit i's unpadded buffer from this rank's padded shard of it (whole already under ddp)."""
+        if self.replicated_state:
+            return shard[: self.units[i].numel]
+        out = np.empty(self.lengths[i], shard.dtype)
+        await self.collectives.all_gather(out, shard)
+        return out[: self.units[i].numel]
+
+    def pipeline_report(self) -> dict | None:
+        """The run summary's pipeline figures (None without a pipeline)."""
+        return self.model_parallel.pipeline_report()
+
     # ---- replicas -----------------------------------------------------------------
 
-    def _digest(self) -> np.ndarray:
+    def _digest(self, arrays) -> np.ndarray:
         h = hashlib.blake2b(digest_size=8)
         scalars = np.array([self.step, self.states[0].step if self.states else 0, self.scaler.state.scale,
                             self.scaler.state.good_steps], dtype=np.float64)
         h.update(scalars.tobytes())
-        for a in self._replicated_arrays():
+        for a in arrays:
             h.update(np.ascontiguousarray(a).view(np.uint8))
         return np.frombuffer(h.digest(), dtype=np.int64).copy()  # (1,)
 
     async def check_replicas(self) -> None:
-        """See base class."""
-        mine = self._digest()
+        """See base class. With hybrid sharding the replicas' shards (parameters, optimizer state)
+        are compared too."""
         every = np.zeros(self.N, dtype=np.int64)
-        await self.collectives.all_gather(every, mine)
-        values, counts = np.unique(every, return_counts=True)
-        if len(values) == 1:
-            return
-        best = counts.max()
-        majority = every[0] if counts[list(values).index(every[0])] == best else values[counts.argmax()]
-        differ = [r for r in range(self.N) if every[r] != majority]
-        raise ReplicaMismatchError(
-            f"{self.name}: replicated state (parameters{', optimizer state' if self.replicated_state else ''}, "
-            f"step, loss scale) differs across ranks at step {self.step}: rank(s) {differ} differ from "
-            f"rank(s) {[r for r in range(self.N) if every[r] == majority]}", differ)
+        await self.collectives.all_gather(every, self._digest(self._replicated_arrays()))
+        what = f"parameters{', optimizer state' if self.replicated_state else ''}, step, loss scale"
+        _raise_on_mismatch(self.name, every, what, self.step)
+        if self.replicas.size > 1:
+            shards = [self._master_shard(i) for i in range(len(self.units))]
+            shards += [b for s in self.states for b in s.buffers.values()]
+            every = await self.replicas.digests(self._digest(shards))
+            _raise_on_mismatch(self.name, every, "shards across replicas (parameters, optimizer state)", self.step)
 
     # ---- checkpoint state ---------------------------------------------------------
 
@@ -452,7 +441,7 @@ class DataParallelStrategy(Strategy):
         return start, min(stop, numel) - start
 
     def state_dict(self) -> dict:
-        """See base class."""
+        """See base class (in the names and layout of the model checkpoints describe)."""
         shards, layout = {}, {}
         for i, unit in enumerate(self.units):
             start, n = self._layout(i)
@@ -462,15 +451,17 @@ class DataParallelStrategy(Strategy):
                 name = f"unit{i}.{key}"
                 shards[name] = arr[:n]
                 layout[name] = {"numel": unit.numel, "start": start, "replicated": self.replicated_state}
-        return {"strategy": self.name, "world_size": self.N, "rank": self.rank, "step": self.step,
-                "optim_step": self.states[0].step if self.states else 0,
-                "optimizer": self.config.optimizer, "master_dtype": dtype_name(self.master_dtype),
-                "scaler": self.scaler.state_dict(), "shards": shards, "layout": layout}
+        state = {"strategy": self.name, "world_size": self.group.size, "rank": self.group.rank, "step": self.step,
+                 "optim_step": self.states[0].step if self.states else 0,
+                 "optimizer": self.config.optimizer, "master_dtype": dtype_name(self.master_dtype),
+                 "scaler": self.scaler.state_dict(), "shards": shards, "layout": layout}
+        return self.model_parallel.full_state(self, state)
 
     def load_state_dict(self, state: dict) -> None:
         """See base class."""
         if not self._is_setup:
             raise RuntimeError(f"{self.name}: call `await setup()` before load_state_dict")
+        state = self.model_parallel.local_state(self, state)
         shards = state["shards"]
         for i in range(len(self.units)):
             start, n = self._layout(i)
@@ -491,6 +482,12 @@ class DataParallelStrategy(Strategy):
         self.step = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])
         self._stale = True
+        self.offload.after_load()
+
+    async def sharded_state_dict(self) -> dict:
+        """What a checkpoint writes from this rank (collective over ``group``): state_dict's arrays,
+        each written once in the job (trainer/checkpoint.py)."""
+        return await self.model_parallel.sharded_state_dict(self)
 
     def _master_shard(self, i: int) -> np.ndarray:
         """The master-dtype array covering this rank's padded range _owned(i)."""
@@ -514,10 +511,15 @@ class DataParallelStrategy(Strategy):
         self.collectives.launch(self._reduce_and_free(i, full))
 
     async def _reduce_and_free(self, i: int, full: np.ndarray) -> None:
+        turn = self.replicas.turn()  # hybrid sharding: the replicas' all_reduces keep the launch order
         try:
-            await self.collectives.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
+            try:
+                await self.collectives.reduce_scatter(self.grad_shards[i], full, key=i)  # key: unit i's codec state
+            finally:
+                self._untrack(full.nbytes)
+            await self.replicas.reduce(self.grad_shards[i], turn)  # the shard summed over the replicas
         finally:
-            self._untrack(full.nbytes)
+            self.replicas.release(turn)
 
     def _drop_full_grads(self) -> None:
         """Drops the full gradients a failed step may have left (none after a completed one)."""
@@ -531,11 +533,21 @@ class DataParallelStrategy(Strategy):
     def _begin_step(self) -> None:
         pass
 
-    def _before_shard_update(self, i: int) -> None:
-        """Compute thread, right before the optimizer steps unit i's shard (offload reads ahead here)."""
-
     def _after_shard_update(self, i: int) -> None:
         """Compute thread, right after the optimizer stepped unit i's shard (applied steps only)."""
 
     async def _finish_grads(self) -> None:
         await self.collectives.drain()
+
+
+def _raise_on_mismatch(name: str, every: np.ndarray, what: str, step: int) -> None:
+    """Raises ReplicaMismatchError when the digests ``every`` (one per rank) differ."""
+    values, counts = np.unique(every, return_counts=True)
+    if len(values) == 1:
+        return
+    best = counts.max()
+    majority = every[0] if counts[list(values).index(every[0])] == best else values[counts.argmax()]
+    differ = [r for r in range(len(every)) if every[r] != majority]
+    raise ReplicaMismatchError(
+        f"{name}: replicated state ({what}) differs across ranks at step {step}: rank(s) {differ} differ from "
+        f"rank(s) {[r for r in range(len(every)) if every[r] == majority]}", differ)

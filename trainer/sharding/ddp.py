@@ -4,33 +4,24 @@ How it works:
 
     setup:     every rank initialises from config.seed; rank 0's parameters are then
                broadcast (as torch DDP does), so replicas start bit-identical.
-    buckets:   units are grouped in the order their gradients complete
-               (model.grad_ready_order(): last unit first) into buckets of
-               at most bucket_cap_mb of gradient bytes, the first of at most 1 MiB as
-               torch DDP's (so the first gradients ready leave early even when the whole
-               model fits one bucket); a unit larger than the cap gets its own bucket. Each bucket is one flat buffer in reduce_dtype, and every
-               unit's gradient buffer is a VIEW into it (torch DDP's
-               gradient_as_bucket_view), so "bucket_copy_in" and "bucket_copy_out" are
-               free and the collective works on the gradients themselves.
-    backward:  grad_ready(i) for the LAST unit of a bucket to complete means every
-               unit of that bucket has its gradient: all_reduce(sum) of the bucket is
-               launched right then, as a task on the event loop, while the compute thread
-               goes on with the backward of the next units (the overlap).
-    accumulation: micro-batches before the last only accumulate (no_sync); the last
-               micro-batch's backward launches the buckets.
-    step:      all buckets awaited; every rank holds the same summed gradient, so the
-               global norm needs no communication; every rank steps all parameters.
+    buckets:   units grouped in the order their gradients complete (model.grad_ready_order():
+               last unit first) into buckets of at most bucket_cap_mb of gradient bytes, the
+               first of at most 1 MiB as torch DDP's; a unit larger than the cap is alone. A
+               bucket is one flat buffer in reduce_dtype and every unit's gradient a VIEW into
+               it (torch's gradient_as_bucket_view): "bucket_copy_in" and "_out" are free.
+    backward:  grad_ready(i) for the LAST unit of a bucket launches all_reduce(sum) of the
+               bucket on the event loop while the backward of the next units goes on (the
+               overlap); earlier micro-batches only accumulate (no_sync).
+    step:      every rank holds the same summed gradient; every rank steps all parameters.
 
     Worked example: units 0, 1, 2 with 66 KB, 263 KB, 10 KB of float32 gradients and
-    bucket_cap_mb = 0.25 give buckets [2, 1] and [0] ... except 10 + 263 KB > 256 KB,
-    so the buckets are [2], [1], [0]: the all_reduce of unit 2 runs while unit 1's
-    backward computes, that of unit 1 while unit 0's does.
+    bucket_cap_mb = 0.25 give buckets [2], [1], [0] (10 + 263 KB > 256 KB): the all_reduce
+    of unit 2 runs while unit 1's backward computes, that of unit 1 while unit 0's does.
 
-Memory (float32 Adam, P parameters): params 4P + grads 4P + Adam 8P = 16P, plus
-the float32 master when param_dtype is lower (then params = 4P master + the
-compute copy).
+Memory (float32 Adam, P parameters): params 4P + grads 4P + Adam 8P = 16P, plus the compute
+copy when param_dtype is lower than the float32 master.
 
-Not here: the step skeleton (common.py).
+Not here: the step skeleton (data_parallel.py).
 """
 
 from __future__ import annotations
@@ -163,7 +154,5 @@ class DDPStrategy(DataParallelStrategy):
         params = sum(m.nbytes for m in self.master) + (sum(c.nbytes for c in self.compute) if self.separate else 0)
         return params, sum(b.buffer.nbytes for b in self.buckets)
 
-    async def full_params(self) -> list[np.ndarray]:
-        """See base class."""
-        await self._ensure_fresh()
+    async def _full_params(self) -> list[np.ndarray]:
         return [m[: u.numel].copy() for m, u in zip(self.master, self.units)]

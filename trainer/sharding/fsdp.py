@@ -1,42 +1,30 @@
 """ZeRO-3 / FSDP: parameters, gradients and optimizer state all sharded; units gathered on demand.
 
-How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r
-owns [r S_i, (r + 1) S_i) of every unit):
+How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r owns
+[r S_i, (r + 1) S_i) of every unit):
 
-    kept per rank:  master shard (S_i, master dtype), its compute-dtype cast when
-                    param_dtype differs (the all-gather's input), gradient shard
-                    (S_i, reduce dtype), optimizer state (S_i each).
-    forward i:      before_unit_forward(i): launch all_gather(unit i) if not yet
-                    launched, then (prefetch) launch the next call's unit's, then wait for
-                    unit i only; the next unit's gather travels while unit i computes.
-                    after_unit_forward(i): free the gathered unit (reshard_after_forward),
-                    except after the last call, whose backward starts right away.
-    backward i:     before_unit_backward(i): (re)gather unit i, prefetch the unit of the
-                    next backward call, wait for unit i; allocate unit i's full gradient
-                    (zeros; kept across a unit's two calls, as the GPT's tied unit 0).
-                    after_unit_backward(i): free the gathered unit.
-                    grad_ready(i) (its last backward call is done): at the last
-                    micro-batch launch reduce_scatter(grad shard <- full gradient) and
-                    free the full gradient when it is done (earlier micro-batches keep
-                    accumulating into it: communication only at the boundary).
-    call order:     "next" follows model.calls (forward) and its reverse (backward): for
-                    the MLP that is unit i+1 / i-1; for the GPT, whose unit 0 runs first
-                    (embedding) and last (head), unit 0 is gathered twice in each pass.
-    step:           the optimizer updates the master shard; its cast refreshes the
-                    compute shard; nothing is gathered until the next forward.
-    reshard_after_forward=False keeps every gathered unit from its forward to its
-    backward (FSDP's SHARD_GRAD_OP): no second gather, more memory.
+    kept per rank:  master shard (S_i), its compute-dtype cast when param_dtype differs (the
+                    all_gather's input), gradient shard (S_i, reduce dtype), optimizer state.
+    forward i:      before_unit_forward(i): launch all_gather(unit i) unless on its way, then
+                    (prefetch) the next call's unit's; wait for unit i only. after_unit_forward(i):
+                    free it (reshard_after_forward), except after the last call.
+    backward i:     before_unit_backward(i): (re)gather unit i, prefetch the next backward call's,
+                    allocate unit i's full gradient; after_unit_backward(i): free the unit;
+                    grad_ready(i) at the last micro-batch: reduce_scatter(grad shard <- full
+                    gradient), the full gradient freed when done (hsdp.py: then the replicas' sum).
+    call order:     "next" follows model.calls (forward) and its reverse (backward): the GPT's
+                    unit 0 (embedding first, head last) is gathered twice in each pass.
+    step:           the optimizer updates the master shard, its cast refreshes the compute shard.
+    reshard_after_forward=False keeps every gathered unit from its forward to its backward
+    (FSDP's SHARD_GRAD_OP): no second gather, more memory.
 
-    Worked example, 3 units, prefetch on, resharding on: the gathers are issued in
-    the order 0 1 | 2 | (none) | 1 | 0 and the gathered units alive at once are at
-    most 2 (the one computing and the one prefetched) in the forward and 2 in the
-    backward, plus at most 2 full unit gradients (the one computing and the one
-    being reduce-scattered).
+    Worked example, 3 units, prefetch on, resharding on: gathers issued 0 1 | 2 | - | 1 | 0;
+    at most 2 gathered units alive at once in each pass, plus at most 2 full unit gradients.
 
-Memory (float32 Adam, P parameters, N ranks): 4P/N + 4P/N + 8P/N = 16P/N, plus
-padding and the units in flight (memory_bytes()["gathered_peak"]).
+Memory (float32 Adam, P parameters, N ranks): 4P/N + 4P/N + 8P/N = 16P/N, plus padding and the
+units in flight (memory_bytes()["gathered_peak"]).
 
-Not here: the step skeleton (common.py).
+Not here: the step skeleton (data_parallel.py).
 """
 
 from __future__ import annotations
@@ -76,7 +64,9 @@ class FSDPStrategy(DataParallelStrategy):
         return self.master[i]
 
     async def _sync_initial_params(self) -> None:
-        pass  # every rank cut its shard from the same config.seed initialisation
+        """Every rank cut its shard from the same config.seed initialisation; under hybrid
+        sharding replica 0's shards are broadcast to the others as well."""
+        await self.replicas.broadcast(self.master + (self.compute_shards if self.separate else []))
 
     def _after_shard_update(self, i: int) -> None:
         """See base class: unit i's compute shard follows its master at once, on the compute thread
@@ -195,9 +185,7 @@ class FSDPStrategy(DataParallelStrategy):
         params += sum(c.nbytes for c in self.compute_shards) if self.separate else 0
         return params, sum(g.nbytes for g in self.grad_shards)
 
-    async def full_params(self) -> list[np.ndarray]:
-        """See base class."""
-        await self._ensure_fresh()
+    async def _full_params(self) -> list[np.ndarray]:
         out = [np.empty(n, self.master_dtype) for n in self.lengths]
         await asyncio.gather(*(self.collectives.all_gather(o, m) for o, m in zip(out, self.master)))
         return [o[: u.numel] for o, u in zip(out, self.units)]

@@ -1,48 +1,29 @@
 """ZeRO stage 1 and 2: optimizer state (and, at stage 2, gradients) sharded; parameters replicated.
 
-How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r
-owns [r S_i, (r + 1) S_i) of every unit, trainer.nn.shard_bounds):
+How it works (N ranks, unit i of padded length L_i, shard S_i = L_i / N; rank r owns
+[r S_i, (r + 1) S_i) of every unit, trainer.nn.shard_bounds):
 
-    zero1  backward accumulates into FULL gradient buffers (4P, kept between steps);
-           at the last micro-batch, grad_ready(i) launches
-           reduce_scatter(scratch S_i <- full grad i) and copies the reduced chunk
-           back into this rank's slice of the full buffer; the optimizer steps the
-           slice with its 1/N optimizer state.
-    zero2  no full gradient buffer survives a step: before_unit_backward(i) allocates
-           unit i's full gradient, grad_ready(i) launches
-           reduce_scatter(grad shard S_i <- full grad i) and frees the full buffer as
-           soon as the collective is done; only the shard (4P/N) is kept. Under
-           gradient accumulation the full buffers live until the last micro-batch
-           (communication only at the boundary, like FSDP's no_sync).
-    both   each rank all-gathers the updated shards into the full replicated
-           parameters (in param_dtype: the compute copy is what travels), unit by unit
-           as the optimizer finishes each: _after_shard_update(i) launches unit i's
-           all_gather while the optimizer steps units i+1, i+2, ... (several gathers in
-           flight, issued in unit order on every rank), and the step waits for them all
-           before it returns, so nothing is in flight between steps (a next step's
-           forward, evaluate, full_params, a checkpoint or a shutdown never sees a
-           replica half gathered).
+    zero1  backward accumulates into FULL gradient buffers (4P, kept between steps); at the
+           last micro-batch grad_ready(i) launches reduce_scatter(scratch S_i <- full grad i)
+           and copies the chunk back into this rank's slice, which the optimizer steps.
+    zero2  before_unit_backward(i) allocates unit i's full gradient, grad_ready(i) launches
+           reduce_scatter(grad shard S_i <- full grad i) and frees the full buffer when done;
+           only the shard (4P/N) is kept (full buffers live until the last micro-batch).
+    both   after unit i's shard steps, _after_shard_update(i) launches its all_gather into the
+           replicated parameters (in param_dtype) while the optimizer steps units i+1, ...;
+           the step waits for them all before it returns (nothing in flight between steps).
+    hsdp   with replicate=: the reduced chunk is summed over the replicas (hsdp.py).
 
     Worked example, 3 units: update 0 | launch gather 0 | update 1 (gather 0 travels) |
-    launch gather 1 | update 2 | launch gather 2 | wait for gathers 0, 1, 2. Only the
-    last unit's gather (and whatever of the earlier ones outlasts the updates) is
-    exposed, where the step used to wait for all three after all three updates.
+    launch gather 1 | update 2 | launch gather 2 | wait for gathers 0, 1, 2.
 
-Gradient compression (TrainConfig.compression, e.g. "int8+ef"): both stages' gradient
-reduce_scatter is the compressed one (collectives/compressed.py reduce_scatter, ZeRO++'s
-qgZ: int8 blocks all_to_all'd, decode-summed in float32 by the owner), with key = the unit
-index, so each unit carries its own error-feedback residual from step to step. fsdp.py
-shares the same call (common.py _reduce_and_free). powersgd is refused at construction.
+Compression (TrainConfig.compression): the gradient reduce_scatter is the compressed one
+(collectives/compressed.py, ZeRO++'s qgZ) with key = the unit index. Master weights: with
+param_dtype == master_dtype the replicas ARE the master (this rank's master shard a view),
+otherwise a separate float32 master shard. Memory (float32 Adam, P parameters, N ranks):
+zero1 4P + 4P + 8P/N, zero2 4P + 4P/N + 8P/N, plus padding and the unit gradients in flight.
 
-Master weights: when param_dtype == master_dtype the replicated parameters ARE the
-master and this rank's master shard is a view into them; otherwise the master
-shard (float32) is separate and the replicated copy is in param_dtype, as in the
-ZeRO paper's mixed-precision accounting (master + Adam = 12P/N).
-
-Memory (float32 Adam, P parameters, N ranks): zero1 4P + 4P + 8P/N, zero2
-4P + 4P/N + 8P/N, plus padding and the unit gradients in flight (zero2).
-
-Not here: the step skeleton (common.py).
+Not here: the step skeleton (data_parallel.py).
 """
 
 from __future__ import annotations
@@ -91,7 +72,9 @@ class ZeroStrategy(DataParallelStrategy):
         return self.master[i]
 
     async def _sync_initial_params(self) -> None:
-        pass  # every rank built the same replicas from config.seed (check_replicas verifies it)
+        """Every rank built the same replicas from config.seed (check_replicas verifies it); under
+        hybrid sharding replica 0's are broadcast to the others as well."""
+        await self.replicas.broadcast(self.full + (self.master if self.separate else []))
 
     def _launch_gather(self, i: int) -> None:
         """Launches unit i's all_gather into its replicated compute parameters, in place: this
@@ -154,12 +137,15 @@ class ZeroStrategy(DataParallelStrategy):
 
     async def _reduce_into_slice(self, i: int) -> None:
         """zero1: reduce-scatter unit i's full gradient; the chunk goes back into this rank's slice."""
+        turn = self.replicas.turn()  # hybrid sharding: the replicas' all_reduces keep the launch order
         chunk = np.empty(self.slices[i].stop - self.slices[i].start, self.reduce_dtype)  # scratch (S_i,)
         self._track(chunk.nbytes)
         try:
             await self.collectives.reduce_scatter(chunk, self.grads[i], key=i)  # key: unit i's codec state
+            await self.replicas.reduce(chunk, turn)  # summed over the replicas
             self.grads[i][self.slices[i]] = chunk
         finally:
+            self.replicas.release(turn)
             self._untrack(chunk.nbytes)
 
     def _opt_shards(self) -> list:
@@ -174,9 +160,7 @@ class ZeroStrategy(DataParallelStrategy):
         grads = sum(g.nbytes for g in self.grads) if self.stage == 1 else sum(g.nbytes for g in self.grad_shards)
         return params, grads
 
-    async def full_params(self) -> list[np.ndarray]:
-        """See base class."""
-        await self._ensure_fresh()
+    async def _full_params(self) -> list[np.ndarray]:
         if not self.separate:
             return [f[: u.numel].copy() for f, u in zip(self.full, self.units)]
         out = [np.empty(n, self.master_dtype) for n in self.lengths]
