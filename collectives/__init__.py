@@ -8,13 +8,18 @@
     comm = C.Communicator.from_env()           # blocking, for code that is not asyncio
 
 Names are loaded on first use, so importing a subpackage (collectives.kernels)
-does not pull in the rest.
+does not pull in the rest; ``runtime.init()`` loads them, off the event loop (warmup.py).
 """
+
+from runtime import warmup as _warmup
 
 _FROM = {  # public name -> the module that defines it
     **dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
                      "all_to_all", "barrier"), "api"),
-    **dict.fromkeys(("send", "recv"), "p2p"),
+    **dict.fromkeys(("send", "recv", "sendrecv", "probe", "iprobe", "Status"), "p2p"),
+    **dict.fromkeys(("scan", "exscan"), "prefix"),
+    **dict.fromkeys(("split", "new_subgroups"), "groups"),
+    "monitored_barrier": "monitor",
     **dict.fromkeys(("all_gather_v", "all_to_all_v", "gather_v", "scatter_v"), "uneven"),
     **dict.fromkeys(("broadcast_object", "all_gather_object", "gather_object", "scatter_object"), "objects"),
     **dict.fromkeys(("Communicator", "Handle"), "blocking"),
@@ -22,13 +27,22 @@ _FROM = {  # public name -> the module that defines it
 
 __all__ = list(_FROM)
 
+
+def _warm_up() -> None:
+    """Run by ``runtime.init()`` on a worker thread, once per process (runtime/warmup.py)."""
+    from collectives import warmup  # lazy: every algorithm and Numba, imported off the event loop
+    warmup.warm()
+
+
+_warmup.add(_warm_up)  # before init() is the usual order: `import collectives` comes first
+
 # The machinery behind these names, imported only from inside collectives/ (tests/tree/test_surfaces.py):
 # choosing and opening a call, the host and device paths behind api.py, argument checks, shared
 # sizes, the algorithms (one file each under algorithms/, reached through registry.ALGORITHMS) and
-# the shared-memory slots they work on. The other modules are public: api, blocking, p2p, uneven, tensors,
-# objects, bucket, compressed, compress, kernels, registry, comm (the Comm protocol an algorithm
-# receives).
-_INTERNAL = ("calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots")
+# the shared-memory slots they work on, and the warm-up. The other modules are public: api,
+# blocking, p2p, uneven, tensors, objects, prefix, groups, monitor, bucket, compressed, compress,
+# kernels, registry, comm (the Comm protocol an algorithm receives).
+_INTERNAL = ("calls", "device", "device_pool", "ops", "tuning", "algorithms", "slots", "warmup")
 
 
 def __dir__() -> list[str]:

@@ -11,6 +11,10 @@
     await C.all_to_all(out, x)
     await C.barrier()
     await C.send(x, dst=1, tag=7); await C.recv(x, src=0, tag=7)   # (p2p.py; recv returns the source)
+    await C.sendrecv(x, dst, out, src); await C.probe(src, tag); C.iprobe(src, tag)   # (p2p.py)
+    await C.scan(x, op="sum"); await C.exscan(x, op="sum")          # prefix reductions (prefix.py)
+    await C.monitored_barrier(timeout=30)           # names the ranks that did not arrive (monitor.py)
+    sub = await C.split(color, key); mine, every = C.new_subgroups(4)   # new groups (groups.py)
 
 Every call takes ``group`` (default: the world of the calling task's runtime; ``src``, ``dst`` and
 ``root`` are group ranks), ``timeout`` (seconds, checked first; default ``RINGWEAVE_TIMEOUT_S``)
@@ -31,12 +35,16 @@ import numpy as np
 from collectives import calls, compressed, ops
 from collectives.calls import group_of
 from collectives.kernels import is_device_array
-from collectives.p2p import recv, send  # noqa: F401  (part of this module's calls)
+from collectives.groups import new_subgroups, split  # noqa: F401  (part of this module's calls)
+from collectives.monitor import monitored_barrier  # noqa: F401
+from collectives.p2p import iprobe, probe, recv, send, sendrecv  # noqa: F401
+from collectives.prefix import exscan, scan  # noqa: F401
 from collectives.tensors import takes_tensors  # torch tensors in place of arrays (collectives/tensors.py)
 from runtime.group import check_timeout
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
-           "all_to_all", "barrier", "send", "recv"]
+           "all_to_all", "barrier", "send", "recv", "sendrecv", "probe", "iprobe", "scan", "exscan",
+           "monitored_barrier", "split", "new_subgroups"]
 
 
 def _on_device(a) -> bool:

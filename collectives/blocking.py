@@ -90,9 +90,12 @@ _open: set["Communicator"] = set()  # not closed yet: closed at interpreter exit
 
 
 async def _issued_by(thread: str, fn, args, kw):
-    """Runs ``await fn(*args, **kw)`` as issued by ``thread``: its fingerprint carries the name."""
+    """Runs ``fn(*args, **kw)`` (awaited when it is a coroutine function) on the loop, as issued by
+    ``thread``: its fingerprint carries the name. The calls that never wait (iprobe, new_subgroups)
+    run on the loop too: they read and make what the loop's tasks own."""
     issuing_thread.set(thread)
-    return await fn(*args, **kw)
+    result = fn(*args, **kw)
+    return await result if asyncio.iscoroutine(result) else result
 
 
 class Communicator:

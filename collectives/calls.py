@@ -55,7 +55,7 @@ def member_group_of(group) -> ProcessGroup:
 
 
 def open_call(group: ProcessGroup, collective: str, nbytes: int, algorithm: str | None, timeout: float | None, *,
-              subcall: bool = False, counts: str = "", **fp) -> tuple[Call, Callable]:
+              subcall: bool = False, counts: str = "", name: str | None = None, **fp) -> tuple[Call, Callable]:
     """Chooses the algorithm (``registry.choose``) and opens the call: takes the group's next
     sequence number, with a fingerprint naming the algorithm that will run. No waiting.
 
@@ -64,16 +64,17 @@ def open_call(group: ProcessGroup, collective: str, nbytes: int, algorithm: str 
         algorithm: an override (``algorithm=`` of the call), or None.
         subcall: a call that another collective opens (see ``registry.choose``).
         counts: the v-variants' checksum of their counts (hex), added to the fingerprint.
+        name: what the fingerprint calls it, when not ``collective`` (exscan runs scan's algorithms).
         fp: the fingerprint's fields (``ops.fingerprint``: op, dtype, count, root).
 
     Returns:
         (call, run): ``run(call, *args)`` runs the algorithm, ``call`` being the Comm it talks
         through (``runtime.group.Call``).
     """
-    name, run = registry.choose(collective, nbytes, group.size, algorithm, group, subcall=subcall)
-    fingerprint = ops.fingerprint(collective, algo=name, **fp)
+    algo, run = registry.choose(collective, nbytes, group.size, algorithm, group, subcall=subcall)
+    fingerprint = ops.fingerprint(name or collective, algo=algo, **fp)
     call = group.open_call(f"{fingerprint} counts={counts}" if counts else fingerprint, timeout)
-    call.algorithm = name  # shown by runtime tracing
+    call.algorithm = algo  # shown by runtime tracing
     return call, run
 
 

@@ -46,8 +46,8 @@ from collectives.algorithms.tcp import (all_gather_bruck, all_gather_direct, all
                                         all_reduce_recursive_doubling, all_reduce_ring, all_to_all_direct,
                                         all_to_all_v_direct, barrier_dissemination, broadcast_chain, broadcast_flat,
                                         broadcast_tree, gather_direct, gather_tree, gather_v_direct,
-                                        reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scatter_direct,
-                                        scatter_tree, scatter_v_direct)
+                                        reduce_rabenseifner, reduce_scatter_ring, reduce_tree, scan_recursive_doubling,
+                                        scatter_direct, scatter_tree, scatter_v_direct)
 
 __all__ = ["ALGORITHMS", "HOSTS", "NEEDS", "TABLES", "Rule", "always", "choose", "env_var"]
 
@@ -71,6 +71,7 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
     "all_to_all_v": {"direct": all_to_all_v_direct.run},
     "gather_v": {"direct": gather_v_direct.run},
     "scatter_v": {"direct": scatter_v_direct.run},
+    "scan": {"recursive_doubling": scan_recursive_doubling.run},  # scan and exscan (collectives/prefix.py)
 }
 
 
@@ -184,6 +185,7 @@ TABLES: dict[str, list[Rule]] = {
     "all_to_all_v": [Rule("direct", always, "one algorithm (not measured), as all_to_all")],
     "gather_v": [Rule("direct", always, "one algorithm (not measured): a block per message to the root")],
     "scatter_v": [Rule("direct", always, "one algorithm (not measured): a block per message from the root")],
+    "scan": [Rule("recursive_doubling", always, "one algorithm (not measured): ceil(log2 n) latencies, not n - 1")],
 }
 
 

@@ -39,7 +39,7 @@ import weakref
 
 import msgpack
 
-from runtime import auth, env, lifeline, rendezvous as rdzv, scheduler, trace
+from runtime import auth, env, lifeline, rendezvous as rdzv, scheduler, trace, warmup
 from runtime.actor import Actor
 from runtime.errors import ClosedError, PeerLostError, RingweaveError, StoreTimeoutError
 from runtime.group import ProcessGroup
@@ -157,6 +157,10 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
     collectives/blocking.py) each have theirs; with ``store=`` or ``rendezvous=``, one loop may
     hold several, one per task (tests, runtime.testing).
 
+    While it joins, the warm-ups the layers above registered (runtime/warmup.py: the imports and
+    kernels of the collectives) run once per process on a worker thread, so the first call does
+    not stop the event loop to import or compile.
+
     Raises:
         RingweaveError: missing or inconsistent rank / size / port; init() called again;
             ``rendezvous`` given with any of rank, sizes, address, port, secret, job, store.
@@ -186,9 +190,9 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
                                  f"{held.world_size}) is open; call runtime.shutdown() first, or runtime.current()")
         _by_loop[loop] = _JOINING
     try:
-        rt = await _join(rank, world_size, master_addr=master_addr, master_port=master_port,
-                         local_rank=local_rank, local_world_size=local_world_size, secret=secret, job=job,
-                         timeout_s=timeout_s, store=store, rendezvous=rendezvous)
+        rt = await warmup.alongside(_join(rank, world_size, master_addr=master_addr, master_port=master_port,
+                                          local_rank=local_rank, local_world_size=local_world_size, secret=secret,
+                                          job=job, timeout_s=timeout_s, store=store, rendezvous=rendezvous))
     except BaseException:
         if loop is not None:
             del _by_loop[loop]

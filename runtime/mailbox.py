@@ -14,6 +14,7 @@ it reads whole, at most MAX_OBJECT_NBYTES, and hands to ``on_control``. It reads
 state (lost, closed, the connection to divert) from runtime/peers.py and is told by its owner
 when a peer is gone (:meth:`Mailbox.fail_from`) or the actor closes (:meth:`Mailbox.fail_all`).
 
+A probe looks at the kept frames without taking one (:meth:`Mailbox.peek`, :meth:`Mailbox.wait_kept`).
 Deadlines: :meth:`Mailbox.send` and :meth:`Mailbox.wait_posted` take ``timeout_s`` (default
 ``default_timeout_s``) and raise PeerTimeoutError past it.
 
@@ -129,6 +130,7 @@ class Mailbox:
         self._kept_total = self._kept_total_nbytes = 0
         self._incoming: dict[int, tuple] = {}  # peer -> (kind, target, buf) of the frame being received
         self._poisoned: dict[int, BaseException] = {}  # peer -> mailbox overflow error
+        self._kept_waiters: list[asyncio.Future] = []  # wait_kept: woken by the next kept frame or lost peer
 
     def _timeout(self, timeout_s) -> float | None:
         return self.default_timeout_s if timeout_s is _DEFAULT else timeout_s
@@ -231,6 +233,38 @@ class Mailbox:
         another tag.)"""
         return {key[1]: (len(q), sum(len(data) for _, data in q))
                 for key, q in self._unexpected.items() if q and key[0] == peer}
+
+    def peek(self, src: int | None, match: Callable[[Any], bool]) -> tuple[int, Any, dict, int] | None:
+        """The first point-to-point frame kept from ``src`` (None: any peer, the longest kept
+        first, as :meth:`post_any` takes them) whose tag ``match`` accepts, without taking it:
+        (peer, tag, header, payload bytes); None when there is none (a probe)."""
+        for key, q in self._unexpected.items():
+            if q and len(key) == 2 and (src is None or key[0] == src) and match(key[1]):
+                header, data = q[0]
+                return key[0], key[1], header, len(data)
+        return None
+
+    async def wait_kept(self, timeout_s: float | None) -> None:
+        """Returns when the next frame is kept, a peer is lost or the actor closes (look again
+        with :meth:`peek`).
+
+        Raises:
+            TimeoutError: none of these within ``timeout_s`` (None: no deadline).
+        """
+        fut = asyncio.get_running_loop().create_future()
+        self._kept_waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await fut
+        finally:
+            if fut in self._kept_waiters:
+                self._kept_waiters.remove(fut)
+
+    def _wake_kept(self) -> None:
+        waiters, self._kept_waiters = self._kept_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def unexpected_headers(self, key: tuple) -> list[dict]:
         """Headers of the frames kept for ``key`` that no receive has taken yet."""
@@ -456,6 +490,8 @@ class Mailbox:
                 self._complete(r, header, data, copy=True)
             else:
                 self._unexpected.setdefault(target, collections.deque()).append((header, data))
+                if self._kept_waiters:
+                    self._wake_kept()
                 if header["k"] == "c" and self.stray_listener is not None:
                     self.stray_listener(peer, header)  # a frame of a call already finished here?
         elif mode == "ctl":
@@ -469,6 +505,7 @@ class Mailbox:
             for r in self._posted.pop(key):
                 if not r.fut.done():
                     r.fut.set_exception(exc)
+        self._wake_kept()
 
     def _poison(self, peer: int, exc: BaseException) -> None:
         """Too much was kept: every receive from ``peer``, posted now or later, fails with ``exc``."""
@@ -482,6 +519,7 @@ class Mailbox:
                 if not r.fut.done():
                     r.fut.set_exception(exc)
         self._posted.clear()
+        self._wake_kept()
 
     def statistics(self) -> MailboxStatistics:
         return MailboxStatistics(

@@ -280,3 +280,20 @@ async def _between(comm, dom, args: tuple) -> tuple:
     dom.check_peers(comm)
     await asyncio.sleep(0)
     return args
+
+
+def warm(dtypes) -> None:
+    """Loads (or compiles) :func:`_all_reduce` for each of ``dtypes`` and :func:`_barrier`, with the
+    argument types a real call passes, by running them as the only member of a private control
+    block (no peer to wait for: each returns DONE at once). For collectives/warmup.py."""
+    if not SUPPORTED:
+        return
+    block = np.zeros(_HEADER + 2 * _SMALL, np.uint8)
+    ctl = np.array([block.ctypes.data], np.uint64)
+    state = np.zeros(4, np.int64)
+    target, fp_header, wait = waits.encode(1, 1), np.uint64(0), (0, False, 0)
+    for dtype in dtypes:
+        state[0] = 0
+        _all_reduce(ctl, 0, 0, target, fp_header, np.ones(2, dtype), OP_CODES["sum"], state, *wait)
+    state[0] = 0
+    _barrier(ctl, 0, 0, target, fp_header, state, *wait)

@@ -123,3 +123,41 @@ def test_a_handle_raises_the_calls_own_timeout():
             comms[0].all_reduce_async(np.ones(2), timeout=0.3).wait()
     finally:
         _run_threads([c.abort for c in comms])
+
+
+@pytest.mark.timeout(90)
+def test_the_mpi_and_torch_calls_block_too():
+    """scan, exscan, sendrecv, probe/iprobe, split, new_subgroups and monitored_barrier on the
+    facade, with the async ones' arguments."""
+    n = 3
+    port = _free_port()
+    comms = _run_threads([lambda r=r: Communicator(rank=r, world_size=n, master_addr="127.0.0.1",
+                                                   master_port=port, timeout=30) for r in range(n)])
+
+    def rank(comm):
+        r = comm.rank
+        x = np.array([r + 1.0])
+        comm.scan(x)
+        y = np.array([r + 1])
+        comm.exscan(y, op="prod")
+        out = np.empty(1, np.int64)
+        src = comm.sendrecv(np.array([r]), (r + 1) % n, out, (r - 1) % n)
+        sub = comm.split(color=r % 2, key=-r)
+        mine, every = comm.new_subgroups(ranks=[[0, 1], [2]])
+        if r == 1:
+            comm.send(np.zeros((2, 2), np.float32), dst=0, tag=5)
+        status = comm.probe(src=1, tag=5, timeout=30) if r == 0 else None
+        if r == 0:
+            assert comm.iprobe(src=1, tag=5) == status
+            comm.recv(np.empty((2, 2), np.float32), src=1, tag=5)
+        comm.monitored_barrier(timeout=30)
+        return (x.tolist(), y.tolist(), src, out.tolist(), sub.ranks, mine.ranks, len(every),
+                status and (status.source, status.shape))
+
+    try:
+        got = _run_threads([lambda c=c: rank(c) for c in comms])
+    finally:
+        _run_threads([c.close for c in comms])
+    assert got == [([1.0], [1], 2, [2], [2, 0], [0, 1], 2, (1, (2, 2))),
+                   ([3.0], [1], 0, [0], [1], [0, 1], 2, None),
+                   ([6.0], [2], 1, [1], [2, 0], [2], 2, None)]
