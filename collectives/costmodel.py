@@ -237,6 +237,10 @@ def barrier_shm(m: Machine, p: int, n: float = 0, hosts: int = 1) -> float:
     return m.shm.alpha
 
 
+def scan_recursive_doubling(m: Machine, p: int, n: float, hosts: int = 1) -> float:
+    return _log2(p) * (m.tcp(hosts).msg(n) + n * m.gamma)  # every round: the whole array out, in and reduced
+
+
 FORMULAS = {
     "all_reduce": {"ring": all_reduce_ring, "halving_doubling": all_reduce_halving_doubling,
                    "recursive_doubling": all_reduce_recursive_doubling, "shm": all_reduce_shm,
@@ -254,6 +258,7 @@ FORMULAS = {
     "all_to_all_v": {"direct": all_to_all_direct},
     "gather_v": {"direct": gather_direct},
     "scatter_v": {"direct": scatter_direct},
+    "scan": {"recursive_doubling": scan_recursive_doubling},
 }
 
 
