@@ -39,6 +39,7 @@ import numpy as np
 import runtime
 from collectives import api, costmodel, p2p, registry, tunefile
 from collectives.comm import reduce_step
+from runtime import args as types
 from runtime.sharedmem.segments import shm_usable
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
@@ -263,12 +264,12 @@ async def rank_main(args) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m collectives.tune", description=__doc__.split("\n")[0])
-    p.add_argument("-n", "--nproc", type=int, default=2, help="ranks on this host, as the jobs to tune run (default 2)")
+    p.add_argument("-n", "--nproc", type=types.positive_int, default=2, help="ranks on this host, as the jobs to tune run (default 2)")
     p.add_argument("--quick", action="store_true", help="a few small sizes and iterations (seconds)")
     p.add_argument("--all", action="store_true", help="time every algorithm, not only the model's close ones")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {OPS} (default all)")
     p.add_argument("--out", default=None, help="the file to write (default: the cache's, keyed to this machine)")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="stop the ranks after this long (default 900)")
+    p.add_argument("--timeout-s", type=types.positive_seconds, default=900.0, help="stop the ranks after this long (default 900)")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from runtime import env
+
 BUILD = pathlib.Path(__file__).with_name("ptx_build.py")
 
 
@@ -27,7 +29,7 @@ def verdict(built: dict, environ) -> tuple[str, str]:
         return "run", ""
     why = (f"no libNVVM / NVRTC to compile PTX with ({built['missing']}); install them with "
            f"pip install -e '.[ptx]' or make test PTX=1")
-    return ("fail" if environ.get("RINGWEAVE_REQUIRE_PTX") == "1" else "skip"), why
+    return ("fail" if env.REQUIRE_PTX.get(environ) else "skip"), why
 
 
 @pytest.fixture(scope="module")
