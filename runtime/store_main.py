@@ -5,7 +5,7 @@ outlives any rank (jobs started by srun, mpirun or by hand; the launcher hosts i
     python -m runtime.store --host 0.0.0.0 --port 29400 &     # prints where it listens
     # each rank: MASTER_ADDR=<this host> MASTER_PORT=29400 RINGWEAVE_STORE_HOSTED=1 (rank 0 hosts none)
 
-The secret is ``RINGWEAVE_SECRET`` or the first line of ``--secret-file`` (a regular file of this
+The secret is ``RINGWEAVE_SECRET`` or the one line of ``--secret-file`` (a regular file of this
 user with no access for group or others, opened without following a link). Without one it
 listens on loopback only, like every listener of the runtime; any other address is refused
 (exit 2). Its first line on stdout says ``listening on HOST:PORT`` (port 0 picks a free one).
@@ -43,8 +43,8 @@ _SECRET_FILE = private.Rules(
 
 
 def read_secret_file(path: str) -> bytes:
-    """The first line of ``path``, stripped: a regular file of this user with no access for
-    group or others, opened without following a link.
+    """The content of ``path``, stripped (as tools' ``--secret-file``): one line, in a regular file
+    of this user with no access for group or others, opened without following a link.
 
     Raises:
         AuthenticationError: the file is not such a file, or holds no secret.
@@ -56,10 +56,11 @@ def read_secret_file(path: str) -> bytes:
     finally:
         os.close(dfd)
     with os.fdopen(fd, "rb") as f:
-        first = f.read(SECRET_FILE_MAX_NBYTES).split(b"\n", 1)[0].strip()
-    if not first:
-        raise AuthenticationError(f"{path} holds no secret on its first line")
-    return first
+        secret = f.read(SECRET_FILE_MAX_NBYTES + 1).strip()
+    if not secret or len(secret) > SECRET_FILE_MAX_NBYTES or b"\n" in secret:
+        raise AuthenticationError(f"{path} must hold the secret on one line of at most "
+                                  f"{SECRET_FILE_MAX_NBYTES} bytes")
+    return secret
 
 
 def build_parser() -> argparse.ArgumentParser:
