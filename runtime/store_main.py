@@ -3,7 +3,7 @@ outlives any rank (jobs started by srun, mpirun or by hand; the launcher hosts i
 
     export RINGWEAVE_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')
     python -m runtime.store --host 0.0.0.0 --port 29400 &     # prints where it listens
-    # each rank: MASTER_ADDR=<this host> MASTER_PORT=29400 RINGWEAVE_STORE_HOSTED=1 (rank 0 hosts none)
+    # each rank: MASTER_ADDR=<this host> MASTER_PORT=29400 RINGWEAVE_STORE_HOSTED=1 RINGWEAVE_JOB=<as printed>
 
 The secret is ``RINGWEAVE_SECRET`` or the one line of ``--secret-file`` (a regular file of this
 user with no access for group or others, opened without following a link). Without one it
@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 
-from runtime import auth, private
+from runtime import auth, private, scheduler
 from runtime import env as settings
 from runtime.errors import AuthenticationError, RingweaveError
 from runtime.store_server import StoreServer
@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.store", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default 0: a free one, printed)")
-    p.add_argument("--job", default=None, help="the job's name, as the ranks' RINGWEAVE_JOB (default ringweave)")
+    p.add_argument("--job", default=None, help="the job's name, as the ranks name it (default: RINGWEAVE_JOB, "
+                   "else slurm-<SLURM_JOB_ID> inside a SLURM job, else ringweave)")
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help=f"read the secret from PATH instead of {auth.SECRET_ENV}")
     return p
@@ -86,7 +87,8 @@ async def serve(host: str, port: int, *, secret: bytes | None, job: str, out=sys
     try:
         print(f"listening on {host}:{server.port} (job {job!r}, "
               f"{'authenticated' if secret else 'unauthenticated: loopback only'}); ranks: MASTER_ADDR={reach} "
-              f"MASTER_PORT={server.port} {settings.STORE_HOSTED.name}=1", file=out, flush=True)
+              f"MASTER_PORT={server.port} {settings.STORE_HOSTED.name}=1 {settings.JOB.name}={job}",
+              file=out, flush=True)
         await stop.wait()  # the service itself: it ends on a signal, and only then
     finally:
         for sig in handled:
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else auth.secret_from_env()
-        job = args.job or settings.JOB.get()
+        job = args.job or scheduler.placement(os.environ).job or settings.JOB.get()  # as the ranks name it
         return asyncio.run(serve(args.host, args.port, secret=secret, job=job))
     except (RingweaveError, OSError) as exc:
         print(f"python -m runtime.store: {exc}", file=sys.stderr)

@@ -23,8 +23,9 @@ SECRET = "0123456789abcdef" * 4
 LISTENING = re.compile(r"^listening on 127\.0\.0\.1:(\d+) \(job 'elastic-test', authenticated\)")
 
 
-def start(*args: str, secret: str | None = SECRET) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RINGWEAVE_SECRET"}
+def start(*args: str, secret: str | None = SECRET, **extra_env: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RINGWEAVE_SECRET" and not k.startswith("SLURM_")}
+    env.update(extra_env)
     if secret is not None:
         env["RINGWEAVE_SECRET"] = secret
     env["PYTHONPATH"] = ROOT
@@ -119,6 +120,22 @@ async def test_a_secret_file_serves_like_the_variable(tmp_path):
         await store.set("k", b"v")
         assert await store.get("k") == b"v"
         await store.close()
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_inside_a_slurm_step_the_job_is_named_as_its_ranks_name_it():
+    proc = start(secret=None, SLURM_JOB_ID="77", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0",
+                 SLURM_STEP_NUM_TASKS="2", SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2")
+    try:
+        line = proc.stdout.readline()
+        assert "(job 'slurm-77'" in line and line.rstrip().endswith("RINGWEAVE_JOB=slurm-77"), line
         proc.terminate()
         assert proc.wait(timeout=20) == 0
     finally:
