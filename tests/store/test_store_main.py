@@ -4,6 +4,7 @@ ends cleanly on SIGTERM and SIGINT."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -33,6 +34,20 @@ def start(*args: str, secret: str | None = SECRET, **extra_env: str) -> subproce
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@contextlib.contextmanager
+def running(*args: str, secret: str | None = SECRET, **extra_env: str):
+    """The store process; killed (if still running) and its pipes closed, whatever happened."""
+    proc = start(*args, secret=secret, **extra_env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def listening_port(proc: subprocess.Popen) -> int:
     line = proc.stdout.readline()  # the first line, printed once it listens
     m = LISTENING.match(line)
@@ -52,8 +67,7 @@ def port_is_free(port: int) -> bool:
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 async def test_a_client_with_the_secret_is_served_and_a_signal_ends_it_cleanly(how):
-    proc = start("--job", "elastic-test")
-    try:
+    with running("--job", "elastic-test") as proc:
         port = listening_port(proc)
         store = await TCPStore.connect("127.0.0.1", port, secret=SECRET.encode(), job="elastic-test", timeout_s=10)
         try:
@@ -74,12 +88,6 @@ async def test_a_client_with_the_secret_is_served_and_a_signal_ends_it_cleanly(h
         assert port_is_free(port)
         lines = proc.stderr.read().splitlines()  # the stranger was logged, and nothing else went wrong
         assert len(lines) == 1 and "failed authentication" in lines[0], lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_no_secret_beyond_loopback_is_refused_before_listening():
@@ -113,8 +121,7 @@ async def test_a_secret_file_serves_like_the_variable(tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
     path.chmod(0o600)
-    proc = start("--job", "elastic-test", "--secret-file", str(path), secret=None)
-    try:
+    with running("--job", "elastic-test", "--secret-file", str(path), secret=None) as proc:
         port = listening_port(proc)
         store = await TCPStore.connect("127.0.0.1", port, secret=SECRET.encode(), job="elastic-test", timeout_s=10)
         await store.set("k", b"v")
@@ -122,25 +129,12 @@ async def test_a_secret_file_serves_like_the_variable(tmp_path):
         await store.close()
         proc.terminate()
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_inside_a_slurm_step_the_job_is_named_as_its_ranks_name_it():
-    proc = start(secret=None, SLURM_JOB_ID="77", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0",
-                 SLURM_STEP_NUM_TASKS="2", SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2")
-    try:
+    with running(secret=None, SLURM_JOB_ID="77", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0",
+                 SLURM_STEP_NUM_TASKS="2", SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2") as proc:
         line = proc.stdout.readline()
         assert "(job 'slurm-77'" in line and line.rstrip().endswith("RINGWEAVE_JOB=slurm-77"), line
         proc.terminate()
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
