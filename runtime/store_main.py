@@ -28,7 +28,7 @@ import socket
 import sys
 
 from runtime import auth, private, scheduler
-from runtime import env as settings
+from runtime import env
 from runtime.errors import AuthenticationError, RingweaveError
 from runtime.store_server import StoreServer
 
@@ -87,7 +87,7 @@ async def serve(host: str, port: int, *, secret: bytes | None, job: str, out=sys
     try:
         print(f"listening on {host}:{server.port} (job {job!r}, "
               f"{'authenticated' if secret else 'unauthenticated: loopback only'}); ranks: MASTER_ADDR={reach} "
-              f"MASTER_PORT={server.port} {settings.STORE_HOSTED.name}=1 {settings.JOB.name}={job}",
+              f"MASTER_PORT={server.port} {env.STORE_HOSTED.name}=1 {env.JOB.name}={job}",
               file=out, flush=True)
         await stop.wait()  # the service itself: it ends on a signal, and only then
     finally:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         secret = read_secret_file(args.secret_file) if args.secret_file else auth.secret_from_env()
-        job = args.job or scheduler.placement(os.environ).job or settings.JOB.get()  # as the ranks name it
+        job = args.job or scheduler.placement(os.environ).job or env.JOB.get()  # as the ranks name it
         return asyncio.run(serve(args.host, args.port, secret=secret, job=job))
     except (RingweaveError, OSError) as exc:
         print(f"python -m runtime.store: {exc}", file=sys.stderr)
