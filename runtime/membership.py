@@ -42,6 +42,7 @@ __all__ = ["Bounds", "Generation", "Action", "View", "decide", "next_generation"
 
 MAX_ID_CHARS = 256  # a member id, e.g. "node3/12345/9f2c" (host, pid, a nonce)
 LATEST = "gen/latest"
+PRESENT_S = 5.0  # the bound of a get of a key known to be there (a TCP store needs time to answer)
 
 
 def _record_key(g: int) -> str:
@@ -184,7 +185,7 @@ async def _peek(store, g: int) -> dict | None:
     """g's record if it is decided, without waiting."""
     if not await store.check([_record_key(g)]):
         return None
-    return decode_record(await store.get(_record_key(g), 0), g)
+    return decode_record(await store.get(_record_key(g), PRESENT_S), g)
 
 
 async def _wait_either(store, keys: list[str], g: int, until: float) -> dict | None:
@@ -225,7 +226,7 @@ async def _joiners(store, g: int) -> tuple[str, ...]:
     found = []
     for key in keys:
         if await store.check([key]):
-            found.append((await store.get(key, 0)).decode("utf-8", "replace"))
+            found.append((await store.get(key, PRESENT_S)).decode("utf-8", "replace"))
     return tuple(found)
 
 
@@ -332,7 +333,7 @@ async def join(store, me: str, *, bounds: Bounds = Bounds(), last_call_s: float 
     check_id(me)
     start = time.monotonic()
     deadline = start + timeout_s
-    latest = await store.get(LATEST, 0) if await store.check([LATEST]) else b"-1"
+    latest = await store.get(LATEST, PRESENT_S) if await store.check([LATEST]) else b"-1"
     g = int(latest) + 1 if latest.lstrip(b"-").isdigit() else 0
     while True:
         rec = await _peek(store, g)
@@ -379,6 +380,6 @@ async def current(store) -> Generation | None:
     """The latest decided generation (for tools), or None before the first."""
     if not await store.check([LATEST]):
         return None
-    g = int(await store.get(LATEST, 0))
-    rec = decode_record(await store.get(_record_key(g), 0), g)
+    g = int(await store.get(LATEST, PRESENT_S))
+    rec = decode_record(await store.get(_record_key(g), PRESENT_S), g)
     return None if "closed" in rec else Generation(g, tuple(rec["members"]))
