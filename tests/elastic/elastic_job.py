@@ -45,6 +45,17 @@ class Hooked(ArrayDataset):
         return super().get(indices, epoch)
 
 
+class CheckedDDP(DDPStrategy):
+    """Says whether this member's parameters already equalled new rank 0's when the job re-formed:
+    a step that raised changed no state on any survivor (the strategy's contract)."""
+
+    async def reshard(self, group):
+        before = np.concatenate([m[: u.numel] for m, u in zip(self.master, self.units)])
+        await super().reshard(group)
+        after = np.concatenate([m[: u.numel] for m, u in zip(self.master, self.units)])
+        print(f"reshard: parameters equal to new rank 0's: {bool(np.array_equal(before, after))}", flush=True)
+
+
 async def main():
     x, y = make_synthetic(260, in_dim=6, num_classes=3, seed=2, dtype=np.float64)
     data = types.SimpleNamespace(train=Hooked(x[:240], y[:240]), val=ArrayDataset(x[240:], y[240:]))
@@ -53,7 +64,7 @@ async def main():
     rdzv = rendezvous.from_env()
     rt = await runtime.init(rendezvous=rdzv)
     el = Elastic(rdzv, rt) if os.environ.get("RINGWEAVE_ELASTIC") else None
-    strategy = DDPStrategy(mlp(6, (8,), 3, dtype=np.float64), config, rt.world)
+    strategy = CheckedDDP(mlp(6, (8,), 3, dtype=np.float64), config, rt.world)
     try:
         await strategy.setup()
         await fit(strategy, data, config, epochs=2, global_batch_size=24, eval_train=False, elastic=el,
