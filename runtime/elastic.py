@@ -1,12 +1,12 @@
 """Elastic jobs: the rendezvous whose generations are decided by membership, and ``reform``.
 
 Under ``python -m runtime.launch --elastic MIN:MAX`` every rank has RINGWEAVE_ELASTIC=MIN:MAX and a
-member id (RINGWEAVE_MEMBER); :func:`runtime.rendezvous.from_env` then returns an
-:class:`ElasticRendezvous`. The launcher records generation 0 (the first ranks, in rank order)
-under ``restart/<n>/elastic``; a rank the launcher restarts (RINGWEAVE_ELASTIC_JOIN=1) registers as
-a joiner (runtime/membership.py ``join``) and waits until the members grow into a generation with it.
+member id (RINGWEAVE_MEMBER); :func:`from_env` then returns an :class:`ElasticRendezvous` (in
+other jobs, what ``runtime.rendezvous.from_env`` returns). The launcher records generation 0 (the
+first ranks, in rank order) under ``restart/<n>/elastic``; a rank it restarts
+(RINGWEAVE_ELASTIC_JOIN=1) joins (membership ``join``) once the members grow to let it in.
 
-    rdzv = rendezvous.from_env()                    # an ElasticRendezvous
+    rdzv = elastic.from_env()                       # an ElasticRendezvous
     rt = await runtime.init(rendezvous=rdzv)        # generation 0, or the one a joiner entered
     ...  a collective raises PeerLostError ...
     rt = await elastic.reform(rt, rdzv, lost=elastic.lost_ranks(exc))   # generation g + 1
@@ -23,6 +23,7 @@ What it is not: failure detection (the collectives' errors), moving trainer stat
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterable
 
 import msgpack
@@ -30,21 +31,17 @@ import msgpack
 from runtime import auth, env, membership
 from runtime.errors import CollectiveTimeoutError, MembershipError, PeerLostError, RingweaveError
 from runtime.init import _wire, set_current
-from runtime.launch_config import parse_bounds
+from runtime.launch_config import elastic_prefix, parse_bounds
 from runtime.rankruntime import RankRuntime
-from runtime.rendezvous import JOB_INFO_KEY, LauncherRendezvous, Membership, attempt_prefix, generation_prefix
+from runtime import rendezvous
+from runtime.rendezvous import JOB_INFO_KEY, LauncherRendezvous, Membership, generation_prefix
 from runtime.store import PrefixStore
 
-__all__ = ["ElasticRendezvous", "reform", "lost_ranks", "parse_bounds", "elastic_prefix"]
+__all__ = ["ElasticRendezvous", "from_env", "reform", "lost_ranks"]
 
 log = logging.getLogger("ringweave.elastic")
 
 SETTLE_S = 2.0  # how long survivors wait for a member that did not check in (membership's settle_s)
-
-
-def elastic_prefix(restart: int) -> str:
-    """Where an attempt's generations are recorded (runtime/membership.py's keys)."""
-    return f"{attempt_prefix(restart)}/elastic"
 
 
 def lost_ranks(exc: BaseException) -> list[int]:
@@ -111,13 +108,23 @@ class ElasticRendezvous(LauncherRendezvous):
         return await membership.joiners_waiting(store, self.generation)
 
 
-def from_seat(seat, environ, secret: bytes | None) -> ElasticRendezvous:
-    """The ElasticRendezvous RINGWEAVE_ELASTIC and RINGWEAVE_MEMBER describe (rendezvous.from_env)."""
+def from_env(environ=None) -> rendezvous.Rendezvous:
+    """rendezvous.from_env's choice, or, in a job of ``runtime.launch --elastic`` (RINGWEAVE_ELASTIC,
+    RINGWEAVE_MEMBER, RINGWEAVE_ELASTIC_JOIN), an :class:`ElasticRendezvous` at the launcher's store.
+
+    Raises:
+        RingweaveError: RINGWEAVE_ELASTIC without RINGWEAVE_MEMBER or the launcher's store; what
+            rendezvous.from_env raises.
+    """
+    environ = os.environ if environ is None else environ
+    base = rendezvous.from_env(environ)
+    if not env.ELASTIC.get(environ):
+        return base
     member = env.MEMBER.get(environ)
-    if not member:
-        raise RingweaveError("RINGWEAVE_ELASTIC is set but RINGWEAVE_MEMBER is not: start elastic jobs "
-                             "with python -m runtime.launch --elastic MIN:MAX")
-    return ElasticRendezvous(seat, secret=secret, bounds=parse_bounds(env.ELASTIC.get(environ)), member=member,
+    if not member or not isinstance(base, LauncherRendezvous):
+        raise RingweaveError("RINGWEAVE_ELASTIC is set, but RINGWEAVE_MEMBER or the launcher's store is not: "
+                             "start elastic jobs with python -m runtime.launch --elastic MIN:MAX")
+    return ElasticRendezvous(base.seat, bounds=parse_bounds(env.ELASTIC.get(environ)), member=member,
                              joiner=env.ELASTIC_JOIN.get(environ))
 
 

@@ -269,6 +269,11 @@ def attempt_prefix(restart: int) -> str:
     return f"restart/{restart}"
 
 
+def elastic_prefix(restart: int) -> str:
+    """Where an elastic attempt's generations are recorded (runtime/membership.py's keys)."""
+    return f"{attempt_prefix(restart)}/elastic"
+
+
 def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, master_port: int,
              secret: str | None, job: str, restart: int, cores: int,
              launcher_pid: int | None = None) -> dict[str, str]:

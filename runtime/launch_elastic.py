@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from runtime import membership, procs
-from runtime.launch_config import LaunchConfig, member_id, parse_bounds, rank_argv
+from runtime.launch_config import LaunchConfig, elastic_prefix, member_id, parse_bounds, rank_argv
 from runtime.launch_outcome import Ending, Outcome, RankExit, describe_exit, stop_plan
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
@@ -35,7 +35,6 @@ RECORD_TIMEOUT_S = 10.0
 
 async def record_first_generation(cfg: LaunchConfig, port: int, secret: str | None, job: str, restart: int) -> None:
     """Writes generation 0 (rank r is member_id(job, r, restart)) into the job's store."""
-    from runtime.elastic import elastic_prefix
     store = await TCPStore.connect(cfg.advertised_addr, port, secret=secret.encode() if secret else None, job=job,
                                    timeout_s=RECORD_TIMEOUT_S, who={"rank": "launcher"})
     try:

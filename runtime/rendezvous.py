@@ -452,7 +452,4 @@ def from_env(environ: Mapping[str, str] | None = None, *, rank: int | None = Non
     port_derived = p.master_port is not None and p.master_port_source != "MASTER_PORT"
     if world_size == 1 and (seat.master_port is None or port_derived and master_port is None):
         return SingleRendezvous(seat, secret=secret)  # one process: no server (unless a MASTER_PORT asks for one)
-    if env.ELASTIC.get(environ) and store_hosted:  # --elastic MIN:MAX (runtime/elastic.py)
-        from runtime import elastic
-        return elastic.from_seat(seat, environ, secret)
     return next(cls for cls in IMPLEMENTATIONS if cls.detect(environ, p))(seat, secret=secret)

@@ -1,7 +1,7 @@
 """Elastic training for a replicated (ddp) strategy: a lost rank costs a re-formed job and one
 step run again, and a restarted rank joins at a step boundary with the state of the members.
 
-    rdzv = rendezvous.from_env()                   # runtime/elastic.py's ElasticRendezvous
+    rdzv = runtime.elastic.from_env()            # an ElasticRendezvous under --elastic
     rt = await runtime.init(rendezvous=rdzv)
     strategy = DDPStrategy(model, config, rt.world); await strategy.setup()
     el = Elastic(rdzv, rt)

@@ -18,7 +18,7 @@ import types
 import numpy as np
 
 import runtime
-from runtime import rendezvous
+from runtime import elastic
 from trainer.data import ArrayDataset, make_synthetic
 from trainer.elastic import Elastic
 from trainer.loop import fit
@@ -61,7 +61,7 @@ async def main():
     data = types.SimpleNamespace(train=Hooked(x[:240], y[:240]), val=ArrayDataset(x[240:], y[240:]))
     config = TrainConfig(lr=1e-2, warmup_steps=0, total_steps=20, seed=1, master_dtype="float64",
                          param_dtype="float64", reduce_dtype="float64")
-    rdzv = rendezvous.from_env()
+    rdzv = elastic.from_env()
     rt = await runtime.init(rendezvous=rdzv)
     el = Elastic(rdzv, rt) if os.environ.get("RINGWEAVE_ELASTIC") else None
     strategy = CheckedDDP(mlp(6, (8,), 3, dtype=np.float64), config, rt.world)
