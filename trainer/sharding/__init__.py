@@ -20,11 +20,12 @@ What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no
 
 from __future__ import annotations
 
-from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
+from trainer.sharding.base import (ReplicaMismatchError, ShardLostError, StepAbortedError, StepResult, Strategy,
+                                   TrainConfig)
 from trainer.sharding.data_parallel import DECAY_GROUPS, STRATEGIES, make_codec
 
-__all__ = ["STRATEGIES", "DECAY_GROUPS", "ReplicaMismatchError", "StepResult", "Strategy", "TrainConfig",
-           "make_strategy", "make_codec"]
+__all__ = ["STRATEGIES", "DECAY_GROUPS", "ReplicaMismatchError", "StepAbortedError", "ShardLostError", "StepResult",
+           "Strategy", "TrainConfig", "make_strategy", "make_codec"]
 # Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): the strategies' counted
 # door to collectives/.
 _INTERNAL = ("accounted",)
