@@ -149,6 +149,52 @@ async def test_survivors_reshard_and_train_on_as_one_process_would(name, lost):
     assert_buddies_exact([strategies[k] for k in range(len(survivors))])
 
 
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+async def test_a_peer_lost_after_the_commit_counts_the_step_and_the_survivors_go_on_from_it(name):
+    """The victim dies in its update (after the vote), while zero's parameter all_gathers travel:
+    the step is applied on every survivor, counted, and the re-shard goes on from it."""
+    store, victim, survivors = MemoryStore(), 2, [0, 1, 3]
+    strategies = {}
+
+    async def body(g):
+        g.shm_enabled = False
+        s = elastic_strategy(name, g, store)
+        try:
+            await s.setup()
+            batches = step_batches(4, g.rank, 1)
+            await s.train_step(batches[0])
+            if g.rank == victim:
+                loop, launch = asyncio.get_running_loop(), s._launch_gather
+
+                def dying_launch(i):
+                    if i == 1:
+                        asyncio.run_coroutine_threadsafe(g.runtime.actor.close(), loop).result(10)
+                    launch(i)
+                s._launch_gather = dying_launch
+            try:
+                await s.train_step(batches[1])
+                failed = None
+            except Exception as exc:  # noqa: BLE001
+                failed = exc
+            new = g.new_group(survivors)
+            if g.rank == victim:
+                return None
+            assert failed is not None and not isinstance(failed, StepAbortedError) and s.step == 2, failed
+            await s.reshard(new, [victim])
+            strategies[s.rank] = s
+            for mbs in step_batches(3, new.rank, 1)[2:4]:
+                await s.train_step(mbs)
+            return await s.full_params()
+        finally:
+            s.close()
+
+    per_rank = await run_ranks(4, body, timeout_s=20)
+    want, _ = reference_run(make_config(**CONFIG), 4)
+    for r in survivors:
+        assert_params_close(per_rank[r], want)
+    assert_buddies_exact([strategies[k] for k in range(3)])
+
+
 async def test_a_shard_whose_rank_and_holder_are_both_lost_asks_for_the_checkpoint():
     store, lost = MemoryStore(), [1, 2]  # rank 1 held rank 2's replica
 

@@ -336,7 +336,7 @@ class DataParallelStrategy(Strategy):
                 await self._cancel_pending()  # what _after_shard_update launched before the failure
                 raise
         update_s = time.perf_counter() - t_update
-        await self._after_update(applied)
+        await self.elastic.settle(self, self._after_update(applied))  # elastic: a failure here counts the step
         self.step += 1
         if self.config.check_every and self.step % self.config.check_every == 0:
             await self.check_replicas()

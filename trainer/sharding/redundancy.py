@@ -7,6 +7,7 @@ strategy holds `NoElastic` (every method does nothing: the step is exactly the p
                   changes: collectives.commit.should_commit over the strategy's group; "no", or
                   a failure of this rank's step before it voted ("no" recorded for it), raises
                   StepAbortedError with parameters, optimizer state, scaler and step untouched
+                  (a failure after the commit, in zero1/2's gathers, counts the step: step + 1)
     buddy         zero1/2, zero3/fsdp: rank r also holds rank r+1's (mod N) optimizer state and
                   master shard (zero1/2 with param_dtype == master_dtype: the replicated
                   parameters are that shard already); r+1 sends r its reduced gradient shard
@@ -67,6 +68,9 @@ class NoElastic:
 
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
         pass
+
+    async def settle(self, s, coro) -> None:
+        await coro
 
 
 class Elastic(NoElastic):
@@ -159,6 +163,17 @@ class Elastic(NoElastic):
                                                                           timeout=self.timeout)):
             raise StepAbortedError(f"{s.name}: step {s.step} discarded on every member (a member's collectives "
                                    f"of it did not complete); no state changed", s.step)
+
+    async def settle(self, s, coro) -> None:
+        """After the commit (zero1/2's parameter all_gathers): the step is applied on every member
+        whatever fails now, so a failure counts it (``s.step`` advances) and then propagates; the
+        replicated parameters are re-derived from the master shards (``reshard``, or the next call)."""
+        try:
+            await coro
+        except Exception:
+            s.step += 1
+            s._stale = True
+            raise
 
     def _switch(self, s) -> None:
         """A new group (a re-shard): its decisions go under a namespace of their own."""
@@ -259,5 +274,6 @@ async def reshard(s, new_group, lost, store=None) -> None:
         state.step = steps[i]
         s.states.append(state)
     s._segments = [s._decay_segments(i) for i in range(len(s.units))]
+    s._stale = False  # _allocate derived every replicated parameter from the whole master
     el.reform(store)
     el.adopt(s, full_params, full_states)
