@@ -13,7 +13,7 @@ data-parallel base: the step every strategy shares), parts.py (the parts a strat
 holds: model parallelism, offload), hsdp.py (the replicate dimension of hybrid
 sharding and its bytes per step), accounted.py (the collectives a strategy runs,
 counted and timed, and the compute-thread bridge), ddp.py, zero.py (stages 1 and 2),
-fsdp.py (stage 3).
+fsdp.py (stage 3), redundancy.py (elastic training: the commit vote, buddy replicas, reshard).
 
 What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no loop.
 """

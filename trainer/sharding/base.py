@@ -143,6 +143,8 @@ class Strategy(abc.ABC):
             ReplicaMismatchError: ``config.check_every`` is set and replicated
                 state differs across ranks after this step.
             runtime.errors.CollectiveError (and subclasses): a peer failed.
+            StepAbortedError: elastic training (trainer/sharding/redundancy.py): the step was
+                discarded on every member, no state changed; run it again.
         """
 
     @abc.abstractmethod
