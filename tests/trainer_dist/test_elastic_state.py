@@ -149,6 +149,35 @@ async def test_survivors_reshard_and_train_on_as_one_process_would(name, lost):
     assert_buddies_exact([strategies[k] for k in range(len(survivors))])
 
 
+async def test_an_error_in_one_ranks_backward_aborts_the_step_everywhere_with_no_state_changed():
+    """Rank 1's backward raises (a bug, not a lost peer): it records "no"; the others' collectives
+    with it reach their deadline; every rank raises StepAbortedError and keeps its state."""
+    store = MemoryStore()
+
+    async def body(g):
+        s = elastic_strategy("zero2", g, store)
+        try:
+            await s.setup()
+            before = snapshot(s)
+            if g.rank == 1:
+                hooks = s._hooks
+
+                def failing(sync, params, grads):
+                    def boom(i):
+                        raise RuntimeError("backward failed")
+                    return {**hooks(sync, params, grads), "grad_ready": boom}
+                s._hooks = failing
+            with pytest.raises(StepAbortedError) as info:
+                await s.train_step(step_batches(g.size, g.rank, 1)[0])
+            return type(info.value.__cause__).__name__, before == snapshot(s)
+        finally:
+            s.close()
+
+    results = await run_ranks(3, body, timeout_s=2)
+    assert results[1] == ("RuntimeError", True) and all(unchanged for _, unchanged in results), results
+    assert await store.get("commit/0") == b"0"
+
+
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 async def test_a_peer_lost_after_the_commit_counts_the_step_and_the_survivors_go_on_from_it(name):
     """The victim dies in its update (after the vote), while zero's parameter all_gathers travel:
