@@ -158,7 +158,7 @@ class _Run:
         self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
         self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
         self.stop = False
-        self.elastic = None  # trainer.elastic.Elastic of an elastic job
+        self.elastic = None  # trainer.elastic.ElasticJob of an elastic job
         self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
                                steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
                                history=self.history, strategy=strategy)
@@ -267,6 +267,11 @@ class _Run:
                 if await self.step_boundary(epoch, k):
                     break
             except elastic.RECOVERABLE as exc:
+                if elastic.peer_failure(exc) is None:
+                    raise  # this rank's own error: re-forming would not cure it
+                if self.strategy.step > self.state.step:  # failed after the commit: the step counts
+                    k = self.state.step_in_epoch = k + 1
+                    self.state.step += 1
                 self.progress.log(f"rank {self.rank}: {type(exc).__name__}: {exc}; re-forming the job")
                 await self._regroup(epoch, k, exc)
                 k = self.state.step_in_epoch
@@ -421,7 +426,7 @@ async def fit(
     print_summary: bool = True,
     metrics: str | None = None,
     save_best: str | None = None,
-    elastic: "elastic.Elastic | None" = None,
+    elastic: "elastic.ElasticJob | None" = None,
 ) -> History:
     """Trains `strategy` on `data` for `epochs` epochs; returns the History on every rank.
 
@@ -455,8 +460,9 @@ async def fit(
         save_best: an EpochStats field ("val_loss", "val_acc", ...: callbacks.EPOCH_METRICS); the
             checkpoint of the epoch where it was best (lowest, or highest for an accuracy) is kept
             beside the `keep_last` newest and never pruned. Needs checkpoint_dir.
-        elastic: an elastic job's trainer.elastic.Elastic (ddp): a lost member costs a re-formed
-            job and the step run again; a joiner starts from the members' state and position.
+        elastic: an elastic job's trainer.elastic.ElasticJob, with a strategy built with
+            ``redundancy=elastic.redundancy()``: a lost member costs a re-formed job and the step
+            run again; a joiner starts from the members' state and position.
 
     Raises:
         RunError (a ValueError): on every rank, before any step, when the checkpoint directory
@@ -476,6 +482,9 @@ async def fit(
         metrics_format(metrics)  # ValueError on every rank before anything runs
     if save_best is not None and (not checkpoint_dir or save_best not in EPOCH_METRICS):
         raise ValueError(f"save_best={save_best!r} needs a checkpoint_dir and one of {EPOCH_METRICS}")
+    if elastic is not None and not getattr(getattr(strategy, "redundancy", None), "enabled", False):
+        raise ValueError("fit(elastic=job) needs a strategy built with redundancy=job.redundancy() (every "
+                         "step voted, shards replicated)")
     if group is None:
         group = default_group(strategy)
     rank, _ = rank_size(group)
@@ -489,7 +498,7 @@ async def fit(
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
     if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py)
-        run.start_epoch, run.start_k, run.state.step = await elastic.sync(strategy, None)
+        run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
     try:
         if metrics:
             await run.open_metrics(metrics)

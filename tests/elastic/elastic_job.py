@@ -1,6 +1,6 @@
-"""A ddp job for the elastic tests: ``python -m runtime.launch [--elastic MIN:MAX] -n 3 elastic_job.py OUT``.
+"""A job for the elastic tests: ``python -m runtime.launch [--elastic MIN:MAX] -n 3 elastic_job.py OUT``.
 
-A tiny float64 MLP on synthetic data, 2 epochs of global batch 24. The test's hook (here only, in
+A tiny float64 MLP on synthetic data, 2 epochs of global batch 24, strategy EL_STRATEGY (ddp). The test's hook (here only, in
 the data set the loop reads): with EL_KILL_RANK and EL_KILL_STEP set, that rank of the first
 processes SIGKILLs itself when it reads step EL_KILL_STEP's batch, after writing the time to
 OUT/kill; EL_STEP_S sleeps that long per step so a joiner can come while the job runs. The final
@@ -20,15 +20,17 @@ import numpy as np
 import runtime
 from runtime import elastic
 from trainer.data import ArrayDataset, make_synthetic
-from trainer.elastic import Elastic
+from trainer.elastic import ElasticJob
 from trainer.loop import fit
 from trainer.nn import mlp
+from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
 from trainer.sharding.ddp import DDPStrategy
 
 OUT = sys.argv[1]
 KILL_RANK, KILL_STEP = int(os.environ.get("EL_KILL_RANK", "-1")), int(os.environ.get("EL_KILL_STEP", "-1"))
 STEP_S = float(os.environ.get("EL_STEP_S", "0"))
+STRATEGY = os.environ.get("EL_STRATEGY", "ddp")
 JOINER = os.environ.get("RINGWEAVE_ELASTIC_JOIN") == "1"
 
 
@@ -49,9 +51,11 @@ class CheckedDDP(DDPStrategy):
     """Says whether this member's parameters already equalled new rank 0's when the job re-formed:
     a step that raised changed no state on any survivor (the strategy's contract)."""
 
-    async def reshard(self, group):
+    async def reshard(self, group, lost=None, **kw):
         before = np.concatenate([m[: u.numel] for m, u in zip(self.master, self.units)])
-        await super().reshard(group)
+        await super().reshard(group, lost, **kw)
+        if kw.get("joining"):
+            return
         after = np.concatenate([m[: u.numel] for m, u in zip(self.master, self.units)])
         print(f"reshard: parameters equal to new rank 0's: {bool(np.array_equal(before, after))}", flush=True)
 
@@ -63,8 +67,10 @@ async def main():
                          param_dtype="float64", reduce_dtype="float64")
     rdzv = elastic.from_env()
     rt = await runtime.init(rendezvous=rdzv)
-    el = Elastic(rdzv, rt) if os.environ.get("RINGWEAVE_ELASTIC") else None
-    strategy = CheckedDDP(mlp(6, (8,), 3, dtype=np.float64), config, rt.world)
+    el = ElasticJob(rdzv, rt) if os.environ.get("RINGWEAVE_ELASTIC") else None
+    model, extra = mlp(6, (8,), 3, dtype=np.float64), {"redundancy": el.redundancy()} if el else {}
+    strategy = (CheckedDDP(model, config, rt.world, **extra) if STRATEGY == "ddp"
+                else make_strategy(STRATEGY, model, config, rt.world, **extra))
     try:
         await strategy.setup()
         await fit(strategy, data, config, epochs=2, global_batch_size=24, eval_train=False, elastic=el,

@@ -13,7 +13,7 @@ from dist_helpers import assert_params_close, make_config, reference_run, step_b
 from runtime.store import MemoryStore
 from runtime.testing import run_ranks
 from trainer.sharding import ShardLostError, StepAbortedError, make_strategy
-from trainer.sharding.redundancy import Elastic, memory_nbytes, step_bytes
+from trainer.sharding.redundancy import Redundancy, memory_nbytes, step_bytes
 
 pytestmark = pytest.mark.timeout(90)
 CONFIG = dict(clip_norm=0.05)  # the clip bites: the buddy must apply the same coefficient
@@ -21,17 +21,17 @@ CONFIG = dict(clip_norm=0.05)  # the clip bites: the buddy must apply the same c
 
 def elastic_strategy(name, group, store, **config):
     return make_strategy(name, tiny_model(), make_config(**{**CONFIG, **config}), group,
-                         elastic=Elastic(store, timeout=5.0))
+                         redundancy=Redundancy(store, timeout=5.0))
 
 
 def snapshot(s) -> list[bytes]:
     """Every byte of state a step may change: parameters, optimizer and buddy state, scaler, step."""
     arrays = [s._master_shard(i) for i in range(len(s.units))] + list(s._replicated_arrays())
     arrays += getattr(s, "compute_shards", []) + getattr(s, "compute", [])
-    for st in s.states + s.elastic.states:
+    for st in s.states + s.redundancy.states:
         arrays += list(st.buffers.values())
-    arrays += s.elastic.masters
-    scalars = [s.step, s.scaler.state.scale, s.scaler.state.good_steps, *(st.step for st in s.states + s.elastic.states)]
+    arrays += s.redundancy.masters
+    scalars = [s.step, s.scaler.state.scale, s.scaler.state.good_steps, *(st.step for st in s.states + s.redundancy.states)]
     return [np.ascontiguousarray(a).tobytes() for a in arrays] + [repr(scalars).encode()]
 
 
@@ -41,10 +41,10 @@ def assert_buddies_exact(strategies) -> None:
     for r, s in enumerate(strategies):
         b = strategies[(r + 1) % n]
         for i in range(len(s.units)):
-            assert s.elastic.masters[i].tobytes() == b._master_shard(i).tobytes(), (r, i)
-            assert s.elastic.states[i].step == b.states[i].step
+            assert s.redundancy.masters[i].tobytes() == b._master_shard(i).tobytes(), (r, i)
+            assert s.redundancy.states[i].step == b.states[i].step
             for key, buf in b.states[i].buffers.items():
-                assert s.elastic.states[i].buffers[key].tobytes() == buf.tobytes(), (r, i, key)
+                assert s.redundancy.states[i].buffers[key].tobytes() == buf.tobytes(), (r, i, key)
 
 
 @pytest.mark.parametrize("name,config", [("zero1", {}), ("zero2", {}), ("fsdp", {}), ("zero2", {"grad_accum": 2}),
@@ -65,7 +65,7 @@ async def test_buddy_copies_equal_their_neighbours_shards_bit_for_bit(name, conf
 
     per_rank = await run_ranks(3, body)
     assert_buddies_exact(strategies)
-    assert any(st.buffers and np.any(next(iter(st.buffers.values()))) for st in strategies[0].elastic.states)
+    assert any(st.buffers and np.any(next(iter(st.buffers.values()))) for st in strategies[0].redundancy.states)
     if config.get("param_dtype") is None:  # float64 throughout: the plain training's numbers
         want, _ = reference_run(make_config(**{**CONFIG, **config}), 3)
         for params in per_rank:
@@ -271,5 +271,5 @@ async def test_the_extra_bytes_per_step_are_the_accounted_ones_and_the_buddy_mem
 async def test_elastic_refuses_what_it_cannot_keep_whole(ranks):
     async def body(g):
         with pytest.raises(ValueError, match="compression"):
-            make_strategy("zero2", tiny_model(), make_config(compression="int8"), g, elastic=Elastic(MemoryStore()))
+            make_strategy("zero2", tiny_model(), make_config(compression="int8"), g, redundancy=Redundancy(MemoryStore()))
     await ranks(2, body)

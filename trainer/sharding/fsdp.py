@@ -64,9 +64,10 @@ class FSDPStrategy(DataParallelStrategy):
     def _master_shard(self, i: int) -> np.ndarray:
         return self.master[i]
 
-    async def reshard(self, new_group, lost, *, store=None) -> None:
-        """Elastic training: the state re-sharded onto the survivors ``new_group`` (redundancy.py)."""
-        await redundancy.reshard(self, new_group, lost, store)
+    async def reshard(self, new_group, lost=None, *, store=None, joining: bool = False) -> None:
+        """Elastic training: the state re-sharded onto ``new_group``, the survivors then any joiners
+        (redundancy.py)."""
+        await redundancy.reshard(self, new_group, lost, store, joining=joining)
 
     async def _sync_initial_params(self) -> None:
         """Every rank cut its shard from the same config.seed initialisation; under hybrid

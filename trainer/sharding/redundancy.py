@@ -1,7 +1,7 @@
 """Elastic training's part of a data-parallel strategy: the commit vote, the buddy replica, re-sharding.
 
-What it is: `Elastic(store)`, given as ``make_strategy(..., elastic=Elastic(store))``; without it a
-strategy holds `NoElastic` (every method does nothing: the step is exactly the plain one).
+What it is: `Redundancy(store)`, given as ``make_strategy(..., redundancy=Redundancy(store))``; without it a
+strategy holds `NoRedundancy` (every method does nothing: the step is exactly the plain one).
 
     the vote      after every gradient collective and the statistics' sum, before any state
                   changes: collectives.commit.should_commit over the strategy's group; "no", or
@@ -37,13 +37,13 @@ from trainer.precision import unscale_
 from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.base import ShardLostError, StepAbortedError
 
-__all__ = ["Elastic", "NoElastic", "reshard", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
+__all__ = ["Redundancy", "NoRedundancy", "reshard", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
 
 VOTE_NBYTES = 4  # the vote's int32 flag
 BUDDY_TAG = 0x0E1A  # the p2p tag of the buddy's gradient message
 
 
-class NoElastic:
+class NoRedundancy:
     """A strategy without elastic training: nothing is voted, replicated or re-sharded."""
 
     enabled = False
@@ -72,8 +72,11 @@ class NoElastic:
     async def settle(self, s, coro) -> None:
         await coro
 
+    def reform(self, s, store) -> None:
+        pass
 
-class Elastic(NoElastic):
+
+class Redundancy(NoRedundancy):
     """Elastic training on (the module docstring). ``store``: the generation's store (the commit
     decisions live there); ``timeout``: the vote's deadline in seconds."""
 
@@ -181,10 +184,12 @@ class Elastic(NoElastic):
             self._group, self._groups = s.group, self._groups + 1
             self.store = PrefixStore(f"group{self._groups}", self.base_store)
 
-    def reform(self, store) -> None:
-        """After a re-shard: the new generation's store, if the caller has one."""
+    def reform(self, s, store) -> None:
+        """After a re-shard: the new generation's store, if the caller has one (the votes then go
+        under it from its first group on: a joiner, whose strategy starts there, votes alike)."""
         if store is not None:
-            self.base_store = store
+            self.base_store = self.store = store
+            self._group, self._groups = s.group, 0
 
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
         """Compute thread, right after this rank stepped unit i: the same update of the buddy's copy."""
@@ -198,7 +203,7 @@ class Elastic(NoElastic):
 
 def memory_nbytes(s) -> int:
     """The buddy's resident bytes on this rank (its optimizer state, and master shards it owns)."""
-    el = s.elastic
+    el = s.redundancy
     if not el.enabled:
         return 0
     own = [m for m in el.masters if m.base is None]
@@ -217,38 +222,56 @@ def step_bytes(name: str, lengths: list[int], world: int, *, reduce_itemsize: in
     return total
 
 
-async def reshard(s, new_group, lost, store=None) -> None:
-    """Re-shards zero1/2, zero3/fsdp ``s`` onto ``new_group``: the survivors of ``s.group`` (old
-    ranks not in ``lost``), in their old order. Every survivor calls it.
+async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False) -> None:
+    """Re-shards zero1/2, zero3/fsdp ``s`` onto ``new_group``: the survivors of ``s.group`` in their
+    old order, then any joiners (``joining=True`` on those: a process that holds nothing yet, whose
+    ``s`` was set up over ``new_group``). Every member of ``new_group`` calls it; one all_gather of
+    (old rank, old size, step counters) tells everyone who survived, so ``lost`` (the old ranks
+    gone) is only checked. ``store``: the new generation's store, where the commit votes go.
 
     Raises:
         ShardLostError: a lost rank's holder (rank - 1) is lost too: restart from the checkpoint.
-        ValueError: ``new_group`` is not the survivors, or elastic training is off.
+        ValueError: ``new_group`` is not the survivors then the joiners, or elastic training is off.
     """
-    el = s.elastic
+    el = s.redundancy
     if not el.enabled:
-        raise ValueError(f"{s.name}: reshard needs elastic training (make_strategy(..., elastic=Elastic(store)))")
-    N, lost = s.N, sorted({int(r) for r in lost})
-    survivors = [r for r in range(N) if r not in lost]
-    if s.rank in lost or new_group.size != len(survivors) or new_group.rank != survivors.index(s.rank):
-        raise ValueError(f"{s.name}: new group {new_group} is not the survivors {survivors} of {N} ranks "
-                         f"(this rank {s.rank}) in their order")
-    gone = [q for q in lost if (q - 1) % N in lost or N == 1]
-    if gone:
-        raise ShardLostError(f"{s.name}: the shards of rank(s) {gone} and their replicas (held by rank(s) "
-                             f"{[(q - 1) % N for q in gone]}) are all lost: the state must come from the newest "
-                             f"checkpoint on disk", gone)
+        raise ValueError(f"{s.name}: reshard needs elastic training (make_strategy(..., redundancy=Redundancy(store)))")
+    if not joining and lost is not None and s.rank in lost:
+        raise ValueError(f"{s.name}: rank {s.rank} is among the lost {sorted(lost)}: it takes no part in reshard")
     acc = AccountedCollectives(new_group)
     acc.loop = asyncio.get_running_loop()
+    n_new, U = new_group.size, len(s.units)
+    head = np.array([-1, 0, 0, *([0] * U)] if joining else [s.rank, s.N, s.step, *(st.step for st in s.states)],
+                    np.int64)
+    heads = np.empty((n_new, 3 + U), np.int64)
+    await acc.all_gather(heads.reshape(-1), head)
+    old = [int(r) for r in heads[:, 0]]
+    survivors = [r for r in old if r >= 0]
+    N = int(heads[:, 1].max())
+    if not survivors or old[: len(survivors)] != sorted(set(survivors)) or any(r >= 0 for r in old[len(survivors):]):
+        raise ValueError(f"{s.name}: new group's old ranks {old} are not the survivors in their old order, then "
+                         f"joiners (-1)")
+    gone = [r for r in range(N) if r not in survivors]
+    if lost is not None and not joining and sorted({int(r) for r in lost}) != gone:
+        raise ValueError(f"{s.name}: new group {new_group} holds old ranks {survivors} of {N}: the lost are {gone}, "
+                         f"not {sorted(lost)}")
+    lost = gone
+    unrecoverable = [q for q in lost if (q - 1) % N in lost or N == 1]
+    if unrecoverable:
+        raise ShardLostError(f"{s.name}: the shards of rank(s) {unrecoverable} and their replicas (held by rank(s) "
+                             f"{[(q - 1) % N for q in unrecoverable]}) are all lost: the state must come from the "
+                             f"newest checkpoint on disk", unrecoverable)
+    counters = heads[0]  # new rank 0 is a survivor
     names = ["param", *s.states[0].buffers]
-    K, n_new = len(names), new_group.size
+    K = len(names)
     full_params, full_states = [], []
     for i, unit in enumerate(s.units):
-        S = s.lengths[i] // N
-        mine = np.zeros((2, K, S), s.master_dtype)  # slot 0: my shard; slot 1: my lost buddy's
-        mine[0] = [s._master_shard(i), *s.states[i].buffers.values()]
-        if (s.rank + 1) % N in lost:
-            mine[1] = [el.masters[i], *el.states[i].buffers.values()]
+        S = unit.padded_length(N) // N
+        mine = np.zeros((2, K, S), s.master_dtype)  # slot 0: my shard; slot 1: my lost buddy's (joiners: none)
+        if not joining:
+            mine[0] = [s._master_shard(i), *s.states[i].buffers.values()]
+            if (s.rank + 1) % N in lost:
+                mine[1] = [el.masters[i], *el.states[i].buffers.values()]
         every = np.empty((n_new, 2, K, S), s.master_dtype)
         await acc.all_gather(every.reshape(-1), mine.reshape(-1))
         pieces = [every[survivors.index(q), 0] if q not in lost else every[survivors.index((q - 1) % N), 1]
@@ -258,22 +281,21 @@ async def reshard(s, new_group, lost, store=None) -> None:
         padded[:, : unit.numel] = whole
         full_params.append(padded[0].copy())
         full_states.append({name: padded[k] for k, name in enumerate(names)})
-    steps = [st.step for st in s.states]
-    s.group, s.N, s.rank = new_group, n_new, new_group.rank
+    s.group, s.N, s.rank, s.step = new_group, n_new, new_group.rank, int(counters[2])
     s.lengths = [u.padded_length(n_new) for u in s.units]
     s.collectives = AccountedCollectives(new_group)
     s.collectives.loop = acc.loop
     s._counted = None
     s._allocate(full_params)
     s.states = []
-    for i in range(len(s.units)):
+    for i in range(U):
         start, stop = s._owned(i)
         state = s.optimizer.init_state(stop - start, s.master_dtype)
         for name, buf in state.buffers.items():
             buf[:] = full_states[i][name][start:stop]
-        state.step = steps[i]
+        state.step = int(counters[3 + i])
         s.states.append(state)
-    s._segments = [s._decay_segments(i) for i in range(len(s.units))]
+    s._segments = [s._decay_segments(i) for i in range(U)]
     s._stale = False  # _allocate derived every replicated parameter from the whole master
-    el.reform(store)
+    el.reform(s, store)
     el.adopt(s, full_params, full_states)

@@ -77,9 +77,10 @@ class ZeroStrategy(DataParallelStrategy):
         parameters, when they are the master), else None (redundancy.py's buddy copies it)."""
         return None if self.separate else self.full[i][sl]
 
-    async def reshard(self, new_group, lost, *, store=None) -> None:
-        """Elastic training: the state re-sharded onto the survivors ``new_group`` (redundancy.py)."""
-        await redundancy.reshard(self, new_group, lost, store)
+    async def reshard(self, new_group, lost=None, *, store=None, joining: bool = False) -> None:
+        """Elastic training: the state re-sharded onto ``new_group``, the survivors then any joiners
+        (redundancy.py)."""
+        await redundancy.reshard(self, new_group, lost, store, joining=joining)
 
     async def _sync_initial_params(self) -> None:
         """Every rank built the same replicas from config.seed (check_replicas verifies it); under
