@@ -83,6 +83,8 @@ async def main():
             killed = float(open(os.path.join(OUT, "kill")).read())
             print(f"first step after the loss: {el.resumed_at - killed:.3f} s after the kill "
                   f"(generation {final.generation}, {final.world_size} ranks)", flush=True)
+        if el is not None and el.reforms:
+            print(f"re-formed {el.reforms} time(s)", flush=True)
         print(f"member done: generation {final.generation}, rank {final.rank} of {final.world_size}", flush=True)
     finally:
         strategy.close()

@@ -1,6 +1,6 @@
-"""Elastic ddp through the real launcher: a rank SIGKILLed mid-run is a shrink, its slot comes back as
-a joiner, and the final parameters equal an undisturbed run's (float64, 1e-12); below MIN, and
-without --elastic, the same kill fails the job."""
+"""Elastic jobs through the real launcher (ddp, zero2, fsdp): a rank SIGKILLed mid-run is a shrink,
+its slot comes back as a joiner (its shard sent live), and the final parameters equal an undisturbed
+run's (float64, 1e-12); below MIN, and without --elastic, the same kill fails the job."""
 
 import os
 import subprocess
@@ -26,15 +26,15 @@ def launch(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> t
     return p.returncode, p.stdout + p.stderr, out
 
 
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory) -> np.ndarray:
-    code, log, out = launch(tmp_path_factory.mktemp("ref"), "ref")
+def undisturbed(tmp_path: Path, strategy: str) -> np.ndarray:
+    code, log, out = launch(tmp_path, "ref", env={"EL_STRATEGY": strategy})
     assert code == 0, log[-3000:]
     return np.load(out / "params.npy")
 
 
-def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, undisturbed):
-    kill = {"EL_KILL_RANK": "1", "EL_KILL_STEP": "4", "EL_STEP_S": "0.15"}
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, strategy):
+    kill = {"EL_KILL_RANK": "1", "EL_KILL_STEP": "4", "EL_STEP_S": "0.15", "EL_STRATEGY": strategy}
     code, log, out = launch(tmp_path, "el", "--elastic", "2:3", env=kill)
     assert code == 0, log[-4000:]
     assert (out / "kill").exists(), log[-3000:]
@@ -43,10 +43,13 @@ def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_pat
     done = [line for line in log.splitlines() if "member done:" in line]
     assert len(done) == 3 and all("of 3" in line for line in done), log[-3000:]
     assert "generation 0" not in " ".join(done)
-    checks = [line for line in log.splitlines() if "reshard: parameters equal" in line]
+    reforms = [line for line in log.splitlines() if "re-formed" in line]
     # each survivor re-formed at least once (shrink, then grow: or both at once if the joiner came early)
-    assert len(checks) >= 2 and all(line.endswith("True") for line in checks), log[-3000:]
-    np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed, rtol=1e-12, atol=1e-14)
+    assert len(reforms) >= 2, log[-3000:]
+    if strategy == "ddp":  # a step that raised changed no state: every survivor equals new rank 0 already
+        checks = [line for line in log.splitlines() if "reshard: parameters equal" in line]
+        assert len(checks) >= 2 and all(line.endswith("True") for line in checks), log[-3000:]
+    np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed(tmp_path, strategy), rtol=1e-12, atol=1e-14)
     for line in log.splitlines():
         if "first step after the loss" in line:
             print(line)
