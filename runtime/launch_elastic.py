@@ -8,8 +8,9 @@ with RINGWEAVE_ELASTIC_JOIN=1 and a new member id, which the job grows back to. 
 
     SUCCEEDED   every running rank exited 0 (no slot is restarted once one has; a joiner still
                 running ``--grace-s`` after the others finished came too late, and is stopped);
-    FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError,
-                or a slot failed more than ``MAX_JOINS`` times: the failure names that rank;
+    FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError
+                or exited 2 (a refusal of its arguments), or a slot failed more than ``MAX_JOINS``
+                times: the failure names that rank;
     INTERRUPTED / TIMED_OUT as a fixed job's attempt (launch.py).
 
 Not here: the fixed job's attempt (launch.py ``run_attempt``), deciding generations (the ranks do).
@@ -28,6 +29,7 @@ from runtime.launch_outcome import Ending, Outcome, RankExit, describe_exit, sto
 from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
 
+USAGE_EXIT = 2  # a rank refused its arguments (the same on every rank): the attempt fails at once
 JOIN_BACKOFF_S = 0.5  # a lost rank's slot is started again this long after its exit
 MAX_JOINS = 3  # a slot whose processes failed this many times more is the job's failure
 RECORD_TIMEOUT_S = 10.0
@@ -105,9 +107,10 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                 exit_ = RankExit(r.rank, r.returncode, r.protocol.exited_at, r.protocol.last_exception)
                 live = len(running) + len(pending_joins)
                 too_few = "TooFewMembersError" in (exit_.exception or "")
-                if too_few or finished or live < bounds.min_size or joins[r.rank] >= MAX_JOINS:
+                if too_few or r.returncode == USAGE_EXIT or finished or live < bounds.min_size or joins[r.rank] >= MAX_JOINS:
                     why = (f"{live} ranks left, fewer than the minimum {bounds.min_size} of --elastic {cfg.elastic}"
-                           if live < bounds.min_size else "it cannot be replaced")
+                           if live < bounds.min_size else "it refused its arguments" if r.returncode == USAGE_EXIT
+                           else "it cannot be replaced")
                     console.say(f"rank {r.rank} exited with {describe_exit(r.returncode)}: {why}")
                     outcome = Outcome(Ending.FAILED, failure=exit_)
                     break
