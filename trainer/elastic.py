@@ -64,6 +64,7 @@ class ElasticJob:
         self.lost_at: float | None = None  # time.time() of the first loss this process saw
         self.resumed_at: float | None = None  # time.time() of the first step it completed after it
         self.entered_at: float | None = None  # time.time() a joiner had its state (enter)
+        self.first_step_at: float | None = None  # time.time() this process completed its first step
         self.reforms = 0
 
     @property
@@ -75,7 +76,9 @@ class ElasticJob:
         return Redundancy(self.rt.store, timeout=self.rt.timeout_s)
 
     def step_done(self) -> None:
-        """A step completed (fit calls it): the first one after a loss is timed."""
+        """A step completed (fit calls it): the first one, and the first after a loss, are timed."""
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
         if self.lost_at is not None and self.resumed_at is None:
             self.resumed_at = time.time()
 

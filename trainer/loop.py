@@ -261,11 +261,11 @@ class _Run:
                 await self.train_step(epoch, micro)
                 self.elastic.step_done()
                 k = self.state.step_in_epoch = k + 1
-                if await self.elastic.grow_wanted():
-                    await self._regroup(epoch, k, None)
-                    k = self.state.step_in_epoch
                 if await self.step_boundary(epoch, k):
                     break
+                if await self.elastic.grow_wanted():  # after the boundary: a joiner starts with a step
+                    await self._regroup(epoch, k, None)
+                    k = self.state.step_in_epoch
             except elastic.RECOVERABLE as exc:
                 if elastic.peer_failure(exc) is None:
                     raise  # this rank's own error: re-forming would not cure it
@@ -500,7 +500,7 @@ async def fit(
     if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py)
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
     try:
-        if metrics:
+        if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)
         for epoch in range(run.start_epoch, epochs):
             await run.train_epoch(epoch)
