@@ -68,3 +68,15 @@ def test_without_elastic_the_kill_fails_the_job(tmp_path):
     code, log, out = launch(tmp_path, "fixed", env=kill)
     assert code == 137, log[-3000:]
     assert "joiner" not in log and not (out / "params.npy").exists()
+
+
+def test_the_trainer_refuses_a_layout_it_cannot_keep_elastic_in_one_line(tmp_path):
+    environ = {**os.environ, "PYTHONPATH": str(REPO)}
+    environ.pop("RINGWEAVE_SECRET", None)
+    p = subprocess.run([sys.executable, "-m", "runtime.launch", "--elastic", "1:2", "-n", "2", "-m", "trainer",
+                        "--data", "synthetic", "--compression", "int8"], cwd=REPO, env=environ, capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 2, p.stderr[-3000:]
+    refusals = [line for line in p.stderr.splitlines() if "trainer: error: --elastic runs ddp" in line]
+    assert len(refusals) == 1 and "--compression" in refusals[0], p.stderr[-3000:]
+    assert "joiner" not in p.stderr
