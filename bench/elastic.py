@@ -16,7 +16,7 @@ Per strategy, three jobs of ``python -m runtime.launch -n N``, each one BLAS thr
 
 The model: the default GPT of ``python -m trainer --model gpt`` (or the MLP with --model mlp),
 float32 AdamW, the trainer's own config; a job stops after ``--steps`` steps (no evaluation).
-Figures go to stdout as one table; none are asserted. Results: bench/results/elastic.md.
+Figures go to stdout as one table (--json: also to a file); none are asserted.
 """
 
 from __future__ import annotations
