@@ -314,6 +314,13 @@ JOB = _("RINGWEAVE_JOB", text, "ringweave", "init",
         "the job's name, the same on every rank; names its shared-memory segments (the launcher sets it)")
 STORE_HOSTED = _("RINGWEAVE_STORE_HOSTED", switch, "0", "init",
                  "1: the launcher hosts the rendezvous store, so rank 0 does not (the launcher sets it)")
+ELASTIC = _("RINGWEAVE_ELASTIC", text, None, "init",
+            "MIN:MAX: the job is elastic (python -m runtime.launch --elastic MIN:MAX sets it): generations of "
+            "members decided in the store, runtime.elastic.reform re-forms the job after a loss")
+ELASTIC_JOIN = _("RINGWEAVE_ELASTIC_JOIN", switch, "0", "init",
+                 "1: this process replaces a lost rank and joins the running job (the launcher sets it)")
+MEMBER = _("RINGWEAVE_MEMBER", text, None, "init",
+           "this process's member id in an elastic job, e.g. job/r2/j1 (the launcher sets it)")
 RESTART = _("RINGWEAVE_RESTART", count, "0", "init",
             "how many times the job has restarted; store keys go under restart/N (the launcher sets it)")
 STORE_PORT = _("RINGWEAVE_STORE_PORT", integer("a port", lambda v: 1 <= v <= 65535, "must be a port in 1..65535"),

@@ -147,6 +147,34 @@ class StoreTimeoutError(StoreError, TimeoutError):
         self.waited_s = waited_s
 
 
+# -- membership (runtime/membership.py) ----------------------------------------
+
+
+class MembershipError(RingweaveError):
+    """The members could not agree on the next generation, or its record is malformed.
+
+    Attributes:
+        generation: the generation being decided, e.g. 3.
+    """
+
+    def __init__(self, message: str, generation: int | None = None):
+        super().__init__(message)
+        self.generation = generation
+
+
+class TooFewMembersError(MembershipError):
+    """Fewer members than the job's minimum remain, and no joiner came in time: the job stops."""
+
+
+class ExcludedError(MembershipError):
+    """The generation was decided without this process (taken for lost, or too slow to
+    check in); it may join again as a new member."""
+
+
+class MembershipTimeoutError(MembershipError, TimeoutError):
+    """No generation was decided in time; the message names the generation and what was awaited."""
+
+
 # -- collectives -------------------------------------------------------------
 
 

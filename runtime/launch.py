@@ -19,7 +19,7 @@ The decisions are pure functions beside it: the command line in launch_config.py
 attempt in launch_outcome.py. docs/design.md ("The launcher") says how the failure is named, how
 ranks are stopped and what restarts ask of the runtime.
 
-Not this: elastic membership, or nodes with different rank counts. A launcher killed by SIGKILL
+``--elastic MIN:MAX`` attempts are launch_elastic.py's. Not this: nodes with different rank counts. A launcher killed by SIGKILL
 stops nothing itself: each rank that called ``runtime.init`` gets SIGTERM from the kernel, but what
 a rank started may live on.
 """
@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
-from runtime import auth, jobfile, procs
+from runtime import auth, jobfile, launch_elastic, procs
 from runtime import env
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
@@ -328,7 +328,13 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                         for local_rank in range(cfg.nproc)]
                 aborted = functools.partial(abort_record, server, restart)
                 try:
-                    outcome = await run_attempt(cfg, envs, console, stopper, deadline, aborted)
+                    if cfg.elastic is not None:  # runtime/launch_elastic.py
+                        await launch_elastic.record_first_generation(cfg, master_port, secret, job, restart)
+                        outcome = await launch_elastic.run_elastic_attempt(
+                            cfg, envs, console, stopper, deadline,
+                            launch_elastic.fold_for(aborted, _echo_of_abort), restart)
+                    else:
+                        outcome = await run_attempt(cfg, envs, console, stopper, deadline, aborted)
                 except OSError as exc:
                     console.say(f"error: could not start the ranks: {exc}")
                     return EXIT_LAUNCHER

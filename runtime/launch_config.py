@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 from runtime import args as types
 from runtime import auth
+from runtime.membership import Bounds
 from runtime.scheduler import THREAD_VARS, usable_cores
 
 EPILOG = """\
@@ -69,6 +70,7 @@ class LaunchConfig:
     max_time_s: float | None = None  # wall-clock limit of the job, e.g. 3600
     tail_lines: int = 20
     force: bool = False              # -n past nproc_bound() is allowed
+    elastic: str | None = None       # "MIN:MAX": keep going while MIN ranks live, restart lost ones as joiners
 
     @property
     def world_size(self) -> int:
@@ -106,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=types.count, default=0, metavar="R",
                    help="restart every rank of this node after a failure, up to R times (default 0); "
                         "ranks see RINGWEAVE_RESTART=1, 2, ...")
+    p.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="an elastic job of -n MAX ranks (one node, ddp): a lost rank does not stop the others "
+                        "while MIN live; it is restarted as a joiner that the job grows back to (README.md)")
     p.add_argument("--grace-s", type=types.seconds, default=5.0, metavar="S",
                    help="when stopping ranks: seconds between SIGTERM and SIGKILL (default 5)")
     p.add_argument("--timeout-s", type=types.positive_seconds, default=None, metavar="T",
@@ -136,7 +141,8 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         nproc=ns.nproc, target=ns.target, args=tuple(ns.args), module=ns.module,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, job_id=ns.job_id, max_restarts=ns.max_restarts,
-        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s, force=ns.force)
+        grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s, force=ns.force,
+        elastic=ns.elastic)
     check_config(cfg, nproc_bound(usable_cores()))
     return cfg
 
@@ -155,6 +161,12 @@ def check_config(cfg: LaunchConfig, max_nproc: int | None = None) -> None:
     bound on -n without --force (:func:`nproc_bound`)."""
     if cfg.nproc < 1:
         raise ValueError(f"-n must be at least 1, got {cfg.nproc}")
+    if cfg.elastic is not None:
+        bounds = parse_bounds(cfg.elastic)
+        if cfg.nnodes != 1 or cfg.max_restarts or bounds.max_size != cfg.nproc:
+            raise ValueError(f"--elastic {cfg.elastic} runs -n {bounds.max_size} ranks on one node, without "
+                             f"--max-restarts (got -n {cfg.nproc}, --nnodes {cfg.nnodes}, --max-restarts "
+                             f"{cfg.max_restarts})")
     if max_nproc is not None and cfg.nproc > max_nproc and not cfg.force:
         raise ValueError(f"-n {cfg.nproc} would start more than {max_nproc} ranks on this node "
                          f"(max({MIN_NPROC_BOUND}, {NPROC_PER_CORE} per usable core)); pass --force if that is meant")
@@ -231,6 +243,20 @@ def thread_count(cores: int, local_world_size: int) -> int:
     return max(1, cores // local_world_size)
 
 
+def parse_bounds(text: str) -> Bounds:
+    """``--elastic MIN:MAX`` (and RINGWEAVE_ELASTIC) as Bounds; ValueError saying what it must be."""
+    lo, sep, hi = text.partition(":")
+    try:
+        return Bounds(int(lo), int(hi)) if sep else Bounds(0, 0)
+    except ValueError:
+        raise ValueError(f"--elastic takes MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4; got {text!r}") from None
+
+
+def member_id(job: str, rank: int, restart: int, joiner: int = 0) -> str:
+    """An elastic job's member id of the process in slot ``rank``: the first, or its ``joiner``-th successor."""
+    return f"{job}/r{rank}/a{restart}" + (f"/j{joiner}" if joiner else "")
+
+
 def rank_argv(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
     if cfg.module:
         return [python, "-m", cfg.target, *cfg.args]
@@ -241,6 +267,11 @@ def attempt_prefix(restart: int) -> str:
     """The store namespace the runtime must use in attempt ``restart``: the store outlives
     attempts, so every key goes under ``PrefixStore(attempt_prefix(n), client)``."""
     return f"restart/{restart}"
+
+
+def elastic_prefix(restart: int) -> str:
+    """Where an elastic attempt's generations are recorded (runtime/membership.py's keys)."""
+    return f"{attempt_prefix(restart)}/elastic"
 
 
 def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, master_port: int,
@@ -274,6 +305,9 @@ def rank_env(base: Mapping[str, str], cfg: LaunchConfig, local_rank: int, *, mas
         env["RINGWEAVE_TIMEOUT_S"] = f"{cfg.timeout_s:g}"
     if launcher_pid is not None:
         env["RINGWEAVE_LAUNCHER_PID"] = str(launcher_pid)
+    if cfg.elastic is not None:
+        env.update(RINGWEAVE_ELASTIC=cfg.elastic, RINGWEAVE_MEMBER=member_id(job, int(env["RANK"]), restart),
+                   RINGWEAVE_ELASTIC_JOIN="0")
     threads = str(thread_count(cores, cfg.nproc))
     for name in THREAD_VARS:
         if not base.get(name):

@@ -13,7 +13,7 @@ publish addresses, count arrivals and wait for each other. Keys are ``str``, val
   driving any store on an event loop it owns (runtime/loopthread.py).
 
 It holds no networking: the protocol, the server and the TCP client are store_protocol.py,
-store_server.py and store_tcp.py. The behaviour every implementation must show is checked by
+store_server.py and store_tcp.py; ``python -m runtime.store`` runs a standalone server (store_main.py). The behaviour every implementation must show is checked by
 ``tests/conformance/check_store.py``. Counters follow torch.distributed: :meth:`Store.add` keeps
 its value as ASCII decimal bytes (``b"200"``), so ``get`` of a counter returns those bytes.
 """
@@ -23,13 +23,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import math
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from runtime.env import DEFAULT_TIMEOUT_S  # every wait that names no timeout waits this long at most
 from runtime.errors import ClosedError, StoreError, StoreTimeoutError, WouldBlock
 from runtime.loopthread import LoopThread
+
+if sys.argv[:1] == ["-m"] and "runtime.store" in getattr(sys, "orig_argv", ()):
+    # python -m runtime.store: runpy would warn that the package's __init__ imported this module first
+    warnings.filterwarnings("ignore", "'runtime.store' found in sys.modules", RuntimeWarning)
 
 
 def resolve_timeout(timeout_s: float | None, default_s: float) -> float:
@@ -548,3 +554,9 @@ class BlockingStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+if __name__ == "__main__":  # python -m runtime.store runs the standalone store, runtime/store_main.py
+    import runpy  # lazy: only this command needs it; run, not imported, as store_main imports this module
+
+    runpy.run_module("runtime.store_main", run_name="__main__", alter_sys=True)

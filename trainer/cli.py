@@ -449,9 +449,34 @@ def describe(args: argparse.Namespace, data, model, world_size: int, steps: int,
             f"{'-'.join([str(args.width)] * args.depth)}-{data.num_classes}" + tail)
 
 
+def elastic_refusal(args: argparse.Namespace) -> str | None:
+    """Why this command cannot run as an elastic job (RINGWEAVE_ELASTIC: runtime.launch --elastic),
+    or None: elastic jobs cover ddp, zero1/2/3 and fsdp on the plain data-parallel layout."""
+    what = [flag for flag, on in (("--tp/--pp/--dp/--micro-batches/--stage-layers", uses_mesh(args)),
+                                  ("--replicas", args.replicas != 1), ("--offload", bool(args.offload)),
+                                  ("--compression", args.compression not in (None, "none")),
+                                  ("--checkpoint-dir", bool(args.checkpoint_dir))) if on]
+    return (f"--elastic runs ddp, zero1, zero2, zero3 and fsdp on the plain data-parallel layout; not with "
+            f"{', '.join(what)}") if what else None
+
+
 async def run(args: argparse.Namespace) -> int:
     retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
-    rt = await runtime.init()
+    job = None
+    if os.environ.get("RINGWEAVE_ELASTIC"):  # python -m runtime.launch --elastic MIN:MAX (trainer/elastic.py)
+        why = elastic_refusal(args)
+        if why:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"trainer: error: {why}", file=sys.stderr, flush=True)
+            return 2
+        from runtime import elastic as relastic
+        from trainer.elastic import ElasticJob
+
+        rdzv = relastic.from_env()
+        rt = await runtime.init(rendezvous=rdzv)
+        job = ElasticJob(rdzv, rt)
+    else:
+        rt = await runtime.init()
     strategy = None
     try:
         from threadpoolctl import threadpool_limits  # a dependency (pyproject.toml)
@@ -484,7 +509,8 @@ async def run(args: argparse.Namespace) -> int:
         elif args.offload:
             strategy = make_offload_strategy(args.strategy, model, config, group, **hsdp)
         else:
-            strategy = make_strategy(args.strategy, model, config, group, **hsdp)
+            strategy = make_strategy(args.strategy, model, config, group, **hsdp,
+                                     **({"redundancy": job.redundancy()} if job else {}))
         await strategy.setup()
         if world.rank == 0 and not args.quiet:
             print(describe(args, data, model, world.size, spe, mesh), file=sys.stderr, flush=True)
@@ -502,7 +528,7 @@ async def run(args: argparse.Namespace) -> int:
                                     log_every=0 if args.quiet else args.log_every,
                                     checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
                                     eval_batch_size=args.eval_batch_size, group=world, metrics=args.metrics,
-                                    save_best=args.save_best)
+                                    save_best=args.save_best, elastic=job)
         except Preempted as exc:
             if world.rank == 0:
                 print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
@@ -512,6 +538,7 @@ async def run(args: argparse.Namespace) -> int:
             if world.rank == 0:
                 print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             return 2
+        world = job.rt.world if job else world  # an elastic job's last generation
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
@@ -521,7 +548,9 @@ async def run(args: argparse.Namespace) -> int:
             strategy.close()
         if limiter is not None:
             limiter.restore_original_limits()
-        await runtime.shutdown(rt)
+        await runtime.shutdown(job.rt if job else rt)
+        if job is not None:
+            await job.rdzv.shutdown()
     return 0
 
 

@@ -7,7 +7,9 @@ What it is:
 * `iter_local_batches`: this rank's contiguous block of every global batch of the epoch, so that
   the blocks of ranks 0..R-1 concatenated are the global batch row for row, nothing padded or
   repeated (a rank may get an empty block of a short last batch); with R = 1 this is exactly the
-  single-process run. The data-parallel equivalence rests on it.
+  single-process run. The data-parallel equivalence rests on it. `local_batches_from` is the same
+  from a step boundary of the epoch at any world size (`repartition`: every rank's share), so a job
+  that shrinks or grows between steps sees each sample once, in the same global batch.
 * `DistributedSampler`: torch.utils.data.DistributedSampler's semantics (padded or cut to equal
   lengths; NumPy's permutation, so not torch's indices bit for bit), for evaluation or anything that
   need not equal a single-process run.
@@ -36,7 +38,7 @@ from trainer.extras import need
 
 __all__ = [
     "epoch_order", "DistributedSampler", "split_bounds", "num_global_batches", "LocalBatch",
-    "iter_local_batches", "ArrayDataset", "Split", "train_val_split", "load_digits_split", "make_synthetic",
+    "iter_local_batches", "local_batches_from", "repartition", "epoch_position", "ArrayDataset", "Split", "train_val_split", "load_digits_split", "make_synthetic",
 ]
 
 
@@ -130,16 +132,54 @@ def iter_local_batches(n: int, global_batch_size: int, num_replicas: int = 1, ra
     Each `LocalBatch` carries `offset` (= bounds[r], for `Context.batch_offset`, which keeps
     dropout masks equal) and `global_size` (for `loss_denominator`). A rank gets an EMPTY local
     batch when the last global batch has fewer rows than ranks; the model handles that."""
+    yield from local_batches_from(epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle), 0, global_batch_size,
+                                  num_replicas, rank, drop_last=drop_last)
+
+
+def local_batches_from(order: np.ndarray, consumed: int, global_batch_size: int, num_replicas: int = 1,
+                       rank: int = 0, *, drop_last: bool = False) -> Iterator[LocalBatch]:
+    """`iter_local_batches` of the epoch's ``order`` from where committed steps left it: after
+    ``consumed`` samples (a whole number of global batches, steps being all or nothing; or the
+    whole epoch). The global batches do not depend on the world size, so a job that shrinks or
+    grows between two steps sees each sample of the epoch exactly once, at the same place of the
+    same global batch as an undisturbed run; only the blocks (and their sizes) change.
+
+    Raises:
+        ValueError: ``consumed`` is not a step boundary of the epoch, or the arguments are out of range.
+    """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
     if num_replicas < 1 or not 0 <= rank < num_replicas:
         raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got rank={rank} of {num_replicas}")
-    order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
-    for k in range(num_global_batches(n, global_batch_size, drop_last)):
-        batch = order[k * global_batch_size : (k + 1) * global_batch_size]  # (G,) or shorter at the end
+    steps = num_global_batches(len(order), global_batch_size, drop_last)
+    end = min(len(order), steps * global_batch_size)  # the samples the epoch's steps use
+    if not (0 <= consumed <= end and (consumed % global_batch_size == 0 or consumed == end)):
+        raise ValueError(f"{consumed} samples consumed is no step boundary of an epoch of {len(order)} samples "
+                         f"in global batches of {global_batch_size} (0, {global_batch_size}, ... or {end})")
+    for k in range(-(-consumed // global_batch_size), steps):
+        batch = order[k * global_batch_size : min(end, (k + 1) * global_batch_size)]  # (G,) or shorter at the end
         bounds = split_bounds(len(batch), num_replicas)
         lo, hi = bounds[rank], bounds[rank + 1]
         yield LocalBatch(step=k, indices=batch[lo:hi], offset=lo, global_size=len(batch))
+
+
+def repartition(order: np.ndarray, consumed: int, global_batch_size: int, num_replicas: int, *,
+                drop_last: bool = False) -> list[list[np.ndarray]]:
+    """Every rank's sample indices for each step still to come in the epoch (``[step][rank]``), the
+    new world size's share of what `local_batches_from` leaves: what a job that changed size holds."""
+    per_rank = [list(local_batches_from(order, consumed, global_batch_size, num_replicas, r, drop_last=drop_last))
+                for r in range(num_replicas)]
+    return [[per_rank[r][j].indices for r in range(num_replicas)] for j in range(len(per_rank[0]))]
+
+
+def epoch_position(step: int, n: int, global_batch_size: int, drop_last: bool = False) -> tuple[int, int]:
+    """(epoch, samples consumed in it) after ``step`` committed steps of a run over ``n`` samples
+    with a fixed global batch: where a member that joins at ``step`` starts reading."""
+    per_epoch = num_global_batches(n, global_batch_size, drop_last)
+    if step < 0 or per_epoch < 1:
+        raise ValueError(f"need step >= 0 and at least one step per epoch, got step {step}, {per_epoch} per epoch")
+    epoch, k = divmod(step, per_epoch)
+    return epoch, k * global_batch_size
 
 
 # ---- data sets ---------------------------------------------------------------

@@ -28,6 +28,7 @@ no learning-rate logic (the strategy owns the schedule through TrainConfig), no 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import resource
@@ -40,7 +41,8 @@ import numpy as np
 
 from trainer import checkpoint, preempt, rundir, runid
 from trainer.callbacks import EPOCH_METRICS, Best, Callback, EarlyStopping, LoopState, StopAtAccuracy, epoch_metric
-from trainer.data import iter_local_batches, num_global_batches
+from trainer import elastic
+from trainer.data import epoch_order, iter_local_batches, local_batches_from, num_global_batches
 from trainer.evaluation import default_group, evaluate, rank_size, sum_over
 from trainer.history import EpochStats, History, RankStats, format_bytes, format_summary
 from trainer.metrics import MetricsLog, StepMetrics, metrics_format
@@ -156,6 +158,7 @@ class _Run:
         self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
         self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
         self.stop = False
+        self.elastic = None  # trainer.elastic.ElasticJob of an elastic job
         self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
                                steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
                                history=self.history, strategy=strategy)
@@ -232,15 +235,58 @@ class _Run:
         first_k = self.start_k if epoch == self.start_epoch else 0
         if epoch != self.start_epoch:
             self.sums = EpochSums()
-        micro = list(iter_local_batches(self.n_train, self.options.global_batch_size, self.data_size, self.data_rank,
-                                        seed=self.config.seed, epoch=epoch, shuffle=True))
         self.state.epoch, self.state.step_in_epoch, self.state.epoch_stats = epoch, first_k, None
         self.steps_run = 0
+        if self.elastic is not None:
+            await self._elastic_epoch(epoch, first_k)
+            return
+        micro = list(iter_local_batches(self.n_train, self.options.global_batch_size, self.data_size, self.data_rank,
+                                        seed=self.config.seed, epoch=epoch, shuffle=True))
         for k in range(first_k, self.steps_total):
             await self.train_step(epoch, micro[k * self.accum : (k + 1) * self.accum])
             self.state.step_in_epoch = k + 1
             if await self.step_boundary(epoch, k + 1):
                 break
+
+    async def _elastic_epoch(self, epoch: int, k: int) -> None:
+        """train_epoch's steps in an elastic job (trainer/elastic.py): a step that a lost member
+        interrupted is discarded, the job re-forms, and the step runs again over the new world;
+        members waiting to join are let in between two steps."""
+        order = epoch_order(self.n_train, seed=self.config.seed, epoch=epoch, shuffle=True)
+        g = self.options.global_batch_size
+        while k < self.steps_total:
+            micro = list(itertools.islice(local_batches_from(order, k * self.accum * g, g, self.data_size,
+                                                             self.data_rank), self.accum))
+            try:
+                await self.train_step(epoch, micro)
+                self.elastic.step_done()
+                k = self.state.step_in_epoch = k + 1
+                if await self.step_boundary(epoch, k):
+                    break
+                if await self.elastic.grow_wanted():  # after the boundary: a joiner starts with a step
+                    await self._regroup(epoch, k, None)
+                    k = self.state.step_in_epoch
+            except elastic.RECOVERABLE as exc:
+                if elastic.peer_failure(exc) is None:
+                    raise  # this rank's own error: re-forming would not cure it
+                if self.strategy.step > self.state.step:  # failed after the commit: the step counts
+                    k = self.state.step_in_epoch = k + 1
+                    self.state.step += 1
+                self.progress.log(f"rank {self.rank}: {type(exc).__name__}: {exc}; re-forming the job")
+                await self._regroup(epoch, k, exc)
+                k = self.state.step_in_epoch
+
+    async def _regroup(self, epoch: int, k: int, exc: BaseException | None) -> None:
+        """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch."""
+        at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc)
+        if at_epoch != epoch:
+            raise RuntimeError(f"after re-forming the job, its rank 0 is in epoch {at_epoch}, this rank in {epoch}")
+        self.group = self.data_group = self.elastic.group
+        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
+        self.state.rank, self.state.world_size, self.state.step_in_epoch = self.rank, self.size, k
+        self.progress.enabled = self.rank == 0
+        self.progress.log(f"generation {self.elastic.rt.generation}: {self.size} ranks, epoch {epoch + 1} "
+                          f"step {k} of {self.steps_total} (optimizer step {self.state.step})")
 
     async def train_step(self, epoch: int, batches: list) -> StepResult:
         """One optimizer step over this rank's part of `batches` (the step's global micro-batches)."""
@@ -380,6 +426,7 @@ async def fit(
     print_summary: bool = True,
     metrics: str | None = None,
     save_best: str | None = None,
+    elastic: "elastic.ElasticJob | None" = None,
 ) -> History:
     """Trains `strategy` on `data` for `epochs` epochs; returns the History on every rank.
 
@@ -413,6 +460,9 @@ async def fit(
         save_best: an EpochStats field ("val_loss", "val_acc", ...: callbacks.EPOCH_METRICS); the
             checkpoint of the epoch where it was best (lowest, or highest for an accuracy) is kept
             beside the `keep_last` newest and never pruned. Needs checkpoint_dir.
+        elastic: an elastic job's trainer.elastic.ElasticJob, with a strategy built with
+            ``redundancy=elastic.redundancy()``: a lost member costs a re-formed job and the step
+            run again; a joiner starts from the members' state and position.
 
     Raises:
         RunError (a ValueError): on every rank, before any step, when the checkpoint directory
@@ -432,6 +482,9 @@ async def fit(
         metrics_format(metrics)  # ValueError on every rank before anything runs
     if save_best is not None and (not checkpoint_dir or save_best not in EPOCH_METRICS):
         raise ValueError(f"save_best={save_best!r} needs a checkpoint_dir and one of {EPOCH_METRICS}")
+    if elastic is not None and not getattr(getattr(strategy, "redundancy", None), "enabled", False):
+        raise ValueError("fit(elastic=job) needs a strategy built with redundancy=job.redundancy() (every "
+                         "step voted, shards replicated)")
     if group is None:
         group = default_group(strategy)
     rank, _ = rank_size(group)
@@ -443,8 +496,11 @@ async def fit(
                Progress(progress_stream or sys.stderr, rank == 0, log_every, unit=unit))
     if checkpoint_dir:
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
+    run.elastic = elastic
+    if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py)
+        run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
     try:
-        if metrics:
+        if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)
         for epoch in range(run.start_epoch, epochs):
             await run.train_epoch(epoch)

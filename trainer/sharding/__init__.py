@@ -13,18 +13,19 @@ data-parallel base: the step every strategy shares), parts.py (the parts a strat
 holds: model parallelism, offload), hsdp.py (the replicate dimension of hybrid
 sharding and its bytes per step), accounted.py (the collectives a strategy runs,
 counted and timed, and the compute-thread bridge), ddp.py, zero.py (stages 1 and 2),
-fsdp.py (stage 3).
+fsdp.py (stage 3), redundancy.py (elastic training: the commit vote, buddy replicas, reshard).
 
 What it is not: no data loading, no checkpoint files (trainer/checkpoint.py), no loop.
 """
 
 from __future__ import annotations
 
-from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
+from trainer.sharding.base import (ReplicaMismatchError, ShardLostError, StepAbortedError, StepResult, Strategy,
+                                   TrainConfig)
 from trainer.sharding.data_parallel import DECAY_GROUPS, STRATEGIES, make_codec
 
-__all__ = ["STRATEGIES", "DECAY_GROUPS", "ReplicaMismatchError", "StepResult", "Strategy", "TrainConfig",
-           "make_strategy", "make_codec"]
+__all__ = ["STRATEGIES", "DECAY_GROUPS", "ReplicaMismatchError", "StepAbortedError", "ShardLostError", "StepResult",
+           "Strategy", "TrainConfig", "make_strategy", "make_codec"]
 # Machinery, imported only from inside trainer/ (tests/tree/test_surfaces.py): the strategies' counted
 # door to collectives/.
 _INTERNAL = ("accounted",)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["TrainConfig", "StepResult", "ReplicaMismatchError", "Strategy"]
+__all__ = ["TrainConfig", "StepResult", "ReplicaMismatchError", "StepAbortedError", "ShardLostError", "Strategy"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,26 @@ class ReplicaMismatchError(RuntimeError):
         self.ranks = ranks
 
 
+class StepAbortedError(RuntimeError):
+    """Elastic training: the step was discarded on every member (a collective of it failed on some
+    member, or the commit vote said no); no state changed, and the next generation runs it again.
+    ``step`` is the discarded step's number; ``__cause__`` the local failure, if any."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class ShardLostError(RuntimeError):
+    """Elastic re-sharding: every in-memory copy of some shard is gone (its rank and the rank holding
+    its replica were both lost): the state must come from the newest checkpoint on disk. ``ranks``
+    are the old ranks whose shards have no copy left."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class Strategy(abc.ABC):
     """Args of every strategy: ``model`` (trainer.nn.Model; the strategy pads its
     units to its world size), ``config`` (TrainConfig), ``group`` (runtime
@@ -123,6 +143,8 @@ class Strategy(abc.ABC):
             ReplicaMismatchError: ``config.check_every`` is set and replicated
                 state differs across ranks after this step.
             runtime.errors.CollectiveError (and subclasses): a peer failed.
+            StepAbortedError: elastic training (trainer/sharding/redundancy.py): the step was
+                discarded on every member, no state changed; run it again.
         """
 
     @abc.abstractmethod

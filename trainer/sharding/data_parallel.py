@@ -48,6 +48,7 @@ from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.base import ReplicaMismatchError, StepResult, Strategy, TrainConfig
 from trainer.sharding.hsdp import Replicas
 from trainer.sharding.parts import ModelParallel, NoOffload
+from trainer.sharding.redundancy import NoRedundancy
 
 __all__ = ["STRATEGIES", "DECAY_GROUPS", "DataParallelStrategy", "make_optimizer", "make_schedule", "make_codec",
            "clip_coefficient"]
@@ -109,7 +110,9 @@ class DataParallelStrategy(Strategy):
     Keywords beyond the Strategy contract's: ``replicate`` (a ProcessGroup: hybrid sharding, the
     ranks holding copies of this rank's shards; zero and fsdp only), ``world`` (with
     ``replicate``: the group of every data-parallel rank, for checkpoints and the loop; default
-    the runtime's world), ``model_parallel`` and ``offload`` (parts.py), ``schedule``, ``loss``.
+    the runtime's world), ``model_parallel`` and ``offload`` (parts.py), ``schedule``, ``loss``,
+    ``redundancy`` (redundancy.Redundancy, elastic training's part: the commit vote, buddy replicas,
+    ``reshard``; default off).
     """
 
     name = "base"
@@ -118,7 +121,7 @@ class DataParallelStrategy(Strategy):
 
     def __init__(self, model: Model, config: TrainConfig, group, *, replicate=None, world=None,
                  model_parallel: ModelParallel | None = None, offload=None,
-                 schedule: Callable[[int], float] | None = None, loss: Loss | None = None):
+                 schedule: Callable[[int], float] | None = None, loss: Loss | None = None, redundancy=None):
         if config.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum must be >= 1, got {config.grad_accum}")
         if config.clip_norm is not None and not config.clip_norm > 0:
@@ -173,6 +176,8 @@ class DataParallelStrategy(Strategy):
         self._stale = False  # load_state_dict ran; compute params are re-derived on the next async call
         self._counted: list[list[tuple[int, int]]] | None = None  # _grad_sumsq's ranges, made on first use
         self._is_setup = False
+        self.redundancy = redundancy if redundancy is not None else NoRedundancy()
+        self.redundancy.attach(self)
 
     def _whole_group(self, group, world):
         """The group of every data-parallel rank: ``group`` itself, or with replicas ``world``."""
@@ -194,6 +199,7 @@ class DataParallelStrategy(Strategy):
         self.states = [self.optimizer.init_state(self._owned(i)[1] - self._owned(i)[0], self.master_dtype)
                        for i in range(len(self.units))]
         self._segments = [self._decay_segments(i) for i in range(len(self.units))]
+        self.redundancy.adopt(self, full)
         for acc in self._accounted():
             acc.loop = asyncio.get_running_loop()
         await self._sync_initial_params()
@@ -300,8 +306,10 @@ class DataParallelStrategy(Strategy):
             thread_exposed = self.collectives.exposed_s
             await self._finish_grads()  # 2. this rank's reduced gradient shards
             await self.model_parallel.finish_grads(self)
-        except BaseException:
+            await self.redundancy.exchange(self, scale)  # elastic: the buddy's gradient shards
+        except BaseException as exc:
             await self._cancel_pending()
+            await self.redundancy.abort(self, exc)  # elastic: "no" for this step, StepAbortedError
             raise
         # 3. grads in the master dtype (a cast copy only when reduce != master), unscaled, checked
         shards = self._opt_shards()
@@ -314,7 +322,8 @@ class DataParallelStrategy(Strategy):
         # 4. one sum over the job decides for every rank: the mean loss, any overflow (a sum of 0/1
         # flags is > 0 exactly when their max is 1), the squared global norm
         stats = np.array([loss_local, float(local_inf), sumsq], dtype=np.float64)
-        await self.model_parallel.agree(self, stats)
+        await self.redundancy.guard(self, self.model_parallel.agree(self, stats))
+        await self.redundancy.commit(self)  # elastic: the vote, before any state changes
         loss, found_inf = float(stats[0]), bool(stats[1] > 0)
         grad_norm = math.sqrt(float(stats[2])) if not found_inf else math.inf
         applied = self.scaler.update(found_inf) and not found_inf
@@ -328,7 +337,7 @@ class DataParallelStrategy(Strategy):
                 await self._cancel_pending()  # what _after_shard_update launched before the failure
                 raise
         update_s = time.perf_counter() - t_update
-        await self._after_update(applied)
+        await self.redundancy.settle(self, self._after_update(applied))  # elastic: a failure here counts the step
         self.step += 1
         if self.config.check_every and self.step % self.config.check_every == 0:
             await self.check_replicas()
@@ -374,6 +383,7 @@ class DataParallelStrategy(Strategy):
                 if coef < 1.0:
                     g *= coef
                 self.optimizer.step(param, g, state, lr, segments=self._segments[i])
+                self.redundancy.step_buddy(self, i, coef, lr)
                 self._after_shard_update(i)
                 self.offload.after_update(i)
         finally:

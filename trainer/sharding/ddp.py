@@ -31,6 +31,7 @@ import asyncio
 import numpy as np
 
 from trainer.precision import cast_to
+from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.data_parallel import DataParallelStrategy
 
 __all__ = ["Bucket", "plan_buckets", "DDPStrategy", "FIRST_BUCKET_NBYTES"]
@@ -153,6 +154,38 @@ class DDPStrategy(DataParallelStrategy):
     def _nbytes(self) -> tuple[int, int]:
         params = sum(m.nbytes for m in self.master) + (sum(c.nbytes for c in self.compute) if self.separate else 0)
         return params, sum(b.buffer.nbytes for b in self.buckets)
+
+    async def reshard(self, group, lost=None, *, store=None, joining: bool = False) -> None:
+        """Moves this replica onto ``group``, an elastic job's next generation (trainer/elastic.py):
+        the buffers re-padded for its size (the parameters and optimizer state kept), buckets and
+        collectives re-made over it, then the parameters broadcast from its rank 0, as ``setup``
+        does, so a joiner's ``setup`` meets the survivors' ``reshard`` (``joining=True``: nothing
+        more to do). ``lost`` is not needed (every member holds everything); ``store``: the new
+        generation's store, for the commit votes. Called between steps only."""
+        if not self._is_setup:
+            raise RuntimeError(f"{self.name}: call `await setup()` before reshard")
+        if self.model_parallel.group is not None or self.collectives.codec is not None:
+            raise NotImplementedError("ddp reshard: model-parallel parts and compressed gradients are not moved yet")
+        if joining:
+            self.redundancy.reform(self, store)
+            return
+        self.N, self.rank, self.group = group.size, group.rank, group
+        self.lengths = [u.padded_length(self.N) for u in self.units]
+        full = []
+        for i, (m, n) in enumerate(zip(self.master, self.lengths)):
+            full.append(np.zeros(n, m.dtype))
+            full[i][: self.units[i].numel] = m[: self.units[i].numel]
+            for name, buf in self.states[i].buffers.items():  # padding stays zero: its gradient is zero
+                grown = np.zeros(n, buf.dtype)
+                grown[: self.units[i].numel] = buf[: self.units[i].numel]
+                self.states[i].buffers[name] = grown
+        self._allocate(full)
+        self._segments = [self._decay_segments(i) for i in range(len(self.units))]
+        self._counted = None
+        self.collectives = AccountedCollectives(group, codec=None)
+        self.collectives.loop = asyncio.get_running_loop()
+        self.redundancy.reform(self, store)
+        await self._sync_initial_params()
 
     async def _full_params(self) -> list[np.ndarray]:
         return [m[: u.numel].copy() for m, u in zip(self.master, self.units)]

@@ -34,6 +34,7 @@ import asyncio
 import numpy as np
 
 from trainer.precision import cast_to
+from trainer.sharding import redundancy
 from trainer.sharding.data_parallel import DataParallelStrategy
 
 __all__ = ["FSDPStrategy"]
@@ -62,6 +63,11 @@ class FSDPStrategy(DataParallelStrategy):
 
     def _master_shard(self, i: int) -> np.ndarray:
         return self.master[i]
+
+    async def reshard(self, new_group, lost=None, *, store=None, joining: bool = False) -> None:
+        """Elastic training: the state re-sharded onto ``new_group``, the survivors then any joiners
+        (redundancy.py)."""
+        await redundancy.reshard(self, new_group, lost, store, joining=joining)
 
     async def _sync_initial_params(self) -> None:
         """Every rank cut its shard from the same config.seed initialisation; under hybrid

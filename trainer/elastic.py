@@ -1,0 +1,126 @@
+"""An elastic job's process (`ElasticJob`): a lost rank costs a re-formed job and one step run
+again, and a restarted rank joins at a step boundary with the members' state, for ddp, zero1/2,
+zero3 and fsdp on the plain data-parallel layout.
+
+    rdzv = runtime.elastic.from_env()            # an ElasticRendezvous under --elastic
+    rt = await runtime.init(rendezvous=rdzv)
+    job = ElasticJob(rdzv, rt)
+    strategy = make_strategy("fsdp", model, config, rt.world, redundancy=job.redundancy())
+    await strategy.setup()
+    await fit(strategy, data, config, ..., elastic=job)
+
+In ``fit`` (trainer/loop.py), with ``elastic=``:
+
+- every step is voted (the strategy's `Redundancy`, trainer/sharding/redundancy.py): a step that
+  a lost member interrupted raises StepAbortedError (or PeerLostError / CollectiveTimeoutError
+  between steps) with no state changed; a failure after the commit counts the step
+  (``strategy.step`` advanced) and the loop goes on after it;
+- :meth:`ElasticJob.recover` re-forms the runtime without the lost ranks
+  (``runtime.elastic.reform``), moves the strategy (``reshard``: ddp re-pads, zero/fsdp rebuild
+  their shards from the survivors' and the buddy copies) and :meth:`sync` gives every member new
+  rank 0's step counters and loop position (ddp: its optimizer buffers too); the epoch's
+  remaining global batches are cut over the new world (the global batch stays fixed);
+- after each step one small all_reduce says whether processes wait to join (:meth:`grow_wanted`);
+  then all re-form with them. A joiner's :meth:`enter` meets the members' reshard and sync: it
+  receives its shard (zero/fsdp) or the parameters (ddp) live from the members, no disk.
+
+What is not: tp / pp / hybrid / offload / compressed layouts (a restart from the checkpoint), a
+loss during evaluation or a checkpoint save (the job fails as a fixed one does).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from runtime import elastic as relastic
+from runtime.errors import CollectiveTimeoutError, PeerLostError
+from collectives.api import all_reduce, broadcast
+from trainer.sharding.base import StepAbortedError
+from trainer.sharding.redundancy import Redundancy
+
+__all__ = ["ElasticJob", "RECOVERABLE"]
+
+PEER_FAILURES = (PeerLostError, CollectiveTimeoutError)  # PeerAbortedError is a PeerLostError
+RECOVERABLE = (*PEER_FAILURES, StepAbortedError)
+
+
+def peer_failure(exc: BaseException) -> BaseException | None:
+    """The lost peer behind ``exc`` (a StepAbortedError's cause), or None: this rank's own error,
+    which re-forming would not cure (the loop lets it propagate)."""
+    if isinstance(exc, StepAbortedError):
+        cause = exc.__cause__
+        return exc if cause is None else (cause if isinstance(cause, PEER_FAILURES) else None)
+    return exc if isinstance(exc, PEER_FAILURES) else None
+
+
+class ElasticJob:
+    """One elastic process: its rendezvous and current runtime (see the module docstring)."""
+
+    def __init__(self, rdzv: relastic.ElasticRendezvous, rt) -> None:
+        self.rdzv, self.rt = rdzv, rt
+        self.joined = rdzv.joiner  # entered a running job: fit starts with enter()
+        self.lost_at: float | None = None  # time.time() of the first loss this process saw
+        self.resumed_at: float | None = None  # time.time() of the first step it completed after it
+        self.entered_at: float | None = None  # time.time() a joiner had its state (enter)
+        self.first_step_at: float | None = None  # time.time() this process completed its first step
+        self.reforms = 0
+
+    @property
+    def group(self):
+        return self.rt.world
+
+    def redundancy(self) -> Redundancy:
+        """The strategy's elastic part for this generation: ``make_strategy(..., redundancy=...)``."""
+        return Redundancy(self.rt.store, timeout=self.rt.timeout_s)
+
+    def step_done(self) -> None:
+        """A step completed (fit calls it): the first one, and the first after a loss, are timed."""
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        if self.lost_at is not None and self.resumed_at is None:
+            self.resumed_at = time.time()
+
+    async def grow_wanted(self) -> bool:
+        """Whether processes wait to join, the same answer on every member (an all_reduce(max))."""
+        flag = np.array([1 if await self.rdzv.joiners_waiting() > 0 else 0], dtype=np.int64)
+        await all_reduce(flag, op="max", group=self.rt.world)
+        return bool(flag[0])
+
+    async def recover(self, strategy, position: tuple[int, int, int], exc: BaseException | None) -> tuple[int, int, int]:
+        """Re-forms the job (without the ranks ``exc`` names as lost; ``exc`` None: to grow), moves
+        ``strategy`` onto it and returns new rank 0's position ``(epoch, step_in_epoch, step)``."""
+        if exc is not None and self.lost_at is None:
+            self.lost_at = time.time()
+        cause = peer_failure(exc) if exc is not None else None
+        lost = relastic.lost_ranks(cause) if cause is not None else []
+        self.rt = await relastic.reform(self.rt, self.rdzv, lost=lost, reason=None)
+        self.reforms += 1
+        await strategy.reshard(self.rt.world, None, store=self.rt.store)  # who survived: the new group says
+        return await self.sync(strategy, position)
+
+    async def enter(self, strategy) -> tuple[int, int, int]:
+        """A joiner (set up over the generation it joined): its share of the state from the members
+        (their ``recover``), then their position."""
+        await strategy.reshard(self.rt.world, None, store=self.rt.store, joining=True)
+        position = await self.sync(strategy, None)
+        self.entered_at = time.time()
+        return position
+
+    async def sync(self, strategy, position: tuple[int, int, int] | None) -> tuple[int, int, int]:
+        """Rank 0's step counters and ``position`` on every member (a joiner passes None), and for a
+        replicated strategy (ddp) its optimizer buffers; returns the position."""
+        group = self.rt.world
+        counters = np.array([*(position or (0, 0, 0)), strategy.step, *(s.step for s in strategy.states),
+                             strategy.scaler.state.scale, strategy.scaler.state.good_steps], dtype=np.float64)
+        await broadcast(counters, 0, group=group)
+        if strategy.replicated_state:
+            for s in strategy.states:
+                for buf in s.buffers.values():
+                    await broadcast(buf, 0, group=group)
+        strategy.step = int(counters[3])
+        for i, s in enumerate(strategy.states):
+            s.step = int(counters[4 + i])
+        strategy.scaler.load_state_dict({"scale": float(counters[-2]), "good_steps": int(counters[-1])})
+        return int(counters[0]), int(counters[1]), int(counters[2])

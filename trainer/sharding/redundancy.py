@@ -1,0 +1,301 @@
+"""Elastic training's part of a data-parallel strategy: the commit vote, the buddy replica, re-sharding.
+
+What it is: `Redundancy(store)`, given as ``make_strategy(..., redundancy=Redundancy(store))``; without it a
+strategy holds `NoRedundancy` (every method does nothing: the step is exactly the plain one).
+
+    the vote      after every gradient collective and the statistics' sum, before any state
+                  changes: collectives.commit.should_commit over the strategy's group; "no", or
+                  a failure of this rank's step before it voted ("no" recorded for it), raises
+                  StepAbortedError with parameters, optimizer state, scaler and step untouched
+                  (a failure after the commit, in zero1/2's gathers, counts the step: step + 1)
+    buddy         zero1/2, zero3/fsdp: rank r also holds rank r+1's (mod N) optimizer state and
+                  master shard (zero1/2 with param_dtype == master_dtype: the replicated
+                  parameters are that shard already); r+1 sends r its reduced gradient shard
+                  before the vote, and r steps the copy with the same code on the same inputs
+                  right after its own shard: bit-identical
+    reshard       `reshard(s, new_group, lost)`: every survivor all_gathers its own shards and,
+                  when it held a lost rank's replica, that one; each rebuilds the whole state,
+                  pads it to the new world size, cuts its shard and its new buddy's; a shard
+                  whose rank and holder are both lost raises ShardLostError (the checkpoint)
+    ddp           every rank holds everything: the vote only, nothing to replicate
+
+`step_bytes(...)` is what elastic training adds to a step's bytes (the buddy send, the vote's
+all_reduce); `memory_nbytes(s)` the buddy's resident bytes. Refused (ValueError): hybrid sharding,
+a mesh, offload, gradient compression (its error feedback would change before the vote).
+What it is not: no membership (runtime/membership.py), no loop, no checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from collectives.commit import decide, should_commit
+from runtime.store import PrefixStore
+from trainer.precision import unscale_
+from trainer.sharding.accounted import AccountedCollectives
+from trainer.sharding.base import ShardLostError, StepAbortedError
+
+__all__ = ["Redundancy", "NoRedundancy", "reshard", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
+
+VOTE_NBYTES = 4  # the vote's int32 flag
+BUDDY_TAG = 0x0E1A  # the p2p tag of the buddy's gradient message
+
+
+class NoRedundancy:
+    """A strategy without elastic training: nothing is voted, replicated or re-sharded."""
+
+    enabled = False
+
+    def attach(self, s) -> None:
+        pass
+
+    def adopt(self, s, full, full_states=None) -> None:
+        pass
+
+    async def exchange(self, s, scale: float) -> None:
+        pass
+
+    async def abort(self, s, exc: BaseException) -> None:
+        pass
+
+    async def guard(self, s, coro) -> None:
+        await coro
+
+    async def commit(self, s) -> None:
+        pass
+
+    def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
+        pass
+
+    async def settle(self, s, coro) -> None:
+        await coro
+
+    def reform(self, s, store) -> None:
+        pass
+
+
+class Redundancy(NoRedundancy):
+    """Elastic training on (the module docstring). ``store``: the generation's store (the commit
+    decisions live there); ``timeout``: the vote's deadline in seconds."""
+
+    enabled = True
+
+    def __init__(self, store, *, timeout: float = 30.0) -> None:
+        self.base_store, self.timeout = store, float(timeout)
+        self.store, self._group, self._groups = store, None, 0
+        self.masters: list = []  # buddy's master shards (views into s.full for zero1/2 without a cast)
+        self.states: list = []  # buddy's optimizer states
+        self.segments: list = []
+        self._grads: list | None = None  # this step's received gradient shards, unscaled
+
+    def attach(self, s) -> None:
+        why = ("hybrid sharding" if s.replicas.size > 1 else "a tensor/pipeline mesh" if s.model_parallel.group
+               else "offload" if s.config.offload else "gradient compression" if s.collectives.codec else None)
+        if why:
+            raise ValueError(f"{s.name}: elastic training covers the plain data-parallel dimension; not with {why}")
+        self._group = s.group
+
+    def _has_buddy(self, s) -> bool:
+        return not s.replicated_state and s.N > 1
+
+    def adopt(self, s, full, full_states=None) -> None:
+        """At setup (``full``: every unit's padded initial master) or after a re-shard (and
+        ``full_states``: every unit's whole optimizer buffers): builds the buddy's copies."""
+        self._grads = None
+        self.masters, self.states, self.segments = [], [], []
+        if not self._has_buddy(s):
+            return
+        b = (s.rank + 1) % s.N
+        for i, unit in enumerate(s.units):
+            sl = slice(b * s.lengths[i] // s.N, (b + 1) * s.lengths[i] // s.N)
+            view = s._replicated_master(i, sl) if hasattr(s, "_replicated_master") else None
+            self.masters.append(view if view is not None else full[i][sl].copy())
+            state = s.optimizer.init_state(sl.stop - sl.start, s.master_dtype)
+            if full_states is not None:
+                for name, buf in state.buffers.items():
+                    buf[:] = full_states[i][name][sl]
+                state.step = s.states[i].step
+            self.states.append(state)
+            self.segments.append([(0, sl.stop - sl.start, True)] if s.config.decay == "all"
+                                 else unit.decay_segments(sl.start, sl.stop))
+
+    async def exchange(self, s, scale: float) -> None:
+        """Sends this rank's reduced gradient shards to its holder (rank - 1) and receives its buddy's
+        (rank + 1), cast and unscaled exactly as the step treats its own."""
+        self._grads = None
+        if not self._has_buddy(s):
+            return
+        mine = np.concatenate([g for _, g, _ in s._opt_shards()])
+        inbox = np.empty_like(mine)  # every rank's shards have the same lengths
+        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
+                             s.collectives.recv(inbox, (s.rank + 1) % s.N, BUDDY_TAG))
+        grads, start = [], 0
+        for length in s.lengths:
+            g = inbox[start : start + length // s.N]
+            start += length // s.N
+            g = g if g.dtype == s.master_dtype else g.astype(s.master_dtype)
+            if scale != 1.0:
+                unscale_(g, scale)
+            grads.append(g)
+        self._grads = grads
+
+    async def abort(self, s, exc: BaseException) -> None:
+        """This rank's step failed before its vote: records "no" for the step (the decision cannot be
+        "yes": this rank never voted) and raises StepAbortedError from ``exc``."""
+        if not isinstance(exc, Exception):
+            return  # a cancellation, an interrupt: not a step outcome
+        self._switch(s)
+        await decide(self.store, s.step, False)
+        raise StepAbortedError(f"{s.name}: step {s.step} discarded on every member ({type(exc).__name__}: "
+                               f"{exc}); no state changed", s.step) from exc
+
+    async def guard(self, s, coro) -> None:
+        try:
+            await coro
+        except BaseException as exc:
+            await self.abort(s, exc)
+            raise
+
+    async def commit(self, s) -> None:
+        """The vote; raises StepAbortedError when the step is discarded."""
+        self._switch(s)
+        acc = s.collectives
+        if not await acc._timed(acc._ring(VOTE_NBYTES, 2.0), should_commit(s.group, self.store, s.step, ok=True,
+                                                                          timeout=self.timeout)):
+            raise StepAbortedError(f"{s.name}: step {s.step} discarded on every member (a member's collectives "
+                                   f"of it did not complete); no state changed", s.step)
+
+    async def settle(self, s, coro) -> None:
+        """After the commit (zero1/2's parameter all_gathers): the step is applied on every member
+        whatever fails now, so a failure counts it (``s.step`` advances) and then propagates; the
+        replicated parameters are re-derived from the master shards (``reshard``, or the next call)."""
+        try:
+            await coro
+        except Exception:
+            s.step += 1
+            s._stale = True
+            raise
+
+    def _switch(self, s) -> None:
+        """A new group (a re-shard): its decisions go under a namespace of their own."""
+        if s.group is not self._group:
+            self._group, self._groups = s.group, self._groups + 1
+            self.store = PrefixStore(f"group{self._groups}", self.base_store)
+
+    def reform(self, s, store) -> None:
+        """After a re-shard: the new generation's store, if the caller has one (the votes then go
+        under it from its first group on: a joiner, whose strategy starts there, votes alike)."""
+        if store is not None:
+            self.base_store = self.store = store
+            self._group, self._groups = s.group, 0
+
+    def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
+        """Compute thread, right after this rank stepped unit i: the same update of the buddy's copy."""
+        if self._grads is None:
+            return
+        g = self._grads[i]
+        if coef < 1.0:
+            g *= coef
+        s.optimizer.step(self.masters[i], g, self.states[i], lr, segments=self.segments[i])
+
+
+def memory_nbytes(s) -> int:
+    """The buddy's resident bytes on this rank (its optimizer state, and master shards it owns)."""
+    el = s.redundancy
+    if not el.enabled:
+        return 0
+    own = [m for m in el.masters if m.base is None]
+    return sum(m.nbytes for m in own) + sum(st.nbytes for st in el.states)
+
+
+def step_bytes(name: str, lengths: list[int], world: int, *, reduce_itemsize: int) -> int:
+    """Bytes one rank sends in a step beyond the plain strategy's, with elastic training on: the
+    vote's all_reduce (a ring of one int32), and for zero1/2/3 and fsdp the buddy message (this
+    rank's reduced gradient shards, sum_i L_i / N elements of the reduce dtype)."""
+    if world == 1:
+        return 0
+    total = int(2.0 * (world - 1) / world * VOTE_NBYTES)
+    if name != "ddp":
+        total += sum(length // world for length in lengths) * reduce_itemsize
+    return total
+
+
+async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False) -> None:
+    """Re-shards zero1/2, zero3/fsdp ``s`` onto ``new_group``: the survivors of ``s.group`` in their
+    old order, then any joiners (``joining=True`` on those: a process that holds nothing yet, whose
+    ``s`` was set up over ``new_group``). Every member of ``new_group`` calls it; one all_gather of
+    (old rank, old size, step counters) tells everyone who survived, so ``lost`` (the old ranks
+    gone) is only checked. ``store``: the new generation's store, where the commit votes go.
+
+    Raises:
+        ShardLostError: a lost rank's holder (rank - 1) is lost too: restart from the checkpoint.
+        ValueError: ``new_group`` is not the survivors then the joiners, or elastic training is off.
+    """
+    el = s.redundancy
+    if not el.enabled:
+        raise ValueError(f"{s.name}: reshard needs elastic training (make_strategy(..., redundancy=Redundancy(store)))")
+    if not joining and lost is not None and s.rank in lost:
+        raise ValueError(f"{s.name}: rank {s.rank} is among the lost {sorted(lost)}: it takes no part in reshard")
+    acc = AccountedCollectives(new_group)
+    acc.loop = asyncio.get_running_loop()
+    n_new, U = new_group.size, len(s.units)
+    head = np.array([-1, 0, 0, *([0] * U)] if joining else [s.rank, s.N, s.step, *(st.step for st in s.states)],
+                    np.int64)
+    heads = np.empty((n_new, 3 + U), np.int64)
+    await acc.all_gather(heads.reshape(-1), head)
+    old = [int(r) for r in heads[:, 0]]
+    survivors = [r for r in old if r >= 0]
+    N = int(heads[:, 1].max())
+    if not survivors or old[: len(survivors)] != sorted(set(survivors)) or any(r >= 0 for r in old[len(survivors):]):
+        raise ValueError(f"{s.name}: new group's old ranks {old} are not the survivors in their old order, then "
+                         f"joiners (-1)")
+    gone = [r for r in range(N) if r not in survivors]
+    if lost is not None and not joining and sorted({int(r) for r in lost}) != gone:
+        raise ValueError(f"{s.name}: new group {new_group} holds old ranks {survivors} of {N}: the lost are {gone}, "
+                         f"not {sorted(lost)}")
+    lost = gone
+    unrecoverable = [q for q in lost if (q - 1) % N in lost or N == 1]
+    if unrecoverable:
+        raise ShardLostError(f"{s.name}: the shards of rank(s) {unrecoverable} and their replicas (held by rank(s) "
+                             f"{[(q - 1) % N for q in unrecoverable]}) are all lost: the state must come from the "
+                             f"newest checkpoint on disk", unrecoverable)
+    counters = heads[0]  # new rank 0 is a survivor
+    names = ["param", *s.states[0].buffers]
+    K = len(names)
+    full_params, full_states = [], []
+    for i, unit in enumerate(s.units):
+        S = unit.padded_length(N) // N
+        mine = np.zeros((2, K, S), s.master_dtype)  # slot 0: my shard; slot 1: my lost buddy's (joiners: none)
+        if not joining:
+            mine[0] = [s._master_shard(i), *s.states[i].buffers.values()]
+            if (s.rank + 1) % N in lost:
+                mine[1] = [el.masters[i], *el.states[i].buffers.values()]
+        every = np.empty((n_new, 2, K, S), s.master_dtype)
+        await acc.all_gather(every.reshape(-1), mine.reshape(-1))
+        pieces = [every[survivors.index(q), 0] if q not in lost else every[survivors.index((q - 1) % N), 1]
+                  for q in range(N)]  # (K, S) each, old rank order
+        whole = np.concatenate(pieces, axis=1)[:, : unit.numel]
+        padded = np.zeros((K, unit.padded_length(n_new)), s.master_dtype)
+        padded[:, : unit.numel] = whole
+        full_params.append(padded[0].copy())
+        full_states.append({name: padded[k] for k, name in enumerate(names)})
+    s.group, s.N, s.rank, s.step = new_group, n_new, new_group.rank, int(counters[2])
+    s.lengths = [u.padded_length(n_new) for u in s.units]
+    s.collectives = AccountedCollectives(new_group)
+    s.collectives.loop = acc.loop
+    s._counted = None
+    s._allocate(full_params)
+    s.states = []
+    for i in range(U):
+        start, stop = s._owned(i)
+        state = s.optimizer.init_state(stop - start, s.master_dtype)
+        for name, buf in state.buffers.items():
+            buf[:] = full_states[i][name][start:stop]
+        state.step = int(counters[3 + i])
+        s.states.append(state)
+    s._segments = [s._decay_segments(i) for i in range(U)]
+    s._stale = False  # _allocate derived every replicated parameter from the whole master
+    el.reform(s, store)
+    el.adopt(s, full_params, full_states)
