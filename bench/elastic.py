@@ -189,7 +189,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
         for strategy in o.strategies.split(","):
             rows.append(row(o, strategy, Path(tmp)))
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}"
     print(f"{o.model} at {o.ranks} ranks, rank 1 SIGKILLed at step {o.kill_step}")
     print("strategy  kill->first step, shrunk (s)  joiner training (s)  step off (s)  step on (s)  on/off  "
           "restart: kill->first step (s)")
