@@ -22,6 +22,7 @@ Figures go to stdout as one table (--json: also to a file); none are asserted.
 from __future__ import annotations
 
 import argparse
+from runtime import env
 import asyncio
 import json
 import os
@@ -59,8 +60,8 @@ async def worker(o) -> None:
     data = cli.load_data(args)
     spe = steps_per_epoch(len(data.train), args.batch_size, args.grad_accum)
     config = cli.make_config(args, spe)
-    rank, joiner = int(os.environ.get("RANK", "0")), os.environ.get("RINGWEAVE_ELASTIC_JOIN") == "1"
-    restart = int(os.environ.get("RINGWEAVE_RESTART", "0"))
+    rank, joiner = int(os.environ.get("RANK", "0")), env.ELASTIC_JOIN.get()
+    restart = env.RESTART.get()
     out = Path(o.out)
     train, reads = data.train, [0]
 

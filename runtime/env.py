@@ -303,6 +303,9 @@ TUNE_FILE = _("RINGWEAVE_TUNE_FILE", text, None, "each call",
               "a rules file to load instead of $XDG_CACHE_HOME/ringweave/tune/<machine key>.json (its key must "
               "still match the machine and layout)")
 # -- end of the tuner's settings --
+WARMUP = _("RINGWEAVE_WARMUP", switch, "1", "init",
+            "0: runtime.init() runs no warm-up (runtime/warmup.py): the first collective imports and compiles "
+            "what it needs on the loop's thread, as short jobs and the test suite may prefer")
 REQUIRE_PTX = _("RINGWEAVE_REQUIRE_PTX", switch, "0", "the PTX test",
                 "1 (make test sets it): tests/kernels/test_kernels_ptx.py fails, instead of skipping, where no "
                 "libNVVM / NVRTC compiles PTX")

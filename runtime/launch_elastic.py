@@ -61,8 +61,11 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
     late: set[int] = set()  # slots whose process now is a joiner
     joiners_until = None  # the job finished and only joiners run: stop them then (time.monotonic())
 
+    usage_errors: set[str] = set()  # written once, whichever ranks wrote them (procs.UsageFolder)
+
     async def start(slot: int, environ: dict[str, str]) -> None:
-        r = await procs.spawn(slot, argv, environ, console.write, cfg.tail_lines, fold=fold(slot))
+        r = await procs.spawn(slot, argv, environ, console.write, cfg.tail_lines, fold=fold(slot),
+                              usage_errors=usage_errors)
         spawned.append(r)
         running[r.protocol.exited] = r
 
@@ -134,6 +137,8 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
         failed = next(r for r in reversed(spawned) if r.rank == outcome.failure.rank)
         outcome.tail = list(failed.protocol.tail)
         outcome.last_exception = failed.protocol.last_exception
+        if usage_errors:  # as launch.run_attempt: the error line once, never the rank's tail again
+            outcome.usage_error = failed.protocol.usage_error or next(iter(usage_errors))
     return outcome
 
 

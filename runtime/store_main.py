@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 
+from runtime import args as types
 from runtime import auth, private, scheduler
 from runtime import env
 from runtime.errors import AuthenticationError, RingweaveError
@@ -66,7 +67,7 @@ def read_secret_file(path: str) -> bytes:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.store", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on (default 0: a free one, printed)")
+    p.add_argument("--port", type=types.port_or_any, default=0, help="port to listen on (default 0: a free one, printed)")
     p.add_argument("--job", default=None, help="the job's name, as the ranks name it (default: RINGWEAVE_JOB, "
                    "else slurm-<SLURM_JOB_ID> inside a SLURM job, else ringweave)")
     p.add_argument("--secret-file", default=None, metavar="PATH",

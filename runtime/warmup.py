@@ -10,7 +10,8 @@ keep running and the first collective finds everything loaded and compiled.
     rt = await runtime.init()       # runs what was added, on a worker thread, while joining
 
 A warm-up that raises is logged and skipped: the first call then does that work itself, as it
-would have without a warm-up. Not here: what is warmed (the layer that adds it).
+would have without a warm-up; RINGWEAVE_WARMUP=0 skips them all the same way. Not here: what is
+warmed (the layer that adds it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import asyncio
 import logging
 import threading
 from typing import Awaitable, Callable, TypeVar
+
+from runtime import env
 
 log = logging.getLogger("ringweave.warmup")
 T = TypeVar("T")
@@ -60,7 +63,7 @@ async def alongside(join: Awaitable[T]) -> T:
         whatever ``join`` raises (the warm-up is then abandoned: its thread finishes by itself).
     Cancellation: cancelled while waiting for the warm-up, the runtime joined is closed.
     """
-    if not pending():
+    if not pending() or not env.WARMUP.get():
         return await join
     warming = asyncio.ensure_future(asyncio.to_thread(run_pending))
     try:

@@ -20,6 +20,9 @@ pytest_plugins = ["runtime.testing"]
 # The built-in tables, whatever rules `python -m collectives.tune` left in this user's cache (the
 # tuner's own tests turn them back on); ranks that tests start inherit it.
 os.environ["RINGWEAVE_TUNE"] = "0"
+# No warm-up at init: most test processes make a call or two, and loading every kernel in each of
+# them costs the suite CPU (tests/collectives/test_coll_first_call.py turns it back on).
+os.environ["RINGWEAVE_WARMUP"] = "0"
 
 
 def pytest_configure(config):

@@ -37,6 +37,7 @@ import sys
 import numpy as np
 
 import runtime
+from runtime import env
 from runtime import args as types
 from trainer.allocator import retain_freed_memory
 from trainer.data import Split, load_digits_split, make_synthetic
@@ -463,7 +464,7 @@ def elastic_refusal(args: argparse.Namespace) -> str | None:
 async def run(args: argparse.Namespace) -> int:
     retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
     job = None
-    if os.environ.get("RINGWEAVE_ELASTIC"):  # python -m runtime.launch --elastic MIN:MAX (trainer/elastic.py)
+    if env.ELASTIC.get():  # python -m runtime.launch --elastic MIN:MAX (trainer/elastic.py)
         why = elastic_refusal(args)
         if why:
             if os.environ.get("RANK", "0") == "0":

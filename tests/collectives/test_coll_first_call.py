@@ -26,7 +26,7 @@ MARGIN_MS = 150.0  # scheduling noise of a loaded machine; the old first call wa
 
 def _child(shm: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), RINGWEAVE_SHM="1" if shm else "0")
+    env.update(PYTHONPATH=str(ROOT), RINGWEAVE_SHM="1" if shm else "0", RINGWEAVE_WARMUP="1")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "first_call.py"), "--child"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

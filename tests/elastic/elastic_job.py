@@ -18,6 +18,7 @@ import types
 import numpy as np
 
 import runtime
+from runtime import env
 from runtime import elastic
 from trainer.data import ArrayDataset, make_synthetic
 from trainer.elastic import ElasticJob
@@ -31,7 +32,7 @@ OUT = sys.argv[1]
 KILL_RANK, KILL_STEP = int(os.environ.get("EL_KILL_RANK", "-1")), int(os.environ.get("EL_KILL_STEP", "-1"))
 STEP_S = float(os.environ.get("EL_STEP_S", "0"))
 STRATEGY = os.environ.get("EL_STRATEGY", "ddp")
-JOINER = os.environ.get("RINGWEAVE_ELASTIC_JOIN") == "1"
+JOINER = env.ELASTIC_JOIN.get()
 
 
 class Hooked(ArrayDataset):
@@ -67,7 +68,7 @@ async def main():
                          param_dtype="float64", reduce_dtype="float64")
     rdzv = elastic.from_env()
     rt = await runtime.init(rendezvous=rdzv)
-    el = ElasticJob(rdzv, rt) if os.environ.get("RINGWEAVE_ELASTIC") else None
+    el = ElasticJob(rdzv, rt) if env.ELASTIC.get() else None
     model, extra = mlp(6, (8,), 3, dtype=np.float64), {"redundancy": el.redundancy()} if el else {}
     strategy = (CheckedDDP(model, config, rt.world, **extra) if STRATEGY == "ddp"
                 else make_strategy(STRATEGY, model, config, rt.world, **extra))
