@@ -104,19 +104,20 @@ def takes_tensors(*, writes: tuple[str, ...] = (), reads: tuple[str, ...] = ()):
     """Makes an async collective take torch tensors for the arrays named in ``writes`` (the
     call writes its result there) and ``reads``: each is replaced by :func:`as_array`'s view,
     and a result that is one of those views is returned as the tensor the caller passed.
-    NumPy arrays go straight through."""
+    NumPy arrays go straight through: the wrapper returns the collective's own coroutine."""
     def wrap(fn):
         params = list(inspect.signature(fn).parameters)
         slots = [(params.index(n), n, n in writes) for n in (*writes, *reads)]
 
         @functools.wraps(fn)
-        async def call(*args, **kw):
+        def call(*args, **kw):  # a plain function: an array's call costs no second coroutine
             for i, n, _ in slots:
                 a = args[i] if i < len(args) else kw.get(n)
                 if type(a) is not np.ndarray and is_torch(a):
-                    break
-            else:  # no tensor: the call as it is
-                return await fn(*args, **kw)
+                    return with_tensors(args, kw)
+            return fn(*args, **kw)
+
+        async def with_tensors(args, kw):
             args, given = list(args), {}
             for i, n, written in slots:
                 where, key = (args, i) if i < len(args) else (kw, n)
