@@ -110,6 +110,9 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                 exit_ = RankExit(r.rank, r.returncode, r.protocol.exited_at, r.protocol.last_exception)
                 live = len(running) + len(pending_joins)
                 too_few = "TooFewMembersError" in (exit_.exception or "")
+                if r.returncode == USAGE_EXIT and running:  # every rank refuses alike; rank 0 says why:
+                    others = [p.protocol.pipes_closed for p in running.values()]  # let its line arrive
+                    await asyncio.wait(others, timeout=cfg.grace_s)
                 if too_few or r.returncode == USAGE_EXIT or finished or live < bounds.min_size or joins[r.rank] >= MAX_JOINS:
                     why = (f"{live} ranks left, fewer than the minimum {bounds.min_size} of --elastic {cfg.elastic}"
                            if live < bounds.min_size else "it refused its arguments" if r.returncode == USAGE_EXIT
