@@ -1,8 +1,8 @@
 """One rank fails in the third step of a torch training loop on the "ringweave" backend; the other
-must see an exception, not hang. ``python -m runtime.launch -n 2 tests/torch/job_fail.py HOW KIND``:
+must see an exception, not hang. ``python -m runtime.launch -n 2 tests/torch_backend/job_fail.py HOW KIND``:
 HOW ``raise`` (rank 1 raises: the job is aborted, ``PeerAbortedError``) or ``kill`` (rank 1 is
 killed: ``PeerLostError``), KIND ``ddp`` or ``fsdp``. Rank 0 prints what it saw and how long after
-the step began, then exits 3 (run by tests/torch/test_torch_failures.py)."""
+the step began, then exits 3 (run by tests/torch_backend/test_torch_failures.py)."""
 
 import os
 import signal

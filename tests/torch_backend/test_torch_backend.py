@@ -1,4 +1,4 @@
-"""The "ringweave" torch.distributed backend. In one run of tests/torch/job_torch.py at 2 ranks
+"""The "ringweave" torch.distributed backend. In one run of tests/torch_backend/job_torch.py at 2 ranks
 through our launcher: every call through torch.distributed against its closed-form answer
 (reductions in each op and dtype, gathers, scatters, all-to-all even and uneven, p2p from a rank
 and from any, object calls, sub-groups made on their members only, the errors of what is not
@@ -22,12 +22,12 @@ import torch.distributed as dist  # noqa: E402 - after the skip
 import ringweave_torch  # noqa: E402
 from collectives import Communicator  # noqa: E402
 from ringweave_torch.job import JobStore, torch_rendezvous  # noqa: E402
-from tests.torch.jobrun import launch  # noqa: E402
+from tests.torch_backend.jobrun import launch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def job_run():
-    """The output of one run of tests/torch/job_torch.py (both ranks exited 0)."""
+    """The output of one run of tests/torch_backend/job_torch.py (both ranks exited 0)."""
     proc = launch("job_torch.py", timeout_s=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

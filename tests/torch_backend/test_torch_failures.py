@@ -1,7 +1,7 @@
 """A rank that raises or is killed in a torch training loop on the "ringweave" backend surfaces on
 the other rank as an exception within a second, under DDP (through its C++ reducer: a RuntimeError
 that names ringweave's error) and FSDP2 (ringweave's own error type), not as a hang
-(tests/torch/job_fail.py, 2 ranks through our launcher, collective timeouts of 20 s); and ranks
+(tests/torch_backend/job_fail.py, 2 ranks through our launcher, collective timeouts of 20 s); and ranks
 started by hand meet through ``init_method="ringweave://"``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.torch.jobrun import ROOT, launch  # noqa: E402 - after the skip
+from tests.torch_backend.jobrun import ROOT, launch  # noqa: E402 - after the skip
 
 
 @pytest.mark.timeout(90)

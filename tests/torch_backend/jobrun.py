@@ -1,4 +1,4 @@
-"""Runs one of tests/torch/job_*.py at 2 ranks through our launcher, with a deadline."""
+"""Runs one of tests/torch_backend/job_*.py at 2 ranks through our launcher, with a deadline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(job: str, *args: str, timeout_s: float = 60.0, ranks_timeout_s: int = 20) -> subprocess.CompletedProcess:
-    """``python -m runtime.launch -n 2 --timeout-s ranks_timeout_s tests/torch/<job> args``, its output
+    """``python -m runtime.launch -n 2 --timeout-s ranks_timeout_s tests/torch_backend/<job> args``, its output
     captured; the whole run is killed after ``timeout_s``."""
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "runtime.launch", "-n", "2", "--timeout-s", str(ranks_timeout_s),

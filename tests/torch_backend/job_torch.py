@@ -1,5 +1,5 @@
-"""torch.distributed on the "ringweave" backend at 2 ranks, run by tests/torch/test_torch_backend.py as
-``python -m runtime.launch -n 2 tests/torch/job_torch.py``:
+"""torch.distributed on the "ringweave" backend at 2 ranks, run by tests/torch_backend/test_torch_backend.py as
+``python -m runtime.launch -n 2 tests/torch_backend/job_torch.py``:
 
 1. every call, each checked against its closed-form answer (rank r contributes values made from
    r); prints ``rank R: N calls agree``, or raises at the first call that does not;
