@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
 
-from bench.common import parse_sizes
+from bench.common import fmt_bytes, parse_sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -146,7 +146,8 @@ class Job:
     kind: str                      # "collectives" | "grid" | "gpu" | "trainer" | "interleave"
     n: int
     spec: dict                     # per kind: shm, ops, sizes, ticker, ...
-    peers: list[str] = field(default_factory=list)  # "gloo" | "mpi" | "torch", as the goals need
+    peers: list[str] = field(default_factory=list)  # "gloo" and / or "mpi", as the goals need
+    costs: dict = field(default_factory=dict, repr=False, compare=False)  # (params, cores) -> cost(), cached
 
     def params(self, scale: float, quick: bool) -> dict:
         """Iterations at ``scale`` (1: the full figures; 0: the fewest that still give a median)."""
@@ -175,7 +176,13 @@ class Job:
         return cmd + ["--strategies", "ddp,fsdp", "--ranks", str(self.n), "--compare", "torch"]
 
     def cost(self, p: dict, cores: int) -> float:
-        """Estimated seconds of the run with iterations ``p`` on ``cores`` cores."""
+        """Estimated seconds of the run with iterations ``p`` on ``cores`` cores (the planner asks often)."""
+        key = (tuple(sorted(p.items())), cores, tuple(self.peers))
+        if key not in self.costs:
+            self.costs[key] = self._cost(p, cores)
+        return self.costs[key]
+
+    def _cost(self, p: dict, cores: int) -> float:
         n, s = self.n, self.spec
         over = max(1.0, n / cores)
         if self.kind in ("trainer", "interleave"):
@@ -278,6 +285,10 @@ class Goal:
         return f"{value:.2f}x" if self.unit == "x" else f"{value:.1f} {self.unit}"
 
 
+def _tag(nbytes: int) -> str:
+    return fmt_bytes(nbytes).replace(" ", "")
+
+
 def row(data: dict, op: str, nbytes: int) -> dict | None:
     """The default algorithm's row of ``op`` at ``nbytes`` in a bench/collectives.py JSON."""
     return next((r for r in data["rows"] if r["op"] == op and r["bytes"] == nbytes and r.get("default", True)), None)
@@ -339,7 +350,7 @@ def _grid_details(target: float):
         lines = [f"{len(med) - len(over)} of {len(med)} (op, size) rows within {target:.2f}x"]
         for op, nbytes in over:
             best = _best_names(runs, op, nbytes)
-            lines.append(f"{op} {_size(nbytes)}: default {med[op, nbytes]:.2f}x the fastest ({best})")
+            lines.append(f"{op} {fmt_bytes(nbytes)}: default {med[op, nbytes]:.2f}x the fastest ({best})")
         return lines
     return details
 
@@ -372,13 +383,6 @@ def _gpu_time(nbytes: int):
     return lambda d: next((r.get("rw") for r in d["rows"] if r["op"] == "all_reduce" and r["bytes"] == nbytes), None)
 
 
-def _size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
 def plan_goals(m: Machine, peers: dict[str, Peer]) -> tuple[list[Goal], dict[str, Job]]:
     """The goals for this machine's layouts and the jobs that measure them: 2 ranks; 4 ranks (on
     the cores there are, or a core each); 8 ranks where there are 8 cores; the GPT at 1 and 2
@@ -397,7 +401,7 @@ def plan_goals(m: Machine, peers: dict[str, Peer]) -> tuple[list[Goal], dict[str
         small = [4, KiB, 64 * KiB, MiB] if own else [4]
         tcp = job(f"tcp-{n}", "collectives", n, shm="off", ops=["all_reduce"], sizes=small + big, ticker=True)
         for size in tcp.spec["sizes"]:
-            goals.append(Goal(f"tcp-{n}-{_size(size).replace(' ', '')}", f"TCP all_reduce {_size(size)} vs Gloo",
+            goals.append(Goal(f"tcp-{n}-{_tag(size)}", f"TCP all_reduce {fmt_bytes(size)} vs Gloo",
                               where, tcp.name, ">=", big_target if size in big else 2.0, "x",
                               _ratio("all_reduce", size, "gloo"), ("gloo",)))
         if n == 2:
@@ -410,7 +414,7 @@ def plan_goals(m: Machine, peers: dict[str, Peer]) -> tuple[list[Goal], dict[str
             shm = job(f"shm-{n}", "collectives", n, shm="on", ops=["all_reduce", "barrier"], sizes=[4, KiB],
                       ticker=False)
             for op, size, limit in (("all_reduce", 4, 5.0), ("all_reduce", KiB, 6.0), ("barrier", 0, 4.0)):
-                name = "barrier" if op == "barrier" else f"all_reduce {_size(size)}"
+                name = "barrier" if op == "barrier" else f"all_reduce {fmt_bytes(size)}"
                 tag = name.replace("all_reduce ", "").replace(" ", "")
                 if n == 2:
                     goals.append(Goal(f"shm-2-{tag}-us", f"shm {name} time (OpenMPI beside)", where, shm.name,
@@ -443,7 +447,7 @@ def plan_goals(m: Machine, peers: dict[str, Peer]) -> tuple[list[Goal], dict[str
     gpu = job("gpu-4", "gpu", 4, sizes=sizes)
     where = "4 ranks on one GPU"
     for size in sizes[1:]:
-        goals.append(Goal(f"gpu-{_size(size).replace(' ', '')}", f"device all_reduce {_size(size)} vs Gloo on CUDA",
+        goals.append(Goal(f"gpu-{_tag(size)}", f"device all_reduce {fmt_bytes(size)} vs Gloo on CUDA",
                           where, gpu.name, ">=", 1.0, "x", _gpu_ratio(size), ("gpu",)))
     goals.append(Goal("gpu-4KiB-us", "device all_reduce 4 KiB time", where, gpu.name, "<=", 1000.0, "us",
                       _gpu_time(4 * KiB), ("gpu",)))
