@@ -277,7 +277,7 @@ def report(meta: dict, goals: list[Goal], records: list[Record], why_not: dict[s
     if meta["quick"]:
         lines.append("- Quick run (`--quick`): the fewest iterations, to check the command runs; its figures decide "
                      "nothing")
-    lines += ["", "| goal | layout | median | runs | goal | verdict |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| goal | layout | median | runs | goal value | verdict |", "| --- | --- | --- | --- | --- | --- |"]
     details = []
     for g in goals:
         med, each, result = verdict(g, records, why_not[g.id], runs)

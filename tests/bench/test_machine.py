@@ -31,9 +31,9 @@ def run_machine(tmp_path, *args, timeout_s=120):
 def rows_of(text: str) -> dict[str, list[str]]:
     """The table's rows by goal and layout: [median, runs, goal, verdict]."""
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| goal | layout | median | runs | goal | verdict |"
+    assert lines[0] == "| goal | layout | median | runs | goal value | verdict |" and lines[1].startswith("| --- |")
     rows = {}
-    for ln in lines[1:]:
+    for ln in lines[2:]:
         cells = [c.strip() for c in ln.strip("|").split(" | ")]
         assert len(cells) == 6, ln
         rows[f"{cells[0]} / {cells[1]}"] = cells[2:]
@@ -61,23 +61,21 @@ def accounted(rows: dict[str, list[str]]) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_quick_run_measures_what_it_selects_and_gives_a_reason_for_the_rest(tmp_path):
-    stdout, text = run_machine(tmp_path, "--quick", "--only", "tcp-2")
+    """The TCP loop gap alone: its job runs without Gloo (no goal selected needs it)."""
+    stdout, text = run_machine(tmp_path, "--quick", "--only", "gap-tcp")
     check_entry(text)
     assert "- Quick run (`--quick`)" in text
     rows = rows_of(text)
     accounted(rows)
-    ours = {g: r for g, r in rows.items() if g.startswith(("TCP all_reduce", "largest loop gap during TCP"))
-            and "2 ranks" in g}
-    sizes = _machine.plan_goals(_machine.describe(), _machine.find_peers(_machine.describe()))[1]["tcp-2"].spec["sizes"]
-    assert len(ours) == len(sizes) + 1, sorted(rows)  # a row per size, and the loop's gap
-    assert ours["largest loop gap during TCP all_reduce 64 MiB, beyond nothing running / "
-                + _machine.layout(2, _machine.describe().cores)][3].startswith(("met", "not met"))
-    torch_here = _machine.find_peers(_machine.describe())["torch"].available
-    for goal, verdict in ((g, r[3]) for g, r in ours.items() if g.startswith("TCP")):
-        assert verdict.startswith(("met", "not met")) if torch_here else verdict.startswith("skipped: torch"), goal
-    others = [r[3] for g, r in rows.items() if g not in ours]
-    assert others and all(v == "skipped: not selected (--only tcp-2)" for v in others), others
-    assert re.search(r"^- tcp-2 run 1 \([\d.]+ s\): `python bench/collectives.py -n 2 .*--shm off", text, re.M)
+    gap = "largest loop gap during TCP all_reduce 64 MiB, beyond nothing running / " + \
+        _machine.layout(2, _machine.describe().cores)
+    median, runs, target, verdict = rows.pop(gap)
+    assert verdict in ("met", "not met") and target == "<= 5.0 ms", (median, runs, verdict)
+    assert re.fullmatch(r"-?[\d.]+ ms \(gap [\d.]+ ms, idle [\d.]+ ms\)", runs), runs
+    assert rows and all(r[3] == "skipped: not selected (--only gap-tcp)" for r in rows.values()), rows
+    [command] = re.findall(r"^- tcp-2 run 1 \([\d.]+ s\): `(.*)`$", text, re.M)
+    assert command.startswith("python bench/collectives.py -n 2 ") and "--shm off" in command
+    assert "--compare" not in command and re.search(r"--sizes \S*67108864", command), command
     assert "# wrote " in stdout
 
 
@@ -151,3 +149,21 @@ def test_a_goal_is_the_median_of_its_runs():
         r.data, r.state, r.why = None, "skipped", "would take about 9 s, 2 s of the budget left"
     assert machine.verdict(goal, records, None, 3)[2] == "not run: would take about 9 s, 2 s of the budget left"
     assert machine.verdict(goal, records, "torch is not installed", 3)[2] == "skipped: torch is not installed"
+
+
+def test_each_job_compares_with_the_peers_its_goals_need_where_they_are():
+    m = fake_machine(2)
+    _, jobs = everything(m)
+    out = "/tmp/x.json"
+    tcp, shm, shm4 = (jobs[name].argv(jobs[name].params(1.0, False), out) for name in ("tcp-2", "shm-2", "shm-4"))
+    assert tcp[tcp.index("--compare") + 1] == "gloo" and "--no-ticker" not in tcp
+    assert tcp[tcp.index("--iters") + 1] == "20"
+    assert shm[shm.index("--compare") + 1] == "mpi" and "--no-ticker" in shm and "--shm" in shm
+    assert shm4[shm4.index("--sizes") + 1] == "1048576" and shm4[shm4.index("-n") + 1] == "4"
+    nothing = {k: _machine.Peer(False, f"no {k}") for k in ("torch", "mpi", "gpu")}
+    goals, jobs = _machine.plan_goals(m, nothing)
+    assert all(not j.peers for j in jobs.values())
+    assert _machine.missing(next(g for g in goals if g.id == "tcp-2-64MiB"), nothing) == "no torch"
+    assert _machine.missing(next(g for g in goals if g.id == "gap-tcp-2"), nothing) is None
+    gpt = jobs["gpt-2"].argv(jobs["gpt-2"].params(0.0, False), out)
+    assert gpt[gpt.index("--steps") + 1] == "3" and gpt[gpt.index("--ranks") + 1] == "2" and "--compare" in gpt
