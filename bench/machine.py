@@ -291,7 +291,7 @@ def report(meta: dict, goals: list[Goal], records: list[Record], why_not: dict[s
     skipped = [r for r in records if r.state in ("skipped", "stopped", "failed")]
     if skipped:
         lines += ["", "### Not run or not finished", ""]
-        lines += [f"- {r.job.name} run {r.round}: {r.state}: {r.why}" for r in skipped]
+        lines += [f"- {r.job.name} run {r.round}: " + ("not run: " if r.state == "skipped" else "") + r.why for r in skipped]
     lines += ["", "### Commands", ""]
     for r in records:
         if r.state != "skipped":

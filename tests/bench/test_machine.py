@@ -87,7 +87,7 @@ def test_a_budget_too_small_runs_nothing_and_says_what_it_did_not_run(tmp_path):
     accounted(rows)
     assert not [g for g, r in rows.items() if r[3].startswith(("met", "not met"))]
     assert any(r[3].startswith("not run: would take about") for r in rows.values())
-    assert "### Not run or not finished" in text and "tcp-2 run 3: skipped: would take about" in text
+    assert "### Not run or not finished" in text and "tcp-2 run 3: not run: would take about" in text
 
 
 def fake_machine(cores=2):
