@@ -220,11 +220,12 @@ class Job:
 
 def _call_s(n: int, cores: int, nbytes: int, path: str, lib: str, op: str) -> float:
     """One timed call with its two barriers: the small-call time (grows with log n and twice as
-    steep where ranks share cores) plus the bytes at a per-MiB rate (grows with n and sharing)."""
+    steep where ranks share cores) plus the bytes at a per-MiB rate (a little more with n, with the
+    square of the sharing)."""
     over = max(1.0, n / cores)
     small = (20e-6 if path == "shm" else 50e-6) * max(1.0, math.log2(max(n, 2))) * over ** 1.5
     small *= 1.5 if lib == "gloo" else 1.0
-    per_mib = (0.25e-3 if path == "shm" else 0.6e-3) * (n / 2) * over
+    per_mib = (0.25e-3 if path == "shm" else 0.6e-3) * (1 + 0.25 * math.log2(max(n, 2) / 2)) * over ** 2
     factor = {"all_reduce": 1.0, "barrier": 0.0}.get(op, 0.6)
     return 3 * small + nbytes / MiB * per_mib * factor
 

@@ -200,6 +200,9 @@ def dry_run(plan: list[tuple[Job, int, float]], budget_s: float, cores: int, qui
         total += job.cost(p, cores)
         print(f"{job.name:>10} run {rnd}: {_params(p):<40} about {job.cost(p, cores):6.1f} s")
     print(f"# planned {total:.0f} s of {budget_s:.0f} (at full iterations {full:.0f} s); scale {f:.2f}")
+    if total > SAFETY * budget_s:
+        print(f"# more than {SAFETY:.0%} of the budget at the fewest iterations: the last runs will not fit "
+              "(--budget gives more)")
 
 
 def _params(p: dict) -> str:
