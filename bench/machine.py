@@ -20,8 +20,8 @@ A goal's figure is the median over its runs.
 
 Budget: before each job the remaining jobs are planned to fit the time left (bench/_machine.py
 estimates each from its iterations; the estimates are scaled by measured / estimated time of the
-jobs so far): the grid's iterations shrink first, then every job's, down to the fewest that still
-give a median (3-5 iterations). A job that cannot fit even so is not run, and one still running at
+jobs so far, by 1.5 before the first): the grid's iterations shrink first, then every job's, down
+to the fewest that still give a median (3-5 iterations). A job that cannot fit even so is not run, and one still running at
 the budget is stopped (SIGTERM to its process group, SIGKILL 10 s later); the file says which.
 
 Output: ``--out`` (default bench/results; with ``--quick`` bench/out) gets machine-<key>.md, the key
@@ -54,6 +54,7 @@ from bench._machine import Goal, Job, describe, find_peers, missing, plan_goals 
 SAFETY = 0.9          # plan to this share of the time left
 STOP_GRACE_S = 10.0   # SIGTERM to SIGKILL
 GRID_WEIGHT = 0.25    # the grid's iterations shrink four times sooner than the goals'
+K_FIRST = 1.5         # measured / estimated time before any job has run: plan the first round on the safe side
 VERDICTS = ("met", "not met", "skipped: ", "not run: ", "not measured: ")
 PEER_NAMES = {"torch": "Gloo and torch DDP / FSDP2", "mpi": "OpenMPI", "gpu": "GPU"}
 
@@ -156,7 +157,7 @@ def run_all(plan: list[tuple[Job, int, float]], budget_s: float, cores: int, qui
     try:
         for i, ((job, rnd, weight), rec) in enumerate(zip(plan, records)):
             left = deadline - time.monotonic()
-            k = min(5.0, max(0.3, spent / estimated)) if estimated else 1.0
+            k = min(5.0, max(0.3, spent / estimated)) if estimated else K_FIRST
             f = fit([(j, w) for j, _, w in plan[i:]], left, k, cores, quick)
             rec.params = job.params(min(1.0, weight * f), quick)
             rec.estimate_s = job.cost(rec.params, cores)
