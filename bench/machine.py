@@ -21,8 +21,9 @@ A goal's figure is the median over its runs.
 Budget: before each job the remaining jobs are planned to fit the time left (bench/_machine.py
 estimates each from its iterations; the estimates are scaled by measured / estimated time of the
 jobs so far, by 1.5 before the first): the grid's iterations shrink first, then every job's, down
-to the fewest that still give a median (3-5 iterations). A job that cannot fit even so is not run, and one still running at
-the budget is stopped (SIGTERM to its process group, SIGKILL 10 s later); the file says which.
+to the fewest that still give a median (3-5 iterations). A job that cannot fit even so is not run,
+and one still running at the budget is stopped (SIGTERM to its process group, SIGKILL 10 s later);
+the file says which.
 
 Output: ``--out`` (default bench/results; with ``--quick`` bench/out) gets machine-<key>.md, the key
 a slug of cores, memory, CPU model and GPU: the command, the machine, the date, the load average
@@ -55,6 +56,7 @@ SAFETY = 0.9          # plan to this share of the time left
 STOP_GRACE_S = 10.0   # SIGTERM to SIGKILL
 GRID_WEIGHT = 0.25    # the grid's iterations shrink four times sooner than the goals'
 K_FIRST = 1.5         # measured / estimated time before any job has run: plan the first round on the safe side
+HANG_FACTOR, HANG_MIN_S = 4.0, 60.0  # a job past both is stopped, so that one hang does not take the budget
 VERDICTS = ("met", "not met", "skipped: ", "not run: ", "not measured: ")
 PEER_NAMES = {"torch": "Gloo and torch DDP / FSDP2", "mpi": "OpenMPI", "gpu": "GPU"}
 
@@ -123,9 +125,9 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def execute(rec: Record, log_path: str, timeout_s: float) -> None:
+def execute(rec: Record, log_path: str, timeout_s: float, why_limit: str) -> None:
     """Runs ``rec.cmd`` in its own process group with its output in ``log_path``, for at most
-    ``timeout_s``; fills in state, why and elapsed."""
+    ``timeout_s`` (``why_limit`` says what that limit is); fills in state, why and elapsed."""
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(rec.cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -134,7 +136,7 @@ def execute(rec: Record, log_path: str, timeout_s: float) -> None:
             rc = proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
             stop(proc)
-            rec.state, rec.why = "stopped", f"stopped at the budget after {time.monotonic() - t0:.0f} s"
+            rec.state, rec.why = "stopped", f"stopped after {time.monotonic() - t0:.0f} s, {why_limit}"
             rc = None
         except BaseException:  # Ctrl-C: the job goes with us
             stop(proc)
@@ -170,7 +172,11 @@ def run_all(plan: list[tuple[Job, int, float]], budget_s: float, cores: int, qui
                 continue
             say(f"# {job.name} run {rnd}: {_params(rec.params)} (about {k * rec.estimate_s:.0f} s; "
                 f"{left:.0f} s left)", flush=True)
-            execute(rec, os.path.join(tmp, f"{job.name}-{rnd}.log"), left - 3.0)  # 3 s to stop it
+            # at the budget (3 s to stop it), or at HANG_FACTOR x its estimate: a hung job leaves the rest their time
+            hang_s = max(HANG_MIN_S, HANG_FACTOR * k * rec.estimate_s)
+            limit, why_limit = ((left - 3.0, "at the budget") if left - 3.0 <= hang_s else
+                                (hang_s, f"{HANG_FACTOR:.0f}x its estimate (a hang?)"))
+            execute(rec, os.path.join(tmp, f"{job.name}-{rnd}.log"), limit, why_limit)
             spent, estimated = spent + rec.elapsed_s, estimated + rec.estimate_s
             if os.path.exists(out):  # a trainer run that failed in one configuration still wrote the rest
                 try:

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ SCRIPT = ROOT / "bench" / "machine.py"
 sys.path.insert(0, str(ROOT))
 from bench import _machine, machine  # noqa: E402
 
-REASONED = ("skipped: ", "not run: ", "not measured: ")
+REASONED = machine.VERDICTS[2:]  # a verdict that is no figure gives its reason
 
 
 def run_machine(tmp_path, *args, timeout_s=120):
@@ -167,3 +168,34 @@ def test_each_job_compares_with_the_peers_its_goals_need_where_they_are():
     assert _machine.missing(next(g for g in goals if g.id == "gap-tcp-2"), nothing) is None
     gpt = jobs["gpt-2"].argv(jobs["gpt-2"].params(0.0, False), out)
     assert gpt[gpt.index("--steps") + 1] == "3" and gpt[gpt.index("--ranks") + 1] == "2" and "--compare" in gpt
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_a_job_past_its_limit_is_stopped_with_its_process_group(tmp_path):
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "print(p.pid, flush=True); time.sleep(60)")
+    rec = machine.Record(_machine.Job("j", "collectives", 2, {}), 1, cmd=[sys.executable, "-c", spawn])
+    machine.execute(rec, str(tmp_path / "log"), 2.0, "at the budget")
+    assert rec.state == "stopped" and re.fullmatch(r"stopped after \d s, at the budget", rec.why), rec.why
+    assert 2.0 <= rec.elapsed_s < 2.0 + machine.STOP_GRACE_S
+    child = int((tmp_path / "log").read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child), "the job's own child outlived it"
+
+
+def test_a_job_that_fails_is_reported_with_its_last_lines(tmp_path):
+    rec = machine.Record(_machine.Job("j", "collectives", 2, {}), 1,
+                         cmd=[sys.executable, "-c", "import sys; print('a\\nb'); sys.exit('--compare mpi: no mpirun')"])
+    machine.execute(rec, str(tmp_path / "log"), 30.0, "at the budget")
+    assert (rec.state, rec.why) == ("failed", "exit 1: b / --compare mpi: no mpirun")
+    goal = _machine.Goal("g", "g", "2 ranks", "j", ">=", 1.0, "x", lambda d: d["v"])
+    assert machine.verdict(goal, [rec], None, 3)[2] == "not measured: exit 1: b / --compare mpi: no mpirun"
