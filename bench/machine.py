@@ -22,8 +22,8 @@ Budget: before each job the remaining jobs are planned to fit the time left (ben
 estimates each from its iterations; the estimates are scaled by measured / estimated time of the
 jobs so far, by 1.5 before the first): the grid's iterations shrink first, then every job's, down
 to the fewest that still give a median (3-5 iterations). A job that cannot fit even so is not run,
-and one still running at the budget is stopped (SIGTERM to its process group, SIGKILL 10 s later);
-the file says which.
+and one still running at the budget or at 4x its estimate (a hang) is stopped (SIGTERM to its
+process group, SIGKILL 10 s later); the file says which.
 
 Output: ``--out`` (default bench/results; with ``--quick`` bench/out) gets machine-<key>.md, the key
 a slug of cores, memory, CPU model and GPU: the command, the machine, the date, the load average
