@@ -45,11 +45,14 @@ SETTLE_S = 2.0  # how long survivors wait for a member that did not check in (me
 
 
 def lost_ranks(exc: BaseException) -> list[int]:
-    """The ranks of the failed generation that ``exc`` names as lost (none: unknown)."""
+    """The ranks of the failed generation that ``exc`` names as lost (none: unknown, the next
+    generation then waits ``settle_s`` for every member to check in). A timeout names the ranks
+    that had not reached the call or did not answer (``absent``), not those its algorithm waited
+    on (``missing``): in a ring, a rank waits on a live neighbour that itself waits on the stopped one."""
     if isinstance(exc, PeerLostError) and exc.rank is not None:
         return [exc.rank]
     if isinstance(exc, CollectiveTimeoutError):
-        return sorted(set(exc.missing) | set(exc.absent))
+        return sorted(set(exc.absent))
     return []
 
 

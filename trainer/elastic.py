@@ -30,6 +30,7 @@ loss during evaluation or a checkpoint save (the job fails as a fixed one does).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -37,6 +38,7 @@ import numpy as np
 from runtime import elastic as relastic
 from runtime.errors import CollectiveTimeoutError, PeerLostError
 from collectives.api import all_reduce, broadcast
+from collectives.objects import broadcast_object
 from trainer.sharding.base import StepAbortedError
 from trainer.sharding.redundancy import Redundancy
 
@@ -44,6 +46,9 @@ __all__ = ["ElasticJob", "RECOVERABLE"]
 
 PEER_FAILURES = (PeerLostError, CollectiveTimeoutError)  # PeerAbortedError is a PeerLostError
 RECOVERABLE = (*PEER_FAILURES, StepAbortedError)
+MAX_RETRIES = 4  # members lost one after another during one recovery, each costing a re-form
+
+log = logging.getLogger("ringweave.elastic")
 
 
 def peer_failure(exc: BaseException) -> BaseException | None:
@@ -66,6 +71,7 @@ class ElasticJob:
         self.entered_at: float | None = None  # time.time() a joiner had its state (enter)
         self.first_step_at: float | None = None  # time.time() this process completed its first step
         self.reforms = 0
+        self.carry: dict | None = None  # the loop's record that joiners take from rank 0 (fit: the run's id)
 
     @property
     def group(self):
@@ -93,20 +99,37 @@ class ElasticJob:
         ``strategy`` onto it and returns new rank 0's position ``(epoch, step_in_epoch, step)``."""
         if exc is not None and self.lost_at is None:
             self.lost_at = time.time()
-        cause = peer_failure(exc) if exc is not None else None
-        lost = relastic.lost_ranks(cause) if cause is not None else []
-        self.rt = await relastic.reform(self.rt, self.rdzv, lost=lost, reason=None)
-        self.reforms += 1
-        await strategy.reshard(self.rt.world, None, store=self.rt.store)  # who survived: the new group says
-        return await self.sync(strategy, position)
+        return await self._move(strategy, position, exc, joining=False, reform=True)
 
     async def enter(self, strategy) -> tuple[int, int, int]:
         """A joiner (set up over the generation it joined): its share of the state from the members
         (their ``recover``), then their position."""
-        await strategy.reshard(self.rt.world, None, store=self.rt.store, joining=True)
-        position = await self.sync(strategy, None)
+        position = await self._move(strategy, None, None, joining=True, reform=False)
         self.entered_at = time.time()
         return position
+
+    async def _move(self, strategy, position, exc, *, joining: bool, reform: bool) -> tuple[int, int, int]:
+        """reform (unless entering), reshard and sync; a member lost meanwhile (a kill during the
+        recovery) starts them again in the generation after, from the state each one holds: a
+        re-shard changes nothing unless it completed on every member (redundancy.reshard)."""
+        for _ in range(MAX_RETRIES + 1):
+            try:
+                if reform:
+                    cause = peer_failure(exc) if exc is not None else None
+                    lost = relastic.lost_ranks(cause) if cause is not None else []
+                    self.rt = await relastic.reform(self.rt, self.rdzv, lost=lost, reason=None)
+                    self.reforms += 1
+                await strategy.reshard(self.rt.world, None, store=self.rt.store, joining=joining)
+                joining = False  # it holds its share now (ddp: its parameters, the others' broadcast)
+                return await self.sync(strategy, position)
+            except RECOVERABLE as failure:
+                if peer_failure(failure) is None:
+                    raise
+                log.warning("generation %d: %s: %s; re-forming again", self.rt.generation,
+                            type(failure).__name__, failure)
+                exc, reform = failure, True
+        raise RuntimeError(f"the job re-formed {MAX_RETRIES + 1} times in a row without completing a recovery "
+                           f"(the last failure: {exc!r})") from exc
 
     async def sync(self, strategy, position: tuple[int, int, int] | None) -> tuple[int, int, int]:
         """Rank 0's step counters and ``position`` on every member (a joiner passes None), and for a
@@ -123,4 +146,6 @@ class ElasticJob:
         for i, s in enumerate(strategy.states):
             s.step = int(counters[4 + i])
         strategy.scaler.load_state_dict({"scale": float(counters[-2]), "good_steps": int(counters[-1])})
+        if self.carry is not None:  # set alike on every member (fit: with a checkpoint directory)
+            self.carry = await broadcast_object(self.carry, 0, group=group)
         return int(counters[0]), int(counters[1]), int(counters[2])

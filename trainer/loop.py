@@ -494,11 +494,15 @@ async def fit(
     unit = "tokens" if getattr(data, "tokens_per_sample", None) else "samples"
     run = _Run(strategy, data, config, options, list(callbacks), group,
                Progress(progress_stream or sys.stderr, rank == 0, log_every, unit=unit))
-    if checkpoint_dir:
+    joiner = elastic is not None and elastic.joined
+    if checkpoint_dir and not joiner:  # a joiner takes the members' run (ElasticJob.sync), not a collective of its own
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
-    if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py)
+    if elastic is not None:
+        elastic.carry = (run.run or {}) if checkpoint_dir else None
+    if joiner:  # the members' state and position (trainer/elastic.py)
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
+        run.run = elastic.carry or None
     try:
         if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)

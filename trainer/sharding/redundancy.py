@@ -15,8 +15,9 @@ strategy holds `NoRedundancy` (every method does nothing: the step is exactly th
                   right after its own shard: bit-identical
     reshard       `reshard(s, new_group, lost)`: every survivor all_gathers its own shards and,
                   when it held a lost rank's replica, that one; each rebuilds the whole state,
-                  pads it to the new world size, cuts its shard and its new buddy's; a shard
-                  whose rank and holder are both lost raises ShardLostError (the checkpoint)
+                  pads it to the new world size, cuts its shard and its new buddy's (after a vote:
+                  all members or none); a shard whose rank and holder are both lost raises
+                  ShardLostError (the checkpoint)
     ddp           every rank holds everything: the vote only, nothing to replicate
 
 `step_bytes(...)` is what elastic training adds to a step's bytes (the buddy send, the vote's
@@ -229,8 +230,13 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
     (old rank, old size, step counters) tells everyone who survived, so ``lost`` (the old ranks
     gone) is only checked. ``store``: the new generation's store, where the commit votes go.
 
+    All or nothing: after the gathers the members vote (``should_commit`` over ``new_group``, under
+    ``reshard/g<gid>`` in ``store``); no member changes its layout unless every one of them holds the
+    whole state, so a member lost mid re-shard leaves every other in the layout it had.
+
     Raises:
         ShardLostError: a lost rank's holder (rank - 1) is lost too: restart from the checkpoint.
+        StepAbortedError: a member was lost during the re-shard; nothing changed here (re-form again).
         ValueError: ``new_group`` is not the survivors then the joiners, or elastic training is off.
     """
     el = s.redundancy
@@ -240,6 +246,24 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
         raise ValueError(f"{s.name}: rank {s.rank} is among the lost {sorted(lost)}: it takes no part in reshard")
     acc = AccountedCollectives(new_group)
     acc.loop = asyncio.get_running_loop()
+    vote = PrefixStore(f"reshard/g{new_group.gid}", store if store is not None else el.base_store)
+    try:
+        full_params, full_states, counters = await _gather_whole(s, acc, new_group, lost, joining)
+    except Exception:
+        await decide(vote, 0, False)  # this member holds no whole state: the re-shard cannot commit
+        raise
+    # all or nothing: a member lost during the gathers may leave some members with every piece and
+    # others without; nobody changes its layout unless every member holds the whole state
+    if not await should_commit(new_group, vote, 0, ok=True, timeout=el.timeout):
+        raise StepAbortedError(f"{s.name}: the re-shard onto {new_group.size} ranks did not complete on every "
+                               f"member; nothing changed", s.step)
+    _adopt_whole(s, new_group, acc, full_params, full_states, counters, store)
+
+
+async def _gather_whole(s, acc, new_group, lost, joining: bool) -> tuple[list, list, np.ndarray]:
+    """reshard's collectives: every unit's whole state, from the survivors' shards and the lost
+    ranks' copies; returns (padded parameters, optimizer buffers per unit, new rank 0's counters)."""
+    el = s.redundancy
     n_new, U = new_group.size, len(s.units)
     head = np.array([-1, 0, 0, *([0] * U)] if joining else [s.rank, s.N, s.step, *(st.step for st in s.states)],
                     np.int64)
@@ -281,6 +305,12 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
         padded[:, : unit.numel] = whole
         full_params.append(padded[0].copy())
         full_states.append({name: padded[k] for k, name in enumerate(names)})
+    return full_params, full_states, counters
+
+
+def _adopt_whole(s, new_group, acc, full_params: list, full_states: list, counters: np.ndarray, store) -> None:
+    """reshard's local part, once every member holds the whole state: this rank's new shards and buddy copies."""
+    el, n_new, U = s.redundancy, new_group.size, len(s.units)
     s.group, s.N, s.rank, s.step = new_group, n_new, new_group.rank, int(counters[2])
     s.lengths = [u.padded_length(n_new) for u in s.units]
     s.collectives = AccountedCollectives(new_group)
