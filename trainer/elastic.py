@@ -19,13 +19,15 @@ In ``fit`` (trainer/loop.py), with ``elastic=``:
   (``runtime.elastic.reform``), moves the strategy (``reshard``: ddp re-pads, zero/fsdp rebuild
   their shards from the survivors' and the buddy copies) and :meth:`sync` gives every member new
   rank 0's step counters and loop position (ddp: its optimizer buffers too); the epoch's
-  remaining global batches are cut over the new world (the global batch stays fixed);
+  remaining global batches are cut over the new world (the global batch stays fixed); a member
+  lost during the recovery re-forms again; a shard with no copy left (ShardLostError) comes, with
+  the whole state, from the run's newest checkpoint when the loop has a directory;
 - after each step one small all_reduce says whether processes wait to join (:meth:`grow_wanted`);
   then all re-form with them. A joiner's :meth:`enter` meets the members' reshard and sync: it
   receives its shard (zero/fsdp) or the parameters (ddp) live from the members, no disk.
 
 What is not: tp / pp / hybrid / offload / compressed layouts (a restart from the checkpoint), a
-loss during evaluation or a checkpoint save (the job fails as a fixed one does).
+loss during evaluation (the job fails as a fixed one does).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from runtime import elastic as relastic
 from runtime.errors import CollectiveTimeoutError, PeerLostError
 from collectives.api import all_reduce, broadcast
 from collectives.objects import broadcast_object
-from trainer.sharding.base import StepAbortedError
-from trainer.sharding.redundancy import Redundancy
+from trainer.sharding.base import ShardLostError, StepAbortedError
+from trainer.sharding.redundancy import Redundancy, relay
 
 __all__ = ["ElasticJob", "RECOVERABLE"]
 
@@ -72,6 +74,7 @@ class ElasticJob:
         self.first_step_at: float | None = None  # time.time() this process completed its first step
         self.reforms = 0
         self.carry: dict | None = None  # the loop's record that joiners take from rank 0 (fit: the run's id)
+        self.restore = None  # async (strategy) -> position | None: the loop's newest checkpoint, loaded
 
     @property
     def group(self):
@@ -112,6 +115,7 @@ class ElasticJob:
         """reform (unless entering), reshard and sync; a member lost meanwhile (a kill during the
         recovery) starts them again in the generation after, from the state each one holds: a
         re-shard changes nothing unless it completed on every member (redundancy.reshard)."""
+        no_copy = None  # a ShardLostError: the state comes from the newest checkpoint (self.restore)
         for _ in range(MAX_RETRIES + 1):
             try:
                 if reform:
@@ -119,7 +123,15 @@ class ElasticJob:
                     lost = relastic.lost_ranks(cause) if cause is not None else []
                     self.rt = await relastic.reform(self.rt, self.rdzv, lost=lost, reason=None)
                     self.reforms += 1
-                await strategy.reshard(self.rt.world, None, store=self.rt.store, joining=joining)
+                if no_copy is None:
+                    try:
+                        await strategy.reshard(self.rt.world, None, store=self.rt.store, joining=joining)
+                    except ShardLostError as gone:
+                        if self.restore is None:
+                            raise
+                        no_copy = gone
+                if no_copy is not None:
+                    position = await self._from_checkpoint(strategy, no_copy)
                 joining = False  # it holds its share now (ddp: its parameters, the others' broadcast)
                 return await self.sync(strategy, position)
             except RECOVERABLE as failure:
@@ -130,6 +142,18 @@ class ElasticJob:
                 exc, reform = failure, True
         raise RuntimeError(f"the job re-formed {MAX_RETRIES + 1} times in a row without completing a recovery "
                            f"(the last failure: {exc!r})") from exc
+
+    async def _from_checkpoint(self, strategy, gone: ShardLostError) -> tuple[int, int, int]:
+        """Every member: the strategy laid out over the new generation, the newest checkpoint loaded
+        into it (``self.restore``, the loop's), the buddies' copies fetched afresh; its position."""
+        log.warning("%s; loading the newest checkpoint onto generation %d (%d ranks)", gone, self.rt.generation,
+                    self.rt.world_size)
+        relay(strategy, self.rt.world, self.rt.store)
+        position = await self.restore(strategy)
+        if position is None:
+            raise ShardLostError(f"{gone}, and this run has no checkpoint to load yet", gone.ranks) from gone
+        await strategy.redundancy.refresh(strategy)
+        return position
 
     async def sync(self, strategy, position: tuple[int, int, int] | None) -> tuple[int, int, int]:
         """Rank 0's step counters and ``position`` on every member (a joiner passes None), and for a

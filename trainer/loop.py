@@ -214,6 +214,18 @@ class _Run:
         self.progress.log(f"saved checkpoint {path} (optimizer step {self.state.step}, {where})"
                           + (f"; best {best['metric']} {best['value']:.4f}: {best['path']}" if best else ""))
 
+    async def restore_newest(self, strategy) -> tuple[int, int, int] | None:
+        """An elastic job whose shard has no copy left in memory (trainer/elastic.py): this run's
+        newest checkpoint loaded into ``strategy`` (every member); its position, or None: none yet."""
+        _, candidates = rundir.checkpoints_to_read(self.options.checkpoint_dir)
+        if not candidates:
+            return None
+        path, meta = await _load_checkpoint(self.options.checkpoint_dir, strategy, self.run_key, candidates)
+        self.sums = EpochSums(**meta["carried"])
+        self.progress.log(f"a shard had no copy left in memory: continuing from {path} (optimizer step "
+                          f"{meta['step']})")
+        return meta["epoch"], meta["step_in_epoch"], meta["step"]
+
     async def open_metrics(self, path: str) -> None:
         """Rank 0 opens the metrics file (a resumed run keeps its rows up to here); every rank
         learns whether it could, so a path rank 0 cannot write stops all before the first step."""
@@ -498,8 +510,8 @@ async def fit(
     if checkpoint_dir and not joiner:  # a joiner takes the members' run (ElasticJob.sync), not a collective of its own
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
-    if elastic is not None:
-        elastic.carry = (run.run or {}) if checkpoint_dir else None
+    if elastic is not None and checkpoint_dir:  # trainer/elastic.py: the run's id, and a shard with no copy left
+        elastic.carry, elastic.restore = run.run or {}, run.restore_newest
     if joiner:  # the members' state and position (trainer/elastic.py)
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
         run.run = elastic.carry or None

@@ -6,7 +6,7 @@ first process of a slot SIGKILL (or SIGSTOP) itself at a chosen point of a step,
 OUT/fault-SLOT; EL_KILL_RANK / EL_KILL_STEP is "RANK:read@STEP". EL_STEP_S sleeps that long per
 step. EL_HOLD_S: while the job is smaller than the launcher's -n, the members wait at a step
 boundary (at most that long) until a joiner registers, so the job grows back before its last step
-whatever the machine's load. EL_CKPT=1: a checkpoint every step under OUT/ckpt. The final rank 0
+whatever the machine's load. EL_CKPT=K: a checkpoint every K steps under OUT/ckpt. The final rank 0
 writes the parameters to OUT/params.npy; every process prints its member id when done, and when
 its first step after a loss completed.
 """
@@ -85,7 +85,8 @@ async def main():
     strategy = (CheckedDDP(model, config, rt.world, **extra) if STRATEGY == "ddp"
                 else make_strategy(STRATEGY, model, config, rt.world, **extra))
     FAULTS.arm(strategy)
-    ckpt = {"checkpoint_dir": os.path.join(OUT, "ckpt"), "checkpoint_every": 1} if os.environ.get("EL_CKPT") else {}
+    every = int(os.environ.get("EL_CKPT", "0"))
+    ckpt = {"checkpoint_dir": os.path.join(OUT, "ckpt"), "checkpoint_every": every} if every else {}
     try:
         await strategy.setup()
         await fit(strategy, data, config, epochs=2, global_batch_size=24, eval_train=False, elastic=el,

@@ -81,12 +81,23 @@ def test_a_kill_mid_checkpoint_save_shrinks_and_the_saves_go_on(tmp_path, undist
 
 
 def test_two_ranks_holding_each_others_shard_lost_at_once_stop_the_job_saying_so(tmp_path):
-    """Ranks 1 and 2 die together: rank 2's shard and its copy (held by rank 1) are gone. Every
-    survivor raises ShardLostError naming the checkpoint, and the launcher fails the job at once
-    with the survivor's code instead of starting joiners into a job that cannot go on."""
+    """Ranks 1 and 2 die together: rank 2's shard and its copy (held by rank 1) are gone, and there is
+    no checkpoint. Every survivor raises ShardLostError naming the checkpoint, and the launcher fails
+    the job at once with the survivor's code instead of starting joiners into a job that cannot go on."""
     env = {"EL_STRATEGY": "zero2", "EL_FAULTS": "1:reduce_scatter@4,2:reduce_scatter@4"}
     code, log, _ = launch(tmp_path, "buddies", "--elastic", "2:4", n=4, env=env, deadline_s=45)
     assert code == 1, log[-4000:]
     assert re.search(r"ShardLostError: zero2: the shards of rank\(s\) \[2\] .* newest checkpoint on disk", log), \
         log[-4000:]
     assert "member done" not in log
+
+
+def test_with_a_checkpoint_the_survivors_of_a_shard_with_no_copy_go_on_from_it(tmp_path, undisturbed):
+    """The same loss with a checkpoint every 2 steps: the survivors load the newest one (step 6) onto
+    the shrunk job, run step 6 again, grow back, and end equal to the undisturbed run."""
+    env = {"EL_STRATEGY": "zero2", "EL_FAULTS": "1:reduce_scatter@7,2:reduce_scatter@7", "EL_CKPT": "2", **HOLD}
+    code, log, out = launch(tmp_path, "fallback", "--elastic", "2:4", n=4, env=env)
+    assert code == 0, log[-4000:]
+    assert "a shard had no copy left in memory: continuing from" in log and "step-00000006" in log, log[-4000:]
+    assert_shrunk_and_grown_back(log, out, [1, 2])
+    np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed, rtol=1e-12, atol=1e-14)

@@ -19,7 +19,7 @@ import pytest
 
 from el_launch import REPO, environ
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(240)
 F64 = ["--master-dtype", "float64", "--param-dtype", "float64", "--reduce-dtype", "float64"]
 STEPS = 24  # windows per epoch / batch: one epoch of 24 steps, long enough for the joiner to come back
 

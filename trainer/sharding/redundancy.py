@@ -38,10 +38,11 @@ from trainer.precision import unscale_
 from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.base import ShardLostError, StepAbortedError
 
-__all__ = ["Redundancy", "NoRedundancy", "reshard", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
+__all__ = ["Redundancy", "NoRedundancy", "reshard", "relay", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
 
 VOTE_NBYTES = 4  # the vote's int32 flag
 BUDDY_TAG = 0x0E1A  # the p2p tag of the buddy's gradient message
+REFRESH_TAG = 0x0E1B  # the p2p tag of a buddy's whole shard (refresh)
 
 
 class NoRedundancy:
@@ -65,6 +66,9 @@ class NoRedundancy:
         await coro
 
     async def commit(self, s) -> None:
+        pass
+
+    async def refresh(self, s) -> None:
         pass
 
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
@@ -128,6 +132,8 @@ class Redundancy(NoRedundancy):
         self._grads = None
         if not self._has_buddy(s):
             return
+        if any(copy.step != own.step for copy, own in zip(self.states, s.states)):
+            await self.refresh(s)  # a checkpoint was loaded since (the same on every rank: it loaded one)
         mine = np.concatenate([g for _, g, _ in s._opt_shards()])
         inbox = np.empty_like(mine)  # every rank's shards have the same lengths
         await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
@@ -191,6 +197,24 @@ class Redundancy(NoRedundancy):
         if store is not None:
             self.base_store = self.store = store
             self._group, self._groups = s.group, 0
+
+    async def refresh(self, s) -> None:
+        """Fetches the buddy's master shard and optimizer state afresh: every rank sends its own to
+        its holder (rank - 1). After a checkpoint was loaded (a resume, or the fallback when a shard
+        had no copy left), when the copies no longer hold the buddy's state."""
+        if not self._has_buddy(s):
+            return
+        mine = np.concatenate([np.concatenate([s._master_shard(i), *s.states[i].buffers.values()])
+                               for i in range(len(s.units))])
+        inbox = np.empty_like(mine)  # every rank's shards have the same lengths
+        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, REFRESH_TAG),
+                             s.collectives.recv(inbox, (s.rank + 1) % s.N, REFRESH_TAG))
+        start = 0
+        for i in range(len(s.units)):
+            for dst in (self.masters[i], *self.states[i].buffers.values()):
+                dst[:] = inbox[start : start + len(dst)]
+                start += len(dst)
+            self.states[i].step = s.states[i].step
 
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
         """Compute thread, right after this rank stepped unit i: the same update of the buddy's copy."""
@@ -329,3 +353,16 @@ def _adopt_whole(s, new_group, acc, full_params: list, full_states: list, counte
     s._stale = False  # _allocate derived every replicated parameter from the whole master
     el.reform(s, store)
     el.adopt(s, full_params, full_states)
+
+
+def relay(s, new_group, store=None) -> None:
+    """Lays zero1/2, zero3/fsdp ``s`` out over ``new_group`` holding zeros, its counters 0: the
+    fallback when a shard has no copy left (ShardLostError), before the newest checkpoint is loaded
+    into it (then ``s.redundancy.refresh``). Local: no collective."""
+    acc = AccountedCollectives(new_group)
+    acc.loop = asyncio.get_running_loop()
+    names = ["param", *s.states[0].buffers]
+    lengths = [u.padded_length(new_group.size) for u in s.units]
+    full_states = [{name: np.zeros(n, s.master_dtype) for name in names} for n in lengths]
+    _adopt_whole(s, new_group, acc, [np.zeros(n, s.master_dtype) for n in lengths], full_states,
+                 np.zeros(3 + len(s.units), np.int64), store)
