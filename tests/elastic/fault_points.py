@@ -11,7 +11,9 @@ strategy's committed steps, counted from 0; a step run again after a loss is the
     all_gather      SIGKILL inside the step's first all_gather (fsdp's forward; zero1/2's after the commit)
     update          SIGKILL in the optimizer's step of the second unit (after the commit)
     save            SIGKILL after writing its checkpoint pieces, before the save's agreement
-    reshard         SIGKILL inside the first all_gather of the first re-shard (during a recovery; STEP unused)
+    reshard         SIGKILL inside the last all_gather of the first re-shard (during a recovery; STEP unused)
+    wire            SIGKILL once the next generation is decided, before connecting to it (during a
+                    recovery: the others wait for its address until their timeout; STEP unused)
     stop            SIGSTOP when the loop reads the step's batch (the test sends SIGCONT)
 
 "Inside" a collective: the algorithm has run a few turns of the event loop (its first frames or
@@ -27,7 +29,8 @@ import os
 import signal
 import time
 
-POINTS = ("read", "all_reduce", "stats", "vote", "reduce_scatter", "all_gather", "update", "save", "reshard", "stop")
+POINTS = ("read", "all_reduce", "stats", "vote", "reduce_scatter", "all_gather", "update", "save", "reshard", "wire",
+          "stop")
 COLLECTIVE_POINTS = {"all_reduce", "stats", "vote", "reduce_scatter", "all_gather", "reshard"}
 
 
@@ -52,12 +55,12 @@ class Faults:
         self.out, self.slot = out, int(environ.get("RANK", "0"))
         self.point, self.step = mine if mine else (None, -1)
         self.strategy = None
-        self.resharding = False
+        self.resharding, self.gathers = False, 0
 
     def due(self, point: str) -> bool:
         if self.point != point or self.strategy is None:
             return False
-        return point == "reshard" or self.strategy.step == self.step
+        return point in ("reshard", "wire") or self.strategy.step == self.step
 
     def fail(self) -> None:
         with open(os.path.join(self.out, f"fault-{self.slot}"), "w") as f:
@@ -91,12 +94,21 @@ class Faults:
             reshard = strategy.reshard
 
             async def resharding(*args, **kw):
-                self.resharding = True
+                self.resharding, self.gathers = True, 0
                 try:
                     await reshard(*args, **kw)
                 finally:
                     self.resharding = False
             strategy.reshard = resharding
+        if self.point == "wire":
+            from runtime import elastic
+            wire = elastic._wire
+
+            async def dying_wire(*args, **kw):
+                if self.due("wire"):
+                    self.fail()
+                return await wire(*args, **kw)
+            elastic._wire = dying_wire
         if self.point == "save":
             from trainer import checkpoint
             write = checkpoint._write_pieces
@@ -111,8 +123,9 @@ class Faults:
             self._hook_collectives()
 
     def _which(self, collective: str, nbytes: int) -> str | None:
-        if self.resharding:
-            return "reshard" if collective == "all_gather" else None
+        if self.resharding:  # the header's gather, then one per unit: the last one
+            self.gathers += collective == "all_gather"
+            return "reshard" if self.gathers == 1 + len(self.strategy.units) else None
         if collective == "all_reduce":
             return {4: "vote", 24: "stats", 8: None}.get(nbytes, "all_reduce" if nbytes > 64 else None)
         return collective if collective in ("reduce_scatter", "all_gather") else None

@@ -101,3 +101,15 @@ def test_with_a_checkpoint_the_survivors_of_a_shard_with_no_copy_go_on_from_it(t
     assert "a shard had no copy left in memory: continuing from" in log and "step-00000006" in log, log[-4000:]
     assert_shrunk_and_grown_back(log, out, [1, 2])
     np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed, rtol=1e-12, atol=1e-14)
+
+
+def test_a_member_lost_after_the_decision_before_it_connects_is_left_out_at_the_timeout(tmp_path, undisturbed):
+    """Rank 1 dies between two steps; rank 3 dies once the next generation (with it) is decided,
+    before it connects: the others wait for its address until the timeout, then decide the
+    generation after without it."""
+    env = {"EL_STRATEGY": "fsdp", "EL_FAULTS": "1:read@3,3:wire@0", **HOLD}
+    code, log, out = launch(tmp_path, "wire", "--elastic", "2:4", n=4, env=env, timeout_s=4)
+    assert code == 0, log[-4000:]
+    assert "never connected; deciding the next without them" in log, log[-4000:]
+    assert_shrunk_and_grown_back(log, out, [1, 3])
+    np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed, rtol=1e-12, atol=1e-14)
