@@ -293,12 +293,17 @@ class _Run:
         at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc)
         if at_epoch != epoch:
             raise RuntimeError(f"after re-forming the job, its rank 0 is in epoch {at_epoch}, this rank in {epoch}")
-        self.group = self.data_group = self.elastic.group
-        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
-        self.state.rank, self.state.world_size, self.state.step_in_epoch = self.rank, self.size, k
-        self.progress.enabled = self.rank == 0
+        self.take_world()
+        self.state.step_in_epoch = k
         self.progress.log(f"generation {self.elastic.rt.generation}: {self.size} ranks, epoch {epoch + 1} "
                           f"step {k} of {self.steps_total} (optimizer step {self.state.step})")
+
+    def take_world(self) -> None:
+        """The elastic job's current generation (a re-form, or a joiner's entry) is the loop's group."""
+        self.group = self.data_group = self.elastic.group
+        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
+        self.state.rank, self.state.world_size = self.rank, self.size
+        self.progress.enabled = self.rank == 0
 
     async def train_step(self, epoch: int, batches: list) -> StepResult:
         """One optimizer step over this rank's part of `batches` (the step's global micro-batches)."""
@@ -515,6 +520,7 @@ async def fit(
     if joiner:  # the members' state and position (trainer/elastic.py)
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
         run.run = elastic.carry or None
+        run.take_world()  # a member lost while it entered: a later generation than the one it joined
     try:
         if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)
