@@ -26,8 +26,7 @@ In ``fit`` (trainer/loop.py), with ``elastic=``:
   then all re-form with them. A joiner's :meth:`enter` meets the members' reshard and sync: it
   receives its shard (zero/fsdp) or the parameters (ddp) live from the members, no disk.
 
-What is not: tp / pp / hybrid / offload / compressed layouts (a restart from the checkpoint), a
-loss during evaluation (the job fails as a fixed one does).
+Not here: tp / pp / hybrid / offload / compressed layouts, a loss during evaluation (the job fails).
 """
 
 from __future__ import annotations
