@@ -155,8 +155,8 @@ async def reform(rt: RankRuntime, rdzv: ElasticRendezvous, *, lost: Iterable[int
         try:
             new = await _wire(m, timeout_s, None)
         except StoreTimeoutError as exc:  # rendezvous.not_joined_error: the addr/<rank> keys missing
-            unwired = sorted({int(k.rsplit("/", 1)[1]) for k in exc.keys if k.startswith("addr/")
-                              and k.rsplit("/", 1)[1].isdigit()})
+            unwired = sorted({int(k.rsplit("/", 1)[1]) for k in exc.keys  # keys ".../addr/<rank>"
+                              if k.rsplit("/", 2)[-2:-1] == ["addr"] and k.rsplit("/", 1)[1].isdigit()})
             if not unwired or m.rank in unwired or unwired_tries == MAX_UNWIRED:
                 raise
             unwired_tries += 1
