@@ -4,24 +4,23 @@ run's (float64, 1e-12); below MIN, and without --elastic, the same kill fails th
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from el_launch import REPO, environ, launch
+from el_launch import REPO, environ, launch, undisturbed
 
 TIMEOUT_S = 60
 
 
-def undisturbed(tmp_path: Path, strategy: str) -> np.ndarray:
-    code, log, out = launch(tmp_path, "ref", env={"EL_STRATEGY": strategy})
-    assert code == 0, log[-3000:]
-    return np.load(out / "params.npy")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> np.ndarray:
+    """One process: the same global batches, so the training every strategy and world size must equal."""
+    return undisturbed(tmp_path_factory.mktemp("undisturbed"))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
-def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, strategy):
+def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, reference, strategy):
     kill = {"EL_KILL_RANK": "1", "EL_KILL_STEP": "4", "EL_STEP_S": "0.15", "EL_STRATEGY": strategy}
     code, log, out = launch(tmp_path, "el", "--elastic", "2:3", env=kill)
     assert code == 0, log[-4000:]
@@ -37,7 +36,7 @@ def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_pat
     if strategy == "ddp":  # a step that raised changed no state: every survivor equals new rank 0 already
         checks = [line for line in log.splitlines() if "reshard: parameters equal" in line]
         assert len(checks) >= 2 and all(line.endswith("True") for line in checks), log[-3000:]
-    np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed(tmp_path, strategy), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.load(out / "params.npy"), reference, rtol=1e-12, atol=1e-14)
     for line in log.splitlines():
         if "first step after the loss" in line:
             print(line)
