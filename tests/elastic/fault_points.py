@@ -11,7 +11,8 @@ strategy's committed steps, counted from 0; a step run again after a loss is the
     all_gather      SIGKILL inside the step's first all_gather (fsdp's forward; zero1/2's after the commit)
     update          SIGKILL in the optimizer's step of the second unit (after the commit)
     save            SIGKILL after writing its checkpoint pieces, before the save's agreement
-    reshard         SIGKILL inside the last all_gather of the first re-shard (during a recovery; STEP unused)
+    reshard         SIGKILL inside all_gather number STEP (0: the headers; 1, 2, ...: unit 0, 1, ...) of the
+                    first re-shard (during a recovery)
     wire            SIGKILL once the next generation is decided, before connecting to it (during a
                     recovery: the others wait for its address until their timeout; STEP unused)
     stop            SIGSTOP when the loop reads the step's batch (the test sends SIGCONT)
@@ -123,9 +124,9 @@ class Faults:
             self._hook_collectives()
 
     def _which(self, collective: str, nbytes: int) -> str | None:
-        if self.resharding:  # the header's gather, then one per unit: the last one
+        if self.resharding:  # the headers' gather, then one per unit
             self.gathers += collective == "all_gather"
-            return "reshard" if self.gathers == 1 + len(self.strategy.units) else None
+            return "reshard" if collective == "all_gather" and self.gathers == self.step + 1 else None
         if collective == "all_reduce":
             return {4: "vote", 24: "stats", 8: None}.get(nbytes, "all_reduce" if nbytes > 64 else None)
         return collective if collective in ("reduce_scatter", "all_gather") else None

@@ -31,11 +31,13 @@ def slot(member: str) -> int:
 
 
 def assert_survivors_went_on(log: str, out, killed: list[int], *, grown: bool, n: int = 4) -> None:
-    """The killed slots failed and were restarted once each, no other; every other slot's first
-    process (never restarted) finished, all in one final generation (of n when ``grown``)."""
+    """The killed slots failed and were restarted, no other (a joiner may fail in turn: one that
+    entered a generation whose member died before connecting); every other slot's first process
+    (never restarted) finished, all in one final generation (of n when ``grown``)."""
     for s in killed:
         assert (out / f"fault-{s}").exists(), (s, log[-3000:])
-    assert log.count("starting a joiner in its place") == len(killed), log[-4000:]
+    restarted = re.findall(r"\[launch\] rank (\d+) exited with .*; starting a joiner in its place", log)
+    assert sorted(set(map(int, restarted))) == sorted(killed), log[-4000:]
     done = members_done(log)
     first = [m for m in done if m.endswith("/a0")]
     assert sorted(map(slot, first)) == sorted(set(range(n)) - set(killed)), log[-4000:]
@@ -46,8 +48,10 @@ def assert_survivors_went_on(log: str, out, killed: list[int], *, grown: bool, n
 
 @pytest.mark.parametrize("strategy,faults", [
     ("ddp", "0:all_reduce@3,2:vote@6"),  # rank 0 mid the gradients' all_reduce; then mid the vote
-    ("zero1", "2:update@3,3:stats@6"),  # in the optimizer (after the commit: the step counts); mid the statistics
-    ("zero2", "1:reduce_scatter@3,3:reshard@0"),  # mid reduce_scatter; then in the recovery's last all_gather
+    # in the optimizer (after the commit: the step counts); then rank 0 in the recovery's last all_gather
+    # (the others may hold the whole state: the re-shard's vote says no, and all re-form again)
+    ("zero1", "2:update@3,0:reshard@2"),
+    ("zero2", "1:reduce_scatter@3,3:reshard@0"),  # mid reduce_scatter; then in the recovery's first all_gather
     ("zero3", "1:all_gather@4,3:all_gather@4"),  # two at once, neither holding the other's shard
 ])
 def test_a_fault_shrinks_the_job_and_it_trains_on_equal_to_the_undisturbed_run(tmp_path, reference, strategy,
@@ -61,12 +65,12 @@ def test_a_fault_shrinks_the_job_and_it_trains_on_equal_to_the_undisturbed_run(t
 
 def test_a_member_lost_during_the_recovery_before_it_connects_then_one_stopped_past_the_timeout(tmp_path,
                                                                                                    reference):
-    """Rank 1 dies between two steps; rank 3 dies once the next generation (with it) is decided,
+    """Rank 1 dies mid the statistics' all_reduce; rank 3 once the next generation (with it) is decided,
     before it connects: the others wait for its address until the timeout, then decide the
     generation after without it; both slots' joiners grow the job back. Then rank 2 is stopped
     (SIGSTOP) for longer than the collectives' timeout: the others time out and re-form without it;
     woken, it finds itself excluded and exits; its slot's joiner grows the job back again."""
-    env = {"EL_STRATEGY": "fsdp", "EL_FAULTS": "1:read@3,3:wire@0,2:stop@8", **HOLD}
+    env = {"EL_STRATEGY": "fsdp", "EL_FAULTS": "1:stats@3,3:wire@0,2:stop@8", **HOLD}
     code, log, out = launch(tmp_path, "wire", "--elastic", "2:4", n=4, env=env, timeout_s=3, wake=(2, 4.0))
     assert code == 0, log[-4000:]
     assert "generation 1: ranks [2] never connected; deciding the next without them" in log, log[-4000:]
