@@ -63,14 +63,17 @@ class CheckedDDP(DDPStrategy):
         print(f"reshard: parameters equal to new rank 0's: {bool(np.array_equal(before, after))}", flush=True)
 
 
-class HeldJob(ElasticJob):
-    """grow_wanted that, while the job is smaller than at its start, waits for a joiner (EL_HOLD_S)."""
+def hold_for_joiners(el: ElasticJob) -> None:
+    """The members ask at every step boundary whether joiners wait (``rdzv.joiners_waiting``): while
+    the job is smaller than at its start, that question waits (at most EL_HOLD_S) for one."""
+    ask = el.rdzv.joiners_waiting
 
-    async def grow_wanted(self) -> bool:
+    async def joiners_waiting() -> int:
         until = time.monotonic() + HOLD_S
-        while self.rt.world_size < FULL and time.monotonic() < until and not await self.rdzv.joiners_waiting():
+        while not (waiting := await ask()) and el.rt.world_size < FULL and time.monotonic() < until:
             await asyncio.sleep(0.05)
-        return await super().grow_wanted()
+        return waiting
+    el.rdzv.joiners_waiting = joiners_waiting
 
 
 async def main():
@@ -80,7 +83,9 @@ async def main():
                          param_dtype="float64", reduce_dtype="float64")
     rdzv = elastic.from_env()
     rt = await runtime.init(rendezvous=rdzv)
-    el = HeldJob(rdzv, rt) if env.ELASTIC.get() else None
+    el = ElasticJob(rdzv, rt) if env.ELASTIC.get() else None
+    if el is not None and HOLD_S:
+        hold_for_joiners(el)
     model, extra = mlp(6, (8,), 3, dtype=np.float64), {"redundancy": el.redundancy()} if el else {}
     strategy = (CheckedDDP(model, config, rt.world, **extra) if STRATEGY == "ddp"
                 else make_strategy(STRATEGY, model, config, rt.world, **extra))
