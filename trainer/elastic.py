@@ -96,12 +96,13 @@ class ElasticJob:
         await all_reduce(flag, op="max", group=self.rt.world)
         return bool(flag[0])
 
-    async def recover(self, strategy, position: tuple[int, int, int], exc: BaseException | None) -> tuple[int, int, int]:
-        """Re-forms the job (without the ranks ``exc`` names as lost; ``exc`` None: to grow), moves
-        ``strategy`` onto it and returns new rank 0's position ``(epoch, step_in_epoch, step)``."""
+    async def recover(self, strategy, position: tuple[int, int, int], exc: BaseException | None,
+                      lost: list[int] | None = None) -> tuple[int, int, int]:
+        """Re-forms the job (without the ranks ``exc`` names as lost, or ``lost``; neither: to grow),
+        moves ``strategy`` onto it and returns new rank 0's position ``(epoch, step_in_epoch, step)``."""
         if exc is not None and self.lost_at is None:
             self.lost_at = time.time()
-        return await self._move(strategy, position, exc, joining=False, reform=True)
+        return await self._move(strategy, position, exc, joining=False, reform=True, lost=lost)
 
     async def enter(self, strategy) -> tuple[int, int, int]:
         """A joiner (set up over the generation it joined): its share of the state from the members
@@ -110,7 +111,8 @@ class ElasticJob:
         self.entered_at = time.time()
         return position
 
-    async def _move(self, strategy, position, exc, *, joining: bool, reform: bool) -> tuple[int, int, int]:
+    async def _move(self, strategy, position, exc, *, joining: bool, reform: bool,
+                    lost: list[int] | None = None) -> tuple[int, int, int]:
         """reform (unless entering), reshard and sync; a member lost meanwhile (a kill during the
         recovery) starts them again in the generation after, from the state each one holds: a
         re-shard changes nothing unless it completed on every member (redundancy.reshard)."""
@@ -119,7 +121,8 @@ class ElasticJob:
             try:
                 if reform:
                     cause = peer_failure(exc) if exc is not None else None
-                    lost = relastic.lost_ranks(cause) if cause is not None else []
+                    if lost is None:
+                        lost = relastic.lost_ranks(cause) if cause is not None else []
                     self.rt = await relastic.reform(self.rt, self.rdzv, lost=lost, reason=None)
                     self.reforms += 1
                 if no_copy is None:
@@ -138,7 +141,7 @@ class ElasticJob:
                     raise
                 log.warning("generation %d: %s: %s; re-forming again", self.rt.generation,
                             type(failure).__name__, failure)
-                exc, reform = failure, True
+                exc, reform, lost = failure, True, None
         raise RuntimeError(f"the job re-formed {MAX_RETRIES + 1} times in a row without completing a recovery "
                            f"(the last failure: {exc!r})") from exc
 
