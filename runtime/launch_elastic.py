@@ -9,8 +9,8 @@ with RINGWEAVE_ELASTIC_JOIN=1 and a new member id, which the job grows back to. 
     SUCCEEDED   every running rank exited 0 (no slot is restarted once one has; a joiner still
                 running ``--grace-s`` after the others finished came too late, and is stopped);
     FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError
-                or exited 2 (a refusal of its arguments), or a slot failed more than ``MAX_JOINS``
-                times: the failure names that rank;
+                or ShardLostError, or exited 2 (a refusal of its arguments), or a slot failed more
+                than ``MAX_JOINS`` times: the failure names that rank;
     INTERRUPTED / TIMED_OUT as a fixed job's attempt (launch.py).
 
 Not here: the fixed job's attempt (launch.py ``run_attempt``), deciding generations (the ranks do).
@@ -33,6 +33,9 @@ USAGE_EXIT = 2  # a rank refused its arguments (the same on every rank): the att
 JOIN_BACKOFF_S = 0.5  # a lost rank's slot is started again this long after its exit
 MAX_JOINS = 3  # a slot whose processes failed this many times more is the job's failure
 RECORD_TIMEOUT_S = 10.0
+# a rank that exits with one of these ends the attempt: too few members, or a shard with no copy left
+# (no joiner could bring it back; the state must come from a checkpoint)
+JOB_ENDING_ERRORS = ("TooFewMembersError", "ShardLostError")
 
 
 async def record_first_generation(cfg: LaunchConfig, port: int, secret: str | None, job: str, restart: int) -> None:
@@ -109,7 +112,7 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                     await asyncio.wait([r.protocol.pipes_closed], timeout=0.3)
                 exit_ = RankExit(r.rank, r.returncode, r.protocol.exited_at, r.protocol.last_exception)
                 live = len(running) + len(pending_joins)
-                too_few = "TooFewMembersError" in (exit_.exception or "")
+                too_few = any(name in (exit_.exception or "") for name in JOB_ENDING_ERRORS)
                 if r.returncode == USAGE_EXIT and running:  # every rank refuses alike; rank 0 says why:
                     others = [p.protocol.pipes_closed for p in running.values()]  # let its line arrive
                     await asyncio.wait(others, timeout=cfg.grace_s)

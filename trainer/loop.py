@@ -214,6 +214,18 @@ class _Run:
         self.progress.log(f"saved checkpoint {path} (optimizer step {self.state.step}, {where})"
                           + (f"; best {best['metric']} {best['value']:.4f}: {best['path']}" if best else ""))
 
+    async def restore_newest(self, strategy) -> tuple[int, int, int] | None:
+        """An elastic job whose shard has no copy left in memory (trainer/elastic.py): this run's
+        newest checkpoint loaded into ``strategy`` (every member); its position, or None: none yet."""
+        _, candidates = rundir.checkpoints_to_read(self.options.checkpoint_dir)
+        if not candidates:
+            return None
+        path, meta = await _load_checkpoint(self.options.checkpoint_dir, strategy, self.run_key, candidates)
+        self.sums = EpochSums(**meta["carried"])
+        self.progress.log(f"a shard had no copy left in memory: continuing from {path} (optimizer step "
+                          f"{meta['step']})")
+        return meta["epoch"], meta["step_in_epoch"], meta["step"]
+
     async def open_metrics(self, path: str) -> None:
         """Rank 0 opens the metrics file (a resumed run keeps its rows up to here); every rank
         learns whether it could, so a path rank 0 cannot write stops all before the first step."""
@@ -281,12 +293,17 @@ class _Run:
         at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc)
         if at_epoch != epoch:
             raise RuntimeError(f"after re-forming the job, its rank 0 is in epoch {at_epoch}, this rank in {epoch}")
-        self.group = self.data_group = self.elastic.group
-        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
-        self.state.rank, self.state.world_size, self.state.step_in_epoch = self.rank, self.size, k
-        self.progress.enabled = self.rank == 0
+        self.take_world()
+        self.state.step_in_epoch = k
         self.progress.log(f"generation {self.elastic.rt.generation}: {self.size} ranks, epoch {epoch + 1} "
                           f"step {k} of {self.steps_total} (optimizer step {self.state.step})")
+
+    def take_world(self) -> None:
+        """The elastic job's current generation (a re-form, or a joiner's entry) is the loop's group."""
+        self.group = self.data_group = self.elastic.group
+        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
+        self.state.rank, self.state.world_size = self.rank, self.size
+        self.progress.enabled = self.rank == 0
 
     async def train_step(self, epoch: int, batches: list) -> StepResult:
         """One optimizer step over this rank's part of `batches` (the step's global micro-batches)."""
@@ -494,11 +511,16 @@ async def fit(
     unit = "tokens" if getattr(data, "tokens_per_sample", None) else "samples"
     run = _Run(strategy, data, config, options, list(callbacks), group,
                Progress(progress_stream or sys.stderr, rank == 0, log_every, unit=unit))
-    if checkpoint_dir:
+    joiner = elastic is not None and elastic.joined
+    if checkpoint_dir and not joiner:  # a joiner takes the members' run (ElasticJob.sync), not a collective of its own
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
-    if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py)
+    if elastic is not None and checkpoint_dir:  # trainer/elastic.py: the run's id, and a shard with no copy left
+        elastic.carry, elastic.restore = run.run or {}, run.restore_newest
+    if joiner:  # the members' state and position (trainer/elastic.py)
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
+        run.run = elastic.carry or None
+        run.take_world()  # a member lost while it entered: a later generation than the one it joined
     try:
         if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)
