@@ -217,7 +217,7 @@ def test_cleanup_removes_what_a_killed_run_left_and_nothing_else(tmp_path):
 def test_a_job_past_its_time_limit_is_stopped_and_removed(tmp_path):
     job = tmp_path / "sleeper.py"
     job.write_text(SLEEPER)
-    proc = start("-n", "2", "--max-time-s", "8", "--", str(job))
+    proc = start("-n", "2", "--max-time-s", "5", "--", str(job))
     try:
         pids = wait_running(proc, 2)
         proc.communicate(timeout=30)

@@ -1,5 +1,6 @@
 """Runs the device-collective cases (gpu_device_cases.py) under the CUDA simulator, in a fresh
-interpreter (tests/cudasim.py says why); on a GPU the same cases run with ``pytest -m gpu``."""
+interpreter shared with the session's other case modules (tests/cudasim.py says why); on a GPU the
+same cases run with ``pytest -m gpu``."""
 
 import pathlib
 
@@ -10,7 +11,8 @@ from tests import cudasim
 CASES = pathlib.Path(__file__).with_name("gpu_device_cases.py")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.cudasim(CASES)
+@pytest.mark.timeout(300)  # the first of the session's simulator tests runs every case module
 def test_device_collectives_under_simulator():
     pytest.importorskip("numba.cuda")
-    cudasim.run_under_simulator(CASES, timeout_s=170)
+    cudasim.run_under_simulator(CASES)

@@ -68,13 +68,24 @@ TRAIN_ARGS = ["--strategy", "fsdp", "--data", "synthetic", "--size", "1280", "--
               "--checkpoint-every", "8", "--keep-last", "3", "--no-eval-train", "--log-every", "0", "--seed", "3"]
 
 
-def run_job(tmp_path, name: str, max_restarts: int) -> subprocess.CompletedProcess:
-    wrapper = tmp_path / "wrapper.py"
-    wrapper.write_text(WRAPPER)
+def start_job(tmp_path, name: str, max_restarts: int) -> subprocess.Popen:
+    wrapper = tmp_path / "wrapper.py"  # written by the test, once for both jobs
     cmd = [sys.executable, "-m", "runtime.launch", "-n", "4", "--max-restarts", str(max_restarts),
            "--grace-s", "3", "--max-time-s", "100", str(wrapper), str(tmp_path / name), *TRAIN_ARGS]
     env = dict(os.environ, PYTHONPATH=str(REPO), KILL_STEP=str(KILL_STEP) if max_restarts else "-1")
-    return subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=110)
+    with open(tmp_path / f"{name}.log", "w") as log:  # a file: nobody reads a pipe while the other job runs
+        return subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, tmp_path, name: str, timeout_s: float = 110) -> tuple[int, str]:
+    """The job's exit code and its output, once it ended (killed past ``timeout_s``)."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode, (tmp_path / f"{name}.log").read_text()
 
 
 def final_params(tmp_path, name: str) -> dict[str, np.ndarray]:
@@ -87,15 +98,23 @@ def final_params(tmp_path, name: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.timeout(240)
 def test_restarted_training_ends_with_the_uninterrupted_parameters(tmp_path):
-    broken = run_job(tmp_path, "restarted", max_restarts=1)
-    log = broken.stdout + broken.stderr
-    assert broken.returncode == 0, log[-5000:]
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    # both jobs at once: neither depends on the other (their own job ids, ports and directories)
+    jobs = {name: start_job(tmp_path, name, max_restarts)
+            for name, max_restarts in (("restarted", 1), ("uninterrupted", 0))}
+    try:
+        (code, log), (clean_code, clean_log) = (finish(proc, tmp_path, name) for name, proc in jobs.items())
+    finally:
+        for proc in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code == 0, log[-5000:]
     assert f"killing itself at optimizer step {KILL_STEP}" in log, log[-3000:]
     assert "restarting the job (1 of 1) after rank 1 failed with signal SIGKILL" in log, log[-3000:]
     # attempt 1 continued from the checkpoint, not from scratch (which would end equal too)
     assert "(optimizer step 24) (restart 1 of the run " in log and "RINGWEAVE_RESTART=1)" in log, log[-3000:]
-    clean = run_job(tmp_path, "uninterrupted", max_restarts=0)
-    assert clean.returncode == 0, (clean.stdout + clean.stderr)[-5000:]
+    assert clean_code == 0, clean_log[-5000:]
 
     got, want = final_params(tmp_path, "restarted"), final_params(tmp_path, "uninterrupted")
     assert sorted(got) == sorted(want)

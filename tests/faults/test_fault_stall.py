@@ -76,7 +76,7 @@ def test_stalled_rank_times_out_naming_it(tmp_path, path):
 
     env = {"RINGWEAVE_SHM": "0" if path == "tcp" else "1"}
     result = launch(tmp_path, STALL, env=env, during=ask_status, timeout_s=45,
-                    launcher_args=("--timeout-s", f"{TIMEOUT_S:g}", "--grace-s", "2", "--job-id", job))
+                    launcher_args=("--timeout-s", f"{TIMEOUT_S:g}", "--grace-s", "1", "--job-id", job))
     result.show(f"rank 2 stalled (SIGSTOP) before an all_reduce the others are in, timeout {TIMEOUT_S:g} s ({path})")
     status_lines = [line for line in result.stdout.splitlines() if "status 1 s into the stall" in line]
     print("   what each rank was doing (its own status, 1 s into the stall):")

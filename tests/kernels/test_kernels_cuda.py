@@ -1,5 +1,6 @@
 """Runs the CUDA reduction cases (gpu_kernel_cases.py) under the CUDA simulator, in a fresh
-interpreter (tests/cudasim.py says why); on a GPU the same cases run with ``pytest -m gpu``."""
+interpreter shared with the session's other case modules (tests/cudasim.py says why); on a GPU the
+same cases run with ``pytest -m gpu``."""
 
 import pathlib
 
@@ -10,6 +11,8 @@ from tests import cudasim
 CASES = pathlib.Path(__file__).with_name("gpu_kernel_cases.py")
 
 
+@pytest.mark.cudasim(CASES)
+@pytest.mark.timeout(300)  # the first of the session's simulator tests runs every case module
 def test_cuda_kernels_under_simulator():
     pytest.importorskip("numba.cuda")
     cudasim.run_under_simulator(CASES)
