@@ -32,8 +32,9 @@ demo: $(STAMP)
 
 # The whole test suite (what CI runs): the system packages (sysdeps), lint (pyproject.toml
 # [tool.ruff]), the library's bytecode compiled once (where PYTHONDONTWRITEBYTECODE is set, each of
-# the suite's hundreds of launched ranks would otherwise compile it again), then every test. The tests install the ptx extra too (PTX=0 leaves it out) and
-# then require it: the PTX test compiles every kernel for a device on a machine without one.
+# the suite's hundreds of launched ranks would otherwise compile it again), then every test. The
+# tests install the ptx extra too (PTX=0 leaves it out) and then require it: the PTX test compiles
+# every kernel for a device on a machine without one.
 test: $(TEST_STAMP) sysdeps
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m compileall -q runtime collectives trainer tools bench ringweave_torch >/dev/null
