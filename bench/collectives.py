@@ -747,6 +747,16 @@ def comparison(rows: list[dict], peers: list[str], membw: dict, n: int) -> dict:
                      f"{100 * b['busbw_gbps'] / membw['all_ranks_gbps']:.1f}% of {n} ranks copying at once "
                      f"({membw['all_ranks_gbps']:.2f} GB/s)")
         out["membw_fraction"] = b["busbw_gbps"] / ref
+    ticked = [r for r in rows if r.get("tick_gap_ms") is not None]
+    if ticked:  # every row's tick, whatever its algorithm: the loop's worst gap beside its floor
+        worst = max(ticked, key=lambda r: r["tick_gap_ms"] - (r["idle_gap_ms"] or 0.0))
+        top = max(ticked, key=lambda r: r["tick_gap_ms"])
+        beyond = worst["tick_gap_ms"] - (worst["idle_gap_ms"] or 0.0)
+        lines.append(f"#   loop: largest tick {top['tick_gap_ms']:.1f} ms ({top['op']} {fmt_bytes(top['bytes'])} "
+                     f"{top['algorithm']}); largest beyond its idle {beyond:.1f} ms "
+                     f"({worst['op']} {fmt_bytes(worst['bytes'])} {worst['algorithm']}, idle "
+                     f"{worst['idle_gap_ms']:.1f} ms); {len(ticked)} of {len(rows)} rows ticked")
+        out["loop"] = {"tick_max_ms": top["tick_gap_ms"], "beyond_idle_max_ms": beyond}
     barrier = [r for r in d if r["op"] == "barrier"]
     if barrier:
         b = barrier[0]
