@@ -30,6 +30,7 @@ from collectives.slots import common, memops
 from runtime import frame_protocol, turns
 from runtime.sharedmem import domains, segments
 from runtime.testing import run_ranks
+from tests.loopturns import counted
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,25 +164,12 @@ def test_uvloop_reads_a_piece_per_turn(monkeypatch):
     uvloop = pytest.importorskip("uvloop")
     ledger = Ledger()
     instrument(monkeypatch, ledger)
-    turned = 0
-
     async def main():
-        async def ticker():
-            nonlocal turned
-            while True:
-                ledger.turn()
-                turned += 1
-                await asyncio.sleep(0)
-
-        tick = asyncio.get_running_loop().create_task(ticker())
-        try:
-            return await run_op("broadcast", 2, False)
-        finally:
-            tick.cancel()
-            await asyncio.gather(tick, return_exceptions=True)
+        async with counted(on_turn=ledger.turn) as turned:  # an account per turn of the loop
+            return await run_op("broadcast", 2, False), turned.count
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        results = runner.run(main())
+        results, turned = runner.run(main())
     monkeypatch.undo()
     for got, want, _ in results:
         np.testing.assert_array_equal(got, want)
@@ -204,26 +192,12 @@ async def test_a_frame_kept_before_its_receive_is_copied_in_a_piece_per_turn(mon
         await rts[0].actor.send(1, "early", data)
         while not mailbox.has_unexpected():  # kept whole: nobody has asked for it
             await mailbox.wait_kept(10)
-        turned = 0
-
-        async def ticker():
-            nonlocal turned
-            while True:
-                turned += 1
-                await asyncio.sleep(0)
-
         out = np.zeros_like(data)
-        tick = asyncio.get_running_loop().create_task(ticker())
-        await asyncio.sleep(0)
-        before = turned
-        try:
+        async with counted() as turned:
             await rts[1].actor.recv_into(0, "early", out, timeout_s=10)
-        finally:
-            tick.cancel()
-            await asyncio.gather(tick, return_exceptions=True)
         np.testing.assert_array_equal(out, data)
         pieces = data.nbytes // turns.piece_items(1, 2)
-        assert turned - before >= pieces - 1, f"{turned - before} turns of the loop for {pieces} pieces"
+        assert turned.count >= pieces - 1, f"{turned.count} turns of the loop for {pieces} pieces"
     finally:
         for rt in rts:
             await rt.close()

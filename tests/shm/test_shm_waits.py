@@ -15,6 +15,7 @@ import pytest
 from runtime import turns
 from runtime.errors import CollectiveMismatchError, PeerLostError
 from runtime.sharedmem import segments, waits
+from tests.loopturns import counted
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -140,23 +141,11 @@ async def test_a_blocking_wait_sleeps_no_longer_than_the_loops_turn_allows(membe
     me, _ = members(2)
     call = _Call(5, "barrier")
     me.publish_fingerprint(call)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    tick = asyncio.get_running_loop().create_task(ticker())
-    try:
+    async with counted() as turned:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(me.wait_all(call, 1), 0.05)
-    finally:
-        tick.cancel()
-        await asyncio.gather(tick, return_exceptions=True)
     assert asked and max(asked) <= turns.TURN_S, f"a sleep of {max(asked)} s was asked for"
-    assert ticks >= len(asked) - 1, "the loop did not turn between the sleeps"
+    assert turned.count >= len(asked) - 1, "the loop did not turn between the sleeps"
     assert _want(me) == 0
 
 
