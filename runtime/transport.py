@@ -79,8 +79,8 @@ class Connection:
 
         Raises:
             PeerLostError: the connection broke before or during the send.
-        Cancellation: cancelling may leave part of a frame in the transport;
-            the connection is then closed (a half frame cannot be recalled).
+        Cancellation: a frame begun still goes out whole (what is left of it is copied first, so
+            the caller may reuse ``payload`` at once): the stream stays in step with the peer.
         """
         raise NotImplementedError
 
@@ -180,6 +180,8 @@ class TCPConnection(Connection):
                 pass
             if proto.lost is not None or self._closed:  # lost while we waited: _fd may be reused already
                 raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
+        self.frames_sent += 1  # (once begun, a frame goes out whole: Connection.send, Cancellation)
+        self.bytes_sent += len(head) + nbytes
         if nbytes <= _COALESCE_NBYTES:  # one system call: a small copy beats a second syscall
             transport.write(head + mv if nbytes else head)
         else:
@@ -206,23 +208,26 @@ class TCPConnection(Connection):
                 # what it is given at once), and plain asyncio never copies a large array into its
                 # own buffer first. The socket's buffer still holds the pieces before this one.
                 self._chunking = lock = asyncio.Lock()
+                handed = 0  # bytes of rest given to the transport
                 try:
                     async with lock:
-                        for start in range(0, rest.nbytes, piece):
+                        while handed < rest.nbytes:
                             if turns.overdue():
                                 await asyncio.sleep(0)
                             if proto.lost is not None or self._closed:  # the rest would go nowhere
                                 raise PeerLostError(f"cannot send to {self.where}: connection lost "
                                                     f"({proto.lost})", self.peer)
-                            transport.write(rest[start:start + piece])
+                            transport.write(rest[handed:handed + piece])
+                            handed += piece
                             await proto.wait_drained()
                 except asyncio.CancelledError:
-                    self.abort()  # half a frame is in the stream: it cannot be recalled
+                    # part of the frame is in the stream: the rest still goes, copied (the caller
+                    # may reuse its buffer at once), so the stream stays in step with the peer
+                    if handed < rest.nbytes and proto.lost is None and not self._closed:
+                        transport.write(bytes(rest[handed:]))
                     raise
                 finally:
                     self._chunking = None
-        self.frames_sent += 1
-        self.bytes_sent += len(head) + nbytes
         await proto.wait_drained()
         if nbytes > _COALESCE_NBYTES and turns.overdue():  # after a payload's last piece
             await asyncio.sleep(0)

@@ -17,10 +17,10 @@ awaits ``asyncio.sleep(0)``, which runs one iteration of the loop before coming 
 A check is one clock read; at most every ``TURN_S / 2`` it arms a callback (``call_soon``) that
 runs at the loop's next iteration and records that turn, whoever caused it (this code yielding,
 or any wait on an unfinished future). :func:`overdue` says yes once no turn has been recorded for
-:data:`TURN_S`, so no other task waits longer than TURN_S plus one piece; a wait that blocks its
-thread sleeps at most :func:`left`. Between whole calls runtime/group.py asks the looser
-:meth:`LoopTurns.due` (up to 1.5 x its interval, never a yield right after a wait that turned the
-loop unseen; :data:`SHARED_TURN_S` where the node's ranks share cores).
+:data:`TURN_S`, so the loop turns at least every TURN_S plus a piece (per callback of that
+iteration); a wait that blocks its thread sleeps at most :func:`left`. Between whole calls
+runtime/group.py asks the looser :meth:`LoopTurns.due` (up to 1.5 x its interval, never a yield
+right after a wait that turned the loop unseen; :data:`SHARED_TURN_S` where ranks share cores).
 
 Not here: where the checks are made (runtime/group.py after each call, the Comm's steps
 (collectives/comm.py), the shared-memory pieces (collectives/slots/common.py), the TCP
