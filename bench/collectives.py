@@ -415,15 +415,20 @@ class Ticker:
     """A task that asks the event loop for a turn every millisecond, as a user's own task would (a
     heartbeat, a progress bar, a data loader feeding the next batch): the largest gap between two of
     its turns while ringweave's calls run (``busy``, barriers included: they are collectives too), and
-    with nothing running (``idle``, :meth:`idle_for`), the same machine's floor for that gap. Gloo's
-    and MPI's calls block the loop by design and are left out (the ticker neither counts nor idles)."""
+    with nothing running (``idle``, :meth:`idle_for`), the same machine's floor for that gap; and the
+    CPU time the loop's thread used between two of its turns while busy (``cpu``): what the calls held
+    the loop for, which other jobs taking the cores do not lengthen (a wall-clock gap counts the time
+    the process waited for a core too; a wait that sleeps in the kernel holds the loop without using
+    the CPU, so it shows in the wall-clock gap only). Gloo's and MPI's calls block the loop by design
+    and are left out (the ticker neither counts nor idles)."""
 
     PERIOD_S = 0.001
 
     def __init__(self):
         self.last = time.perf_counter()
+        self.last_cpu = time.thread_time()  # the loop's thread (this one)
         self.state = None  # "busy" | "idle" | None (not counted)
-        self.gaps = {"busy": 0.0, "idle": 0.0}
+        self.gaps = {"busy": 0.0, "idle": 0.0, "cpu": 0.0}
         self.task = None
 
     async def run(self) -> None:
@@ -432,13 +437,16 @@ class Ticker:
             self._tick()
 
     def _tick(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if self.state is not None:
             self.gaps[self.state] = max(self.gaps[self.state], now - self.last)
-        self.last = now
+            if self.state == "busy":
+                self.gaps["cpu"] = max(self.gaps["cpu"], cpu - self.last_cpu)
+        self.last, self.last_cpu = now, cpu
 
     def begin(self, state: str) -> None:
         self.last = time.perf_counter()  # the gap counts from here (a peer's call may have held the loop)
+        self.last_cpu = time.thread_time()
         self.state = state
 
     def end(self) -> None:
@@ -450,10 +458,10 @@ class Ticker:
         await asyncio.sleep(seconds)
         self.end()
 
-    def take(self) -> tuple[float, float]:
-        """(busy, idle) largest gaps in seconds since the last take."""
-        out = self.gaps["busy"], self.gaps["idle"]
-        self.gaps = {"busy": 0.0, "idle": 0.0}
+    def take(self) -> tuple[float, float, float]:
+        """(busy, idle, cpu) largest gaps in seconds since the last take."""
+        out = self.gaps["busy"], self.gaps["idle"], self.gaps["cpu"]
+        self.gaps = {"busy": 0.0, "idle": 0.0, "cpu": 0.0}
         return out
 
 
@@ -498,7 +506,7 @@ def ringweave_variants(rw: Ringweave, op: str, case: Case, choice: str, notes: s
 
 
 def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: dict,
-               gaps: tuple[float, float] | None = None) -> dict:
+               gaps: tuple[float, float, float] | None = None) -> dict:
     """One row of the JSON: ringweave's figures, each peer's under its label, the noise
     (``copy_fraction`` is filled in at the end, once the memory reference is measured)."""
     s = stats(times)
@@ -510,7 +518,8 @@ def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: di
            "algbw_gbps": gbps(case.nbytes, s["median_s"]),
            "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor, "copy_fraction": None,
            "tick_gap_ms": None if gaps is None else gaps[0] * 1e3,
-           "idle_gap_ms": None if gaps is None else gaps[1] * 1e3}
+           "idle_gap_ms": None if gaps is None else gaps[1] * 1e3,
+           "tick_cpu_ms": None if gaps is None else gaps[2] * 1e3}
     spread = [(s["p75_s"] - s["p25_s"]) / s["median_s"] if s["median_s"] > 0 else 0.0]
     for label, (ptimes, why) in peers.items():
         if why:
@@ -534,6 +543,7 @@ def make_table(peer_labels: list[str]) -> Table:
         cols += [(f"{label}.time_us", f"{label}(us)", max(9, len(label) + 4), us),
                  (f"{label}.busbw_gbps", "busbw", 7, ".3f"), (f"{label}.ratio", f"x{label}", 7, ".2f")]
     cols += [("tick_gap_ms", "tick(ms)", 8, ".1f"), ("idle_gap_ms", "idle(ms)", 8, ".1f"),
+             ("tick_cpu_ms", "cpu(ms)", 7, ".1f"),
              ("noise_pct", "noise%", 6, ".0f"), ("ok", "check", 5, "s")]
     return Table(cols)
 
@@ -612,7 +622,8 @@ async def rank_main(args) -> None:
         ticker.task = asyncio.get_running_loop().create_task(ticker.run())
         say("# tick(ms) = the largest gap between the turns of a 1 ms ticker task in each rank's event loop "
             "while the row's ringweave calls ran (slowest rank); idle(ms) = the same with nothing running, "
-            "just after the row")
+            "just after the row; cpu(ms) = the most CPU time the loop's thread used between two of those turns "
+            "(not lengthened by other jobs; a wait asleep in the kernel is not in it)")
     table = make_table([p.label for p in peers])
     if rank == 0:
         table.header()
@@ -650,13 +661,14 @@ async def rank_main(args) -> None:
                 await timed_call(v, case, record=False)
                 check(case, v.lib, f"{v.lib.label} {v.shown}", rank)
             total = args.warmup + args.iters
-            gaps = np.zeros((len(variants), 2))  # per variant: largest ticker gap busy, idle (s)
+            gaps = np.zeros((len(variants), 3))  # per variant: largest ticker gap busy, idle, busy CPU (s)
             for start in range(0, total, args.block):  # 2. rounds of every variant in turn
                 for i, v in enumerate(variants):  # --block calls of one variant, then the next one's
                     for it in range(start, min(start + args.block, total)):
                         await timed_call(v, case, record=it >= args.warmup, ticker=ticker)
                     if ticker is not None:
-                        gaps[i, 0] = max(gaps[i, 0], ticker.take()[0])
+                        busy, _, cpu = ticker.take()
+                        gaps[i, 0], gaps[i, 2] = max(gaps[i, 0], busy), max(gaps[i, 2], cpu)
             if ticker is not None:  # the floor: as long as the row's ringweave calls took (50 ms .. 0.5 s)
                 ours_s = sum(sum(v.times) for v in variants if v.lib is rw)
                 await ticker.idle_for(min(0.5, max(0.05, ours_s)))
@@ -664,7 +676,7 @@ async def rank_main(args) -> None:
             every = np.array([v.times for v in variants], np.float64)  # (variants, iters)
             every = np.concatenate([every, gaps], axis=1)
             every = (await max_over_ranks(every)) if n > 1 else every
-            every, gaps = every[:, :-2], every[:, -2:]
+            every, gaps = every[:, :-3], every[:, -3:]
             if rank != 0:
                 continue
             ours = [(v, every[i], gaps[i]) for i, v in enumerate(variants) if v.lib is rw]
@@ -747,6 +759,20 @@ def comparison(rows: list[dict], peers: list[str], membw: dict, n: int) -> dict:
                      f"{100 * b['busbw_gbps'] / membw['all_ranks_gbps']:.1f}% of {n} ranks copying at once "
                      f"({membw['all_ranks_gbps']:.2f} GB/s)")
         out["membw_fraction"] = b["busbw_gbps"] / ref
+    ticked = [r for r in rows if r.get("tick_gap_ms") is not None]
+    if ticked:  # every row's tick, whatever its algorithm: the loop's worst gap beside its floor
+        worst = max(ticked, key=lambda r: r["tick_gap_ms"] - (r["idle_gap_ms"] or 0.0))
+        top = max(ticked, key=lambda r: r["tick_gap_ms"])
+        beyond = worst["tick_gap_ms"] - (worst["idle_gap_ms"] or 0.0)
+        lines.append(f"#   loop: largest tick {top['tick_gap_ms']:.1f} ms ({top['op']} {fmt_bytes(top['bytes'])} "
+                     f"{top['algorithm']}); largest beyond its idle {beyond:.1f} ms "
+                     f"({worst['op']} {fmt_bytes(worst['bytes'])} {worst['algorithm']}, idle "
+                     f"{worst['idle_gap_ms']:.1f} ms); {len(ticked)} of {len(rows)} rows ticked")
+        held = max(ticked, key=lambda r: r["tick_cpu_ms"] or 0.0)
+        lines.append(f"#   loop: most CPU between two turns {held['tick_cpu_ms']:.1f} ms ({held['op']} "
+                     f"{fmt_bytes(held['bytes'])} {held['algorithm']})")
+        out["loop"] = {"tick_max_ms": top["tick_gap_ms"], "beyond_idle_max_ms": beyond,
+                       "cpu_max_ms": held["tick_cpu_ms"]}
     barrier = [r for r in d if r["op"] == "barrier"]
     if barrier:
         b = barrier[0]

@@ -9,7 +9,7 @@
       call, run = open_call(group, "all_reduce", nbytes, ...)  registry.choose -> (name, run); the
                                                                fingerprint names it; seq taken
       await group.run(call, run, flat, op)                     runtime/group.py: deadline, failure
-      ops.finish_avg(flat, op, group.size)                     rules; awaits run(call, flat, op)
+      await ops.finish_avg(flat, op, group.size)               rules; awaits run(call, flat, op)
     algorithms/tcp/all_reduce_ring.run(comm, x, op)            comm is the call (comm.py's Comm):
       comm.send / irecv / sendrecv -> runtime.group.Call -> the actor's connections (transport)
       reduce_step(dst, src, op)    -> the kernel, then a turn of the event loop when due (comm.py)
@@ -86,7 +86,7 @@ async def all_reduce(x: np.ndarray, op: str, group, timeout: float | None, algor
     call, run = open_call(group, "all_reduce", x.nbytes, algorithm, timeout, op=op, dtype=x.dtype, count=x.size)
     flat = ops.flat(x)
     await group.run(call, run, flat, ops.kernel_op(op))
-    ops.finish_avg(flat, op, group.size)
+    await ops.finish_avg(flat, op, group.size)
     return x
 
 
@@ -119,7 +119,7 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, op: str, group, timeout
                          count=out.size)
     flat = ops.flat(out)
     await group.run(call, run, flat, ops.flat(x), ops.kernel_op(op))
-    ops.finish_avg(flat, op, group.size)
+    await ops.finish_avg(flat, op, group.size)
     return out
 
 
@@ -144,7 +144,7 @@ async def reduce(x: np.ndarray, dst: int, op: str, group, timeout: float | None,
     flat = ops.flat(x)
     await group.run(call, run, flat, dst, ops.kernel_op(op))
     if group.rank == dst:
-        ops.finish_avg(flat, op, group.size)
+        await ops.finish_avg(flat, op, group.size)
     return x
 
 

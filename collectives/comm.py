@@ -1,5 +1,5 @@
 """What an algorithm talks through: the :class:`Comm` protocol, :class:`SubComm` (a Comm over some
-of a call's ranks), and the Comm's reduce step, :func:`reduce_step`.
+of a call's ranks), and the Comm's steps of bulk work, :func:`reduce_step` and :func:`copy_step`.
 
 Every algorithm file exports ``async def run(comm, ...)``; ``comm`` is one collective call seen
 from one rank: ``runtime.group.Call`` (what collectives/calls.py opens and hands to the algorithm)
@@ -9,9 +9,10 @@ Algorithms use only the members below, so any object that has them can run one.
 The event loop is the Comm's business, not the algorithm's: a message that must wait hands the
 loop back by itself, and one that has already arrived does not, so a step that waited on nothing
 (segments that all arrived at once) ends with :func:`give_turn`, which yields to the loop when it
-has gone without a turn for ``runtime.turns.TURN_S``. An algorithm reduces through
-:func:`reduce_step`, which does that after the reduction; the shared-memory pieces
-(collectives/slots/common.py) call :func:`give_turn`. No algorithm asks the loop itself.
+has gone without a turn for ``runtime.turns.TURN_S``. An algorithm reduces (and copies whole
+blocks) through :func:`reduce_step` (:func:`copy_step`), which cut the work into pieces of
+``runtime.turns.PIECE_NBYTES`` of memory traffic and give a turn after each; the shared-memory
+pieces (collectives/slots/common.py) call :func:`give_turn`. No algorithm asks the loop itself.
 
 Not here: choosing the algorithm (registry.py), opening the call (calls.py), the frames and the
 matching behind ``send``/``irecv`` (runtime/group.py ``Call``), the turn check (runtime/turns.py).
@@ -27,7 +28,7 @@ import numpy as np
 from collectives.ops import reduce_now
 from runtime import turns
 
-__all__ = ["Comm", "SubComm", "give_turn", "reduce_step"]
+__all__ = ["Comm", "SubComm", "copy_step", "give_turn", "reduce_step"]
 
 
 @runtime_checkable
@@ -92,13 +93,35 @@ class SubComm:
 
 async def reduce_step(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     """``dst = dst <op> src`` (``ops.reduce_now``: a kernel op, 1-D arrays of one dtype and
-    length), then :func:`give_turn`: every reduction of a received piece into an algorithm's own."""
-    reduce_now(dst, src, op)
-    await give_turn()
+    length), in pieces of ``runtime.turns.piece_items`` elements with :func:`give_turn` after
+    each: every reduction of a received segment into an algorithm's own. Element by element the
+    same as one ``reduce_now`` over the whole (the same bits)."""
+    step = turns.piece_items(dst.itemsize, 3)  # reads dst and src, writes dst
+    if dst.size <= step:  # (the usual segment of a small call: no slicing)
+        reduce_now(dst, src, op)
+        await give_turn()
+        return
+    for lo in range(0, dst.size, step):
+        reduce_now(dst[lo:lo + step], src[lo:lo + step], op)
+        await give_turn()
+
+
+async def copy_step(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` (1-D, one dtype and length), in pieces as :func:`reduce_step`: an
+    algorithm's copy of a whole block (its own block into an all_gather's output)."""
+    step = turns.piece_items(dst.itemsize, 2)  # reads src, writes dst
+    if dst.size <= step:
+        np.copyto(dst, src)
+        await give_turn()
+        return
+    for lo in range(0, dst.size, step):
+        np.copyto(dst[lo:lo + step], src[lo:lo + step])
+        await give_turn()
 
 
 async def give_turn() -> None:
-    """Yields to the event loop when it is due (``runtime.turns.due()``: one clock read), so the
-    loop's other tasks still run while pieces of work that wait on nothing follow each other."""
-    if turns.due():
+    """Yields to the event loop when a turn is overdue (``runtime.turns.overdue()``: one clock
+    read), so the loop's other tasks still run while pieces of work that wait on nothing follow
+    each other."""
+    if turns.overdue():
         await asyncio.sleep(0)

@@ -20,11 +20,13 @@ the kernels themselves (collectives/kernels).
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from collectives.kernels import divide_into, reduce_into
 from collectives.kernels.cpu import OP_CODES, reduce_native
-from runtime import env
+from runtime import env, turns
 from collectives.kernels.reference import DTYPES
 
 OPS = ("sum", "avg", "prod", "min", "max")
@@ -228,10 +230,15 @@ def reduce_now(dst: np.ndarray, src: np.ndarray, op: str) -> None:
         reduce_into(dst, src, op)
 
 
-def finish_avg(x: np.ndarray, op: str, size: int) -> None:
-    """Second half of ``avg``: divides the sum by the group size (floor for integers)."""
+async def finish_avg(x: np.ndarray, op: str, size: int) -> None:
+    """Second half of ``avg``: divides the sum by the group size (floor for integers), 1-D ``x`` in
+    pieces of ``runtime.turns.piece_items`` elements with the loop's turns between them."""
     if op == "avg" and size > 1 and x.size:
-        divide_into(x, size)
+        step = turns.piece_items(x.itemsize, 2)  # reads and writes x
+        for lo in range(0, x.size, step):
+            divide_into(x[lo:lo + step], size)
+            if turns.overdue():
+                await asyncio.sleep(0)
 
 
 class ScratchPool:

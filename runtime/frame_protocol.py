@@ -3,13 +3,14 @@
 :class:`FrameProtocol` reads heads (prefix and header, runtime/wire.py) through a staging
 buffer, several small frames per system call, and asks its connection's sink where each payload
 goes (``on_header``); the payload is then read straight into that buffer (``get_buffer`` hands
-the kernel the receiver's own memory), or the whole frame goes to ``on_whole`` when it came with
-its head. While a large payload arrives, the socket's ``SO_RCVLOWAT`` is raised to what is left
-of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter of the receive buffer), so the loop wakes
-once per few MiB, and set back to 1 at the frame's end (``RINGWEAVE_RCVLOWAT=0``: off;
-bench/results/transport.md#segments-and-so_rcvlowat). On the send side it only tracks the
-transport's write buffer (high-water mark 0): ``paused`` and :meth:`FrameProtocol.wait_drained`
-are the connection's back-pressure.
+the kernel the receiver's own memory, a piece of ``runtime.turns.PIECE_NBYTES / 2`` per read,
+reading paused for a turn of the loop when one is overdue), or the whole frame goes to
+``on_whole`` when it came with its head. While a large payload arrives, the socket's
+``SO_RCVLOWAT`` is raised to what is left of it (at most :data:`LOWAT_MAX_NBYTES` and a quarter
+of the receive buffer), so the loop wakes once per few MiB, and set back to 1 at the frame's
+end (``RINGWEAVE_RCVLOWAT=0``: off; bench/results/transport.md#segments-and-so_rcvlowat). On the
+send side it only tracks the transport's write buffer (high-water mark 0): ``paused`` and
+:meth:`FrameProtocol.wait_drained` are the connection's back-pressure.
 
 Its owner, the connection (runtime/transport.py ``TCPConnection``), is an :class:`Owner`: it gives
 the sink, names and counters, and takes three calls: ``receive_bulk()`` (the rest of the payload
@@ -29,7 +30,7 @@ import logging
 import socket
 from typing import Any, Protocol
 
-from runtime import dataplane, env, wire
+from runtime import dataplane, env, turns, wire
 from runtime.errors import BadFrameError, PeerLostError
 
 log = logging.getLogger("ringweave.transport")
@@ -81,6 +82,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._sock = None  # the transport's socket object, for SO_RCVLOWAT (None: not used)
         self._lowat = 1  # the socket's SO_RCVLOWAT as we last set it
         self._lowat_cap = 0
+        self._turn_paused = False  # reading paused until the loop has had its turn (_pause_for_turn)
 
     # -- asyncio callbacks -------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -98,8 +100,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._header is not None:  # payload mode: straight into its destination
-            if self._dest is not None:
-                return self._dest[self._pos:]
+            if self._dest is not None:  # a piece at a time (the loop's turns between pieces: buffer_updated)
+                return self._dest[self._pos:self._pos + turns.piece_items(1, 2)]
             if self._discard is None:
                 self._discard = memoryview(bytearray(_DISCARD_NBYTES))
             return self._discard[: min(_DISCARD_NBYTES, self._need - self._pos)]
@@ -120,9 +122,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._pos += nbytes
                 if self._pos == self._need:
                     self.finish_payload()
-                elif self._lowat > self._need - self._pos:  # less is left than we wait for
+                    return
+                if self._lowat > self._need - self._pos:  # less is left than we wait for
                     left = self._need - self._pos
                     self._set_lowat(left if left >= LOWAT_MIN_NBYTES else 1)
+                if turns.overdue():
+                    self._pause_for_turn()
                 return
             self._end += nbytes
             self._parse_stage()
@@ -185,6 +190,22 @@ class FrameProtocol(asyncio.BufferedProtocol):
             buf[:n] = data[:n]
             self.buffer_updated(n)
             data = data[n:]
+
+    def _pause_for_turn(self) -> None:
+        """Stops reading the payload until the loop has had a turn: a read takes at most a piece,
+        but uvloop reads again at once while the socket holds more (up to 32 reads per wake-up)."""
+        transport = self.transport
+        if self._turn_paused or transport is None or not transport.is_reading():
+            return
+        transport.pause_reading()
+        self._turn_paused = True
+        asyncio.get_running_loop().call_soon(self._resume_after_turn)
+
+    def _resume_after_turn(self) -> None:
+        self._turn_paused = False
+        transport = self.transport
+        if self.lost is None and transport is not None and not transport.is_closing():
+            transport.resume_reading()
 
     def _set_lowat(self, nbytes: int) -> None:
         """SO_RCVLOWAT = nbytes: epoll reports the socket readable only once that many bytes

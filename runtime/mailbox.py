@@ -34,12 +34,14 @@ from typing import Any, Callable
 
 import msgpack
 
+from runtime import turns
 from runtime.errors import BadFrameError, ClosedError, MailboxFullError, PeerTimeoutError
 from runtime.peers import Peers
 from runtime.transport import Connection
 
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
+_COPY_NOW_NBYTES = 64 * 1024  # a kept frame up to this is copied into its receive at once (well under a piece)
 _DEFAULT = object()  # "the mailbox's default_timeout_s" (None means no deadline, on purpose only)
 
 
@@ -372,9 +374,35 @@ class Mailbox:
                 f"rank {r.src} sent {n} bytes under tag {r.tag!r}; the posted buffer holds {r.buf.nbytes}"))
             return
         if copy and n:
+            if n > _COPY_NOW_NBYTES:  # in pieces, the loop's turns between them
+                self._copy_in(r, header, data, 0)
+                return
             r.buf[:] = data
             if type(data) is memoryview:
                 self._pool.give(data)
+        r.fut.set_result((header, r.buf))
+
+    def _copy_in(self, r: Receive, header: dict, data, start: int) -> None:
+        """Copies a frame's ``data`` (kept, or read into a buffer of its own) into ``r.buf`` from
+        ``start``, then completes ``r``: a piece (``runtime.turns.piece_items``) at a time, the rest
+        left to the loop's next iteration when a turn is overdue. A receive that ended meanwhile
+        (cancelled, failed) gets no more of it."""
+        if r.fut.done():
+            if type(data) is memoryview:
+                self._pool.give(data)
+            return
+        n, step = len(data), turns.piece_items(1, 2)
+        while True:
+            end = min(n, start + step)
+            r.buf[start:end] = data[start:end]
+            start = end
+            if start == n:
+                break
+            if turns.overdue():
+                asyncio.get_running_loop().call_soon(self._copy_in, r, header, data, start)
+                return
+        if type(data) is memoryview:
+            self._pool.give(data)
         r.fut.set_result((header, r.buf))
 
     def _claim(self, key: tuple, header: dict, nbytes: int):

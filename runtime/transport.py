@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime import dataplane, env, wire
+from runtime import dataplane, env, turns, wire
 from runtime.errors import ClosedError, PeerLostError
 from runtime.frame_protocol import FrameProtocol
 
@@ -48,7 +48,6 @@ _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their
 SEND_NOW_NBYTES = 1024 * 1024  # the largest payload Connection.send_now takes
 RECV_NOW_NBYTES = 1024 * 1024  # the largest payload a caller should hand Connection.recv_now
 _NOW_WHOLE_NBYTES = 64 * 1024  # recv_now: frames up to this are read whole and their payload copied
-_CHUNK_NBYTES = 2 * 1024 * 1024  # plain asyncio: larger payloads are written in pieces of this size
 
 
 class Sink(Protocol):
@@ -80,8 +79,8 @@ class Connection:
 
         Raises:
             PeerLostError: the connection broke before or during the send.
-        Cancellation: cancelling may leave part of a frame in the transport;
-            the connection is then closed (a half frame cannot be recalled).
+        Cancellation: a frame begun still goes out whole (what is left of it is copied first, so
+            the caller may reuse ``payload`` at once): the stream stays in step with the peer.
         """
         raise NotImplementedError
 
@@ -181,6 +180,8 @@ class TCPConnection(Connection):
                 pass
             if proto.lost is not None or self._closed:  # lost while we waited: _fd may be reused already
                 raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
+        self.frames_sent += 1  # (once begun, a frame goes out whole: Connection.send, Cancellation)
+        self.bytes_sent += len(head) + nbytes
         if nbytes <= _COALESCE_NBYTES:  # one system call: a small copy beats a second syscall
             transport.write(head + mv if nbytes else head)
         else:
@@ -189,34 +190,47 @@ class TCPConnection(Connection):
             # as its own packet and wakes the receiver once for 16+ bytes and again for
             # the payload (bench/results/transport.md#one-writev-per-frame). What the socket does
             # not take goes through the transport, which keeps the order.
-            sent = self._writev_now(head, mv)
+            piece = turns.piece_items(1, 2)  # bytes per system call (the kernel reads and writes each once)
+            sent = self._writev_now(head, mv[:piece] if nbytes > piece else mv)
             hlen = len(head)
             if sent < hlen:
                 transport.write(head[sent:])
                 rest = mv
             else:
                 rest = mv[sent - hlen:]
-            if rest.nbytes <= _CHUNK_NBYTES or proto.uvloop:
+            if nbytes <= piece:
                 if rest.nbytes:
                     transport.write(rest)
             else:
-                # plain asyncio copies whatever the socket does not take at once into its
-                # own buffer; hand it at most a socket buffer's worth at a time and wait for
-                # each to drain, so a 64 MiB array is not copied in user space first.
+                # A larger payload goes to the transport a piece at a time, each written out
+                # before the next is handed over, with the loop's turns between pieces: no system
+                # call copies more than a piece, however much the socket would take (uvloop writes
+                # what it is given at once), and plain asyncio never copies a large array into its
+                # own buffer first. The socket's buffer still holds the pieces before this one.
                 self._chunking = lock = asyncio.Lock()
+                handed = 0  # bytes of rest given to the transport
                 try:
                     async with lock:
-                        for start in range(0, rest.nbytes, _CHUNK_NBYTES):
-                            transport.write(rest[start:start + _CHUNK_NBYTES])
+                        while handed < rest.nbytes:
+                            if turns.overdue():
+                                await asyncio.sleep(0)
+                            if proto.lost is not None or self._closed:  # the rest would go nowhere
+                                raise PeerLostError(f"cannot send to {self.where}: connection lost "
+                                                    f"({proto.lost})", self.peer)
+                            transport.write(rest[handed:handed + piece])
+                            handed += piece
                             await proto.wait_drained()
                 except asyncio.CancelledError:
-                    self.abort()  # half a frame is in the stream: it cannot be recalled
+                    # part of the frame is in the stream: the rest still goes, copied (the caller
+                    # may reuse its buffer at once), so the stream stays in step with the peer
+                    if handed < rest.nbytes and proto.lost is None and not self._closed:
+                        transport.write(bytes(rest[handed:]))
                     raise
                 finally:
                     self._chunking = None
-        self.frames_sent += 1
-        self.bytes_sent += len(head) + nbytes
         await proto.wait_drained()
+        if nbytes > _COALESCE_NBYTES and turns.overdue():  # after a payload's last piece
+            await asyncio.sleep(0)
 
     def send_now(self, packed: bytes, payload: memoryview) -> bool:
         """See base class: written at once when no large frame is going out in pieces and
@@ -230,6 +244,8 @@ class TCPConnection(Connection):
             raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
         nbytes = payload.nbytes
         if self._chunking is not None or proto.paused or nbytes > SEND_NOW_NBYTES or self._out or self._out_busy:
+            return False
+        if nbytes > _COALESCE_NBYTES and nbytes > turns.piece_items(1, 2):  # more than a piece at once
             return False
         head = wire.encode_head(packed, nbytes)
         if nbytes <= _COALESCE_NBYTES:

@@ -3,26 +3,29 @@
 Collective code runs on the event loop's thread, and a coroutine that never waits on anything
 unfinished never hands the loop back: a stream of calls that each complete at once (small
 shared-memory calls, frames read straight off the socket), a ring whose segments have all
-arrived, a large copy or reduction. Meanwhile every other task of the loop stands still (a
-heartbeat, a data loader, the Watchdog's timer). The rule (docs/design.md, "Control plane on the
-loop"): between bounded pieces of work, such code asks :meth:`LoopTurns.due` and, when it says
-so, awaits ``asyncio.sleep(0)``, which runs one iteration of the loop (every ready callback and
-every expired timer) before coming back::
+arrived, a large copy, reduction, socket read or write. Meanwhile every other task of the loop
+stands still (a heartbeat, a data loader, the Watchdog's timer). The rule (docs/design.md, "Control
+plane on the loop"): bulk work goes in pieces of at most :data:`PIECE_NBYTES` of memory traffic
+(:func:`piece_items`), and after each piece the code asks :func:`overdue` and, when it says so,
+awaits ``asyncio.sleep(0)``, which runs one iteration of the loop before coming back::
 
-    if turns.due():
-        await asyncio.sleep(0)
+    for lo in range(0, n, step):
+        work(lo, lo + step)
+        if turns.overdue():
+            await asyncio.sleep(0)
 
-``due()`` is one clock read. It arms a callback (``call_soon``) when it is asked at least
-``TURN_S / 2`` after the loop's last turn; that callback runs at the loop's next iteration, which
-is exactly the "the loop had a turn" event, whoever caused it (this code yielding, or any wait on
-an unfinished future). So a check costs a clock read, a callback at most every millisecond (calls
-of a few microseconds that each let the loop turn would otherwise pay one each), and forces a
-yield only when the loop really has not turned for :data:`TURN_S` since it was armed: no other
-task waits longer than 1.5 x TURN_S plus one piece of work (between whole calls where the node's
-ranks share cores: :data:`SHARED_TURN_S`).
+A check is one clock read; at most every ``TURN_S / 2`` it arms a callback (``call_soon``) that
+runs at the loop's next iteration and records that turn, whoever caused it (this code yielding,
+or any wait on an unfinished future). :func:`overdue` says yes once no turn has been recorded for
+:data:`TURN_S`, so the loop turns at least every TURN_S plus a piece (per callback of that
+iteration); a wait that blocks its thread sleeps at most :func:`left`. Between whole calls
+runtime/group.py asks the looser :meth:`LoopTurns.due` (up to 1.5 x its interval, never a yield
+right after a wait that turned the loop unseen; :data:`SHARED_TURN_S` where ranks share cores).
 
-Not here: where the checks are made (runtime/group.py after each call, the Comm's reduce step
-(collectives/comm.py), runtime/sharedmem/waits.py between sleeps, the compiled paths' slices).
+Not here: where the checks are made (runtime/group.py after each call, the Comm's steps
+(collectives/comm.py), the shared-memory pieces (collectives/slots/common.py), the TCP
+connection's reads and writes (runtime/transport.py, frame_protocol.py), the shared-memory waits
+(runtime/sharedmem/waits.py), the compiled paths' slices).
 """
 
 from __future__ import annotations
@@ -33,9 +36,15 @@ import time
 import weakref
 
 # The longest the loop's thread runs collective work without a turn, when it can cut the work:
-# pieces of work are themselves bounded (a segment's reduction or copy, one wait slice), so the
-# loop's other tasks wait at most this plus one piece.
+# pieces of work are themselves bounded (PIECE_NBYTES, one wait slice), so the loop's other tasks
+# wait at most this plus one piece.
 TURN_S = 0.002
+
+# The memory one piece of bulk work on the loop's thread reads and writes at most: a copy of 2 MiB,
+# a reduction of about 1 MiB, a socket read or write of 2 MiB (the kernel copies it once). 0.1-1 ms
+# of work on a loaded 2-core machine (bench/results/dataplane.md#the-loops-turns); a yield between
+# pieces costs microseconds.
+PIECE_NBYTES = 4 << 20
 
 # Between whole calls where the node's ranks share cores: there a turn of the loop is a point at
 # which the kernel hands the core to another rank, so turns are rarer
@@ -55,17 +64,29 @@ def call_turn_s(local_ranks: int) -> float:
     return TURN_S if cores >= max(1, local_ranks) else SHARED_TURN_S
 
 
+def piece_items(itemsize: int, arrays: int = 2) -> int:
+    """Elements in one piece of bulk work that reads or writes ``arrays`` arrays of ``itemsize``
+    bytes once per element (a copy: 2; ``dst <op>= src``: 3): :data:`PIECE_NBYTES` of traffic, in
+    whole pages (4 KiB) where a piece holds several (the pieces of a page-aligned array stay aligned)."""
+    items = PIECE_NBYTES // max(1, arrays * itemsize)
+    page = 4096 // itemsize if 0 < itemsize <= 4096 else 1
+    if items > page:
+        items -= items % page
+    return max(1, items)
+
+
 class LoopTurns:
     """The turn check of one event loop (:meth:`for_loop` gives each loop its own)."""
 
-    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "yields")
+    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "_turn_at", "yields")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # (the table below is keyed weakly by the loop)
         self._due = float("inf")  # when the loop, untouched since we armed, has waited too long
         self._armed = False
         self._quiet_until = 0.0  # the loop turned just before this: no need to arm yet
-        self.yields = 0  # times a check said "due" (statistics)
+        self._turn_at = 0.0  # the last turn recorded (0: none yet, so the first overdue() yields)
+        self.yields = 0  # times a check said "due" or "overdue" (statistics)
 
     def due(self, turn_s: float = TURN_S) -> bool:
         """True when the loop has had no turn for ``turn_s`` since this was armed (the caller then
@@ -74,19 +95,44 @@ class LoopTurns:
         if not self._armed:
             if now < self._quiet_until:
                 return False
-            self._armed = True
-            self._due = now + turn_s
-            self._loop().call_soon(self._turned)
+            self._arm(now, turn_s)
             return False
         if now >= self._due:
             self.yields += 1
             return True
         return False
 
+    def left(self) -> float:
+        """Seconds until a turn is overdue: :data:`TURN_S` after the last turn recorded (<= 0: it
+        is overdue now). Arms the record of the next turn."""
+        now = _clock()
+        if not self._armed and now >= self._quiet_until:
+            self._arm(now, TURN_S)
+        return TURN_S - (now - self._turn_at)
+
+    def overdue(self) -> bool:
+        """True when no turn has been recorded for :data:`TURN_S` (the caller, between pieces of
+        bulk work, then awaits ``asyncio.sleep(0)``). Right after a wait that turned the loop
+        unseen it may say yes once too often: a yield costs microseconds."""
+        if self.left() <= 0.0:
+            self.yields += 1
+            return True
+        return False
+
+    def _arm(self, now: float, turn_s: float) -> None:
+        loop = self._loop()
+        if loop is None:  # pragma: no cover - the loop is gone
+            return
+        self._armed = True
+        self._due = now + turn_s
+        loop.call_soon(self._turned)
+
     def _turned(self) -> None:
+        now = _clock()
         self._armed = False
         self._due = float("inf")
-        self._quiet_until = _clock() + TURN_S / 2
+        self._turn_at = now
+        self._quiet_until = now + TURN_S / 2
 
     @staticmethod
     def for_loop(loop: asyncio.AbstractEventLoop) -> "LoopTurns":
@@ -103,12 +149,26 @@ _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopTurns]" = we
 _last: LoopTurns | None = None  # the check asked last (one loop per process, nearly always)
 
 
-def due() -> bool:
-    """:meth:`LoopTurns.due` of the running loop (for code that holds no loop; it costs a
-    ``get_running_loop``, so it is asked between pieces of real work, not per message)."""
+def _running() -> LoopTurns:
     global _last
     loop = asyncio.get_running_loop()
     turns = _last
     if turns is None or turns._loop() is not loop:
         turns = _last = LoopTurns.for_loop(loop)
-    return turns.due()
+    return turns
+
+
+def due() -> bool:
+    """:meth:`LoopTurns.due` of the running loop (for code that holds no loop; it costs a
+    ``get_running_loop``, so it is asked between pieces of real work, not per message)."""
+    return _running().due()
+
+
+def overdue() -> bool:
+    """:meth:`LoopTurns.overdue` of the running loop (between pieces of bulk work)."""
+    return _running().overdue()
+
+
+def left() -> float:
+    """:meth:`LoopTurns.left` of the running loop (how long a wait that blocks the thread may sleep)."""
+    return _running().left()

@@ -14,10 +14,10 @@ import numpy as np
 
 from collectives.comm import Comm, give_turn
 from collectives.slots import memops
-from runtime import env
+from runtime import env, turns
 from runtime.sharedmem import domains
 
-__all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
+__all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "DomainCall", "claim_slot", "copy_off_loop",
            "copy_pairs", "data_view", "own_cores", "reduce_off_loop", "slot", "small_view", "small_views", "streams"]
 
 # Copies and reductions of at least this many bytes of work go to a worker thread (the kernels
@@ -25,12 +25,9 @@ __all__ = ["OFFLOAD_ALONE_MIN_NBYTES", "OFFLOAD_MIN_NBYTES", "PIECE_NBYTES", "Do
 # (runtime.testing): then the other ranks keep running on the other core meanwhile.
 OFFLOAD_MIN_NBYTES = 4 << 20
 # When every peer is a process of its own, they run inline: each hand-off waits to be scheduled
-# twice on an oversubscribed machine (bench/results/shm.md#worker-threads).
+# twice on an oversubscribed machine (bench/results/shm.md#worker-threads). Inline work goes in pieces
+# of runtime.turns.PIECE_NBYTES of memory traffic, the loop getting its turns between them.
 OFFLOAD_ALONE_MIN_NBYTES = 1 << 62
-# Inline, a copy or reduction is cut into pieces of this many bytes (of its output), and the event
-# loop gets a turn between pieces when it is due (collectives/comm.py give_turn), so a large call never
-# holds the loop for its whole length (bench/results/dataplane.md#the-loops-turns).
-PIECE_NBYTES = 2 << 20
 
 
 def own_cores(group, local_ranks: int) -> bool:
@@ -118,30 +115,40 @@ def slot(dom, p: int, dtype, count: int, small: bool) -> np.ndarray:
 async def copy_off_loop(dom, nbytes: int, pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:
     """``copy_pairs(pairs, stream)``: on a worker thread when it moves at least
     :data:`OFFLOAD_MIN_NBYTES` and ``dom``'s peers are tasks of this process
-    (:data:`OFFLOAD_ALONE_MIN_NBYTES` otherwise); inline, in pieces of at most
-    :data:`PIECE_NBYTES` with the loop's turns between them."""
+    (:data:`OFFLOAD_ALONE_MIN_NBYTES` otherwise); inline, in pieces of
+    ``runtime.turns.piece_items`` elements with the loop's turns between them."""
     if nbytes >= (OFFLOAD_MIN_NBYTES if dom.cooperative else OFFLOAD_ALONE_MIN_NBYTES):
         await asyncio.to_thread(copy_pairs, pairs, stream)
         return
     for dst, src in pairs:
-        step = max(1, PIECE_NBYTES // max(1, dst.itemsize))
+        step = turns.piece_items(dst.itemsize, 2)  # reads src, writes dst
         for lo in range(0, dst.size, step):
             copy_pairs([(dst[lo:lo + step], src[lo:lo + step])], stream)
             await give_turn()
 
 
 async def reduce_off_loop(dom, nbytes: int, dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray,
-                          op: str) -> None:
+                          op: str, first: np.ndarray | None = None) -> None:
     """``memops.reduce_publish(dst, srcs, pub, op)``, where and in pieces as :func:`copy_off_loop`
-    (element by element in the same order: the same bits)."""
+    (element by element in the same order: the same bits). ``first``: each piece of ``dst`` is
+    copied from it before the piece is reduced (``dst = first <op> srcs[0] ...``)."""
     if nbytes >= (OFFLOAD_MIN_NBYTES if dom.cooperative else OFFLOAD_ALONE_MIN_NBYTES):
-        await asyncio.to_thread(memops.reduce_publish, dst, srcs, pub, op)
+        await asyncio.to_thread(_reduce_publish, dst, srcs, pub, op, first)
         return
-    step = max(1, PIECE_NBYTES // max(1, dst.itemsize))
+    # reads dst and every source, writes dst and pub (and reads first, writes dst once more)
+    step = turns.piece_items(dst.itemsize, len(srcs) + 3 + (2 if first is not None else 0))
     for lo in range(0, dst.size, step):
         hi = lo + step
-        memops.reduce_publish(dst[lo:hi], [s[lo:hi] for s in srcs], pub[lo:hi], op)
+        _reduce_publish(dst[lo:hi], [s[lo:hi] for s in srcs], pub[lo:hi], op,
+                        None if first is None else first[lo:hi])
         await give_turn()
+
+
+def _reduce_publish(dst: np.ndarray, srcs: list[np.ndarray], pub: np.ndarray, op: str,
+                    first: np.ndarray | None) -> None:
+    if first is not None:
+        np.copyto(dst, first)
+    memops.reduce_publish(dst, srcs, pub, op)
 
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:

@@ -12,7 +12,8 @@ whose published want it has just made true, and only those: nobody asleep, no sy
 
 A wait (:meth:`Phases.wait_all`) reads the words; spins ``RINGWEAVE_SHM_SPIN`` times with
 ``sched_yield``; then publishes its want, fences, reads again and sleeps on its own doorbell
-(``FUTEX_WAIT``, GIL released) for at most :data:`SLICE_S`, blocking its thread and event loop.
+(``FUTEX_WAIT``, GIL released) for at most :data:`SLICE_S`, blocking its thread and event loop,
+and never past the loop's next turn (``runtime.turns.left``: the turn comes first).
 What wakes it: a ring, or the slice's end. What ends it with an error, checked between slices: the
 group's error, a peer whose process is gone (PeerLostError), a peer in another call
 (CollectiveMismatchError), and the call's deadline (the loop gets a turn after each slice that
@@ -32,7 +33,7 @@ import os
 import struct
 import zlib
 
-from runtime import env
+from runtime import env, turns
 from runtime.errors import CollectiveMismatchError, PeerLostError
 
 # The control header: where each word lives in its owner's control segment.
@@ -50,6 +51,7 @@ PHASE_BITS = 3
 EXIT = 7  # the last phase of every call: "I have finished reading the peers' slots"
 SLICE_S = 0.002  # one futex sleep: the event loop's other tasks get a turn at least this often (runtime/turns.py)
                  # while a wait blocks its thread; also the bound on noticing a lost peer / deadline
+MIN_SLICE_S = 0.0002  # a sleep shorter than this waits for the loop's turn first (runtime/turns.py left)
 
 
 # -- futex and fence ----------------------------------------------------------------------------
@@ -291,8 +293,14 @@ class Phases:
                 if done():
                     return
                 self._check(call, watched, check_fp)
+                # a slice, cut short where the loop's turn would otherwise come late (the copies
+                # before this wait may have used part of it)
+                slice_s = min(SLICE_S, turns.left())
+                if slice_s < MIN_SLICE_S:
+                    await asyncio.sleep(0)  # the loop's turn first; then publish and look again
+                    continue
                 self.statistics_["sleeps"] += 1
-                if not futex_wait(address, rung, SLICE_S):  # a slice passed without a ring
+                if not futex_wait(address, rung, slice_s):  # a slice passed without a ring
                     await asyncio.sleep(0)  # let the loop see a lost peer, a cancellation, a deadline
         finally:
             me.value = 0

@@ -5,7 +5,6 @@ step reduces and gives the event loop its turns, so an algorithm never asks the 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from collectives.algorithms.tcp import all_reduce_ring
 from collectives.comm import Comm, SubComm, reduce_step
 from runtime import turns
 from runtime.group import Call
+from tests.loopturns import counted
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,24 +62,13 @@ def test_no_algorithm_looks_behind_its_comm():
 async def test_the_reduce_step_gives_the_loop_its_turns():
     """Reductions that wait on nothing (segments that all arrived at once), back to back for 60 ms:
     the loop's other tasks still run, about once per turns.TURN_S, and every reduction is made."""
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    async with asyncio.TaskGroup() as tasks:
-        ticking = tasks.create_task(ticker())
-        await asyncio.sleep(0)
-        before, steps = ticks, 0
+    async with counted() as turned:
+        steps = 0
         dst, src = np.zeros(1024, np.float32), np.ones(1024, np.float32)
         end = time.perf_counter() + 0.06
         while time.perf_counter() < end:
             await reduce_step(dst, src, "sum")
             steps += 1
-        ran = ticks - before
-        ticking.cancel()
+        ran = turned.count
     np.testing.assert_array_equal(dst, np.float32(steps))
     assert ran >= 0.06 / (10 * turns.TURN_S), f"the ticker ran {ran} times in 60 ms of reductions"

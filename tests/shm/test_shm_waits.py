@@ -12,8 +12,10 @@ import time
 
 import pytest
 
+from runtime import turns
 from runtime.errors import CollectiveMismatchError, PeerLostError
 from runtime.sharedmem import segments, waits
+from tests.loopturns import counted
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,6 +85,7 @@ async def test_a_wait_is_woken_by_the_post_that_meets_it_and_by_no_other(members
     meet it and rings nobody; member 2's does and rings member 0 once. The slice is made long, so
     only the ring can end the sleep in time."""
     monkeypatch.setattr(waits, "SLICE_S", 10.0)
+    monkeypatch.setattr(turns, "TURN_S", 10.0)  # (the loop's turns would cut the slice short too)
     me, one, two = members(3)
     call = _Call(7, "all_reduce float32[4] sum")
     for v in (me, one, two):
@@ -121,6 +124,29 @@ async def test_a_wait_ends_at_its_callers_deadline_and_withdraws_its_want(member
     assert time.monotonic() - started < 1.5
     assert me.statistics_["sleeps"] >= 1, "it never slept on the doorbell"
     assert _want(me) == 0  # a poster will not ring a waiter that left
+
+
+async def test_a_blocking_wait_sleeps_no_longer_than_the_loops_turn_allows(members, monkeypatch):
+    """However long a slice is, a wait that blocks its thread sleeps at most until the loop's turn
+    is due (runtime/turns.py left), and gives the loop that turn before it sleeps again: every
+    futex sleep is asked for at most TURN_S, and the loop's other tasks run between sleeps."""
+    monkeypatch.setattr(waits, "SLICE_S", 10.0)
+    asked = []
+    futex_wait = waits.futex_wait
+
+    def recorded(address, expected, timeout_s):
+        asked.append(timeout_s)
+        return futex_wait(address, expected, timeout_s)
+    monkeypatch.setattr(waits, "futex_wait", recorded)
+    me, _ = members(2)
+    call = _Call(5, "barrier")
+    me.publish_fingerprint(call)
+    async with counted() as turned:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(me.wait_all(call, 1), 0.05)
+    assert asked and max(asked) <= turns.TURN_S, f"a sleep of {max(asked)} s was asked for"
+    assert turned.count >= len(asked) - 1, "the loop did not turn between the sleeps"
+    assert _want(me) == 0
 
 
 async def test_a_peer_whose_process_is_gone_ends_the_wait_naming_it(members):

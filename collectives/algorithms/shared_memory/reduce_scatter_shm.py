@@ -38,6 +38,6 @@ async def run(comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         dom.post(comm, 1)
         await dom.wait_all(comm, 1)  # 2. every block is there
 
-        if m:
-            np.copyto(out, blocks[r])  # (a 1/n share of x: one piece of work, then the reduction in pieces)
-            await common.reduce_off_loop(dom, out.nbytes * n, out, [slots[p][r] for p in others], out, op)
+        if m:  # out = x[r] <op> S_p[r] ..., piece by piece (the copy of x[r] too)
+            await common.reduce_off_loop(dom, out.nbytes * n, out, [slots[p][r] for p in others], out, op,
+                                         first=blocks[r])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import as_bytes
 
 
@@ -36,10 +37,10 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
     count = x.size
     if n == 1:
         if not np.shares_memory(out, x):
-            out[...] = x
+            await copy_step(out, x)
         return
     t = np.empty(n * count, x.dtype)
-    t[:count] = x
+    await copy_step(t[:count], x)
     dist = 1
     while dist < n:
         m = min(dist, n - dist)
@@ -49,5 +50,5 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
         dist <<= 1
     # un-rotate: t block i is rank (r + i) mod n's input
     head = n - r  # t blocks 0..head-1 are ranks r..n-1, the rest ranks 0..r-1
-    out[r * count:] = t[:head * count]
-    out[:r * count] = t[head * count:]
+    await copy_step(out[r * count:], t[:head * count])
+    await copy_step(out[:r * count], t[head * count:])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import as_bytes
 from runtime.transport import RECV_NOW_NBYTES
 
@@ -43,7 +44,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
                                   for j in range(n) if j != r]
     mine = out[r * count:(r + 1) * count]
     if not np.shares_memory(mine, x):
-        mine[...] = x
+        await copy_step(mine, x)
     data = as_bytes(mine)  # our block of out: the same bytes as x, and contiguous
     if exchange:
         for i in range(1, n):

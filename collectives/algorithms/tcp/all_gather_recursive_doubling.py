@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import Fold, as_bytes
 
 
@@ -39,7 +40,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
     count = x.size
     mine = out[r * count:(r + 1) * count]
     if not np.shares_memory(mine, x):
-        mine[...] = x
+        await copy_step(mine, x)
     if n == 1:
         return
     fold = Fold(n, r)

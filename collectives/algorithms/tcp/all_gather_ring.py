@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import as_bytes, chunk_bounds
 from collectives.tuning import SEGMENT_NBYTES
 
@@ -40,7 +41,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray) -> None:
     count = x.size
     mine = out[r * count:(r + 1) * count]
     if not np.shares_memory(mine, x):
-        mine[...] = x  # our own block
+        await copy_step(mine, x)  # our own block
     if n == 1:
         return
     seg_elems = max(1, SEGMENT_NBYTES // max(1, x.itemsize))

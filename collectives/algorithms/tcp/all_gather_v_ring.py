@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.algorithms.tcp.all_gather_ring import circulate
+from collectives.comm import copy_step
 from collectives.ops import as_bytes, chunk_bounds
 from collectives.tuning import SEGMENT_NBYTES
 
@@ -40,7 +41,7 @@ async def run(comm, out: np.ndarray, x: np.ndarray, offsets: list[int]) -> None:
     n, r = comm.size, comm.rank
     mine = out[offsets[r]:offsets[r + 1]]
     if not np.shares_memory(mine, x):
-        mine[...] = x  # our own block
+        await copy_step(mine, x)  # our own block
     if n == 1:
         return
     seg_elems = max(1, SEGMENT_NBYTES // max(1, out.itemsize))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.comm import reduce_step
+from collectives.comm import copy_step, reduce_step
 from collectives.ops import Fold, as_bytes
 
 
@@ -47,12 +47,12 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if folds:  # reduce in the extra rank r-1's array
         await comm.recv_into(r - 1, sbuf)
         await reduce_step(scratch, x, op)  # x[r-1] <op> x[r]
-        x[...] = scratch
+        await copy_step(x, scratch)
     for partner, lower in steps:  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
         await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
         if lower:  # the partner is lower: result = theirs <op> ours
             await reduce_step(scratch, x, op)
-            x[...] = scratch
+            await copy_step(x, scratch)
         else:
             await reduce_step(x, scratch, op)
     if folds:  # unfold: give the extra rank the result
