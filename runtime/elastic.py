@@ -102,6 +102,12 @@ class ElasticRendezvous(LauncherRendezvous):
         return Membership(view, rank, gen.size, gen.number, rank, gen.size, self.master_addr, seat.job,
                           seat.restart, self._secret)
 
+    async def leave(self, why: str) -> None:
+        """Says in the store that this member leaves the job on purpose (``left/<member id>``: the
+        launcher then counts its exit 0 as a leave, not as the job's end)."""
+        store = PrefixStore(elastic_prefix(self.seat.restart), self._store)
+        await store.set(f"left/{self.member}", why.encode()[:200])
+
     async def joiners_waiting(self) -> int:
         """How many processes wait to join the generation after this one (a counter read)."""
         store = PrefixStore(elastic_prefix(self.seat.restart), self._store)

@@ -47,6 +47,7 @@ from runtime.launch_config import (
     attempt_prefix,
     choose_job_id,
     choose_secret,
+    elastic_prefix,
     parse_args,
     rank_argv,
     rank_env,
@@ -153,6 +154,17 @@ def abort_record(server, restart: int) -> dict | None:
     except (WouldBlock, RingweaveError, ValueError, msgpack.UnpackException):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("rank"), int) else None
+
+
+def left_record(server, restart: int, member: str) -> str | None:
+    """Why elastic ``member`` of attempt ``restart`` left the job on purpose (the ``left/<member>``
+    record runtime/elastic.py writes before its exit 0), or None."""
+    if server is None or not member:
+        return None
+    try:
+        return server.data.get_nowait(f"{elastic_prefix(restart)}/left/{member}").decode("utf-8", "replace")
+    except (WouldBlock, RingweaveError):
+        return None
 
 
 PIPE_WAIT_S = 0.3  # how long a failed rank's last lines (its traceback) may take to arrive after its exit
@@ -332,7 +344,8 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                         await launch_elastic.record_first_generation(cfg, master_port, secret, job, restart)
                         outcome = await launch_elastic.run_elastic_attempt(
                             cfg, envs, console, stopper, deadline,
-                            launch_elastic.fold_for(aborted, _echo_of_abort), restart)
+                            launch_elastic.fold_for(aborted, _echo_of_abort), restart,
+                            functools.partial(left_record, server, restart))
                     else:
                         outcome = await run_attempt(cfg, envs, console, stopper, deadline, aborted)
                 except OSError as exc:

@@ -4,13 +4,17 @@ The launcher records generation 0 (the MAX ranks' member ids, in rank order: run
 ``record``) in its store, then spawns the ranks. A rank that exits non-zero while at least MIN
 others still run is not the job's failure: the survivors re-form without it (runtime/elastic.py,
 trainer/elastic.py), and the launcher starts a new process in its slot after ``JOIN_BACKOFF_S``
-with RINGWEAVE_ELASTIC_JOIN=1 and a new member id, which the job grows back to. The attempt ends:
+with RINGWEAVE_ELASTIC_JOIN=1 and a new member id, which the job grows back to. A rank that left
+on purpose (exit 0 after writing ``left/<member>`` in the store: a graceful leave on the
+scheduler's signal, trainer/leave.py) is neither a failure nor the job's end, and its slot stays
+empty: the signal said its resources go elsewhere. The attempt ends:
 
     SUCCEEDED   every running rank exited 0 (no slot is restarted once one has; a joiner still
                 running ``--grace-s`` after the others finished came too late, and is stopped);
     FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError
-                or exited 2 (a refusal of its arguments), or a slot failed more than ``MAX_JOINS``
-                times: the failure names that rank;
+                or exited 2 (a refusal of its arguments) or 128 + a preemption signal (the job was
+                preempted as a whole), or a slot failed more than ``MAX_JOINS`` times: the failure
+                names that rank;
     INTERRUPTED / TIMED_OUT as a fixed job's attempt (launch.py).
 
 Not here: the fixed job's attempt (launch.py ``run_attempt``), deciding generations (the ranks do).
@@ -20,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import signal
 import time
 from typing import Callable
 
-from runtime import membership, procs
+from runtime import env, membership, procs
 from runtime.launch_config import LaunchConfig, elastic_prefix, member_id, parse_bounds, rank_argv
 from runtime.launch_outcome import Ending, Outcome, RankExit, describe_exit, stop_plan
 from runtime.store import PrefixStore
@@ -48,18 +53,22 @@ async def record_first_generation(cfg: LaunchConfig, port: int, secret: str | No
 
 
 async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console, stopper, deadline,
-                              fold: Callable[[int], Callable[[], str | None]], restart: int) -> Outcome:
+                              fold: Callable[[int], Callable[[], str | None]], restart: int,
+                              left: Callable[[str], str | None] = lambda member: None) -> Outcome:
     """Spawns the ranks, restarts lost ones as joiners while MIN run, and always stops and reaps
-    every process before returning (see the module docstring)."""
+    every process before returning (see the module docstring). ``left(member)``: why that member
+    left the job on purpose (its ``left/<member>`` record), or None."""
     bounds = parse_bounds(cfg.elastic)
     argv = rank_argv(cfg)
     spawned: list[procs.RankProcess] = []
     running: dict[asyncio.Future, procs.RankProcess] = {}
+    members: dict[int, str] = {}  # id(process) -> its member id
     joins = [0] * len(envs)
     outcome: Outcome | None = None
     finished = False  # a rank exited 0: the job is ending, no slot is started again
     late: set[int] = set()  # slots whose process now is a joiner
     joiners_until = None  # the job finished and only joiners run: stop them then (time.monotonic())
+    preempted = preempted_codes(envs[0]) if envs else set()
 
     usage_errors: set[str] = set()  # written once, whichever ranks wrote them (procs.UsageFolder)
 
@@ -68,6 +77,7 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                               usage_errors=usage_errors)
         spawned.append(r)
         running[r.protocol.exited] = r
+        members[id(r)] = environ.get("RINGWEAVE_MEMBER", "")
 
     try:
         for slot, environ in enumerate(envs):
@@ -100,6 +110,12 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                         late.add(slot)
                     continue
                 r = running.pop(fut)
+                live = len(running) + len(pending_joins)
+                why_left = left(members[id(r)]) if r.returncode == 0 else None
+                if why_left is not None:  # a graceful leave: the others went on without it
+                    console.say(f"rank {r.rank} left the job ({why_left}); {live} ranks go on (--elastic "
+                                f"{cfg.elastic}); its slot stays empty")
+                    continue
                 if r.returncode == 0:
                     finished = True
                     if joiners_until is None and all(p.rank in late for p in running.values()):
@@ -108,16 +124,15 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                 if r.returncode and not r.protocol.pipes_closed.done():
                     await asyncio.wait([r.protocol.pipes_closed], timeout=0.3)
                 exit_ = RankExit(r.rank, r.returncode, r.protocol.exited_at, r.protocol.last_exception)
-                live = len(running) + len(pending_joins)
                 too_few = "TooFewMembersError" in (exit_.exception or "")
                 if r.returncode == USAGE_EXIT and running:  # every rank refuses alike; rank 0 says why:
                     others = [p.protocol.pipes_closed for p in running.values()]  # let its line arrive
                     await asyncio.wait(others, timeout=cfg.grace_s)
-                if too_few or r.returncode == USAGE_EXIT or finished or live < bounds.min_size or joins[r.rank] >= MAX_JOINS:
-                    why = (f"{live} ranks left, fewer than the minimum {bounds.min_size} of --elastic {cfg.elastic}"
-                           if live < bounds.min_size else "it refused its arguments" if r.returncode == USAGE_EXIT
-                           else "it cannot be replaced")
-                    console.say(f"rank {r.rank} exited with {describe_exit(r.returncode)}: {why}")
+                why = fatal(r.returncode, too_few, finished, live, bounds.min_size, joins[r.rank], preempted)
+                if why is not None:
+                    console.say(f"rank {r.rank} exited with {describe_exit(r.returncode)}: "
+                                + (why if why != "below" else f"{live} ranks left, fewer than the minimum "
+                                   f"{bounds.min_size} of --elastic {cfg.elastic}"))
                     outcome = Outcome(Ending.FAILED, failure=exit_)
                     break
                 joins[r.rank] += 1
@@ -143,6 +158,28 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
         if usage_errors:  # as launch.run_attempt: the error line once, never the rank's tail again
             outcome.usage_error = failed.protocol.usage_error or next(iter(usage_errors))
     return outcome
+
+
+def fatal(code: int, too_few: bool, finished: bool, live: int, min_size: int, joins: int,
+          preempted: set[int]) -> str | None:
+    """Why a rank's non-zero exit ends the attempt ("below": fewer than MIN live), or None: the
+    others go on and a joiner takes its slot. Pure."""
+    if code in preempted:
+        return "the job was preempted"
+    if code == USAGE_EXIT:
+        return "it refused its arguments"
+    if live < min_size:
+        return "below"
+    if too_few or finished or joins >= MAX_JOINS:
+        return "it cannot be replaced"
+    return None
+
+
+def preempted_codes(environ) -> set[int]:
+    """The exit codes of a rank that the whole job's preemption stopped (trainer/preempt.py: 128 +
+    each of RINGWEAVE_PREEMPT_SIGNALS, or RINGWEAVE_PREEMPT_EXIT_CODE), as the ranks' ``environ`` sets them."""
+    given = env.PREEMPT_EXIT_CODE.get(environ)
+    return {given} if given is not None else {128 + int(signal.Signals[s]) for s in env.PREEMPT_SIGNALS.get(environ)}
 
 
 def fold_for(aborted, echo) -> Callable[[int], Callable[[], str | None]]:

@@ -19,7 +19,8 @@ bench/results/trainer.md#the-main-job (MLP), bench/results/gpt.md (GPT). BLAS ru
 
 Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make every
 rank save a checkpoint after the same step and exit 128 + the signal (trainer/preempt.py); --resume
-continues from it. Runs (trainer/runid.py): a new run refuses another run's directory unless
+continues from it; under --elastic a signalled rank leaves the job (exit 0, trainer/leave.py) while
+MIN stay. Runs (trainer/runid.py): a new run refuses another run's directory unless
 --move-aside; --resume continues the directory's run. Refusals, a mesh that does not fit the world
 among them, are one line on rank 0 and exit code 2 on every rank, no traceback.
 
@@ -48,7 +49,7 @@ from trainer.metrics import metrics_format
 from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
-from trainer.preempt import Preempted, Preemption
+from trainer.preempt import Left, Preempted, Preemption
 from trainer.runid import RunError
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
@@ -463,7 +464,7 @@ def elastic_refusal(args: argparse.Namespace) -> str | None:
 
 async def run(args: argparse.Namespace) -> int:
     retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
-    job = None
+    job = rdzv = None
     if env.ELASTIC.get():  # python -m runtime.launch --elastic MIN:MAX (trainer/elastic.py)
         why = elastic_refusal(args)
         if why:
@@ -520,8 +521,10 @@ async def run(args: argparse.Namespace) -> int:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
-        try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
-            with Preemption(enabled=bool(args.checkpoint_dir)):
+        # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py); in an
+        # elastic job a rank signalled leaves it while enough stay (trainer/leave.py)
+        try:
+            with Preemption(enabled=bool(args.checkpoint_dir) or job is not None):
                 history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
                                     callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
                                     keep_last=args.keep_last, resume=args.resume or False,
@@ -530,8 +533,11 @@ async def run(args: argparse.Namespace) -> int:
                                     checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
                                     eval_batch_size=args.eval_batch_size, group=world, metrics=args.metrics,
                                     save_best=args.save_best, elastic=job)
+        except Left as exc:  # this rank left the elastic job on a signal; the others go on
+            print(f"trainer: rank {job.rt.rank}: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
         except Preempted as exc:
-            if world.rank == 0:
+            if (job.rt.world if job else world).rank == 0:
                 print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
                       flush=True)
             return exc.exit_code
@@ -550,8 +556,8 @@ async def run(args: argparse.Namespace) -> int:
         if limiter is not None:
             limiter.restore_original_limits()
         await runtime.shutdown(job.rt if job else rt)
-        if job is not None:
-            await job.rdzv.shutdown()
+        if rdzv is not None:
+            await rdzv.shutdown()
     return 0
 
 

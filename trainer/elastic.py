@@ -20,9 +20,10 @@ In ``fit`` (trainer/loop.py), with ``elastic=``:
   their shards from the survivors' and the buddy copies) and :meth:`sync` gives every member new
   rank 0's step counters and loop position (ddp: its optimizer buffers too); the epoch's
   remaining global batches are cut over the new world (the global batch stays fixed);
-- after each step one small all_reduce says whether processes wait to join (:meth:`grow_wanted`);
-  then all re-form with them. A joiner's :meth:`enter` meets the members' reshard and sync: it
-  receives its shard (zero/fsdp) or the parameters (ddp) live from the members, no disk.
+- after each step one small all_reduce says whether processes wait to join or ranks leave
+  (trainer/leave.py); then all re-form with the joiners, or without the leavers. A joiner's
+  :meth:`enter` meets the members' reshard and sync: it receives its shard (zero/fsdp) or the
+  parameters (ddp) live from the members, no disk.
 
 What is not: tp / pp / hybrid / offload / compressed layouts (a restart from the checkpoint), a
 loss during evaluation or a checkpoint save (the job fails as a fixed one does).
@@ -36,7 +37,7 @@ import numpy as np
 
 from runtime import elastic as relastic
 from runtime.errors import CollectiveTimeoutError, PeerLostError
-from collectives.api import all_reduce, broadcast
+from collectives.api import broadcast
 from trainer.sharding.base import StepAbortedError
 from trainer.sharding.redundancy import Redundancy
 
@@ -82,19 +83,15 @@ class ElasticJob:
         if self.lost_at is not None and self.resumed_at is None:
             self.resumed_at = time.time()
 
-    async def grow_wanted(self) -> bool:
-        """Whether processes wait to join, the same answer on every member (an all_reduce(max))."""
-        flag = np.array([1 if await self.rdzv.joiners_waiting() > 0 else 0], dtype=np.int64)
-        await all_reduce(flag, op="max", group=self.rt.world)
-        return bool(flag[0])
-
-    async def recover(self, strategy, position: tuple[int, int, int], exc: BaseException | None) -> tuple[int, int, int]:
-        """Re-forms the job (without the ranks ``exc`` names as lost; ``exc`` None: to grow), moves
-        ``strategy`` onto it and returns new rank 0's position ``(epoch, step_in_epoch, step)``."""
+    async def recover(self, strategy, position: tuple[int, int, int], exc: BaseException | None,
+                      lost: list[int] | None = None) -> tuple[int, int, int]:
+        """Re-forms the job (without the ranks ``exc`` names as lost, or ``lost``: members that
+        leave; neither: to grow), moves ``strategy`` onto it and returns new rank 0's position
+        ``(epoch, step_in_epoch, step)``."""
         if exc is not None and self.lost_at is None:
             self.lost_at = time.time()
         cause = peer_failure(exc) if exc is not None else None
-        lost = relastic.lost_ranks(cause) if cause is not None else []
+        lost = lost if lost is not None else relastic.lost_ranks(cause) if cause is not None else []
         self.rt = await relastic.reform(self.rt, self.rdzv, lost=lost, reason=None)
         self.reforms += 1
         await strategy.reshard(self.rt.world, None, store=self.rt.store)  # who survived: the new group says

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from trainer import checkpoint, preempt, rundir, runid
+from trainer import checkpoint, leave, preempt, rundir, runid
 from trainer.callbacks import EPOCH_METRICS, Best, Callback, EarlyStopping, LoopState, StopAtAccuracy, epoch_metric
 from trainer import elastic
 from trainer.data import epoch_order, iter_local_batches, local_batches_from, num_global_batches
@@ -159,6 +159,7 @@ class _Run:
         self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
         self.stop = False
         self.elastic = None  # trainer.elastic.ElasticJob of an elastic job
+        self.settle = False  # elastic: the members agree on leavers and joiners before the next step
         self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
                                steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
                                history=self.history, strategy=strategy)
@@ -214,6 +215,10 @@ class _Run:
         self.progress.log(f"saved checkpoint {path} (optimizer step {self.state.step}, {where})"
                           + (f"; best {best['metric']} {best['value']:.4f}: {best['path']}" if best else ""))
 
+    def saver(self, epoch: int, k: int):
+        """What saves this position with a checkpoint directory (None without one)."""
+        return (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
+
     async def open_metrics(self, path: str) -> None:
         """Rank 0 opens the metrics file (a resumed run keeps its rows up to here); every rank
         learns whether it could, so a path rank 0 cannot write stops all before the first step."""
@@ -251,21 +256,24 @@ class _Run:
     async def _elastic_epoch(self, epoch: int, k: int) -> None:
         """train_epoch's steps in an elastic job (trainer/elastic.py): a step that a lost member
         interrupted is discarded, the job re-forms, and the step runs again over the new world;
-        members waiting to join are let in between two steps."""
+        between two steps the members let joiners in and signalled ranks go (trainer/leave.py)."""
         order = epoch_order(self.n_train, seed=self.config.seed, epoch=epoch, shuffle=True)
         g = self.options.global_batch_size
-        while k < self.steps_total:
-            micro = list(itertools.islice(local_batches_from(order, k * self.accum * g, g, self.data_size,
-                                                             self.data_rank), self.accum))
+        while True:
             try:
+                if self.settle:  # after a boundary or a re-form (a joiner: its entry), before a step
+                    k = await leave.settle(self, epoch, k)
+                    self.settle = False
+                if k >= self.steps_total:
+                    break
+                micro = list(itertools.islice(local_batches_from(order, k * self.accum * g, g, self.data_size,
+                                                                 self.data_rank), self.accum))
                 await self.train_step(epoch, micro)
                 self.elastic.step_done()
                 k = self.state.step_in_epoch = k + 1
                 if await self.step_boundary(epoch, k):
                     break
-                if await self.elastic.grow_wanted():  # after the boundary: a joiner starts with a step
-                    await self._regroup(epoch, k, None)
-                    k = self.state.step_in_epoch
+                self.settle = True  # a joiner starts with a step: the members agree after theirs
             except elastic.RECOVERABLE as exc:
                 if elastic.peer_failure(exc) is None:
                     raise  # this rank's own error: re-forming would not cure it
@@ -274,11 +282,12 @@ class _Run:
                     self.state.step += 1
                 self.progress.log(f"rank {self.rank}: {type(exc).__name__}: {exc}; re-forming the job")
                 await self._regroup(epoch, k, exc)
-                k = self.state.step_in_epoch
+                k, self.settle = self.state.step_in_epoch, True
 
-    async def _regroup(self, epoch: int, k: int, exc: BaseException | None) -> None:
+    async def _regroup(self, epoch: int, k: int, exc: BaseException | None, lost: list[int] | None = None) -> None:
         """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch."""
-        at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc)
+        at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc,
+                                                                  lost=lost)
         if at_epoch != epoch:
             raise RuntimeError(f"after re-forming the job, its rank 0 is in epoch {at_epoch}, this rank in {epoch}")
         self.group = self.data_group = self.elastic.group
@@ -340,9 +349,11 @@ class _Run:
         every = self.options.checkpoint_every
         if self.options.checkpoint_dir and every and self.state.step % every == 0 and k < self.steps_total:
             await self.save(epoch, k, EpochSums(**asdict(self.sums)))
-        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py)
-        save = (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
-        await preempt.at_step_boundary(self.group, save)
+        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py);
+        # an elastic job agrees on signals at every boundary instead (trainer/leave.py)
+        save = self.saver(epoch, k)
+        if self.elastic is None:
+            await preempt.at_step_boundary(self.group, save)
         return self.stop
 
     async def _evaluate(self, dataset) -> dict[str, float]:
@@ -497,8 +508,9 @@ async def fit(
     if checkpoint_dir:
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
-    if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py)
+    if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py),
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
+        run.settle = True  # then their agreement
     try:
         if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)

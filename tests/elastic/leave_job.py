@@ -1,0 +1,108 @@
+"""A job for the graceful-leave and SLURM tests: ``leave_job.py OUT`` under ``python -m runtime.launch
+[--elastic MIN:MAX] -n N`` or ``srun`` (RINGWEAVE_ELASTIC and a store of its own).
+
+A tiny float64 MLP on synthetic data, 2 epochs of global batch 24 (20 steps), strategy EL_STRATEGY
+(ddp), inside a Preemption scope as ``python -m trainer`` has. The test's hooks (here only, in the
+data set the loop reads), each keyed by the process's first rank, firing when it reads the batch of
+step EL_AT_STEP (mid-step): EL_TERM_RANKS="1,2" send themselves SIGTERM (and write the time to
+OUT/term); EL_KILL_RANK SIGKILLs itself. Membership's settle wait is EL_SETTLE_S (default 60 s), so
+survivors that waited for a member instead of being told it left would show it. Every process
+prints how it ended: "left: ...", "stopped: ..." (Preempted: exits with its code), or "member done:
+generation G, rank R of N" and, after a leave, "shrunk step: S s after the signal"; the final rank 0
+writes the parameters to OUT/params.npy.
+"""
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import types
+
+import numpy as np
+
+import runtime
+from runtime import elastic, env
+from trainer.data import ArrayDataset, make_synthetic
+from trainer.elastic import ElasticJob
+from trainer.loop import fit
+from trainer.nn import mlp
+from trainer.preempt import Left, Preempted, Preemption
+from trainer.sharding import make_strategy
+from trainer.sharding.base import TrainConfig
+
+OUT = sys.argv[1]
+AT_STEP = int(os.environ.get("EL_AT_STEP", "4"))
+TERM = {int(r) for r in os.environ.get("EL_TERM_RANKS", "").split(",") if r}
+KILL = int(os.environ.get("EL_KILL_RANK", "-1"))
+STRATEGY = os.environ.get("EL_STRATEGY", "ddp")
+FIRST_RANK = -1  # this process's rank in generation 0 (set after init)
+
+
+class Hooked(ArrayDataset):
+    reads = 0
+
+    def get(self, indices, epoch=0):
+        Hooked.reads += 1
+        if Hooked.reads == AT_STEP + 1 and FIRST_RANK in TERM:
+            with open(os.path.join(OUT, "term"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)  # noted by the Preemption scope; the step goes on
+        if Hooked.reads == AT_STEP + 1 and FIRST_RANK == KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().get(indices, epoch)
+
+
+class Sizes:
+    """Each step's end time and world size (a step callback)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, state):
+        self.seen.append((time.time(), state.world_size))
+
+
+async def main():
+    global FIRST_RANK
+    x, y = make_synthetic(260, in_dim=6, num_classes=3, seed=2, dtype=np.float64)
+    data = types.SimpleNamespace(train=Hooked(x[:240], y[:240]), val=ArrayDataset(x[240:], y[240:]))
+    config = TrainConfig(lr=1e-2, warmup_steps=0, total_steps=20, seed=1, master_dtype="float64",
+                         param_dtype="float64", reduce_dtype="float64")
+    rdzv = elastic.from_env()
+    if isinstance(rdzv, elastic.ElasticRendezvous):
+        rdzv.settle_s = float(os.environ.get("EL_SETTLE_S", "60"))
+    rt = await runtime.init(rendezvous=rdzv)
+    FIRST_RANK = rt.rank
+    el = ElasticJob(rdzv, rt) if env.ELASTIC.get() else None
+    model, extra = mlp(6, (8,), 3, dtype=np.float64), {"redundancy": el.redundancy()} if el else {}
+    strategy = make_strategy(STRATEGY, model, config, rt.world, **extra)
+    sizes = Sizes()
+    code = 0
+    try:
+        await strategy.setup()
+        with Preemption():
+            await fit(strategy, data, config, epochs=2, global_batch_size=24, eval_train=False, elastic=el,
+                      print_summary=False, log_every=0, callbacks=[sizes])
+        params = np.concatenate(await strategy.full_params())
+        final = el.rt if el else rt
+        if final.rank == 0:
+            np.save(os.path.join(OUT, "params.npy"), params)
+        shrunk = [t for t, n in sizes.seen if n < rt.world_size]
+        if shrunk and os.path.exists(os.path.join(OUT, "term")):
+            signalled = float(open(os.path.join(OUT, "term")).read())
+            print(f"shrunk step: {shrunk[0] - signalled:.3f} s after the signal", flush=True)
+        print(f"member done: generation {final.generation}, rank {final.rank} of {final.world_size}", flush=True)
+    except Left as exc:
+        print(f"left: {exc}", flush=True)
+    except Preempted as exc:
+        print(f"stopped: {exc}", flush=True)
+        code = exc.exit_code
+    finally:
+        strategy.close()
+        await runtime.shutdown(el.rt if el else rt)
+        await rdzv.shutdown()
+    return code
+
+
+sys.exit(asyncio.run(main()))
