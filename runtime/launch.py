@@ -357,9 +357,11 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 if outcome.ending is Ending.FAILED:
                     console.say(*failure_report(cfg, outcome.failure, outcome.tail, aborted(),
                                                 outcome.last_exception))
-                action, code = next_step(outcome, restart, cfg.max_restarts)
+                # an elastic job restarts only to fall back to its checkpoint (runtime/launch_elastic.py)
+                budget = cfg.max_restarts if cfg.elastic is None else launch_elastic.restarts_allowed(outcome)
+                action, code = next_step(outcome, restart, budget)
                 if action is Action.RESTART:
-                    console.say(restart_message(outcome, restart, cfg.max_restarts))
+                    console.say(restart_message(outcome, restart, budget))
                     restart += 1
                     continue
                 if code != 0:

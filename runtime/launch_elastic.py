@@ -14,7 +14,9 @@ empty: the signal said its resources go elsewhere. The attempt ends:
     FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError
                 or exited 2 (a refusal of its arguments) or 128 + a preemption signal (the job was
                 preempted as a whole), or a slot failed more than ``MAX_JOINS`` times: the failure
-                names that rank;
+                names that rank. A rank's ``FALLBACK_EXIT`` (its state has no copy left in memory:
+                trainer/checkpoint_fallback.py) fails the attempt to be restarted from the
+                checkpoint, at most ``MAX_FALLBACKS`` times (``restarts_allowed``);
     INTERRUPTED / TIMED_OUT as a fixed job's attempt (launch.py).
 
 Not here: the fixed job's attempt (launch.py ``run_attempt``), deciding generations (the ranks do).
@@ -37,6 +39,8 @@ from runtime.store_tcp import TCPStore
 USAGE_EXIT = 2  # a rank refused its arguments (the same on every rank): the attempt fails at once
 JOIN_BACKOFF_S = 0.5  # a lost rank's slot is started again this long after its exit
 MAX_JOINS = 3  # a slot whose processes failed this many times more is the job's failure
+FALLBACK_EXIT = 75  # a rank whose state has no copy left (EX_TEMPFAIL): restart the attempt from the checkpoint
+MAX_FALLBACKS = 3  # restarts from the checkpoint per job
 RECORD_TIMEOUT_S = 10.0
 
 
@@ -164,6 +168,8 @@ def fatal(code: int, too_few: bool, finished: bool, live: int, min_size: int, jo
           preempted: set[int]) -> str | None:
     """Why a rank's non-zero exit ends the attempt ("below": fewer than MIN live), or None: the
     others go on and a joiner takes its slot. Pure."""
+    if code == FALLBACK_EXIT:
+        return "its state has no copy left: the job restarts from its checkpoint"
     if code in preempted:
         return "the job was preempted"
     if code == USAGE_EXIT:
@@ -180,6 +186,13 @@ def preempted_codes(environ) -> set[int]:
     each of RINGWEAVE_PREEMPT_SIGNALS, or RINGWEAVE_PREEMPT_EXIT_CODE), as the ranks' ``environ`` sets them."""
     given = env.PREEMPT_EXIT_CODE.get(environ)
     return {given} if given is not None else {128 + int(signal.Signals[s]) for s in env.PREEMPT_SIGNALS.get(environ)}
+
+
+def restarts_allowed(outcome: Outcome) -> int:
+    """The attempts an elastic job may restart after ``outcome``: ``MAX_FALLBACKS`` when a rank fell
+    back to the checkpoint (``FALLBACK_EXIT``), else none (a lost rank is a shrink, not a restart)."""
+    fell_back = outcome.ending is Ending.FAILED and outcome.failure.returncode == FALLBACK_EXIT
+    return MAX_FALLBACKS if fell_back else 0
 
 
 def fold_for(aborted, echo) -> Callable[[int], Callable[[], str | None]]:

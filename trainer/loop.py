@@ -219,6 +219,14 @@ class _Run:
         """What saves this position with a checkpoint directory (None without one)."""
         return (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
 
+    async def share_run(self) -> None:
+        """After a re-form, with a checkpoint directory: rank 0's run (id, config) on every member,
+        so a joiner's checkpoints name the run the members continue."""
+        if self.options.checkpoint_dir:
+            from collectives.objects import broadcast_object  # local: the loop runs single-process without it
+
+            self.run = await broadcast_object(self.run, src=0, group=self.group)
+
     async def open_metrics(self, path: str) -> None:
         """Rank 0 opens the metrics file (a resumed run keeps its rows up to here); every rank
         learns whether it could, so a path rank 0 cannot write stops all before the first step."""
@@ -285,7 +293,7 @@ class _Run:
                 k, self.settle = self.state.step_in_epoch, True
 
     async def _regroup(self, epoch: int, k: int, exc: BaseException | None, lost: list[int] | None = None) -> None:
-        """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch."""
+        """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch (and run)."""
         at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc,
                                                                   lost=lost)
         if at_epoch != epoch:
@@ -294,6 +302,7 @@ class _Run:
         self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
         self.state.rank, self.state.world_size, self.state.step_in_epoch = self.rank, self.size, k
         self.progress.enabled = self.rank == 0
+        await self.share_run()
         self.progress.log(f"generation {self.elastic.rt.generation}: {self.size} ranks, epoch {epoch + 1} "
                           f"step {k} of {self.steps_total} (optimizer step {self.state.step})")
 
@@ -505,12 +514,14 @@ async def fit(
     unit = "tokens" if getattr(data, "tokens_per_sample", None) else "samples"
     run = _Run(strategy, data, config, options, list(callbacks), group,
                Progress(progress_stream or sys.stderr, rank == 0, log_every, unit=unit))
-    if checkpoint_dir:
+    joiner = elastic is not None and elastic.joined
+    if checkpoint_dir and not joiner:  # a joiner is told the run by the members (share_run)
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
-    if elastic is not None and elastic.joined:  # the members' state and position (trainer/elastic.py),
+    if joiner:  # the members' state and position (trainer/elastic.py), then their agreement
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
-        run.settle = True  # then their agreement
+        await run.share_run()
+        run.settle = True
     try:
         if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
             await run.open_metrics(metrics)
