@@ -2,7 +2,7 @@
 step, leave at the next boundary (exit 0, their state re-sharded from the others' copies, no disk),
 the launcher counts that as a leave (no joiner in their slots), and the survivors go on shrunk at
 once (membership's settle wait is 60 s here: waiting for the leavers would show) and end equal to
-an undisturbed run (float64, 1e-12). Two neighbours leaving at once (a whole node's ranks) go in
+an undisturbed one-process run (float64, 1e-12). Two neighbours leaving at once (a whole node's ranks) go in
 two rounds, each holder staying for its buddy's re-shard. Too many signalled: the whole job stops
 as a preempted fixed one. The decisions themselves: pure tests."""
 
@@ -24,12 +24,13 @@ pytestmark = pytest.mark.timeout(4 * TIMEOUT_S)
 
 
 def launch(tmp_path: Path, name: str, *flags: str, n: int = 4, env: dict | None = None) -> tuple[int, str, Path]:
+    """leave_job.py under the launcher with ``flags`` and ``n`` ranks (n=1: one process, no launcher)."""
     out = tmp_path / name
     out.mkdir()
     environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     environ.pop("RINGWEAVE_SECRET", None)
-    p = subprocess.run([sys.executable, "-m", "runtime.launch", *flags, "-n", str(n), "--timeout-s", "30",
-                        "--grace-s", "2", str(JOB), str(out)], cwd=REPO, env=environ, capture_output=True,
+    launcher = ["-m", "runtime.launch", *flags, "-n", str(n), "--timeout-s", "30", "--grace-s", "2"] if n > 1 else []
+    p = subprocess.run([sys.executable, *launcher, str(JOB), str(out)], cwd=REPO, env=environ, capture_output=True,
                        text=True, timeout=TIMEOUT_S)
     return p.returncode, p.stdout + p.stderr, out
 
@@ -52,18 +53,18 @@ def test_signalled_ranks_leave_and_the_rest_equal_the_undisturbed_run(tmp_path, 
               for line in log.splitlines() if "shrunk step:" in line]
     assert len(delays) == 4 - len(gone) and max(delays) < 30, log[-3000:]
     print("signal -> first shrunk step (s):", delays)
-    ref_code, ref_log, ref = launch(tmp_path, "ref", env={"EL_STRATEGY": strategy})
+    ref_code, ref_log, ref = launch(tmp_path, "ref", n=1, env={"EL_STRATEGY": strategy})  # one process
     assert ref_code == 0, ref_log[-3000:]
     np.testing.assert_allclose(np.load(out / "params.npy"), np.load(ref / "params.npy"), rtol=1e-12, atol=1e-14)
 
 
 def test_too_many_signalled_stop_the_whole_job_as_preempted(tmp_path):
     env = {"EL_TERM_RANKS": "1,2", "EL_AT_STEP": "3"}
-    code, log, _ = launch(tmp_path, "stop", "--elastic", "3:4", env=env)
+    code, log, _ = launch(tmp_path, "stop", "--elastic", "2:3", n=3, env=env)
     assert code == 143, log[-3000:]
     stopped = [line for line in log.splitlines()
                if line.startswith("[rank") and "stopped: stopped by SIGTERM at a step boundary" in line]
-    assert len(stopped) == 4 and "joiner" not in log and "left the job" not in log, log[-3000:]
+    assert len(stopped) == 3 and "joiner" not in log and "left the job" not in log, log[-3000:]
     assert "the job was preempted" in log, log[-3000:]
 
 

@@ -26,10 +26,10 @@ from trainer.sharding.base import ShardLostError, StepAbortedError
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90
-TRAIN = ["-m", "trainer", "--tp", "2", "--data", "synthetic", "--size", "1200", "--width", "16", "--epochs", "2",
+TRAIN = ["-m", "trainer", "--tp", "2", "--data", "synthetic", "--size", "600", "--width", "16", "--epochs", "2",
          "--batch-size", "12", "--no-eval-train", "--master-dtype", "float64", "--param-dtype", "float64",
          "--reduce-dtype", "float64", "--checkpoint-every", "4", "--keep-last", "1000", "--quiet"]
-FINAL = "step-00000160"  # 960 training rows / 12 = 80 steps per epoch
+FINAL = "step-00000080"  # 480 training rows / 12 = 40 steps per epoch
 
 pytestmark = pytest.mark.timeout(3 * TIMEOUT_S)
 
@@ -140,17 +140,17 @@ def test_which_losses_fall_back_to_the_checkpoint_and_who_says_so(tmp_path):
     assert "every member restarts from the start (no checkpoint in" in text and "7 optimizer step(s) run again" in text
 
 
-DP = ["-m", "trainer", "--strategy", "ddp", *TRAIN[4:]]  # the same run, data parallel
+DP = ["--strategy", "ddp", *TRAIN[4:]]  # the same run, data parallel (after -m trainer)
 
 
 def test_the_trainer_leaves_on_sigterm_and_its_checkpoints_load_at_another_size(tmp_path):
-    """python -m trainer --elastic 2:4 with --checkpoint-dir: rank 3 gets SIGTERM mid-run, leaves
-    (exit 0, no joiner), the three others checkpoint on; a fixed 2-rank job resumes from one of their
-    checkpoints; both end equal to an undisturbed 4-rank run."""
+    """python -m trainer --elastic 2:3 with --checkpoint-dir: rank 2 gets SIGTERM mid-run, leaves
+    (exit 0, no joiner), the two others checkpoint on; one process resumes from one of their
+    checkpoints; both end equal to an undisturbed one-process run."""
     el, ref, again = tmp_path / "el", tmp_path / "ref", tmp_path / "again"
     log = tmp_path / "el.log"
-    cmd = [sys.executable, "-m", "runtime.launch", "--elastic", "2:4", "-n", "4", "--timeout-s", "30",
-           "--grace-s", "2", *DP, "--checkpoint-dir", str(el / "ckpt"), "--json", str(el / "run.json")]
+    cmd = [sys.executable, "-m", "runtime.launch", "--elastic", "2:3", "-n", "3", "--timeout-s", "30",
+           "--grace-s", "2", "-m", "trainer", *DP, "--checkpoint-dir", str(el / "ckpt"), "--json", str(el / "run.json")]
     with open(log, "w") as f:
         job = subprocess.Popen(cmd, cwd=REPO, env=environ(), stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -158,27 +158,26 @@ def test_the_trainer_leaves_on_sigterm_and_its_checkpoints_load_at_another_size(
         while not (el / "ckpt" / "step-00000008").exists():
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.02)
-        os.kill(rank_pid(job.pid, 3), signal.SIGTERM)
+        os.kill(rank_pid(job.pid, 2), signal.SIGTERM)
         assert job.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-4000:]
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
     text = log.read_text()
-    assert "[launch] rank 3 left the job (left the elastic job on SIGTERM" in text, text[-3000:]
-    assert "trainer: rank 3: left the elastic job on SIGTERM" in text and "joiner" not in text, text[-3000:]
-    by_three = [p for p in sorted((el / "ckpt").glob("step-*"))
-                if json.loads((p / "metadata.json").read_text())["world_size"] == 3 and p.name < FINAL]
-    assert by_three and (el / "ckpt" / FINAL).is_dir(), text[-3000:]
-    p = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "4", *DP, "--checkpoint-dir", str(ref / "ckpt"),
-                        "--json", str(ref / "run.json")], cwd=REPO, env=environ(), capture_output=True, text=True,
-                       timeout=TIMEOUT_S)
+    assert "[launch] rank 2 left the job (left the elastic job on SIGTERM" in text, text[-3000:]
+    assert "trainer: rank 2: left the elastic job on SIGTERM" in text and "joiner" not in text, text[-3000:]
+    by_two = [p for p in sorted((el / "ckpt").glob("step-*"))
+              if json.loads((p / "metadata.json").read_text())["world_size"] == 2 and p.name < FINAL]
+    assert by_two and (el / "ckpt" / FINAL).is_dir(), text[-3000:]
+    one = [sys.executable, "-m", "trainer", *DP]  # one process: no launcher
+    p = subprocess.run([*one, "--checkpoint-dir", str(ref / "ckpt"), "--json", str(ref / "run.json")], cwd=REPO,
+                       env=environ(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert p.returncode == 0, p.stderr[-3000:]
     (again / "ckpt").mkdir(parents=True, mode=0o700)
-    shutil.copytree(by_three[0], again / "ckpt" / by_three[0].name)
-    p = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "2", *DP, "--checkpoint-dir",
-                        str(again / "ckpt"), "--resume", "--json", str(again / "run.json")], cwd=REPO, env=environ(),
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    shutil.copytree(by_two[0], again / "ckpt" / by_two[0].name)
+    p = subprocess.run([*one, "--checkpoint-dir", str(again / "ckpt"), "--resume", "--json", str(again / "run.json")],
+                       cwd=REPO, env=environ(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert p.returncode == 0 and "resumed from" in p.stderr, p.stderr[-3000:]
     _, ref_arrays = final_state(ref)
     for d in (el, again):

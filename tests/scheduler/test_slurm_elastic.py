@@ -3,7 +3,7 @@
 (so no task's death takes the store along). The tasks derive their member ids and generation 0 from
 SLURM's variables (no launcher records it); the task on the second node is SIGKILLed mid-run (a lost
 node); srun keeps the step, the two tasks left re-form and finish, and their parameters equal an
-undisturbed run's (float64, 1e-12). Skipped, saying why, where SLURM is not installed."""
+undisturbed one-process run's (float64, 1e-12). Skipped, saying why, where SLURM is not installed."""
 
 import os
 import subprocess
@@ -45,8 +45,8 @@ def test_srun_no_kill_loses_a_node_and_the_others_shrink_to_the_undisturbed_resu
     assert len(done) == 2 and all("of 2" in line for line in done), log[-4000:]
     assert (out / "params.npy").exists(), log[-3000:]
     print(f"srun exited {run.returncode}")
-    p = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "3", JOB, str(ref)], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, JOB, str(ref)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120)  # undisturbed: one process
     assert p.returncode == 0, p.stderr[-3000:]
     np.testing.assert_allclose(np.load(out / "params.npy"), np.load(ref / "params.npy"), rtol=1e-12, atol=1e-14)
 
