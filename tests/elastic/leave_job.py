@@ -4,8 +4,9 @@
 A tiny float64 MLP on synthetic data, 2 epochs of global batch 24 (20 steps), strategy EL_STRATEGY
 (ddp), inside a Preemption scope as ``python -m trainer`` has. The test's hooks (here only, in the
 data set the loop reads), each keyed by the process's first rank, firing when it reads the batch of
-step EL_AT_STEP (mid-step): EL_TERM_RANKS="1,2" send themselves SIGTERM (and write the time to
-OUT/term); EL_KILL_RANK SIGKILLs itself. Membership's settle wait is EL_SETTLE_S (default 60 s), so
+step EL_AT_STEP (mid-step) in the first attempt: EL_TERM_RANKS="1,2" send themselves SIGTERM (and
+write the time to OUT/term); EL_KILL_RANKS SIGKILL themselves. EL_CHECKPOINT=1 checkpoints to
+OUT/ckpt every 2 steps and, as python -m trainer, falls back to it when a shard has no copy left. Membership's settle wait is EL_SETTLE_S (default 60 s), so
 survivors that waited for a member instead of being told it left would show it. Every process
 prints how it ended: "left: ...", "stopped: ..." (Preempted: exits with its code), or "member done:
 generation G, rank R of N" and, after a leave, "shrunk step: S s after the signal"; the final rank 0
@@ -23,6 +24,7 @@ import numpy as np
 
 import runtime
 from runtime import elastic, env
+from trainer import checkpoint_fallback as fallback
 from trainer.data import ArrayDataset, make_synthetic
 from trainer.elastic import ElasticJob
 from trainer.loop import fit
@@ -34,7 +36,9 @@ from trainer.sharding.base import TrainConfig
 OUT = sys.argv[1]
 AT_STEP = int(os.environ.get("EL_AT_STEP", "4"))
 TERM = {int(r) for r in os.environ.get("EL_TERM_RANKS", "").split(",") if r}
-KILL = int(os.environ.get("EL_KILL_RANK", "-1"))
+KILL = {int(r) for r in os.environ.get("EL_KILL_RANKS", "").split(",") if r}
+FIRST_ATTEMPT = os.environ.get("RINGWEAVE_RESTART", "0") == "0"  # the hooks fire in the first attempt only
+CKPT = os.path.join(OUT, "ckpt") if os.environ.get("EL_CHECKPOINT") else None
 STRATEGY = os.environ.get("EL_STRATEGY", "ddp")
 FIRST_RANK = -1  # this process's rank in generation 0 (set after init)
 
@@ -44,11 +48,11 @@ class Hooked(ArrayDataset):
 
     def get(self, indices, epoch=0):
         Hooked.reads += 1
-        if Hooked.reads == AT_STEP + 1 and FIRST_RANK in TERM:
+        if Hooked.reads == AT_STEP + 1 and FIRST_RANK in TERM and FIRST_ATTEMPT:
             with open(os.path.join(OUT, "term"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGTERM)  # noted by the Preemption scope; the step goes on
-        if Hooked.reads == AT_STEP + 1 and FIRST_RANK == KILL:
+        if Hooked.reads == AT_STEP + 1 and FIRST_RANK in KILL and FIRST_ATTEMPT:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().get(indices, epoch)
 
@@ -83,7 +87,7 @@ async def main():
         await strategy.setup()
         with Preemption():
             await fit(strategy, data, config, epochs=2, global_batch_size=24, eval_train=False, elastic=el,
-                      print_summary=False, log_every=0, callbacks=[sizes])
+                      print_summary=False, log_every=0, callbacks=[sizes], checkpoint_dir=CKPT, checkpoint_every=2)
         params = np.concatenate(await strategy.full_params())
         final = el.rt if el else rt
         if final.rank == 0:
@@ -98,6 +102,13 @@ async def main():
     except Preempted as exc:
         print(f"stopped: {exc}", flush=True)
         code = exc.exit_code
+    except Exception as exc:  # as python -m trainer: no copy of a shard left, restart from the checkpoint
+        lost = fallback.lost_without_copy(exc, layout=None) if el and CKPT else None
+        if lost is None:
+            raise
+        if fallback.speaks(el.rt.rank, []):
+            print(fallback.line(lost, exc, None, CKPT, strategy.step), flush=True)
+        code = fallback.FALLBACK_EXIT
     finally:
         strategy.close()
         await runtime.shutdown(el.rt if el else rt)

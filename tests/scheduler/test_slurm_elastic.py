@@ -34,7 +34,7 @@ def test_srun_no_kill_loses_a_node_and_the_others_shrink_to_the_undisturbed_resu
         port = text_of(store_log).split("MASTER_PORT=")[1].split()[0]
         ranks = dict(env, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RINGWEAVE_STORE_HOSTED="1",
                      RINGWEAVE_JOB="el-slurm", RINGWEAVE_ELASTIC="2:3", RINGWEAVE_TIMEOUT_S="30",
-                     EL_KILL_RANK="2", EL_AT_STEP="4", EL_SETTLE_S="2")
+                     EL_KILL_RANKS="2", EL_AT_STEP="4", EL_SETTLE_S="2")
         run = slurm.run(["srun", "--no-kill", "-N", "2", "-n", "3", PYTHON, JOB, str(out)], env=ranks, cwd=tmp_path,
                         timeout=180, check=False)
     finally:
