@@ -65,11 +65,14 @@ def final_state(d: Path) -> tuple[list, dict]:
     return [e["train_loss"] for e in history["epochs"]], arrays
 
 
-def test_a_tp_job_that_loses_a_rank_restarts_from_its_checkpoint_and_equals_the_undisturbed_run(tmp_path):
-    el, ref = tmp_path / "el", tmp_path / "ref"
-    log = tmp_path / "el.log"
-    cmd = [sys.executable, "-m", "runtime.launch", "--elastic", "1:2", "-n", "2", "--timeout-s", "30",
-           "--grace-s", "2", *TRAIN, "--checkpoint-dir", str(el / "ckpt"), "--json", str(el / "run.json")]
+def signal_mid_run(tmp_path: Path, elastic: str, n: int, trainer_args: list, rank: int, sig: int) -> tuple[Path, str]:
+    """``python -m runtime.launch --elastic ELASTIC -n N -m trainer ...`` checkpointing to tmp_path/el;
+    sends ``sig`` to ``rank`` once the step-8 checkpoint is there, asserts the job exits 0; returns
+    (tmp_path/el, the job's output)."""
+    el, log = tmp_path / "el", tmp_path / "el.log"
+    cmd = [sys.executable, "-m", "runtime.launch", "--elastic", elastic, "-n", str(n), "--timeout-s", "30",
+           "--grace-s", "2", "-m", "trainer", *trainer_args, "--checkpoint-dir", str(el / "ckpt"), "--json",
+           str(el / "run.json")]
     with open(log, "w") as f:
         job = subprocess.Popen(cmd, cwd=REPO, env=environ(), stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -77,15 +80,20 @@ def test_a_tp_job_that_loses_a_rank_restarts_from_its_checkpoint_and_equals_the_
         while not (el / "ckpt" / "step-00000008").exists():
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.02)
-        victim = rank_pid(job.pid, 1)
+        victim = rank_pid(job.pid, rank)
         assert victim is not None, log.read_text()[-3000:]
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         assert job.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-4000:]
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
-    text = log.read_text()
+    return el, log.read_text()
+
+
+def test_a_tp_job_that_loses_a_rank_restarts_from_its_checkpoint_and_equals_the_undisturbed_run(tmp_path):
+    ref = tmp_path / "ref"
+    el, text = signal_mid_run(tmp_path, "1:2", 2, TRAIN[2:], 1, signal.SIGKILL)
     said = [ln for ln in text.splitlines()
             if ln.startswith("[rank") and "lost (PeerLostError) and tp 2 x pp 1 keeps no copy" in ln]
     assert len(said) == 1, text[-4000:]
@@ -147,24 +155,8 @@ def test_the_trainer_leaves_on_sigterm_and_its_checkpoints_load_at_another_size(
     """python -m trainer --elastic 2:3 with --checkpoint-dir: rank 2 gets SIGTERM mid-run, leaves
     (exit 0, no joiner), the two others checkpoint on; one process resumes from one of their
     checkpoints; both end equal to an undisturbed one-process run."""
-    el, ref, again = tmp_path / "el", tmp_path / "ref", tmp_path / "again"
-    log = tmp_path / "el.log"
-    cmd = [sys.executable, "-m", "runtime.launch", "--elastic", "2:3", "-n", "3", "--timeout-s", "30",
-           "--grace-s", "2", "-m", "trainer", *DP, "--checkpoint-dir", str(el / "ckpt"), "--json", str(el / "run.json")]
-    with open(log, "w") as f:
-        job = subprocess.Popen(cmd, cwd=REPO, env=environ(), stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (el / "ckpt" / "step-00000008").exists():
-            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.02)
-        os.kill(rank_pid(job.pid, 2), signal.SIGTERM)
-        assert job.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-4000:]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    text = log.read_text()
+    ref, again = tmp_path / "ref", tmp_path / "again"
+    el, text = signal_mid_run(tmp_path, "2:3", 3, DP, 2, signal.SIGTERM)
     assert "[launch] rank 2 left the job (left the elastic job on SIGTERM" in text, text[-3000:]
     assert "trainer: rank 2: left the elastic job on SIGTERM" in text and "joiner" not in text, text[-3000:]
     by_two = [p for p in sorted((el / "ckpt").glob("step-*"))
