@@ -124,5 +124,5 @@ async def settle(run, epoch: int, k: int) -> int:
             await preempt.stop(todo.signum, run.saver(epoch, k))
         if todo.kind == "leave" and run.rank in todo.ranks:
             await go(job, preempt.noted(), run.state.step, [r for r in range(run.size) if r not in todo.ranks])
-        await run._regroup(epoch, k, None, lost=list(todo.ranks) if todo.kind == "leave" else None)
+        await run.regroup(epoch, k, None, lost=list(todo.ranks) if todo.kind == "leave" else None)
         k = run.state.step_in_epoch

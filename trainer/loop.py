@@ -289,10 +289,10 @@ class _Run:
                     k = self.state.step_in_epoch = k + 1
                     self.state.step += 1
                 self.progress.log(f"rank {self.rank}: {type(exc).__name__}: {exc}; re-forming the job")
-                await self._regroup(epoch, k, exc)
+                await self.regroup(epoch, k, exc)
                 k, self.settle = self.state.step_in_epoch, True
 
-    async def _regroup(self, epoch: int, k: int, exc: BaseException | None, lost: list[int] | None = None) -> None:
+    async def regroup(self, epoch: int, k: int, exc: BaseException | None, lost: list[int] | None = None) -> None:
         """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch (and run)."""
         at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc,
                                                                   lost=lost)
