@@ -65,10 +65,12 @@ def line(lost: list[int], exc: BaseException, layout: str | None, checkpoint_dir
     """The one line: what was lost, the newest checkpoint, the optimizer steps that repeat."""
     newest = checkpoint.latest(checkpoint_dir)
     saved = int(newest.name.rsplit("-", 1)[1]) if newest is not None else 0
-    what = f"rank(s) {lost}" if lost else "a rank"
-    why = (f"{layout} keeps no copy of a rank's state" if layout and not isinstance(exc, ShardLostError)
-           else "their buddy copies were lost with them")
+    if isinstance(exc, ShardLostError):
+        what = f"the shard(s) of rank(s) {lost} and their buddy copies were lost together (ShardLostError)"
+    else:
+        what = (f"{f'rank(s) {lost}' if lost else 'a rank'} lost ({type(exc).__name__}), and {layout} keeps no copy "
+                f"of a rank's state")
     where = (f"checkpoint {newest.name} (optimizer step {saved})" if newest is not None
              else f"the start (no checkpoint in {checkpoint_dir} yet)")
-    return (f"trainer: {what} lost ({type(exc).__name__}) and {why}: every member restarts from {where}; "
+    return (f"trainer: {what}: every member restarts from {where}; "
             f"{max(0, step - saved)} optimizer step(s) run again")

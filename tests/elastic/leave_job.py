@@ -94,7 +94,8 @@ async def main():
             np.save(os.path.join(OUT, "params.npy"), params)
         shrunk = [t for t, n in sizes.seen if n < rt.world_size]
         if shrunk and os.path.exists(os.path.join(OUT, "term")):
-            signalled = float(open(os.path.join(OUT, "term")).read())
+            with open(os.path.join(OUT, "term")) as f:
+                signalled = float(f.read())
             print(f"shrunk step: {shrunk[0] - signalled:.3f} s after the signal", flush=True)
         print(f"member done: generation {final.generation}, rank {final.rank} of {final.world_size}", flush=True)
     except Left as exc:

@@ -95,7 +95,7 @@ def test_a_tp_job_that_loses_a_rank_restarts_from_its_checkpoint_and_equals_the_
     ref = tmp_path / "ref"
     el, text = signal_mid_run(tmp_path, "1:2", 2, TRAIN[2:], 1, signal.SIGKILL)
     said = [ln for ln in text.splitlines()
-            if ln.startswith("[rank") and "lost (PeerLostError) and tp 2 x pp 1 keeps no copy" in ln]
+            if ln.startswith("[rank") and "lost (PeerLostError), and tp 2 x pp 1 keeps no copy" in ln]
     assert len(said) == 1, text[-4000:]
     assert "rank(s) [1]" in said[0] and "every member restarts from checkpoint step-" in said[0], said
     assert "optimizer step(s) run again" in said[0] and "restarting the job (1 of 3)" in text, text[-3000:]
@@ -195,8 +195,8 @@ def test_a_rank_lost_with_the_holder_of_its_copy_restarts_from_the_checkpoint(tm
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-4000:]
-    said = [ln for ln in log.splitlines() if ln.startswith("[rank") and "lost (ShardLostError)" in ln]
-    assert len(said) == 1 and "rank(s) [2]" in said[0] and "their buddy copies were lost with them" in said[0], \
+    said = [ln for ln in log.splitlines() if ln.startswith("[rank") and "(ShardLostError)" in ln]
+    assert len(said) == 1 and "the shard(s) of rank(s) [2] and their buddy copies were lost together" in said[0], \
         log[-4000:]
     assert "every member restarts from checkpoint step-00000004" in said[0], said
     assert "restarting the job (1 of 3)" in log and log.count("member done:") == 3, log[-3000:]
