@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
-from runtime import auth, jobfile, launch_elastic, procs
+from runtime import auth, jobfile, launch_elastic, membership, procs
 from runtime import env
 from runtime.errors import JobFileError, RingweaveError, WouldBlock
 from runtime.init import ABORT_KEY
@@ -165,6 +165,19 @@ def left_record(server, restart: int, member: str) -> str | None:
         return server.data.get_nowait(f"{elastic_prefix(restart)}/left/{member}").decode("utf-8", "replace")
     except (WouldBlock, RingweaveError):
         return None
+
+
+def latest_members(server, restart: int) -> set[str] | None:
+    """The member ids of the latest generation decided in elastic attempt ``restart`` (None: unknown)."""
+    if server is None:
+        return None
+    prefix = elastic_prefix(restart)
+    try:
+        g = int(server.data.get_nowait(f"{prefix}/{membership.LATEST}"))
+        record = membership.decode_record(server.data.get_nowait(f"{prefix}/gen/{g}"), g)
+    except (WouldBlock, RingweaveError, ValueError):
+        return None
+    return set(record.get("members", ()))
 
 
 PIPE_WAIT_S = 0.3  # how long a failed rank's last lines (its traceback) may take to arrive after its exit
@@ -345,7 +358,8 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                         outcome = await launch_elastic.run_elastic_attempt(
                             cfg, envs, console, stopper, deadline,
                             launch_elastic.fold_for(aborted, _echo_of_abort), restart,
-                            functools.partial(left_record, server, restart))
+                            functools.partial(left_record, server, restart),
+                            functools.partial(latest_members, server, restart))
                     else:
                         outcome = await run_attempt(cfg, envs, console, stopper, deadline, aborted)
                 except OSError as exc:

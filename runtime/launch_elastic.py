@@ -58,10 +58,12 @@ async def record_first_generation(cfg: LaunchConfig, port: int, secret: str | No
 
 async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console, stopper, deadline,
                               fold: Callable[[int], Callable[[], str | None]], restart: int,
-                              left: Callable[[str], str | None] = lambda member: None) -> Outcome:
+                              left: Callable[[str], str | None] = lambda member: None,
+                              latest: Callable[[], set[str] | None] = lambda: None) -> Outcome:
     """Spawns the ranks, restarts lost ones as joiners while MIN run, and always stops and reaps
     every process before returning (see the module docstring). ``left(member)``: why that member
-    left the job on purpose (its ``left/<member>`` record), or None."""
+    left the job on purpose (its ``left/<member>`` record), or None; ``latest()``: the members of
+    the latest generation decided (None: unknown)."""
     bounds = parse_bounds(cfg.elastic)
     argv = rank_argv(cfg)
     spawned: list[procs.RankProcess] = []
@@ -132,7 +134,9 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                 if r.returncode == USAGE_EXIT and running:  # every rank refuses alike; rank 0 says why:
                     others = [p.protocol.pipes_closed for p in running.values()]  # let its line arrive
                     await asyncio.wait(others, timeout=cfg.grace_s)
-                why = fatal(r.returncode, too_few, finished, live, bounds.min_size, joins[r.rank], preempted)
+                held = latest()  # a joiner is let in by members that hold the state: is one left?
+                holders = held is None or any(members[id(p)] in held for p in running.values())
+                why = fatal(r.returncode, too_few, finished, live, bounds.min_size, joins[r.rank], preempted, holders)
                 if why is not None:
                     console.say(f"rank {r.rank} exited with {describe_exit(r.returncode)}: "
                                 + (why if why != "below" else f"{live} ranks left, fewer than the minimum "
@@ -165,9 +169,10 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
 
 
 def fatal(code: int, too_few: bool, finished: bool, live: int, min_size: int, joins: int,
-          preempted: set[int]) -> str | None:
+          preempted: set[int], holders: bool = True) -> str | None:
     """Why a rank's non-zero exit ends the attempt ("below": fewer than MIN live), or None: the
-    others go on and a joiner takes its slot. Pure."""
+    others go on and a joiner takes its slot. ``holders``: whether a process of the latest
+    generation still runs (else only joiners are left, and nobody can let them in). Pure."""
     if code == FALLBACK_EXIT:
         return "its state has no copy left: the job restarts from its checkpoint"
     if code in preempted:
@@ -178,6 +183,8 @@ def fatal(code: int, too_few: bool, finished: bool, live: int, min_size: int, jo
         return "below"
     if too_few or finished or joins >= MAX_JOINS:
         return "it cannot be replaced"
+    if not holders:
+        return "no member of the job's latest generation is left to let a joiner in"
     return None
 
 

@@ -127,6 +127,8 @@ def test_which_exits_restart_the_attempt_and_which_fail_it():
     assert fatal(-9, False, False, 3, 2, 0, {143}) is None  # a shrink; a joiner takes the slot
     assert fatal(-9, False, False, 1, 2, 0, {143}) == "below"
     assert fatal(1, True, False, 3, 2, 0, {143}) == "it cannot be replaced"
+    # only joiners left (every process of the latest generation gone): nobody can let them in
+    assert fatal(1, False, False, 2, 1, 0, {143}, holders=False).startswith("no member of the job's latest generation")
     fell_back = Outcome(Ending.FAILED, failure=RankExit(0, FALLBACK_EXIT, 0.0, None))
     assert restarts_allowed(fell_back) == MAX_FALLBACKS
     assert restarts_allowed(Outcome(Ending.FAILED, failure=RankExit(0, -9, 0.0, None))) == 0
