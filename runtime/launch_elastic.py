@@ -13,8 +13,9 @@ empty: the signal said its resources go elsewhere. The attempt ends:
                 running ``--grace-s`` after the others finished came too late, and is stopped);
     FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError
                 or exited 2 (a refusal of its arguments) or 128 + a preemption signal (the job was
-                preempted as a whole), or a slot failed more than ``MAX_JOINS`` times: the failure
-                names that rank. A rank's ``FALLBACK_EXIT`` (its state has no copy left in memory:
+                preempted as a whole), a slot failed more than ``MAX_JOINS`` times, or no process of
+                the latest generation is left (joiners alone cannot be let in): the failure names
+                that rank. A rank's ``FALLBACK_EXIT`` (its state has no copy left in memory:
                 trainer/checkpoint_fallback.py) fails the attempt to be restarted from the
                 checkpoint, at most ``MAX_FALLBACKS`` times (``restarts_allowed``);
     INTERRUPTED / TIMED_OUT as a fixed job's attempt (launch.py).
