@@ -458,6 +458,12 @@ def interleave_main(args) -> int:
     cpu = [tc / oc for _, _, oc, tc, _ in rows]
     print(f"median ratio of tokens/s (ours / torch) {statistics.median(ratios):.2f}x (goal >= 0.8x), "
           f"of CPU time per step (torch / ours) {statistics.median(cpu):.2f}x")
+    if args.out:  # --out: the rounds as JSON too (bench/machine.py reads the median)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "steps": args.steps, "batch": args.batch, "ratios": ratios,
+                       "median_ratio": statistics.median(ratios), "median_cpu_ratio": statistics.median(cpu)}, f,
+                      indent=1)
     return 0
 
 
@@ -929,7 +935,7 @@ def main(argv=None) -> int:
                    help="gradient codecs, comma-separated, each a row: e.g. none,int8 or int8+ef (TrainConfig."
                         "compression; the worker: one codec)")
     p.add_argument("--out-dir", default=None, help="directory for trainer.json (default: the current directory)")
-    p.add_argument("--out", default=None, help="JSON path (default: OUT_DIR/trainer.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: OUT_DIR/trainer.json; --interleave: none)")
     p.add_argument("--meshes", default=None,
                    help="--model gpt: meshes to compare, e.g. dp4,tp2xdp2,pp2xdp2,tp2xpp2 (a row each)")
     p.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches (default 8 with pp > 1)")

@@ -22,7 +22,7 @@ import asyncio
 import weakref
 
 from collectives import calls
-from runtime.errors import CollectiveTimeoutError, PeerLostError, PeerTimeoutError
+from runtime.errors import CollectiveTimeoutError, PeerLostError, PeerTimeoutError, ranks_in_words
 from runtime.group import ProcessGroup, check_timeout
 
 __all__ = ["monitored_barrier"]
@@ -40,7 +40,7 @@ async def monitored_barrier(group=None, timeout: float | None = None, wait_all_r
     Example (3 ranks, rank 2 never calls it)::
 
         await monitored_barrier(timeout=2)
-        # Rank 0, 1: CollectiveTimeoutError: monitored_barrier (group 0): rank(s) [2] did not arrive in 2.0 s
+        # Rank 0, 1: CollectiveTimeoutError: monitored_barrier (group 0): rank 2 did not arrive in 2.0 s
 
     Raises:
         CollectiveTimeoutError: ranks did not arrive in time (``missing`` names them, world ranks).
@@ -68,7 +68,7 @@ async def monitored_barrier(group=None, timeout: float | None = None, wait_all_r
             raise CollectiveTimeoutError(f"rank {runtime.rank}: {what}: rank {root} (group rank 0) did not answer "
                                          f"in {2 * timeout:.1f} s ({exc})", missing=[root]) from None
         if reply:
-            raise CollectiveTimeoutError(f"rank {runtime.rank}: {what}: rank(s) {reply} did not arrive in "
+            raise CollectiveTimeoutError(f"rank {runtime.rank}: {what}: {ranks_in_words(reply)} did not arrive in "
                                          f"{timeout:.1f} s (rank {root} waited for them)", missing=reply)
         return
     others = group.ranks[1:]
@@ -87,5 +87,5 @@ async def monitored_barrier(group=None, timeout: float | None = None, wait_all_r
     await asyncio.gather(*(actor.send(peer, answer, named, timeout_s=timeout) for peer in arrived),
                          return_exceptions=True)  # a rank gone since it arrived learns nothing more
     if missing:
-        raise CollectiveTimeoutError(f"rank {runtime.rank}: {what}: rank(s) {named} did not arrive in "
+        raise CollectiveTimeoutError(f"rank {runtime.rank}: {what}: {ranks_in_words(named)} did not arrive in "
                                      f"{timeout:.1f} s", missing=named)

@@ -28,7 +28,7 @@ import numpy as np
 from collectives import api, uneven
 from collectives.calls import member_group_of
 from collectives.ops import check_root
-from runtime.errors import BadFrameError, CollectiveError
+from runtime.errors import BadFrameError, CollectiveError, ranks_in_words
 
 __all__ = ["broadcast_object", "all_gather_object", "gather_object", "scatter_object"]
 
@@ -63,8 +63,9 @@ def _check_sizes(what: str, sizes: np.ndarray, group, own_error: TypeError | Non
         raise own_error
     failed = [r for r in range(sizes.size) if sizes[r] == _FAILED]
     if failed:
-        raise CollectiveError(f"{what}: group rank(s) {failed} (world {[group.ranks[r] for r in failed]}) could "
-                              f"not encode their value with msgpack; see the TypeError there")
+        raise CollectiveError(f"{what}: group {ranks_in_words(failed)} (world "
+                              f"{ranks_in_words(group.ranks[r] for r in failed)}) could not encode their value "
+                              f"with msgpack; see the TypeError there")
 
 
 def _as_array(data: bytes) -> np.ndarray:

@@ -32,7 +32,7 @@ import numpy as np
 from collectives import ops
 from collectives.calls import group_of
 from collectives.tensors import takes_tensors
-from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError
+from runtime.errors import CollectiveTimeoutError, MessageMismatchError, PeerLostError, ranks_in_words
 from runtime.group import check_timeout
 
 __all__ = ["send", "recv", "sendrecv", "probe", "iprobe", "Status"]
@@ -299,5 +299,5 @@ def _check_alive(group, src, tag) -> None:
     lost = actor.lost_peers()
     others = [r for r in group.ranks if r != actor.rank] if src is None else [group.ranks[src]]
     if others and all(r in lost for r in others):
-        raise PeerLostError(f"rank {actor.rank}: probe (tag {tag}): rank(s) {others} of group {group.gid} "
-                            f"are gone", others[0])
+        raise PeerLostError(f"rank {actor.rank}: probe (tag {tag}): {ranks_in_words(others)} of group {group.gid} "
+                            f"gone", others[0])

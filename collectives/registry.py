@@ -220,6 +220,31 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
         layout, hosts = topology.layout, topology.hosts
         per_host = world if hosts == 1 else max(len(node) for node in topology.nodes)
     shm = not subcall and (group is None or group.shm_enabled) and shm_usable()
+    reader = _SETTINGS_READERS.get(collective)
+    if reader is None:
+        reader = _SETTINGS_READERS[collective] = env.raw_reader(env.ALGO[collective], env.TUNE, env.TUNE_FILE)
+    key = (collective, nbytes, world, override, subcall, shm, layout, hosts, per_host, reader())
+    chosen = _CHOICES.get(key)
+    if chosen is None:
+        chosen = _choose(collective, algorithms, nbytes, world, override, subcall, shm, layout, hosts, per_host)
+        if len(_CHOICES) > 4096:
+            _CHOICES.clear()
+        _CHOICES[key] = chosen
+    return chosen
+
+
+# A call's choice is a pure function of its arguments, the group's hosts and shared memory, and the
+# raw text of the settings that name an algorithm or the tuning rules (RINGWEAVE_ALGO_<COLLECTIVE>,
+# RINGWEAVE_TUNE, RINGWEAVE_TUNE_FILE): a training loop's calls repeat, and one look-up on those is
+# cheaper than parsing the settings and finding the rules again. A setting changed between calls
+# changes the key, so it still takes effect at the next call.
+_CHOICES: dict[tuple, tuple[str, Callable]] = {}
+_SETTINGS_READERS: dict[str, Callable[[], tuple]] = {}
+
+
+def _choose(collective: str, algorithms: dict, nbytes: int, world: int, override: str | None, subcall: bool,
+            shm: bool, layout: str, hosts: int, per_host: int) -> tuple[str, Callable]:
+    """:func:`choose` without the memo."""
     from_env = override is None and not subcall
     if from_env:
         override = env.ALGO.get(collective)
@@ -272,5 +297,13 @@ def _chosen(collective: str, nbytes: int, world: int, shm: bool, layout: str, ho
 # (collective, nbytes, world, shared memory on, layout, hosts, rules file) -> the choice. The rules are
 # pure functions of those: a training loop's calls repeat, and a look-up is cheaper than walking
 # the lambdas (bench/results/runtime.md#choosing-from-the-table). The tables are fixed at import;
-# code that edits them afterwards must call _CHOSEN.clear().
+# code that edits them afterwards must call forget().
 _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
+
+
+def forget() -> None:
+    """Forgets every choice made and the rules files read (after a table or a rules file changed
+    in this process)."""
+    _CHOSEN.clear()
+    _CHOICES.clear()
+    tunefile.forget()

@@ -109,13 +109,23 @@ def takes_tensors(*, writes: tuple[str, ...] = (), reads: tuple[str, ...] = ()):
         params = list(inspect.signature(fn).parameters)
         slots = [(params.index(n), n, n in writes) for n in (*writes, *reads)]
 
-        @functools.wraps(fn)
-        def call(*args, **kw):  # a plain function: an array's call costs no second coroutine
-            for i, n, _ in slots:
+        if len(slots) == 1:  # the in-place calls (all_reduce, broadcast, ...): one argument to look at
+            (i, n, _), = slots
+
+            @functools.wraps(fn)
+            def call(*args, **kw):  # a plain function: an array's call costs no second coroutine
                 a = args[i] if i < len(args) else kw.get(n)
                 if type(a) is not np.ndarray and is_torch(a):
                     return with_tensors(args, kw)
-            return fn(*args, **kw)
+                return fn(*args, **kw)
+        else:
+            @functools.wraps(fn)
+            def call(*args, **kw):
+                for i, n, _ in slots:
+                    a = args[i] if i < len(args) else kw.get(n)
+                    if type(a) is not np.ndarray and is_torch(a):
+                        return with_tensors(args, kw)
+                return fn(*args, **kw)
 
         async def with_tensors(args, kw):
             args, given = list(args), {}

@@ -54,7 +54,7 @@ _FILE_RULES = private.Rules("the tuner's rules file", private.NOT_WRITABLE, Priv
                             mode_fix="chmod go-w it")
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity: a key of registry._CHOSEN
+@dataclass(frozen=True, eq=False)  # hashed by identity: part of a key of registry._CHOSEN
 class TuneRules:
     """A checked rules file: per state ("shm" on, "tcp" only) and collective, ``(upto, algorithm)``
     pairs in rising ``upto`` (bytes, inclusive; None: any size); algorithm None: the table's."""
@@ -227,6 +227,11 @@ def save(doc: dict, algorithms: Mapping, path: str | None = None) -> str:
 
 # (file setting, world, hosts, per_host) -> the rules or None; refusals warned once each
 _LOADED: dict[tuple, TuneRules | None] = {}
+
+
+def forget() -> None:
+    """Forgets the rules files read (registry.forget)."""
+    _LOADED.clear()
 
 
 def rules_for(world: int, hosts: int, per_host: int, algorithms: Mapping) -> TuneRules | None:

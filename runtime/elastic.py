@@ -29,7 +29,7 @@ from typing import Iterable
 import msgpack
 
 from runtime import auth, env, membership, scheduler
-from runtime.errors import CollectiveTimeoutError, MembershipError, PeerLostError, RingweaveError
+from runtime.errors import CollectiveTimeoutError, MembershipError, PeerLostError, RingweaveError, StoreTimeoutError
 from runtime.init import _wire, set_current
 from runtime.launch_config import elastic_prefix, parse_bounds
 from runtime.rankruntime import RankRuntime
@@ -42,14 +42,18 @@ __all__ = ["ElasticRendezvous", "from_env", "reform", "lost_ranks"]
 log = logging.getLogger("ringweave.elastic")
 
 SETTLE_S = 2.0  # how long survivors wait for a member that did not check in (membership's settle_s)
+MAX_UNWIRED = 3  # generations in a row decided with a member that died before it connected
 
 
 def lost_ranks(exc: BaseException) -> list[int]:
-    """The ranks of the failed generation that ``exc`` names as lost (none: unknown)."""
+    """The ranks of the failed generation that ``exc`` names as lost (none: unknown, the next
+    generation then waits ``settle_s`` for every member to check in). A timeout names the ranks
+    that had not reached the call or did not answer (``absent``), not those its algorithm waited
+    on (``missing``): in a ring, a rank waits on a live neighbour that itself waits on the stopped one."""
     if isinstance(exc, PeerLostError) and exc.rank is not None:
         return [exc.rank]
     if isinstance(exc, CollectiveTimeoutError):
-        return sorted(set(exc.missing) | set(exc.absent))
+        return sorted(set(exc.absent))
     return []
 
 
@@ -146,6 +150,10 @@ async def reform(rt: RankRuntime, rdzv: ElasticRendezvous, *, lost: Iterable[int
     """Closes ``rt`` (telling its peers ``reason``) and returns the runtime of the next generation:
     the survivors not in ``lost`` (ranks of ``rt``'s generation) and the joiners waiting.
 
+    A member of the decided generation that never publishes its address (it died after the
+    decision) is taken for lost once the timeout passes: the generation after is decided without it
+    (at most ``MAX_UNWIRED`` times in a row).
+
     Raises:
         TooFewMembersError: fewer than MIN remain and no joiner came in time (the job stops).
         ExcludedError: the generation was decided without this process.
@@ -154,7 +162,20 @@ async def reform(rt: RankRuntime, rdzv: ElasticRendezvous, *, lost: Iterable[int
     timeout_s = rt.timeout_s
     rdzv.take_lost(lost)
     await rt.close(reason)
-    m = await rdzv.next_rendezvous(timeout_s)
-    new = await _wire(m, timeout_s, None)
-    set_current(new)
-    return new
+    unwired_tries = 0
+    while True:
+        m = await rdzv.next_rendezvous(timeout_s)
+        try:
+            new = await _wire(m, timeout_s, None)
+        except StoreTimeoutError as exc:  # rendezvous.not_joined_error: the addr/<rank> keys missing
+            unwired = sorted({int(k.rsplit("/", 1)[1]) for k in exc.keys  # keys ".../addr/<rank>"
+                              if k.rsplit("/", 2)[-2:-1] == ["addr"] and k.rsplit("/", 1)[1].isdigit()})
+            if not unwired or m.rank in unwired or unwired_tries == MAX_UNWIRED:
+                raise
+            unwired_tries += 1
+            log.warning("generation %d: ranks %s never connected; deciding the next without them", m.generation,
+                        unwired)
+            rdzv.take_lost(unwired)
+            continue
+        set_current(new)
+        return new

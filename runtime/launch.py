@@ -40,7 +40,7 @@ import msgpack
 
 from runtime import auth, jobfile, launch_elastic, membership, procs
 from runtime import env
-from runtime.errors import JobFileError, RingweaveError, WouldBlock
+from runtime.errors import JobFileError, RingweaveError, WouldBlock, ranks_in_words
 from runtime.init import ABORT_KEY
 from runtime.launch_config import (
     LaunchConfig,
@@ -259,9 +259,9 @@ async def run_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], console: Co
             console.say(notice)
         killed = await procs.stop_all(ranks, sig, cfg.grace_s, hurry=lambda: stopper.hurried)
         if killed and stopper.hurried:
-            console.say(f"ranks {killed} killed at once (second signal)")
+            console.say(f"{ranks_in_words(killed)} killed at once (second signal)")
         elif killed:
-            console.say(f"ranks {killed} did not stop within --grace-s {cfg.grace_s:g}: killed")
+            console.say(f"{ranks_in_words(killed)} did not stop within --grace-s {cfg.grace_s:g}: killed")
         await procs.drain(ranks, timeout_s=1.0)
         for r in ranks:
             r.close()

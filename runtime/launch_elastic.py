@@ -12,11 +12,11 @@ empty: the signal said its resources go elsewhere. The attempt ends:
     SUCCEEDED   every running rank exited 0 (no slot is restarted once one has; a joiner still
                 running ``--grace-s`` after the others finished came too late, and is stopped);
     FAILED      a rank exited non-zero and fewer than MIN ranks run, a rank said TooFewMembersError
-                or exited 2 (a refusal of its arguments) or 128 + a preemption signal (the job was
-                preempted as a whole), a slot failed more than ``MAX_JOINS`` times, or no process of
-                the latest generation is left (joiners alone cannot be let in): the failure names
-                that rank. A rank's ``FALLBACK_EXIT`` (its state has no copy left in memory:
-                trainer/checkpoint_fallback.py) fails the attempt to be restarted from the
+                or ShardLostError, or exited 2 (a refusal of its arguments) or 128 + a preemption
+                signal (the job was preempted as a whole), a slot failed more than ``MAX_JOINS`` times,
+                or no process of the latest generation is left (joiners alone cannot be let in): the
+                failure names that rank. A rank's ``FALLBACK_EXIT`` (its state has no copy left in
+                memory: trainer/checkpoint_fallback.py) fails the attempt to be restarted from the
                 checkpoint, at most ``MAX_FALLBACKS`` times (``restarts_allowed``);
     INTERRUPTED / TIMED_OUT as a fixed job's attempt (launch.py).
 
@@ -43,6 +43,9 @@ MAX_JOINS = 3  # a slot whose processes failed this many times more is the job's
 FALLBACK_EXIT = 75  # a rank whose state has no copy left (EX_TEMPFAIL): restart the attempt from the checkpoint
 MAX_FALLBACKS = 3  # restarts from the checkpoint per job
 RECORD_TIMEOUT_S = 10.0
+# a rank that exits with one of these ends the attempt: too few members, or a shard with no copy left
+# (no joiner could bring it back; the state must come from a checkpoint)
+JOB_ENDING_ERRORS = ("TooFewMembersError", "ShardLostError")
 
 
 async def record_first_generation(cfg: LaunchConfig, port: int, secret: str | None, job: str, restart: int) -> None:
@@ -131,7 +134,7 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                 if r.returncode and not r.protocol.pipes_closed.done():
                     await asyncio.wait([r.protocol.pipes_closed], timeout=0.3)
                 exit_ = RankExit(r.rank, r.returncode, r.protocol.exited_at, r.protocol.last_exception)
-                too_few = "TooFewMembersError" in (exit_.exception or "")
+                too_few = any(name in (exit_.exception or "") for name in JOB_ENDING_ERRORS)
                 if r.returncode == USAGE_EXIT and running:  # every rank refuses alike; rank 0 says why:
                     others = [p.protocol.pipes_closed for p in running.values()]  # let its line arrive
                     await asyncio.wait(others, timeout=cfg.grace_s)

@@ -19,6 +19,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from runtime.errors import ranks_in_words
 from runtime.launch_config import LaunchConfig
 
 EXIT_TIMEOUT = 124  # --max-time-s ran out
@@ -186,8 +187,8 @@ def stop_plan(cfg: LaunchConfig, outcome: Outcome | None) -> tuple[int, str | No
     if outcome.ending is Ending.INTERRUPTED:
         return outcome.signum, None  # forwarded as is: SIGINT stays SIGINT
     if outcome.ending is Ending.TIMED_OUT:
-        return signal.SIGTERM, (f"the job ran past --max-time-s {cfg.max_time_s:g}; stopping ranks "
-                                f"{outcome.running}")
+        return signal.SIGTERM, (f"the job ran past --max-time-s {cfg.max_time_s:g}; stopping "
+                                f"{ranks_in_words(outcome.running)}")
     return signal.SIGTERM, None
 
 

@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable
 
 from runtime import auth, net, wire
 from runtime.acceptor import Acceptor
-from runtime.errors import AuthenticationError, ClosedError, ConnectError, PeerAbortedError, PeerLostError
+from runtime.errors import AuthenticationError, ClosedError, ConnectError, PeerAbortedError, PeerLostError, ranks_in_words
 from runtime.transport import Connection, Sink, TCPConnection
 
 log = logging.getLogger("ringweave.actor")
@@ -184,7 +184,7 @@ class Peers:
                     await self._connected.wait()
         except TimeoutError:
             missing = [r for r in range(self.world_size) if r != self.rank and r not in self.conns]
-            raise ConnectError(f"rank {self.rank}: ranks {missing} did not connect within {timeout_s:.1f} s") from None
+            raise ConnectError(f"rank {self.rank}: {ranks_in_words(missing)} did not connect within {timeout_s:.1f} s") from None
 
     def attach(self, conn: Connection) -> None:
         """Adds a connection made elsewhere (the in-memory transport of runtime/testing)."""

@@ -28,6 +28,7 @@ from runtime import auth, jobfile
 from runtime.errors import RingweaveError
 from runtime.init import read_env
 from runtime.rendezvous import JOB_INFO_KEY
+from runtime.store_main import read_secret_file
 from runtime.store_tcp import TCPStore
 from runtime import jobsecret
 
@@ -53,9 +54,10 @@ def newest_job() -> dict:
 
 
 def _secret(path: str | None) -> str | None:
+    """The secret of ``--secret-file`` (a private file of this user: runtime.store_main's rules),
+    else RINGWEAVE_SECRET's, else None."""
     if path:
-        with open(path) as f:
-            return f.read().strip()
+        return read_secret_file(path).decode()
     value = auth.secret_from_env()
     return value.decode() if value else None
 

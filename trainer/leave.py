@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -121,7 +121,8 @@ async def settle(run, epoch: int, k: int) -> int:
         if todo.kind == "none":
             return k
         if todo.kind == "stop":  # the whole job was signalled: as a fixed job (trainer/preempt.py)
-            await preempt.stop(todo.signum, run.saver(epoch, k))
+            save = (lambda: run.save(epoch, k, replace(run.sums))) if run.options.checkpoint_dir else None
+            await preempt.stop(todo.signum, save)
         if todo.kind == "leave" and run.rank in todo.ranks:
             await go(job, preempt.noted(), run.state.step, [r for r in range(run.size) if r not in todo.ranks])
         await run.regroup(epoch, k, None, lost=list(todo.ranks) if todo.kind == "leave" else None)

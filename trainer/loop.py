@@ -158,8 +158,7 @@ class _Run:
         self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
         self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
         self.stop = False
-        self.elastic = None  # trainer.elastic.ElasticJob of an elastic job
-        self.settle = False  # elastic: the members agree on leavers and joiners before the next step
+        self.elastic, self.settle = None, False  # an elastic job's ElasticJob; whether its members agree first
         self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
                                steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
                                history=self.history, strategy=strategy)
@@ -215,17 +214,17 @@ class _Run:
         self.progress.log(f"saved checkpoint {path} (optimizer step {self.state.step}, {where})"
                           + (f"; best {best['metric']} {best['value']:.4f}: {best['path']}" if best else ""))
 
-    def saver(self, epoch: int, k: int):
-        """What saves this position with a checkpoint directory (None without one)."""
-        return (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
-
-    async def share_run(self) -> None:
-        """After a re-form, with a checkpoint directory: rank 0's run (id, config) on every member,
-        so a joiner's checkpoints name the run the members continue."""
-        if self.options.checkpoint_dir:
-            from collectives.objects import broadcast_object  # local: the loop runs single-process without it
-
-            self.run = await broadcast_object(self.run, src=0, group=self.group)
+    async def restore_newest(self, strategy) -> tuple[int, int, int] | None:
+        """An elastic job whose shard has no copy left in memory (trainer/elastic.py): this run's
+        newest checkpoint loaded into ``strategy`` (every member); its position, or None: none yet."""
+        _, candidates = rundir.checkpoints_to_read(self.options.checkpoint_dir)
+        if not candidates:
+            return None
+        path, meta = await _load_checkpoint(self.options.checkpoint_dir, strategy, self.run_key, candidates)
+        self.sums = EpochSums(**meta["carried"])
+        self.progress.log(f"a shard had no copy left in memory: continuing from {path} (optimizer step "
+                          f"{meta['step']})")
+        return meta["epoch"], meta["step_in_epoch"], meta["step"]
 
     async def open_metrics(self, path: str) -> None:
         """Rank 0 opens the metrics file (a resumed run keeps its rows up to here); every rank
@@ -262,16 +261,14 @@ class _Run:
                 break
 
     async def _elastic_epoch(self, epoch: int, k: int) -> None:
-        """train_epoch's steps in an elastic job (trainer/elastic.py): a step that a lost member
-        interrupted is discarded, the job re-forms, and the step runs again over the new world;
-        between two steps the members let joiners in and signalled ranks go (trainer/leave.py)."""
+        """train_epoch's steps in an elastic job: a step a lost member interrupted runs again over the re-formed
+        job (trainer/elastic.py); between steps, joiners come in and signalled ranks go (trainer/leave.py)."""
         order = epoch_order(self.n_train, seed=self.config.seed, epoch=epoch, shuffle=True)
         g = self.options.global_batch_size
         while True:
             try:
                 if self.settle:  # after a boundary or a re-form (a joiner: its entry), before a step
-                    k = await leave.settle(self, epoch, k)
-                    self.settle = False
+                    k, self.settle = await leave.settle(self, epoch, k), False
                 if k >= self.steps_total:
                     break
                 micro = list(itertools.islice(local_batches_from(order, k * self.accum * g, g, self.data_size,
@@ -293,18 +290,22 @@ class _Run:
                 k, self.settle = self.state.step_in_epoch, True
 
     async def regroup(self, epoch: int, k: int, exc: BaseException | None, lost: list[int] | None = None) -> None:
-        """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch (and run)."""
+        """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch."""
         at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc,
                                                                   lost=lost)
         if at_epoch != epoch:
             raise RuntimeError(f"after re-forming the job, its rank 0 is in epoch {at_epoch}, this rank in {epoch}")
-        self.group = self.data_group = self.elastic.group
-        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
-        self.state.rank, self.state.world_size, self.state.step_in_epoch = self.rank, self.size, k
-        self.progress.enabled = self.rank == 0
-        await self.share_run()
+        self.take_world()
+        self.state.step_in_epoch = k
         self.progress.log(f"generation {self.elastic.rt.generation}: {self.size} ranks, epoch {epoch + 1} "
                           f"step {k} of {self.steps_total} (optimizer step {self.state.step})")
+
+    def take_world(self) -> None:
+        """The elastic job's current generation (a re-form, or a joiner's entry) is the loop's group."""
+        self.group = self.data_group = self.elastic.group
+        self.rank, self.size = self.data_rank, self.data_size = rank_size(self.group)
+        self.state.rank, self.state.world_size = self.rank, self.size
+        self.progress.enabled = self.rank == 0
 
     async def train_step(self, epoch: int, batches: list) -> StepResult:
         """One optimizer step over this rank's part of `batches` (the step's global micro-batches)."""
@@ -358,9 +359,8 @@ class _Run:
         every = self.options.checkpoint_every
         if self.options.checkpoint_dir and every and self.state.step % every == 0 and k < self.steps_total:
             await self.save(epoch, k, EpochSums(**asdict(self.sums)))
-        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py);
-        # an elastic job agrees on signals at every boundary instead (trainer/leave.py)
-        save = self.saver(epoch, k)
+        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py; elastic: leave.py)
+        save = (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
         if self.elastic is None:
             await preempt.at_step_boundary(self.group, save)
         return self.stop
@@ -515,15 +515,18 @@ async def fit(
     run = _Run(strategy, data, config, options, list(callbacks), group,
                Progress(progress_stream or sys.stderr, rank == 0, log_every, unit=unit))
     joiner = elastic is not None and elastic.joined
-    if checkpoint_dir and not joiner:  # a joiner is told the run by the members (share_run)
+    if checkpoint_dir and not joiner:  # a joiner takes the members' run (ElasticJob.sync), not a collective of its own
         await run.open_run(mode, move_aside, run_fields, os.environ if environ is None else environ)
     run.elastic = elastic
-    if joiner:  # the members' state and position (trainer/elastic.py), then their agreement
+    if elastic is not None and checkpoint_dir:  # trainer/elastic.py: the run's id, and a shard with no copy left
+        elastic.carry, elastic.restore = run.run or {}, run.restore_newest
+    if joiner:  # the members' state and position (trainer/elastic.py)
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
-        await run.share_run()
-        run.settle = True
+        run.run = elastic.carry or None
+        run.take_world()  # a member lost while it entered: a later generation than the one it joined
+        run.settle = True  # then the members' agreement (trainer/leave.py)
     try:
-        if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
+        if metrics and not joiner:  # a joiner is never rank 0
             await run.open_metrics(metrics)
         for epoch in range(run.start_epoch, epochs):
             await run.train_epoch(epoch)

@@ -21,11 +21,9 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGWEAVE_TUNE", "1")
     monkeypatch.delenv("RINGWEAVE_TUNE_FILE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    tunefile._LOADED.clear()
-    registry._CHOSEN.clear()
+    registry.forget()
     yield tmp_path
-    tunefile._LOADED.clear()
-    registry._CHOSEN.clear()
+    registry.forget()
 
 
 def doc(world=2, hosts=1, per_host=None, rules=None):
@@ -48,14 +46,21 @@ def test_round_trip(fresh):
 def test_choose_takes_the_rules_and_the_table_when_off(fresh, monkeypatch):
     monkeypatch.setenv("RINGWEAVE_SHM", "0")
     assert registry.choose("all_reduce", 1024, 2)[0] == "recursive_doubling"  # no file: the table
-    tunefile._LOADED.clear()
     tunefile.save(doc(), registry.ALGORITHMS)
+    assert registry.choose("all_reduce", 1024, 2)[0] == "recursive_doubling"  # files are read once
+    registry.forget()
     assert registry.choose("all_reduce", 1024, 2)[0] == "ring"
     assert registry.choose("all_reduce", 4096, 2)[0] == "recursive_doubling"  # beyond the rules
     assert registry.choose("all_reduce", 1024, 2, "halving_doubling")[0] == "halving_doubling"  # overrides first
     assert registry.choose("all_reduce", 1024, 4)[0] == "recursive_doubling"  # another group size: no file
+    monkeypatch.setenv("RINGWEAVE_ALGO_ALL_REDUCE", "halving_doubling")  # a setting changed between calls
+    assert registry.choose("all_reduce", 1024, 2)[0] == "halving_doubling"
+    monkeypatch.delenv("RINGWEAVE_ALGO_ALL_REDUCE")
+    assert registry.choose("all_reduce", 1024, 2)[0] == "ring"
     monkeypatch.setenv("RINGWEAVE_TUNE", "0")
     assert registry.choose("all_reduce", 1024, 2)[0] == "recursive_doubling"
+    monkeypatch.setenv("RINGWEAVE_TUNE", "1")
+    assert registry.choose("all_reduce", 1024, 2)[0] == "ring"
 
 
 def test_a_rule_that_cannot_run_falls_back_to_the_table(fresh, monkeypatch):

@@ -2,42 +2,29 @@
 its slot comes back as a joiner (its shard sent live), and the final parameters equal an undisturbed
 run's (float64, 1e-12); below MIN, and without --elastic, the same kill fails the job."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).with_name("elastic_job.py")
+from el_launch import REPO, environ, launch, undisturbed
+
 TIMEOUT_S = 60
 
 
-def launch(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> tuple[int, str, Path]:
-    out = tmp_path / name
-    out.mkdir()
-    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    environ.pop("RINGWEAVE_SECRET", None)
-    p = subprocess.run([sys.executable, "-m", "runtime.launch", *flags, "-n", "3", "--timeout-s", "20",
-                        "--grace-s", "2", str(JOB), str(out)], cwd=REPO, env=environ, capture_output=True,
-                       text=True, timeout=TIMEOUT_S)
-    return p.returncode, p.stdout + p.stderr, out
-
-
-def undisturbed(tmp_path: Path, strategy: str) -> np.ndarray:
-    code, log, out = launch(tmp_path, "ref", env={"EL_STRATEGY": strategy})
-    assert code == 0, log[-3000:]
-    return np.load(out / "params.npy")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> np.ndarray:
+    """One process: the same global batches, so the training every strategy and world size must equal."""
+    return undisturbed(tmp_path_factory.mktemp("undisturbed"))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
-def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, strategy):
+def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, reference, strategy):
     kill = {"EL_KILL_RANK": "1", "EL_KILL_STEP": "4", "EL_STEP_S": "0.15", "EL_STRATEGY": strategy}
     code, log, out = launch(tmp_path, "el", "--elastic", "2:3", env=kill)
     assert code == 0, log[-4000:]
-    assert (out / "kill").exists(), log[-3000:]
+    assert (out / "fault-1").exists(), log[-3000:]
     assert "starting a joiner in its place" in log, log[-3000:]
     # two survivors and the joiner finish together, in a generation of 3 (shrunk, then grown back)
     done = [line for line in log.splitlines() if "member done:" in line]
@@ -49,7 +36,7 @@ def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_pat
     if strategy == "ddp":  # a step that raised changed no state: every survivor equals new rank 0 already
         checks = [line for line in log.splitlines() if "reshard: parameters equal" in line]
         assert len(checks) >= 2 and all(line.endswith("True") for line in checks), log[-3000:]
-    np.testing.assert_allclose(np.load(out / "params.npy"), undisturbed(tmp_path, strategy), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.load(out / "params.npy"), reference, rtol=1e-12, atol=1e-14)
     for line in log.splitlines():
         if "first step after the loss" in line:
             print(line)
@@ -71,10 +58,8 @@ def test_without_elastic_the_kill_fails_the_job(tmp_path):
 
 
 def test_the_trainer_refuses_a_layout_it_cannot_keep_elastic_in_one_line(tmp_path):
-    environ = {**os.environ, "PYTHONPATH": str(REPO)}
-    environ.pop("RINGWEAVE_SECRET", None)
     p = subprocess.run([sys.executable, "-m", "runtime.launch", "--elastic", "1:2", "-n", "2", "-m", "trainer",
-                        "--data", "synthetic", "--compression", "int8"], cwd=REPO, env=environ, capture_output=True,
+                        "--data", "synthetic", "--compression", "int8"], cwd=REPO, env=environ(), capture_output=True,
                        text=True, timeout=TIMEOUT_S)
     assert p.returncode == 2, p.stderr[-3000:]
     refusals = [line for line in p.stderr.splitlines() if "trainer: error: --elastic runs ddp" in line]

@@ -255,7 +255,7 @@ def test_stop_plan():
         signal.SIGTERM, "rank 1 failed with signal SIGSEGV (exit code 139); stopping the other ranks")
     assert launch_outcome.stop_plan(cfg(), Outcome(Ending.INTERRUPTED, signum=signal.SIGINT)) == (signal.SIGINT, None)
     assert launch_outcome.stop_plan(cfg(max_time_s=2.0), Outcome(Ending.TIMED_OUT, running=[0, 3])) == (
-        signal.SIGTERM, "the job ran past --max-time-s 2; stopping ranks [0, 3]")
+        signal.SIGTERM, "the job ran past --max-time-s 2; stopping ranks 0 and 3")
 
 
 # -- one traceback per failure (procs.TracebackFolder, failure_report with an abort) ----------

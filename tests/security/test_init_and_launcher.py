@@ -75,7 +75,7 @@ async def test_a_rank_with_the_wrong_secret_gets_authentication_error_not_a_grou
 
     got = await asyncio.gather(*(rank(r) for r in range(2)))
     assert type(got[1]) is AuthenticationError and "refused us" in str(got[1]), repr(got[1])
-    assert type(got[0]) is ConnectError and "ranks [1] did not connect" in str(got[0]), repr(got[0])
+    assert type(got[0]) is ConnectError and "rank 1 did not connect" in str(got[0]), repr(got[0])
 
 
 async def test_the_secret_leaves_the_environment_once_read(monkeypatch):

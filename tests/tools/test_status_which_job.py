@@ -72,3 +72,21 @@ def test_a_named_job_is_shown_under_its_name_and_json_stays_a_list(jobs, capsys)
     captured = capsys.readouterr()
     assert json.loads(captured.out) == CANNED and shown == ["job-a", "job-b"]
     assert "the newest of 2 jobs" in captured.err  # which one, beside the JSON
+
+
+@pytest.mark.parametrize("how", ["group-readable", "a link"])
+def test_a_secret_file_others_could_read_or_a_link_is_refused(jobs, tmp_path, capsys, how):
+    """``--secret-file`` is held to the store's rules (a 0600 file of this user, not a link): the
+    command refuses the file, saying which and why, and connects to nothing."""
+    start, shown = jobs
+    start("job-a", 1000.0)
+    real = tmp_path / "secret"
+    real.write_text("s\n")
+    os.chmod(real, 0o640 if how == "group-readable" else 0o600)
+    given = real
+    if how == "a link":
+        given = tmp_path / "link"
+        given.symlink_to(real)
+    assert status.main(["--job", "job-a", "--master-port", "1", "--secret-file", str(given)]) == 1
+    err = capsys.readouterr().err
+    assert str(given) in err and shown == [], err

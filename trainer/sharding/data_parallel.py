@@ -41,6 +41,7 @@ from typing import Callable
 
 import numpy as np
 
+from runtime.errors import ranks_in_words
 from trainer.nn import ActivationMeter, Loss, Model, shard_bounds
 from trainer.optim import SGD, AdamW, Constant, WarmupCosine
 from trainer.precision import DynamicLossScaler, PrecisionPolicy, dtype_name, has_inf_or_nan, resolve_dtype, unscale_
@@ -558,6 +559,7 @@ def _raise_on_mismatch(name: str, every: np.ndarray, what: str, step: int) -> No
     best = counts.max()
     majority = every[0] if counts[list(values).index(every[0])] == best else values[counts.argmax()]
     differ = [r for r in range(len(every)) if every[r] != majority]
-    raise ReplicaMismatchError(
-        f"{name}: replicated state ({what}) differs across ranks at step {step}: rank(s) {differ} differ from "
-        f"rank(s) {[r for r in range(len(every)) if every[r] == majority]}", differ)
+    verb = "holds" if len(differ) == 1 else "hold"
+    agree = ranks_in_words(r for r in range(len(every)) if every[r] == majority)
+    raise ReplicaMismatchError(f"{name}: replicated state ({what}) differs across ranks at step {step}: "
+                               f"{ranks_in_words(differ)} {verb} other values than {agree}", differ)

@@ -15,8 +15,9 @@ strategy holds `NoRedundancy` (every method does nothing: the step is exactly th
                   right after its own shard: bit-identical
     reshard       `reshard(s, new_group, lost)`: every survivor all_gathers its own shards and,
                   when it held a lost rank's replica, that one; each rebuilds the whole state,
-                  pads it to the new world size, cuts its shard and its new buddy's; a shard
-                  whose rank and holder are both lost raises ShardLostError (the checkpoint)
+                  pads it to the new world size, cuts its shard and its new buddy's (after a vote:
+                  all members or none); a shard whose rank and holder are both lost raises
+                  ShardLostError (the checkpoint)
     ddp           every rank holds everything: the vote only, nothing to replicate
 
 `step_bytes(...)` is what elastic training adds to a step's bytes (the buddy send, the vote's
@@ -37,10 +38,11 @@ from trainer.precision import unscale_
 from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.base import ShardLostError, StepAbortedError
 
-__all__ = ["Redundancy", "NoRedundancy", "reshard", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
+__all__ = ["Redundancy", "NoRedundancy", "reshard", "relay", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
 
 VOTE_NBYTES = 4  # the vote's int32 flag
 BUDDY_TAG = 0x0E1A  # the p2p tag of the buddy's gradient message
+REFRESH_TAG = 0x0E1B  # the p2p tag of a buddy's whole shard (refresh)
 
 
 class NoRedundancy:
@@ -64,6 +66,9 @@ class NoRedundancy:
         await coro
 
     async def commit(self, s) -> None:
+        pass
+
+    async def refresh(self, s) -> None:
         pass
 
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
@@ -127,6 +132,8 @@ class Redundancy(NoRedundancy):
         self._grads = None
         if not self._has_buddy(s):
             return
+        if any(copy.step != own.step for copy, own in zip(self.states, s.states)):
+            await self.refresh(s)  # a checkpoint was loaded since (the same on every rank: it loaded one)
         mine = np.concatenate([g for _, g, _ in s._opt_shards()])
         inbox = np.empty_like(mine)  # every rank's shards have the same lengths
         await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
@@ -191,6 +198,24 @@ class Redundancy(NoRedundancy):
             self.base_store = self.store = store
             self._group, self._groups = s.group, 0
 
+    async def refresh(self, s) -> None:
+        """Fetches the buddy's master shard and optimizer state afresh: every rank sends its own to
+        its holder (rank - 1). After a checkpoint was loaded (a resume, or the fallback when a shard
+        had no copy left), when the copies no longer hold the buddy's state."""
+        if not self._has_buddy(s):
+            return
+        mine = np.concatenate([np.concatenate([s._master_shard(i), *s.states[i].buffers.values()])
+                               for i in range(len(s.units))])
+        inbox = np.empty_like(mine)  # every rank's shards have the same lengths
+        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, REFRESH_TAG),
+                             s.collectives.recv(inbox, (s.rank + 1) % s.N, REFRESH_TAG))
+        start = 0
+        for i in range(len(s.units)):
+            for dst in (self.masters[i], *self.states[i].buffers.values()):
+                dst[:] = inbox[start : start + len(dst)]
+                start += len(dst)
+            self.states[i].step = s.states[i].step
+
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
         """Compute thread, right after this rank stepped unit i: the same update of the buddy's copy."""
         if self._grads is None:
@@ -229,8 +254,13 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
     (old rank, old size, step counters) tells everyone who survived, so ``lost`` (the old ranks
     gone) is only checked. ``store``: the new generation's store, where the commit votes go.
 
+    All or nothing: after the gathers the members vote (``should_commit`` over ``new_group``, under
+    ``reshard/g<gid>`` in ``store``); no member changes its layout unless every one of them holds the
+    whole state, so a member lost mid re-shard leaves every other in the layout it had.
+
     Raises:
         ShardLostError: a lost rank's holder (rank - 1) is lost too: restart from the checkpoint.
+        StepAbortedError: a member was lost during the re-shard; nothing changed here (re-form again).
         ValueError: ``new_group`` is not the survivors then the joiners, or elastic training is off.
     """
     el = s.redundancy
@@ -240,6 +270,24 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
         raise ValueError(f"{s.name}: rank {s.rank} is among the lost {sorted(lost)}: it takes no part in reshard")
     acc = AccountedCollectives(new_group)
     acc.loop = asyncio.get_running_loop()
+    vote = PrefixStore(f"reshard/g{new_group.gid}", store if store is not None else el.base_store)
+    try:
+        full_params, full_states, counters = await _gather_whole(s, acc, new_group, lost, joining)
+    except Exception:
+        await decide(vote, 0, False)  # this member holds no whole state: the re-shard cannot commit
+        raise
+    # all or nothing: a member lost during the gathers may leave some members with every piece and
+    # others without; nobody changes its layout unless every member holds the whole state
+    if not await should_commit(new_group, vote, 0, ok=True, timeout=el.timeout):
+        raise StepAbortedError(f"{s.name}: the re-shard onto {new_group.size} ranks did not complete on every "
+                               f"member; nothing changed", s.step)
+    _adopt_whole(s, new_group, acc, full_params, full_states, counters, store)
+
+
+async def _gather_whole(s, acc, new_group, lost, joining: bool) -> tuple[list, list, np.ndarray]:
+    """reshard's collectives: every unit's whole state, from the survivors' shards and the lost
+    ranks' copies; returns (padded parameters, optimizer buffers per unit, new rank 0's counters)."""
+    el = s.redundancy
     n_new, U = new_group.size, len(s.units)
     head = np.array([-1, 0, 0, *([0] * U)] if joining else [s.rank, s.N, s.step, *(st.step for st in s.states)],
                     np.int64)
@@ -281,6 +329,12 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
         padded[:, : unit.numel] = whole
         full_params.append(padded[0].copy())
         full_states.append({name: padded[k] for k, name in enumerate(names)})
+    return full_params, full_states, counters
+
+
+def _adopt_whole(s, new_group, acc, full_params: list, full_states: list, counters: np.ndarray, store) -> None:
+    """reshard's local part, once every member holds the whole state: this rank's new shards and buddy copies."""
+    el, n_new, U = s.redundancy, new_group.size, len(s.units)
     s.group, s.N, s.rank, s.step = new_group, n_new, new_group.rank, int(counters[2])
     s.lengths = [u.padded_length(n_new) for u in s.units]
     s.collectives = AccountedCollectives(new_group)
@@ -299,3 +353,16 @@ async def reshard(s, new_group, lost=None, store=None, *, joining: bool = False)
     s._stale = False  # _allocate derived every replicated parameter from the whole master
     el.reform(s, store)
     el.adopt(s, full_params, full_states)
+
+
+def relay(s, new_group, store=None) -> None:
+    """Lays zero1/2, zero3/fsdp ``s`` out over ``new_group`` holding zeros, its counters 0: the
+    fallback when a shard has no copy left (ShardLostError), before the newest checkpoint is loaded
+    into it (then ``s.redundancy.refresh``). Local: no collective."""
+    acc = AccountedCollectives(new_group)
+    acc.loop = asyncio.get_running_loop()
+    names = ["param", *s.states[0].buffers]
+    lengths = [u.padded_length(new_group.size) for u in s.units]
+    full_states = [{name: np.zeros(n, s.master_dtype) for name in names} for n in lengths]
+    _adopt_whole(s, new_group, acc, [np.zeros(n, s.master_dtype) for n in lengths], full_states,
+                 np.zeros(3 + len(s.units), np.int64), store)
