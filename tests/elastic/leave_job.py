@@ -4,7 +4,7 @@
 A tiny float64 MLP on synthetic data, 2 epochs of global batch 24 (20 steps), strategy EL_STRATEGY
 (ddp), inside a Preemption scope as ``python -m trainer`` has. The test's hooks (here only, in the
 data set the loop reads), each keyed by the process's first rank, firing when it reads the batch of
-step EL_AT_STEP (mid-step) in the first attempt: EL_TERM_RANKS="1,2" send themselves SIGTERM (and
+step EL_AT_STEP (mid-step) in the first attempt's first processes: EL_TERM_RANKS="1,2" send themselves SIGTERM (and
 write the time to OUT/term); EL_KILL_RANKS SIGKILL themselves. EL_CHECKPOINT=1 checkpoints to
 OUT/ckpt every 2 steps and, as python -m trainer, falls back to it when a shard has no copy left. Membership's settle wait is EL_SETTLE_S (default 60 s), so
 survivors that waited for a member instead of being told it left would show it. Every process
@@ -37,7 +37,8 @@ OUT = sys.argv[1]
 AT_STEP = int(os.environ.get("EL_AT_STEP", "4"))
 TERM = {int(r) for r in os.environ.get("EL_TERM_RANKS", "").split(",") if r}
 KILL = {int(r) for r in os.environ.get("EL_KILL_RANKS", "").split(",") if r}
-FIRST_ATTEMPT = os.environ.get("RINGWEAVE_RESTART", "0") == "0"  # the hooks fire in the first attempt only
+# the hooks fire in the first attempt's first processes only (not in a joiner, not after a restart)
+FIRST_ATTEMPT = os.environ.get("RINGWEAVE_RESTART", "0") == "0" and not env.ELASTIC_JOIN.get()
 CKPT = os.path.join(OUT, "ckpt") if os.environ.get("EL_CHECKPOINT") else None
 STRATEGY = os.environ.get("EL_STRATEGY", "ddp")
 FIRST_RANK = -1  # this process's rank in generation 0 (set after init)
