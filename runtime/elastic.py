@@ -28,7 +28,7 @@ from typing import Iterable
 
 import msgpack
 
-from runtime import auth, env, membership
+from runtime import auth, env, membership, scheduler
 from runtime.errors import CollectiveTimeoutError, MembershipError, PeerLostError, RingweaveError, StoreTimeoutError
 from runtime.init import _wire, set_current
 from runtime.launch_config import elastic_prefix, parse_bounds
@@ -62,9 +62,10 @@ class ElasticRendezvous(LauncherRendezvous):
     kind = "elastic"
 
     def __init__(self, seat, *, secret: bytes | None = None, bounds: membership.Bounds, member: str,
-                 joiner: bool, settle_s: float = SETTLE_S):
+                 joiner: bool, settle_s: float = SETTLE_S, first: tuple[str, ...] | None = None):
         super().__init__(seat, secret=secret)
         self.bounds, self.member, self.joiner, self.settle_s = bounds, membership.check_id(member), joiner, settle_s
+        self.first = first  # generation 0's members when no launcher records it (srun): every rank records it
         self.generation: membership.Generation | None = None
         self._lost: list[str] = []
 
@@ -91,6 +92,8 @@ class ElasticRendezvous(LauncherRendezvous):
             self.generation = await membership.join(store, self.member, bounds=self.bounds,
                                                     join_timeout_s=timeout_s, timeout_s=4 * timeout_s)
         else:
+            if self.first is not None:  # the same record from every rank: the first compare_set stands
+                await membership.record(store, membership.Generation(0, self.first), self.member)
             raw = await store.get("gen/0", timeout_s)
             rec = membership.decode_record(raw, 0)
             if "members" not in rec:
@@ -105,6 +108,12 @@ class ElasticRendezvous(LauncherRendezvous):
         log.info("%s is rank %d of %d in generation %d", self.member, rank, gen.size, gen.number)
         return Membership(view, rank, gen.size, gen.number, rank, gen.size, self.master_addr, seat.job,
                           seat.restart, self._secret)
+
+    async def leave(self, why: str) -> None:
+        """Says in the store that this member leaves the job on purpose (``left/<member id>``: the
+        launcher then counts its exit 0 as a leave, not as the job's end)."""
+        store = PrefixStore(elastic_prefix(self.seat.restart), self._store)
+        await store.set(f"left/{self.member}", why.encode()[:200])
 
     async def joiners_waiting(self) -> int:
         """How many processes wait to join the generation after this one (a counter read)."""
@@ -124,12 +133,16 @@ def from_env(environ=None) -> rendezvous.Rendezvous:
     base = rendezvous.from_env(environ)
     if not env.ELASTIC.get(environ):
         return base
-    member = env.MEMBER.get(environ)
+    member, first = env.MEMBER.get(environ), None
+    if not member and isinstance(base, LauncherRendezvous):  # srun's tasks at a store of their own
+        first = scheduler.slurm_members(environ)
+        member = first[base.seat.rank] if first else None
     if not member or not isinstance(base, LauncherRendezvous):
         raise RingweaveError("RINGWEAVE_ELASTIC is set, but RINGWEAVE_MEMBER or the launcher's store is not: "
-                             "start elastic jobs with python -m runtime.launch --elastic MIN:MAX")
+                             "start elastic jobs with python -m runtime.launch --elastic MIN:MAX, or with srun "
+                             "and RINGWEAVE_STORE_HOSTED=1 at a python -m runtime.store")
     return ElasticRendezvous(base.seat, bounds=parse_bounds(env.ELASTIC.get(environ)), member=member,
-                             joiner=env.ELASTIC_JOIN.get(environ))
+                             joiner=env.ELASTIC_JOIN.get(environ), first=first)
 
 
 async def reform(rt: RankRuntime, rdzv: ElasticRendezvous, *, lost: Iterable[int] = (),

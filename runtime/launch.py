@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 
 import msgpack
 
-from runtime import auth, jobfile, launch_elastic, procs
+from runtime import auth, jobfile, launch_elastic, membership, procs
 from runtime import env
 from runtime.errors import JobFileError, RingweaveError, WouldBlock, ranks_in_words
 from runtime.init import ABORT_KEY
@@ -47,6 +47,7 @@ from runtime.launch_config import (
     attempt_prefix,
     choose_job_id,
     choose_secret,
+    elastic_prefix,
     parse_args,
     rank_argv,
     rank_env,
@@ -153,6 +154,30 @@ def abort_record(server, restart: int) -> dict | None:
     except (WouldBlock, RingweaveError, ValueError, msgpack.UnpackException):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("rank"), int) else None
+
+
+def left_record(server, restart: int, member: str) -> str | None:
+    """Why elastic ``member`` of attempt ``restart`` left the job on purpose (the ``left/<member>``
+    record runtime/elastic.py writes before its exit 0), or None."""
+    if server is None or not member:
+        return None
+    try:
+        return server.data.get_nowait(f"{elastic_prefix(restart)}/left/{member}").decode("utf-8", "replace")
+    except (WouldBlock, RingweaveError):
+        return None
+
+
+def latest_members(server, restart: int) -> set[str] | None:
+    """The member ids of the latest generation decided in elastic attempt ``restart`` (None: unknown)."""
+    if server is None:
+        return None
+    prefix = elastic_prefix(restart)
+    try:
+        g = int(server.data.get_nowait(f"{prefix}/{membership.LATEST}"))
+        record = membership.decode_record(server.data.get_nowait(f"{prefix}/gen/{g}"), g)
+    except (WouldBlock, RingweaveError, ValueError):
+        return None
+    return set(record.get("members", ()))
 
 
 PIPE_WAIT_S = 0.3  # how long a failed rank's last lines (its traceback) may take to arrive after its exit
@@ -332,7 +357,9 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                         await launch_elastic.record_first_generation(cfg, master_port, secret, job, restart)
                         outcome = await launch_elastic.run_elastic_attempt(
                             cfg, envs, console, stopper, deadline,
-                            launch_elastic.fold_for(aborted, _echo_of_abort), restart)
+                            launch_elastic.fold_for(aborted, _echo_of_abort), restart,
+                            functools.partial(left_record, server, restart),
+                            functools.partial(latest_members, server, restart))
                     else:
                         outcome = await run_attempt(cfg, envs, console, stopper, deadline, aborted)
                 except OSError as exc:
@@ -344,9 +371,11 @@ async def run_job(cfg: LaunchConfig, console: Console, environ: Mapping[str, str
                 if outcome.ending is Ending.FAILED:
                     console.say(*failure_report(cfg, outcome.failure, outcome.tail, aborted(),
                                                 outcome.last_exception))
-                action, code = next_step(outcome, restart, cfg.max_restarts)
+                # an elastic job restarts only to fall back to its checkpoint (runtime/launch_elastic.py)
+                budget = cfg.max_restarts if cfg.elastic is None else launch_elastic.restarts_allowed(outcome)
+                action, code = next_step(outcome, restart, budget)
                 if action is Action.RESTART:
-                    console.say(restart_message(outcome, restart, cfg.max_restarts))
+                    console.say(restart_message(outcome, restart, budget))
                     restart += 1
                     continue
                 if code != 0:

@@ -391,6 +391,28 @@ def _slurm_task(environ: Mapping[str, str], world_size: int | None) -> Placement
                      nodelist=hosts, **fields)
 
 
+def slurm_members(environ: Mapping[str, str]) -> tuple[str, ...] | None:
+    """An elastic job's first generation under srun (runtime/elastic.py), one member id per task in
+    SLURM_PROCID order: ``slurm-<job>.<step>/r<task>/a<restart>``, e.g. "slurm-42.0/r1/a0"; None
+    outside a task of srun. Every task derives the same ids, so no launcher needs to record them."""
+    ids = _slurm_task_ids(environ)
+    if ids is None:
+        return None
+    job, step, ntasks = ids
+    restart = _int(environ, "SLURM_RESTART_COUNT") or 0
+    return tuple(f"slurm-{job}.{step}/r{r}/a{restart}" for r in range(ntasks))
+
+
+def _slurm_task_ids(environ: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """(job id, step id, tasks) of a task that srun started, or None."""
+    job = _int(environ, "SLURM_JOB_ID")
+    step = _int(environ, "SLURM_STEP_ID") if environ.get("SLURM_STEP_ID") else _int(environ, "SLURM_STEPID")
+    ntasks = _int(environ, "SLURM_STEP_NUM_TASKS") or _int(environ, "SLURM_NTASKS")
+    if job is None or step is None or not ntasks or _int(environ, "SLURM_PROCID") is None:
+        return None
+    return job, step, ntasks
+
+
 def usable_cores() -> int:
     """CPUs this process may run on (its affinity mask; all of them where that is unknown)."""
     try:

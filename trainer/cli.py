@@ -19,7 +19,9 @@ bench/results/trainer.md#the-main-job (MLP), bench/results/gpt.md (GPT). BLAS ru
 
 Preemption: with --checkpoint-dir, SIGTERM and SIGUSR1 (RINGWEAVE_PREEMPT_SIGNALS) make every
 rank save a checkpoint after the same step and exit 128 + the signal (trainer/preempt.py); --resume
-continues from it. Runs (trainer/runid.py): a new run refuses another run's directory unless
+continues from it; under --elastic a signalled rank leaves the job (exit 0, trainer/leave.py) while
+MIN stay, and a lost tp/pp rank restarts the job from its checkpoint (trainer/checkpoint_fallback.py).
+Runs (trainer/runid.py): a new run refuses another run's directory unless
 --move-aside; --resume continues the directory's run. Refusals, a mesh that does not fit the world
 among them, are one line on rank 0 and exit code 2 on every rank, no traceback.
 
@@ -48,7 +50,8 @@ from trainer.metrics import metrics_format
 from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
-from trainer.preempt import Preempted, Preemption
+from trainer import checkpoint_fallback as fallback
+from trainer.preempt import Left, Preempted, Preemption
 from trainer.runid import RunError
 from trainer.sharding import make_strategy
 from trainer.sharding.base import TrainConfig
@@ -452,18 +455,25 @@ def describe(args: argparse.Namespace, data, model, world_size: int, steps: int,
 
 def elastic_refusal(args: argparse.Namespace) -> str | None:
     """Why this command cannot run as an elastic job (RINGWEAVE_ELASTIC: runtime.launch --elastic),
-    or None: elastic jobs cover ddp, zero1/2/3 and fsdp on the plain data-parallel layout."""
-    what = [flag for flag, on in (("--tp/--pp/--dp/--micro-batches/--stage-layers", uses_mesh(args)),
-                                  ("--replicas", args.replicas != 1), ("--offload", bool(args.offload)),
-                                  ("--compression", args.compression not in (None, "none")),
-                                  ("--checkpoint-dir", bool(args.checkpoint_dir))) if on]
-    return (f"--elastic runs ddp, zero1, zero2, zero3 and fsdp on the plain data-parallel layout; not with "
-            f"{', '.join(what)}") if what else None
+    or None: ddp, zero1/2/3 and fsdp on the plain data-parallel layout re-shard in memory; a tensor
+    or pipeline layout (no replica) restarts from its checkpoint (trainer/checkpoint_fallback.py),
+    so it needs --checkpoint-dir."""
+    what = [flag for flag, on in (("--replicas", args.replicas != 1), ("--offload", bool(args.offload)),
+                                  ("--compression", args.compression not in (None, "none"))) if on]
+    if what:
+        return (f"--elastic runs ddp, zero1, zero2, zero3 and fsdp on the plain data-parallel layout, and "
+                f"--tp/--pp with --checkpoint-dir; not with {', '.join(what)}")
+    if uses_mesh(args) and not args.checkpoint_dir:
+        return ("--elastic runs ddp, zero1, zero2, zero3 and fsdp on the plain data-parallel layout, and "
+                "--tp/--pp/--dp/--micro-batches/--stage-layers only with --checkpoint-dir: a lost rank's slice "
+                "of the model has no copy, so the job restarts from its newest checkpoint")
+    return None
 
 
 async def run(args: argparse.Namespace) -> int:
     retain_freed_memory()  # a step's activations stay in malloc's heap: no page faults (trainer/allocator.py)
-    job = None
+    job = rdzv = None
+    layout = None  # an elastic job's tp/pp layout, e.g. "tp 2 x pp 1": a loss there restarts from the checkpoint
     if env.ELASTIC.get():  # python -m runtime.launch --elastic MIN:MAX (trainer/elastic.py)
         why = elastic_refusal(args)
         if why:
@@ -475,7 +485,10 @@ async def run(args: argparse.Namespace) -> int:
 
         rdzv = relastic.from_env()
         rt = await runtime.init(rendezvous=rdzv)
-        job = ElasticJob(rdzv, rt)
+        if mesh_strategy(args):  # no replica to re-shard from (trainer/checkpoint_fallback.py)
+            layout = f"tp {args.tp} x pp {args.pp}"
+        else:
+            job = ElasticJob(rdzv, rt)
     else:
         rt = await runtime.init()
     strategy = None
@@ -520,8 +533,10 @@ async def run(args: argparse.Namespace) -> int:
             callbacks.append(StopAtAccuracy(args.target_accuracy))
         if args.patience is not None:
             callbacks.append(EarlyStopping("val_loss", patience=args.patience))
-        try:  # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py)
-            with Preemption(enabled=bool(args.checkpoint_dir)):
+        # with --checkpoint-dir, the scheduler's signals checkpoint and stop every rank (trainer/preempt.py); in an
+        # elastic job a rank signalled leaves it while enough stay (trainer/leave.py)
+        try:
+            with Preemption(enabled=bool(args.checkpoint_dir) or job is not None):
                 history = await fit(strategy, data, config, epochs=args.epochs, global_batch_size=args.batch_size,
                                     callbacks=callbacks, checkpoint_dir=args.checkpoint_dir,
                                     keep_last=args.keep_last, resume=args.resume or False,
@@ -530,8 +545,11 @@ async def run(args: argparse.Namespace) -> int:
                                     checkpoint_every=args.checkpoint_every, eval_train=args.eval_train,
                                     eval_batch_size=args.eval_batch_size, group=world, metrics=args.metrics,
                                     save_best=args.save_best, elastic=job)
+        except Left as exc:  # this rank left the elastic job on a signal; the others go on
+            print(f"trainer: rank {job.rt.rank}: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
         except Preempted as exc:
-            if world.rank == 0:
+            if (job.rt.world if job else world).rank == 0:
                 print(f"{exc} (resume with --checkpoint-dir {args.checkpoint_dir} --resume)", file=sys.stderr,
                       flush=True)
             return exc.exit_code
@@ -539,6 +557,14 @@ async def run(args: argparse.Namespace) -> int:
             if world.rank == 0:
                 print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             return 2
+        except Exception as exc:  # a loss whose state has no copy: restart from the checkpoint, saying so
+            lost = fallback.lost_without_copy(exc, layout=layout) if rdzv and args.checkpoint_dir else None
+            if lost is None:
+                raise
+            if fallback.speaks((job.rt if job else rt).rank, [] if job else lost):
+                print(fallback.line(lost, exc, layout, args.checkpoint_dir, strategy.step), file=sys.stderr,
+                      flush=True)
+            return fallback.FALLBACK_EXIT
         world = job.rt.world if job else world  # an elastic job's last generation
         if args.json and world.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -550,8 +576,8 @@ async def run(args: argparse.Namespace) -> int:
         if limiter is not None:
             limiter.restore_original_limits()
         await runtime.shutdown(job.rt if job else rt)
-        if job is not None:
-            await job.rdzv.shutdown()
+        if rdzv is not None:
+            await rdzv.shutdown()
     return 0
 
 

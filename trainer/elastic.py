@@ -22,9 +22,8 @@ In ``fit`` (trainer/loop.py), with ``elastic=``:
   remaining global batches are cut over the new world (the global batch stays fixed); a member
   lost during the recovery re-forms again; a shard with no copy left (ShardLostError) comes, with
   the whole state, from the run's newest checkpoint when the loop has a directory;
-- after each step one small all_reduce says whether processes wait to join (:meth:`grow_wanted`);
-  then all re-form with them. A joiner's :meth:`enter` meets the members' reshard and sync: it
-  receives its shard (zero/fsdp) or the parameters (ddp) live from the members, no disk.
+- after each step one all_reduce says whether processes wait to join or ranks leave (trainer/leave.py);
+  a joiner's :meth:`enter` meets the members' reshard and sync: its share live from them, no disk.
 
 Not here: tp / pp / hybrid / offload / compressed layouts, a loss during evaluation (the job fails).
 """
@@ -38,7 +37,7 @@ import numpy as np
 
 from runtime import elastic as relastic
 from runtime.errors import CollectiveTimeoutError, PeerLostError
-from collectives.api import all_reduce, broadcast
+from collectives.api import broadcast
 from collectives.objects import broadcast_object
 from trainer.sharding.base import ShardLostError, StepAbortedError
 from trainer.sharding.redundancy import Redundancy, relay
@@ -90,16 +89,11 @@ class ElasticJob:
         if self.lost_at is not None and self.resumed_at is None:
             self.resumed_at = time.time()
 
-    async def grow_wanted(self) -> bool:
-        """Whether processes wait to join, the same answer on every member (an all_reduce(max))."""
-        flag = np.array([1 if await self.rdzv.joiners_waiting() > 0 else 0], dtype=np.int64)
-        await all_reduce(flag, op="max", group=self.rt.world)
-        return bool(flag[0])
-
     async def recover(self, strategy, position: tuple[int, int, int], exc: BaseException | None,
                       lost: list[int] | None = None) -> tuple[int, int, int]:
-        """Re-forms the job (without the ranks ``exc`` names as lost, or ``lost``; neither: to grow),
-        moves ``strategy`` onto it and returns new rank 0's position ``(epoch, step_in_epoch, step)``."""
+        """Re-forms the job (without the ranks ``exc`` names as lost, or ``lost``: members that
+        leave; neither: to grow), moves ``strategy`` onto it and returns new rank 0's position
+        ``(epoch, step_in_epoch, step)``."""
         if exc is not None and self.lost_at is None:
             self.lost_at = time.time()
         return await self._move(strategy, position, exc, joining=False, reform=True, lost=lost)

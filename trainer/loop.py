@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from trainer import checkpoint, preempt, rundir, runid
+from trainer import checkpoint, leave, preempt, rundir, runid
 from trainer.callbacks import EPOCH_METRICS, Best, Callback, EarlyStopping, LoopState, StopAtAccuracy, epoch_metric
 from trainer import elastic
 from trainer.data import epoch_order, iter_local_batches, local_batches_from, num_global_batches
@@ -158,7 +158,7 @@ class _Run:
         self.timings = {"compute_s": 0.0, "comm_s": 0.0, "exposed_comm_s": 0.0, "bubble_s": 0.0, "pipeline_s": 0.0}
         self.comm_by_dim: dict[str, int] = {}  # a mesh strategy's bytes per dimension
         self.stop = False
-        self.elastic = None  # trainer.elastic.ElasticJob of an elastic job
+        self.elastic, self.settle = None, False  # an elastic job's ElasticJob; whether its members agree first
         self.state = LoopState(epoch=0, epochs=options.epochs, step=0, step_in_epoch=0,
                                steps_per_epoch=self.steps_total, rank=self.rank, world_size=self.size,
                                history=self.history, strategy=strategy)
@@ -261,23 +261,24 @@ class _Run:
                 break
 
     async def _elastic_epoch(self, epoch: int, k: int) -> None:
-        """train_epoch's steps in an elastic job (trainer/elastic.py): a step that a lost member
-        interrupted is discarded, the job re-forms, and the step runs again over the new world;
-        members waiting to join are let in between two steps."""
+        """train_epoch's steps in an elastic job: a step a lost member interrupted runs again over the re-formed
+        job (trainer/elastic.py); between steps, joiners come in and signalled ranks go (trainer/leave.py)."""
         order = epoch_order(self.n_train, seed=self.config.seed, epoch=epoch, shuffle=True)
         g = self.options.global_batch_size
-        while k < self.steps_total:
-            micro = list(itertools.islice(local_batches_from(order, k * self.accum * g, g, self.data_size,
-                                                             self.data_rank), self.accum))
+        while True:
             try:
+                if self.settle:  # after a boundary or a re-form (a joiner: its entry), before a step
+                    k, self.settle = await leave.settle(self, epoch, k), False
+                if k >= self.steps_total:
+                    break
+                micro = list(itertools.islice(local_batches_from(order, k * self.accum * g, g, self.data_size,
+                                                                 self.data_rank), self.accum))
                 await self.train_step(epoch, micro)
                 self.elastic.step_done()
                 k = self.state.step_in_epoch = k + 1
                 if await self.step_boundary(epoch, k):
                     break
-                if await self.elastic.grow_wanted():  # after the boundary: a joiner starts with a step
-                    await self._regroup(epoch, k, None)
-                    k = self.state.step_in_epoch
+                self.settle = True  # a joiner starts with a step: the members agree after theirs
             except elastic.RECOVERABLE as exc:
                 if elastic.peer_failure(exc) is None:
                     raise  # this rank's own error: re-forming would not cure it
@@ -285,12 +286,13 @@ class _Run:
                     k = self.state.step_in_epoch = k + 1
                     self.state.step += 1
                 self.progress.log(f"rank {self.rank}: {type(exc).__name__}: {exc}; re-forming the job")
-                await self._regroup(epoch, k, exc)
-                k = self.state.step_in_epoch
+                await self.regroup(epoch, k, exc)
+                k, self.settle = self.state.step_in_epoch, True
 
-    async def _regroup(self, epoch: int, k: int, exc: BaseException | None) -> None:
+    async def regroup(self, epoch: int, k: int, exc: BaseException | None, lost: list[int] | None = None) -> None:
         """Re-forms the job (trainer/elastic.py) and takes rank 0's position in the epoch."""
-        at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc)
+        at_epoch, k, self.state.step = await self.elastic.recover(self.strategy, (epoch, k, self.state.step), exc,
+                                                                  lost=lost)
         if at_epoch != epoch:
             raise RuntimeError(f"after re-forming the job, its rank 0 is in epoch {at_epoch}, this rank in {epoch}")
         self.take_world()
@@ -357,9 +359,10 @@ class _Run:
         every = self.options.checkpoint_every
         if self.options.checkpoint_dir and every and self.state.step % every == 0 and k < self.steps_total:
             await self.save(epoch, k, EpochSums(**asdict(self.sums)))
-        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py)
+        # a scheduler's signal on any rank: all save here and raise Preempted (trainer/preempt.py; elastic: leave.py)
         save = (lambda: self.save(epoch, k, EpochSums(**asdict(self.sums)))) if self.options.checkpoint_dir else None
-        await preempt.at_step_boundary(self.group, save)
+        if self.elastic is None:
+            await preempt.at_step_boundary(self.group, save)
         return self.stop
 
     async def _evaluate(self, dataset) -> dict[str, float]:
@@ -521,8 +524,9 @@ async def fit(
         run.start_epoch, run.start_k, run.state.step = await elastic.enter(strategy)
         run.run = elastic.carry or None
         run.take_world()  # a member lost while it entered: a later generation than the one it joined
+        run.settle = True  # then the members' agreement (trainer/leave.py)
     try:
-        if metrics and not (elastic is not None and elastic.joined):  # a joiner is never rank 0
+        if metrics and not joiner:  # a joiner is never rank 0
             await run.open_metrics(metrics)
         for epoch in range(run.start_epoch, epochs):
             await run.train_epoch(epoch)

@@ -18,6 +18,10 @@ How the checking steps are agreed: docs/design.md, "The trainer: units and strat
 (**Preemption**). A rank whose launcher died is not asked to checkpoint (runtime/lifeline.py): its
 signal takes the default action.
 
+In an elastic job (trainer/leave.py) the same scope notes the signal, and the members agree on it
+at every step boundary instead: a rank signalled while enough others stay leaves the job
+(:class:`Left`, exit 0); the whole job signalled, or too few left, stops as above.
+
 What it is not: no checkpoint outside step boundaries (a signal during evaluation is acted on at
 the next step, or not at all when the run ends first), no requeueing (the scheduler and the batch
 script do that), no signals other than those configured.
@@ -37,7 +41,7 @@ import numpy as np
 from runtime import env
 from runtime import lifeline
 
-__all__ = ["Preemption", "Preempted", "at_step_boundary", "active"]
+__all__ = ["Preemption", "Preempted", "Left", "at_step_boundary", "stop", "active", "noted"]
 
 log = logging.getLogger("ringweave.preempt")
 
@@ -55,13 +59,33 @@ class Preempted(Exception):
 
     def __init__(self, signum: int, exit_code: int, step_saved: bool):
         self.signum, self.exit_code, self.step_saved = signum, exit_code, step_saved
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        super().__init__(f"stopped by {name} at a step boundary every rank agreed on"
+        super().__init__(f"stopped by {_signal_name(signum)} at a step boundary every rank agreed on"
                          f"{', checkpoint saved' if step_saved else ', no checkpoint (no checkpoint_dir)'}; "
                          f"exit code {exit_code}")
+
+
+class Left(Exception):
+    """Raised on a rank of an elastic job that left it at a step boundary on a signal (its state
+    went to the others, who go on without it): the process should exit 0.
+
+    Attributes:
+        signum: the signal it got, e.g. 15.
+        step: the optimizer steps applied when it left, e.g. 12.
+    """
+
+    exit_code = 0
+
+    def __init__(self, signum: int, step: int):
+        self.signum, self.step = signum, step
+        super().__init__(f"left the elastic job on {_signal_name(signum)} after optimizer step {step}; the others "
+                         f"go on with its state")
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class Preemption:
@@ -149,6 +173,11 @@ def active() -> Preemption | None:
     return _active
 
 
+def noted() -> int:
+    """The signal the entered scope noted on this rank (0: none, or no scope)."""
+    return _active.received if _active is not None else 0
+
+
 async def at_step_boundary(group, save: Callable[[], Awaitable[None]] | None) -> None:
     """The training loop's hook after each optimizer step (every rank of the job calls it at
     every step; ``group`` is the loop's, the agreement spans its whole job).
@@ -165,8 +194,13 @@ async def at_step_boundary(group, save: Callable[[], Awaitable[None]] | None) ->
     if scope is None:
         return
     signum = await scope.agreed(group)
-    if not signum:
-        return
+    if signum:
+        await stop(signum, save)
+
+
+async def stop(signum: int, save: Callable[[], Awaitable[None]] | None) -> None:
+    """Every rank, once the job agreed on ``signum``: awaits ``save()`` (None: nothing to save),
+    then raises :class:`Preempted`."""
     if save is not None:
         await save()
     raise Preempted(signum, env.preempt_exit_code(signum), save is not None)
