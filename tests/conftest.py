@@ -1,7 +1,7 @@
 """Shared test set-up: the repository root on sys.path (for tests.conformance), the multi-rank
 fixture ``ranks`` from runtime.testing, and the ``gpu`` marker: the GPU case modules
 (``tests/*/gpu_*_cases.py``) are collected where a GPU is usable (tests/cudasim.py), and run under
-the simulator in CI through tests/*/test_*_cuda.py either way (marked ``cudasim``: this session's
+the simulator in CI through tests/*/test_*_cuda.py either way (marked ``cudasim``: this pytest run's
 case modules run together, in one interpreter)."""
 
 import os

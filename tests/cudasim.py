@@ -5,7 +5,7 @@ The case modules (``tests/*/gpu_*_cases.py``, every test marked ``gpu``) hold on
 both. numba.cuda decides at its first import whether it simulates (``NUMBA_ENABLE_CUDASIM``), which a
 whole-suite pytest process cannot promise for the tests that want the simulator, so CI runs the case
 modules through :func:`run_under_simulator` (tests/*/test_*_cuda.py, each marked ``cudasim(CASES)``),
-all of this session's in one fresh interpreter, and tests/conftest.py collects the modules directly,
+all of this pytest run's in one fresh interpreter, and tests/conftest.py collects the modules directly,
 in-process, where :func:`gpu_usable` (a real GPU, or the simulator switched on for the whole process).
 README.md "GPU tests" says how to run them.
 """
@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # short switch interval hands it over sooner (tests/conftest.py sets it where the simulator is on).
 SWITCH_INTERVAL_S = 1e-4
 
-_wanted: set[pathlib.Path] = set()  # the case modules this session's tests ask for (tests/conftest.py)
+_wanted: set[pathlib.Path] = set()  # the case modules this pytest run's tests ask for (tests/conftest.py)
 _runs: dict[frozenset, dict] = {}  # modules run together -> their outcome
 
 
@@ -54,7 +54,7 @@ def gpu_usable() -> bool:
 
 
 def want(cases: pathlib.Path) -> None:
-    """Names a case module that a test of this session will run under the simulator."""
+    """Names a case module that a test of this pytest run will run under the simulator."""
     _wanted.add(pathlib.Path(cases).resolve())
 
 
