@@ -337,7 +337,8 @@ ELASTIC = _("RINGWEAVE_ELASTIC", text, None, "init",
 ELASTIC_JOIN = _("RINGWEAVE_ELASTIC_JOIN", switch, "0", "init",
                  "1: this process replaces a lost rank and joins the running job (the launcher sets it)")
 MEMBER = _("RINGWEAVE_MEMBER", text, None, "init",
-           "this process's member id in an elastic job, e.g. job/r2/j1 (the launcher sets it)")
+           "this process's member id in an elastic job, e.g. job/r2/j1 (the launcher sets it; under srun "
+           "without it, derived from SLURM's variables: slurm-<job>.<step>/r<task>/a<restart>)")
 RESTART = _("RINGWEAVE_RESTART", count, "0", "init",
             "how many times the job has restarted; store keys go under restart/N (the launcher sets it)")
 STORE_PORT = _("RINGWEAVE_STORE_PORT", integer("a port", lambda v: 1 <= v <= 65535, "must be a port in 1..65535"),

@@ -109,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restart every rank of this node after a failure, up to R times (default 0); "
                         "ranks see RINGWEAVE_RESTART=1, 2, ...")
     p.add_argument("--elastic", default=None, metavar="MIN:MAX",
-                   help="an elastic job of -n MAX ranks (one node, ddp): a lost rank does not stop the others "
-                        "while MIN live; it is restarted as a joiner that the job grows back to (README.md)")
+                   help="an elastic job of -n MAX ranks (one node): a lost rank does not stop the others while MIN "
+                        "live, and is restarted as a joiner the job grows back to; a rank that leaves on SIGTERM "
+                        "is not; a loss with no copy of its state left restarts the attempt from the checkpoint "
+                        "(README.md)")
     p.add_argument("--grace-s", type=types.seconds, default=5.0, metavar="S",
                    help="when stopping ranks: seconds between SIGTERM and SIGKILL (default 5)")
     p.add_argument("--timeout-s", type=types.positive_seconds, default=None, metavar="T",

@@ -87,7 +87,7 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                               usage_errors=usage_errors)
         spawned.append(r)
         running[r.protocol.exited] = r
-        members[id(r)] = environ.get("RINGWEAVE_MEMBER", "")
+        members[id(r)] = env.MEMBER.get(environ) or ""
 
     try:
         for slot, environ in enumerate(envs):

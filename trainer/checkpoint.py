@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.errors import ranks_in_words
 from trainer import ckptfs, runid
 from trainer.ckptfs import Dir, remove_checkpoint
 from trainer.ckptschema import FORMAT, METADATA, VERSION, CheckpointError, validate
@@ -240,7 +241,7 @@ async def save(strategy, root, *, extra: dict | None = None, keep_last: int = 3,
         if bad:
             if rank == 0:
                 remove_checkpoint(rootdir, tmp_name)
-            raise CheckpointError(f"save of {name} to {root} failed on rank(s) {bad}; the previous checkpoint is "
+            raise CheckpointError(f"save of {name} to {root} failed on {ranks_in_words(bad)}; the previous checkpoint is "
                                   f"intact" + (f" (this rank: {error!r})" if error else "")) from error
         # 4. rank 0 commits
         commit = np.zeros(1, dtype=np.float64)

@@ -28,7 +28,7 @@ fallback without a checkpoint directory (the error propagates: no run is silentl
 
 from __future__ import annotations
 
-from runtime.errors import CollectiveTimeoutError, PeerLostError
+from runtime.errors import CollectiveTimeoutError, PeerLostError, ranks_in_words
 from runtime.launch_elastic import FALLBACK_EXIT
 from trainer import checkpoint
 from trainer.sharding.base import ShardLostError, StepAbortedError
@@ -66,9 +66,9 @@ def line(lost: list[int], exc: BaseException, layout: str | None, checkpoint_dir
     newest = checkpoint.latest(checkpoint_dir)
     saved = int(newest.name.rsplit("-", 1)[1]) if newest is not None else 0
     if isinstance(exc, ShardLostError):
-        what = f"the shard(s) of rank(s) {lost} and their buddy copies were lost together (ShardLostError)"
+        what = f"the shards of {ranks_in_words(lost)} and their buddy copies were lost together (ShardLostError)"
     else:
-        what = (f"{f'rank(s) {lost}' if lost else 'a rank'} lost ({type(exc).__name__}), and {layout} keeps no copy "
+        what = (f"{ranks_in_words(lost) if lost else 'a rank'} lost ({type(exc).__name__}), and {layout} keeps no copy "
                 f"of a rank's state")
     where = (f"checkpoint {newest.name} (optimizer step {saved})" if newest is not None
              else f"the start (no checkpoint in {checkpoint_dir} yet)")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+
+from runtime import env
 import time
 
 POINTS = ("read", "all_reduce", "stats", "vote", "reduce_scatter", "all_gather", "update", "save", "reshard", "wire",
@@ -51,7 +53,7 @@ class Faults:
     """This process's fault (or none), armed on a strategy once it exists."""
 
     def __init__(self, out: str, environ=os.environ) -> None:
-        mine = None if environ.get("RINGWEAVE_ELASTIC_JOIN") == "1" else parse(environ.get("EL_FAULTS", "")).get(
+        mine = None if env.ELASTIC_JOIN.get(environ) else parse(environ.get("EL_FAULTS", "")).get(
             int(environ.get("RANK", "0")))
         self.out, self.slot = out, int(environ.get("RANK", "0"))
         self.point, self.step = mine if mine else (None, -1)

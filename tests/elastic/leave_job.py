@@ -38,7 +38,7 @@ AT_STEP = int(os.environ.get("EL_AT_STEP", "4"))
 TERM = {int(r) for r in os.environ.get("EL_TERM_RANKS", "").split(",") if r}
 KILL = {int(r) for r in os.environ.get("EL_KILL_RANKS", "").split(",") if r}
 # the hooks fire in the first attempt's first processes only (not in a joiner, not after a restart)
-FIRST_ATTEMPT = os.environ.get("RINGWEAVE_RESTART", "0") == "0" and not env.ELASTIC_JOIN.get()
+FIRST_ATTEMPT = env.RESTART.get() == 0 and not env.ELASTIC_JOIN.get()
 CKPT = os.path.join(OUT, "ckpt") if os.environ.get("EL_CHECKPOINT") else None
 STRATEGY = os.environ.get("EL_STRATEGY", "ddp")
 FIRST_RANK = -1  # this process's rank in generation 0 (set after init)

@@ -97,7 +97,7 @@ def test_a_tp_job_that_loses_a_rank_restarts_from_its_checkpoint_and_equals_the_
     said = [ln for ln in text.splitlines()
             if ln.startswith("[rank") and "lost (PeerLostError), and tp 2 x pp 1 keeps no copy" in ln]
     assert len(said) == 1, text[-4000:]
-    assert "rank(s) [1]" in said[0] and "every member restarts from checkpoint step-" in said[0], said
+    assert "trainer: rank 1 lost" in said[0] and "every member restarts from checkpoint step-" in said[0], said
     assert "optimizer step(s) run again" in said[0] and "restarting the job (1 of 3)" in text, text[-3000:]
     p = subprocess.run([sys.executable, "-m", "runtime.launch", "-n", "2", *TRAIN, "--checkpoint-dir",
                         str(ref / "ckpt"), "--json", str(ref / "run.json")], cwd=REPO, env=environ(),
