@@ -28,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 from runtime import env
-import time
 
 POINTS = ("read", "all_reduce", "stats", "vote", "reduce_scatter", "all_gather", "update", "save", "reshard", "wire",
           "stop")
