@@ -53,5 +53,5 @@ async def _aborting_on_error(main):
 __all__ = ["run", "init", "shutdown", "abort", "current", "world", "read_env", "RankRuntime", "ProcessGroup", "Call"]
 # Imported only from inside runtime/ (tests/tree/test_surfaces.py): the listener's accept loop,
 # child processes, the launcher's command line and decisions, what a scheduler (SLURM, mpirun)
-# tells the launcher and init, the store's frames, and the connections' sender and receiver threads.
-_INTERNAL = ("acceptor", "dataplane", "launch_config", "launch_outcome", "procs", "scheduler", "store_protocol")
+# tells the launcher and init, and the store's frames.
+_INTERNAL = ("acceptor", "launch_config", "launch_outcome", "procs", "scheduler", "store_protocol")

@@ -300,9 +300,6 @@ SHM_STREAM_MIN = _("RINGWEAVE_SHM_STREAM_MIN", nbytes, "4M", "each call",
                    "the shared-memory all_reduce size from which copies bypass the caches")
 RCVLOWAT = _("RINGWEAVE_RCVLOWAT", switch, "1", "each connection",
              "0: TCP wakes per packet while a large payload arrives, not per few MiB (SO_RCVLOWAT)")
-DATA_PLANE = _("RINGWEAVE_DATA_PLANE", switch, "0", "each connection",
-                "1: payloads above 1 MiB are moved by the connection's sender and receiver threads "
-                "(runtime/dataplane.py), not by the event loop's thread")
 SOCKET_BUFFER = _("RINGWEAVE_SOCKET_BUFFER", nbytes, "4M", "each socket",
                   "send and receive buffer of every TCP socket (SO_SNDBUF, SO_RCVBUF; 0: the kernel's)")
 KERNELS = _("RINGWEAVE_KERNELS", choice("numpy", "numba"), None, "each call",

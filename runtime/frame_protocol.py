@@ -13,13 +13,11 @@ send side it only tracks the transport's write buffer (high-water mark 0): ``pau
 :meth:`FrameProtocol.wait_drained` are the connection's back-pressure.
 
 Its owner, the connection (runtime/transport.py ``TCPConnection``), is an :class:`Owner`: it gives
-the sink, names and counters, and takes three calls: ``receive_bulk()`` (the rest of the payload
-now arriving goes to the receiver thread, runtime/dataplane.py), ``writing_resumed()`` and
-``protocol_lost(exc)``.
+the sink, names and counters, and takes one call: ``protocol_lost(exc)``.
 
 Grammar: ``connection_made -> (get_buffer buffer_updated | feed)* -> [fail] -> connection_lost``.
 
-Not here: sending frames, the data plane's threads, ``recv_now`` (transport.py); what a frame
+Not here: sending frames, ``recv_now`` (transport.py); what a frame
 means (the actor's sink).
 """
 
@@ -30,7 +28,7 @@ import logging
 import socket
 from typing import Any, Protocol
 
-from runtime import dataplane, env, turns, wire
+from runtime import env, turns, wire
 from runtime.errors import BadFrameError, PeerLostError
 
 log = logging.getLogger("ringweave.transport")
@@ -47,12 +45,9 @@ class Owner(Protocol):
     peer: int
     where: str
     sink: Any  # runtime/transport.Sink
-    data_plane: bool
     frames_received: int  # counted here
     bytes_received: int
 
-    def receive_bulk(self) -> None: ...  # the rest of the payload now arriving goes to the receiver thread
-    def writing_resumed(self) -> None: ...  # the transport holds no bytes of ours any more
     def protocol_lost(self, exc: BaseException) -> None: ...  # connection_lost, with why
 
 
@@ -169,9 +164,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 conn.sink.on_frame(conn, header, dest)
                 continue
             self._header, self._dest, self._pos, self._need = header, dest, inline, plen
-            if plen - inline >= dataplane.BULK_MIN_NBYTES and conn.data_plane:
-                conn.receive_bulk()  # the rest on the receiver thread (runtime/dataplane.py)
-            elif plen - inline >= LOWAT_MIN_NBYTES and self._sock is not None:
+            if plen - inline >= LOWAT_MIN_NBYTES and self._sock is not None:
                 self._set_lowat(min(plen - inline, self._lowat_cap))
             return
 
@@ -216,11 +209,6 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except OSError:  # closed under us, or refused: read per packet from now on
             self._sock, self._lowat = None, 1
 
-    def payload_rest(self) -> tuple[memoryview | None, int, int, int]:
-        """The payload being received: (its destination or None, bytes in so far, its length,
-        the SO_RCVLOWAT cap a reader of the rest may use: 0 for none)."""
-        return self._dest, self._pos, self._need, self._lowat_cap if self._sock is not None else 0
-
     def divert(self) -> bool:
         """The payload being received now goes nowhere from here on; False: none was going anywhere."""
         if self._header is None or self._dest is None:
@@ -238,7 +226,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._conn.sink.on_frame(self._conn, header, dest)
 
     def fail(self, exc: BaseException) -> None:
-        """Ends the connection because of ``exc`` (a bad frame, a broken thread): aborts the transport."""
+        """Ends the connection because of ``exc`` (a bad frame, an error in the sink): aborts the transport."""
         if self.lost is None:
             self.lost = exc
         if self.transport is not None:
@@ -252,7 +240,6 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._drained = None
-        self._conn.writing_resumed()  # frames queued for the sender thread wait for this
 
     def eof_received(self):
         return False  # close the transport; connection_lost follows

@@ -21,28 +21,23 @@ Call order of a connection (grammar)::
     open -> ((send | send_now)* | on_header on_frame | on_whole | recv_now)* -> [on_lost] -> close -> end
 
 Implementations: :class:`TCPConnection` (a socket through an asyncio or uvloop transport; its
-receiving end is runtime/frame_protocol.py, its bulk payloads may move on the data plane's
-threads, runtime/dataplane.py) and :class:`MemoryConnection` (a pair in one process that copies
-each payload once, as a network would); tests/conformance checks both.
+receiving end is runtime/frame_protocol.py) and :class:`MemoryConnection` (a pair in one process
+that copies each payload once, as a network would); tests/conformance checks both.
 Not here: what a frame means (the actor's mailbox), handshakes (auth.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 import os
 import select
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime import dataplane, env, turns, wire
+from runtime import turns, wire
 from runtime.errors import ClosedError, PeerLostError
 from runtime.frame_protocol import FrameProtocol
-
-log = logging.getLogger("ringweave.transport")
 
 _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their header
 SEND_NOW_NBYTES = 1024 * 1024  # the largest payload Connection.send_now takes
@@ -137,12 +132,6 @@ class TCPConnection(Connection):
         self._proto = FrameProtocol(self, schema, max_payload_nbytes)
         self._closed = False
         self._chunking: asyncio.Lock | None = None  # held while a large frame goes out in pieces
-        self.data_plane = False  # payloads from dataplane.BULK_MIN_NBYTES move on worker threads (open)
-        self._rx: dataplane.Worker | None = None  # the receiver thread (made at the first bulk payload)
-        self._tx: dataplane.Worker | None = None  # the sender thread
-        self._rx_job: dataplane.RecvJob | None = None  # the payload the receiver is reading now
-        self._out: collections.deque = collections.deque()  # frames queued for the sender thread, in order
-        self._out_busy = False  # the sender thread has a frame of ours
         self._fd = -1  # the socket's descriptor, for writev of header + payload (and recv_now)
         self._poller = None  # select.poll on _fd, for recv_now (made at its first wait)
         self._now_buf = bytearray()  # recv_now reads a small frame, or a large one's head, into this (reused)
@@ -159,8 +148,6 @@ class TCPConnection(Connection):
         await loop.connect_accepted_socket(lambda: conn._proto, sock=sock)
         extra = conn._proto.transport.get_extra_info("socket")
         conn._fd = extra.fileno() if extra is not None else -1
-        conn._loop = loop
-        conn.data_plane = conn._fd >= 0 and env.DATA_PLANE.get()
         return conn
 
     async def send(self, header: dict, payload=None) -> None:
@@ -171,9 +158,6 @@ class TCPConnection(Connection):
         mv = None if payload is None else memoryview(payload).cast("B")
         nbytes = 0 if mv is None else mv.nbytes
         head = wire.encode_head(header, nbytes)
-        if self._out or self._out_busy or (nbytes >= dataplane.BULK_MIN_NBYTES and self.data_plane):
-            await self._send_bulk(head, mv if nbytes else memoryview(b""))  # behind what the thread holds
-            return
         transport = proto.transport
         while self._chunking is not None:  # a large frame is going out in pieces: never interleave
             async with self._chunking:
@@ -243,7 +227,7 @@ class TCPConnection(Connection):
         if proto.lost is not None or self._closed:
             raise PeerLostError(f"cannot send to {self.where}: connection lost ({proto.lost})", self.peer)
         nbytes = payload.nbytes
-        if self._chunking is not None or proto.paused or nbytes > SEND_NOW_NBYTES or self._out or self._out_busy:
+        if self._chunking is not None or proto.paused or nbytes > SEND_NOW_NBYTES:
             return False
         if nbytes > _COALESCE_NBYTES and nbytes > turns.piece_items(1, 2):  # more than a piece at once
             return False
@@ -354,135 +338,24 @@ class TCPConnection(Connection):
         self.bytes_received += total
         return True
 
-    # -- the data plane (runtime/dataplane.py) -------------------------------------------------
-    def receive_bulk(self) -> None:
-        """The payload the protocol is in goes to the receiver thread; reading pauses until it is
-        in (the next header is behind it in the stream)."""
-        proto = self._proto
-        proto.transport.pause_reading()
-        if self._rx is None:
-            self._rx = dataplane.Worker(self._fd, self._loop, f"ringweave-recv-{self.peer}")
-        dest, pos, need, lowat_cap = proto.payload_rest()
-        self._rx_job = job = dataplane.RecvJob(dest, pos, need, self._received_bulk, lowat_cap)
-        try:
-            self._rx.submit(job)
-        except OSError as exc:
-            self._rx_job = None
-            proto.fail(exc)
-
-    def _received_bulk(self, error: BaseException | None) -> None:
-        """On the loop: the receiver thread is done with the payload."""
-        self._rx_job = None
-        proto = self._proto
-        if error is not None or self._closed or proto.lost is not None:
-            if error is not None:
-                proto.fail(ConnectionResetError(f"receiving a payload: {error}"))
-            return
-        try:
-            proto.finish_payload()
-        except Exception as exc:  # a sink bug must not kill the event loop silently (as buffer_updated)
-            log.exception("error handling a frame from %s", self.where)
-            proto.fail(exc)
-            return
-        if not self._closed and proto.lost is None:
-            proto.transport.resume_reading()
-
     def divert(self) -> None:
         """The payload being received now goes nowhere from here on (its receive was withdrawn:
         nothing more lands in its buffer); the stream is read on as before."""
-        if self._proto.divert() and self._rx_job is not None:
-            self._rx_job.divert()
-
-    async def _send_bulk(self, head: bytes, payload: memoryview) -> None:
-        """Hands the frame to the sender thread, behind the frames it holds; returns when
-        ``payload`` may be reused (cancelled: its unsent rest is copied first).
-
-        Raises:
-            PeerLostError: the connection broke (or was closed) before the frame was out.
-        """
-        fut = self._loop.create_future()
-        job = dataplane.SendJob(head, payload, lambda error: self._sent_bulk(fut, error))
-        self._out.append((job, fut))
-        self.frames_sent += 1
-        self.bytes_sent += len(head) + payload.nbytes
-        self._pump()
-        try:
-            await fut
-        except asyncio.CancelledError:
-            entry = next((e for e in self._out if e[0] is job), None)
-            if entry is not None:  # not begun: nothing of it is in the stream, it need not go at all
-                self._out.remove(entry)
-                self.frames_sent -= 1
-                self.bytes_sent -= len(head) + payload.nbytes
-            else:
-                job.detach()  # begun: it still goes out whole (the stream stays in step); the buffer is free
-            raise
-
-    def writing_resumed(self) -> None:
-        """The transport holds nothing of ours any more (FrameProtocol.resume_writing)."""
-        if self._out:  # frames wait for the transport to drain before the sender thread takes them
-            self._pump()
-
-    def _pump(self) -> None:
-        """Gives the sender thread the next queued frame, once the transport holds nothing of ours."""
-        if self._out_busy or not self._out or self._proto.paused or self._closed:
-            return
-        if self._tx is None:
-            self._tx = dataplane.Worker(self._fd, self._loop, f"ringweave-send-{self.peer}")
-        job, fut = self._out.popleft()
-        self._out_busy = True
-        try:
-            self._tx.submit(job)
-        except OSError as exc:
-            self._sent_bulk(fut, exc)
-
-    def _sent_bulk(self, fut: asyncio.Future, error: BaseException | None) -> None:
-        """On the loop: the sender thread is done with a frame (``error``: it could not write it
-        whole; the stream is broken, and so is the connection)."""
-        self._out_busy = False
-        if error is None:
-            if not fut.done():
-                fut.set_result(None)
-            self._pump()
-            return
-        lost = PeerLostError(f"cannot send to {self.where}: {error}", self.peer)
-        if not fut.done():
-            fut.set_exception(lost)
-        self._fail_queued(lost)
-        if not self._closed:
-            self._proto.fail(ConnectionResetError(f"sending a payload: {error}"))
-
-    def _fail_queued(self, exc: BaseException) -> None:
-        while self._out:
-            _, fut = self._out.popleft()
-            if not fut.done():
-                fut.set_exception(exc)
-
-    def _stop_workers(self, shutdown: bool) -> None:
-        for worker in (self._rx, self._tx):
-            if worker is not None:
-                worker.close(shutdown)
+        self._proto.divert()
 
     def close(self) -> None:
-        """See base class. A payload the threads are moving is cut short (its peer sees the
-        connection end mid-frame, as with any close)."""
+        """See base class."""
         if not self._closed:
             self._closed = True
-            self._stop_workers(shutdown=self._rx_job is not None or self._out_busy)
-            self._fail_queued(PeerLostError(f"cannot send to {self.where}: the connection was closed", self.peer))
             if self._proto.transport is not None:
                 self._proto.transport.close()
 
     def abort(self) -> None:
         self._closed = True
-        self._stop_workers(shutdown=True)
-        self._fail_queued(PeerLostError(f"cannot send to {self.where}: the connection was aborted", self.peer))
         if self._proto.transport is not None:
             self._proto.transport.abort()
 
     def protocol_lost(self, exc: BaseException) -> None:
-        self._stop_workers(shutdown=True)
-        self._fail_queued(PeerLostError(f"cannot send to {self.where}: connection lost ({exc})", self.peer))
         if not self._closed:
             self._closed = True
             self.sink.on_lost(self, exc)

@@ -4,8 +4,8 @@ Collective code runs on the event loop's thread, and a coroutine that never wait
 unfinished never hands the loop back: a stream of calls that each complete at once (small
 shared-memory calls, frames read straight off the socket), a ring whose segments have all
 arrived, a large copy, reduction, socket read or write. Meanwhile every other task of the loop
-stands still (a heartbeat, a data loader, the Watchdog's timer). The rule (docs/design.md, "Control
-plane on the loop"): bulk work goes in pieces of at most :data:`PIECE_NBYTES` of memory traffic
+stands still (a heartbeat, a data loader, the Watchdog's timer). The rule (docs/design.md, "The
+loop's turns"): bulk work goes in pieces of at most :data:`PIECE_NBYTES` of memory traffic
 (:func:`piece_items`), and after each piece the code asks :func:`overdue` and, when it says so,
 awaits ``asyncio.sleep(0)``, which runs one iteration of the loop before coming back::
 

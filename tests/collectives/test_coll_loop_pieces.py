@@ -1,5 +1,5 @@
 """Large collectives hand the event loop back between bounded pieces of work (docs/design.md,
-"Control plane on the loop"): no callback of the loop (a task's step, a socket's read) copies,
+"The loop's turns"): no callback of the loop (a task's step, a socket's read) copies,
 reduces, reads or writes more than one piece, ``runtime.turns.PIECE_NBYTES`` of memory traffic.
 
 The loop is instrumented, not timed. asyncio's ``Handle._run`` (every callback of the selector

@@ -8,7 +8,7 @@ reduced chunk. Nothing breaks, so no peer is lost; the only way out is the call'
 Rank 0 must raise CollectiveTimeoutError within the timeout plus ``BOUND_S`` of the moment its
 call began, and say that rank 1 did not answer.
 
-What went wrong before (TCP, data plane on and off): when the deadline fired, the timeout's
+What went wrong before (TCP): when the deadline fired, the timeout's
 diagnosis asked rank 1 a question (``ringweave.status``) whose small frame queued behind the
 stalled payload before the question's own timeout had started, so rank 0 waited until rank 1
 was continued. Here rank 1 is left stopped for ``TIMEOUT_S + 10`` s after the fault and then
@@ -17,10 +17,7 @@ bound kept, the launcher stops it as soon as rank 0 has failed (SIGKILL after ``
 No process of the job may be left. (The shared-memory case passed before too: no payload
 holds up the question there; it keeps the bound.)
 
-TCP only with the data plane off and on (the two paths of the defect), and shared memory with the
-data plane off. Not shared memory with it on: the data plane moves only TCP payloads of 1 MiB and
-more (runtime/transport.py), and with shared memory no payload of the call crosses TCP, so that
-case ran the shared-memory case's code again.
+One case per path a payload takes: TCP only, and shared memory.
 """
 
 from __future__ import annotations
@@ -92,14 +89,14 @@ def _kill_if_still_stopped(out):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("path", "data_plane"), [("tcp", "off"), ("tcp", "on"), ("shm", "off")])
-def test_peer_stopped_mid_transfer_times_out_within_the_bound(tmp_path, path, data_plane):
-    env = {"RINGWEAVE_SHM": "0" if path == "tcp" else "1", "RINGWEAVE_DATA_PLANE": "1" if data_plane == "on" else "0"}
+@pytest.mark.parametrize("path", ["tcp", "shm"])
+def test_peer_stopped_mid_transfer_times_out_within_the_bound(tmp_path, path):
+    env = {"RINGWEAVE_SHM": "0" if path == "tcp" else "1"}
     out = tmp_path / "out"
     out.mkdir()
     result = launch(tmp_path, STOPPED_MID_CALL, n=2, env=env, during=_kill_if_still_stopped(out), timeout_s=75,
                     launcher_args=("--timeout-s", f"{TIMEOUT_S:g}", "--grace-s", "1"))
-    result.show(f"rank 1 stopped mid 64 MiB all_reduce ({path}, data plane {data_plane}), timeout {TIMEOUT_S:g} s")
+    result.show(f"rank 1 stopped mid 64 MiB all_reduce ({path}), timeout {TIMEOUT_S:g} s")
 
     assert result.returncode != 0, result.explain()
     assert sorted(result.reports) == [0], result.explain()

@@ -1,4 +1,4 @@
-"""The event loop keeps turning while collectives run (docs/design.md, "Control plane on the loop").
+"""The event loop keeps turning while collectives run (docs/design.md, "The loop's turns").
 
 Two ranks as real processes (through the launcher), each with a 1 ms ticker task in its loop beside
 back-to-back small calls (1.2 s of them) and large ones, over shared memory and over TCP. The bound

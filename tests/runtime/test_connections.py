@@ -15,28 +15,17 @@ async def test_connection_contract(check, transport):
     await check(transport)
 
 
-@pytest.mark.parametrize("check", check_connection.ALL, ids=lambda c: c.__name__.removeprefix("check_"))
-async def test_connection_contract_on_the_data_plane(check, monkeypatch):
-    """The same contract with payloads above 1 MiB moved by the connection's threads
-    (RINGWEAVE_DATA_PLANE=1, runtime/dataplane.py)."""
-    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", "1")
-    await check("tcp")
-
-
-@pytest.mark.parametrize("data_plane", ["0", "1"])
-async def test_send_to_a_peer_that_stopped_reading_times_out_and_the_frame_still_goes_whole(data_plane, monkeypatch):
+async def test_send_to_a_peer_that_stopped_reading_times_out_and_the_frame_still_goes_whole():
     """A sender whose peer stops reading fails naming it within its deadline. The large frame it
     had begun is not cut off: its unsent rest is copied (the caller owns its buffer again at once)
-    and still goes out whole behind the caller's back, whether the loop writes it in pieces or the
-    data plane's thread does. Once the peer reads again every frame arrives intact, in order: on the
-    data plane a later frame that had not begun when its send timed out never goes out; on the loop
-    one that was handed to the transport before it timed out still does."""
+    and still goes out whole behind the caller's back, the loop writing it in pieces. Once the peer
+    reads again every frame arrives intact, in order: a later frame that was handed to the
+    transport before its send timed out goes out too."""
     import numpy as np
 
     from runtime.errors import PeerTimeoutError
     from runtime.testing import make_runtimes
 
-    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", data_plane)
     rts = await make_runtimes(2, "tcp")
     try:
         rts[1].actor.conns[0]._proto.transport.pause_reading()  # rank 1 stops reading from rank 0
@@ -52,10 +41,9 @@ async def test_send_to_a_peer_that_stopped_reading_times_out_and_the_frame_still
         got = np.zeros_like(sent)
         await rts[1].actor.recv_into(0, "big", got, timeout_s=30)
         assert np.array_equal(got, sent)
-        if data_plane == "0":  # in the transport's buffer before its deadline: it went out too
-            late = np.zeros(3, np.uint8)
-            await rts[1].actor.recv_into(0, "late", late, timeout_s=5)
-            assert late.tolist() == [0, 1, 2]
+        late = np.zeros(3, np.uint8)  # in the transport's buffer before its deadline: it went out too
+        await rts[1].actor.recv_into(0, "late", late, timeout_s=5)
+        assert late.tolist() == [0, 1, 2]
         await rts[0].actor.send(1, "after", np.array([4, 5], np.uint8), timeout_s=5)
         after = np.zeros(2, np.uint8)
         await rts[1].actor.recv_into(0, "after", after, timeout_s=5)
@@ -85,7 +73,6 @@ async def test_large_payload_raises_rcvlowat_and_restores_it_at_the_frame_end(mo
         seen.append((nbytes, self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)))
 
     monkeypatch.setattr(fp.FrameProtocol, "_set_lowat", spy)
-    monkeypatch.setenv("RINGWEAVE_DATA_PLANE", "0")  # the loop's own reads (runtime/dataplane.py's RecvJob does the same)
     rts = await make_runtimes(2, "tcp")
     try:
         proto = rts[1].actor.conns[0]._proto
