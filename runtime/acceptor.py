@@ -124,8 +124,8 @@ class Acceptor:
             the socket from then on.
         admit: ``admit(who) -> refusal | None``, called on the thread after the MAC checks out.
         refuse: ``refuse(handshaking) -> reason | None``, called on the thread at each accept
-            with the number of connections in the handshake: a reason closes the new connection
-            at once (the store's ``max_clients``).
+            with the number of connections in the handshake or handed over and not yet taken by
+            the owner's loop: a reason closes the new connection at once (the store's ``max_clients``).
         serve_tool: ``await serve_tool(name, args)``, run on the thread for the requests of
             tool connections; None: tools are delivered like anyone else.
         tool_schema: the frames a tool may send (needs ``q`` and ``b``).
@@ -251,7 +251,7 @@ class Acceptor:
         one in the handshake when they are max_handshaking already)."""
         self._accepted += 1
         where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-        reason = self._refuse(len(self._handshaking)) if self._refuse is not None else None
+        reason = self._refuse(len(self._handshaking) + len(self._in_transit)) if self._refuse is not None else None
         if reason:
             self._refused += 1
             self._log.warning(f"refused a connection from {where}: {reason}")

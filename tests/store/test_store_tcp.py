@@ -495,3 +495,21 @@ async def test_a_request_too_large_to_frame_is_refused_and_the_client_stays_usab
             await store.wait(keys, timeout_s=0.1)
         await store.set("k", b"v")
         assert await store.get("k") == b"v"
+
+
+async def test_max_clients_counts_a_client_handed_over_but_not_yet_taken(monkeypatch):
+    """A client whose handshake is done but whose hand-over to the store's loop has not run yet is
+    held all the same: the next client past max_clients is refused (it was admitted in that gap)."""
+    from runtime import acceptor
+
+    take = acceptor.Acceptor._take
+
+    def late_take(self, sock, who, where):  # the loop busy elsewhere: the hand-over runs 0.5 s late
+        asyncio.get_running_loop().call_later(0.5, take, self, sock, who, where)
+
+    monkeypatch.setattr(acceptor.Acceptor, "_take", late_take)
+    async with StoreServer("127.0.0.1", 0, secret=SECRET, max_clients=1) as srv:
+        a = await client(srv)
+        with pytest.raises(ConnectError, match=f"127.0.0.1:{srv.port}"):
+            await client(srv, connect_timeout_s=0.3)
+        await a.close()
