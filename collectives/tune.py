@@ -231,7 +231,7 @@ def fits_of(measured: dict) -> dict:
 @contextlib.contextmanager
 def setting(name: str, value: str):
     """``os.environ[name] = value`` inside the block, as before after it."""
-    old = os.environ.get(name)
+    old = env.get(name)
     os.environ[name] = value
     try:
         yield
@@ -345,11 +345,15 @@ async def measure(rt, ops, grid, quick: bool, every: bool, stream_sizes=(), budg
         last = measured[collective][str(winners[first][-1][0])]  # a line past the grid: timed at its top
         for state in rules:
             tail = {a: ln for a, ln in lines.items() if a in last and (state == "shm" or a not in SHM_ONLY)}
-            rules[state][collective] = tunefit.thresholds(winners[state], tail,
-                                                          extrapolate=not quick or budget_s is not None)
+            rules[state][collective] = tunefit.thresholds(winners[state], lines, not quick or budget_s is not None,
+                                                          past=tail)
     return {"format": tunefile.FORMAT, "key": tunefile.machine_key(p, 1, p), "model": machine.to_json(),
             "rules": rules, "times": measured, "fits": fits_of(measured), "settings": settings,
             "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.2f} GB/s" if seconds_per_byte > 0 else "unbounded"
 
 
 def explain(rules: tunefile.TuneRules | None, world: int) -> str:
@@ -357,15 +361,21 @@ def explain(rules: tunefile.TuneRules | None, world: int) -> str:
     key = tunefile.machine_key(world, 1, world)
     if rules is None:
         return (f"no rules for {world} ranks on this machine ({tunefile.default_path(key)}; RINGWEAVE_TUNE="
-                f"{os.environ.get('RINGWEAVE_TUNE', '1')}): the built-in table chooses")
+                f"{int(env.TUNE.get())}): the built-in table chooses")
     out = [f"rules: {rules.path}", f"key: {json.dumps(rules.key, sort_keys=True)}",
            f"settings: {json.dumps(rules.settings, sort_keys=True)} (RINGWEAVE_SHM_COMPILED / "
            "RINGWEAVE_SHM_STREAM_MIN, where set, win)"]
+    m = rules.model
+    if m is not None:
+        out.append("model terms: " + "; ".join(
+            f"{name} alpha {link.alpha * 1e6:.1f} us, o {link.o * 1e6:.1f} us, 1/beta {_rate(link.beta)}"
+            for name, link in (("loopback", m.loopback), ("shm", m.shm)))
+            + f"; reduce {_rate(m.gamma)}, copy {_rate(m.copy)}")
     for collective in sorted(rules.fits):
-        out.append(f"{collective}: t = alpha + n beta")
+        out.append(f"{collective}: t = alpha + n beta, fitted to the times measured")
         for name, (alpha, beta) in sorted(rules.fits[collective].items(), key=lambda kv: kv[1][0]):
-            rate = f"{1e-9 / beta:.2f} GB/s" if beta > 0 else "inf GB/s"
-            out.append(f"  {name:>20}  alpha {alpha * 1e6:9.1f} us  1/beta {rate}")
+            over = "shm" if name in SHM_ONLY else "tcp"
+            out.append(f"  {name:>20} ({over})  alpha {alpha * 1e6:9.1f} us  1/beta {_rate(beta)}")
     for state, table in sorted(rules.rules.items()):
         for collective, entries in sorted(table.items()):
             lo, parts = 0, []

@@ -92,10 +92,13 @@ def envelope(start: float, first: str, fits: dict) -> list[tuple[float, str]]:
         out.append(nxt)
 
 
-def thresholds(winners: list[tuple[int, str | None]], fits: dict, extrapolate: bool) -> list[list]:
+def thresholds(winners: list[tuple[int, str | None]], fits: dict, extrapolate: bool,
+               past: dict | None = None) -> list[list]:
     """``[upto, algorithm]`` entries from (size, winner) in rising size: a change between two
-    sizes at the winners' crossing (:func:`_cut`); past the last size the lower envelope of the
-    lines of ``fits`` (``extrapolate``) or None (the table)."""
+    sizes at the winners' crossing of ``fits`` (:func:`_cut`); past the last size the lower
+    envelope of the lines of ``past`` (default ``fits``; e.g. those timed at the last size and
+    allowed there) with ``extrapolate``, else None (the table)."""
+    past = fits if past is None else past
     out: list[list] = []
 
     def add(upto, name):
@@ -114,7 +117,7 @@ def thresholds(winners: list[tuple[int, str | None]], fits: dict, extrapolate: b
             out.append([None, None])
         return out
     floor = last
-    for x, nxt in (envelope(last, name, fits) if name in fits else []):
+    for x, nxt in (envelope(last, name, past) if name in past else []):
         floor = max(int(x), floor + 1)  # rising whole bytes
         add(floor, name)
         name = nxt
