@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Mapping
 
-from collectives.costmodel import Machine
+from collectives.costmodel import FORMULAS, Machine
 from runtime import env, owndir, private
 from runtime.errors import PrivateDirError
 
@@ -280,8 +280,7 @@ def forget() -> None:
 
 
 def _algorithms() -> Mapping:
-    from collectives import registry  # lazy: registry imports this module
-    return registry.ALGORITHMS
+    return FORMULAS  # a formula per registered algorithm (tests/collectives/test_tune_model.py)
 
 
 def rules_for(world: int, hosts: int, per_host: int, algorithms: Mapping | None = None) -> TuneRules | None:
@@ -289,7 +288,7 @@ def rules_for(world: int, hosts: int, per_host: int, algorithms: Mapping | None 
     or None: off (``RINGWEAVE_TUNE=0``), no file, or a file refused (warned once). Without a file
     for this size on one host, the lines of the nearest size tuned on this machine, carried to
     this size (:func:`derived`). Cheap to call; ``algorithms`` as for :func:`parse` (default
-    registry.ALGORITHMS)."""
+    the names registry.ALGORITHMS has, as costmodel.FORMULAS holds them)."""
     if world <= 1 or not env.TUNE.get():
         return None
     named = env.TUNE_FILE.get()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
 
@@ -45,11 +44,12 @@ def ticking(monkeypatch, step_s: float):
 
 
 async def test_ranks_agree_though_their_clocks_differ(fresh, monkeypatch, ranks):
-    jitter = {r: random.Random(r) for r in range(3)}
+    jitter, ticks = {r: random.Random(r) for r in range(3)}, {}
 
-    def now():  # rank r's clock runs r + 1 times as fast, with a jitter of its own
+    def now():  # every reading of rank r's clock is (r + 1) ms after its last, and a jitter of its own
         r = current().rank
-        return time.perf_counter() * (r + 1) + jitter[r].uniform(0, 1e-3)
+        ticks[r] = ticks.get(r, 0.0) + (r + 1) * 1e-3 + jitter[r].uniform(0, 1e-3)
+        return ticks[r]
     monkeypatch.setattr(tune, "_now", now)
 
     async def body(world):
