@@ -4,13 +4,16 @@ asked for, and the rules it writes make the next job skip it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 
 import pytest
 
 from collectives import registry, tune, tuneprobe, tunefile
+import runtime
 from runtime.init import current
+from runtime.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,3 +111,17 @@ def test_a_bad_budget_is_a_setting_error(monkeypatch):
     monkeypatch.setenv("RINGWEAVE_TUNE_PROBE_S", "60")
     with pytest.raises(SettingError, match="RINGWEAVE_TUNE_PROBE_S"):
         env.TUNE_PROBE.get()
+
+
+async def test_runtime_init_runs_the_probe(fresh, monkeypatch):
+    """``import collectives`` registers the probe; runtime.init() runs it on every rank once joined."""
+    ticking(monkeypatch, 0.01)
+    store = MemoryStore(10)
+
+    async def rank(r):
+        rt = await runtime.init(r, 2, store=store, timeout_s=30)
+        await rt.close()
+    await asyncio.gather(*(rank(r) for r in range(2)))
+    path = tunefile.default_path(tunefile.machine_key(2, 1, 2))
+    assert tunefile.load(path, tunefile.machine_key(2, 1, 2), registry.ALGORITHMS).rules == \
+        tunefile.rules_for(2, 1, 2).rules
