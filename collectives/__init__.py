@@ -11,6 +11,7 @@ Names are loaded on first use, so importing a subpackage (collectives.kernels)
 does not pull in the rest; ``runtime.init()`` loads them, off the event loop (warmup.py).
 """
 
+from runtime import env as _env
 from runtime import warmup as _warmup
 
 _FROM = {  # public name -> the module that defines it
@@ -34,7 +35,16 @@ def _warm_up() -> None:
     warmup.warm()
 
 
+async def _probe(rt) -> None:
+    """Run by ``runtime.init()`` on every rank once joined: the tuner's probe where
+    RINGWEAVE_TUNE_PROBE_S asks for it (collectives/tuneprobe.py)."""
+    if _env.TUNE_PROBE.get() > 0:
+        from collectives import tuneprobe  # lazy: only where the probe is asked for
+        await tuneprobe.at_init(rt)
+
+
 _warmup.add(_warm_up)  # before init() is the usual order: `import collectives` comes first
+_warmup.on_join(_probe)
 
 # The machinery behind these names, imported only from inside collectives/ (tests/tree/test_surfaces.py):
 # choosing and opening a call, the host and device paths behind api.py, argument checks, shared

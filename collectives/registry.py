@@ -213,12 +213,8 @@ def choose(collective: str, nbytes: int, world: int, override: str | None = None
     algorithms = ALGORITHMS.get(collective)
     if algorithms is None:
         raise ValueError(f"unknown collective {collective!r}; known: {sorted(ALGORITHMS)}")
-    if group is None:
-        layout, hosts, per_host = "one", 1, world
-    else:
-        topology = group.topology
-        layout, hosts = topology.layout, topology.hosts
-        per_host = world if hosts == 1 else max(len(node) for node in topology.nodes)
+    layout = "one" if group is None else group.topology.layout
+    hosts, per_host = tunefile.shape(group, world)
     shm = not subcall and (group is None or group.shm_enabled) and shm_usable()
     reader = _SETTINGS_READERS.get(collective)
     if reader is None:
@@ -304,6 +300,11 @@ _CHOSEN: dict[tuple, tuple[str, Callable]] = {}
 def forget() -> None:
     """Forgets every choice made and the rules files read (after a table or a rules file changed
     in this process)."""
+    forget_choices()
+    tunefile.forget()
+
+
+def forget_choices() -> None:
+    """Forgets every choice made, not the rules (after tunefile.install)."""
     _CHOSEN.clear()
     _CHOICES.clear()
-    tunefile.forget()

@@ -3,31 +3,34 @@
     python -m collectives.tune -n 4            # this host, 4 ranks: the bench grid, 4 B .. 64 MiB
     python -m collectives.tune -n 2 --quick    # a few small sizes, seconds (a smoke test)
     python -m collectives.tune -n 4 --all      # time every algorithm, not only the model's close ones
+    python -m collectives.tune -n 4 --explain  # the rules, lines and settings this machine has for 4 ranks
 
-It launches N ranks on this host (``python -m runtime.launch``), which:
+It launches N ranks on this host (``python -m runtime.launch``), which (``measure``, also the probe at
+init's: collectives/tuneprobe.py):
 
-1. **probe** the terms of the cost model (collectives/costmodel.py), every pair of ranks at once so
-   that contention is in the figures: a ping-pong at a few sizes (``alpha``, ``beta`` of loopback
-   TCP), a burst of small messages (``o``), the reduction kernel (``gamma``), a copy (``copy``), the
-   shared-memory barrier (``alpha`` of shared memory, whose ``beta`` is the copy's);
-2. **time** the algorithms at every size of the grid: those the model puts within CLOSE of its best,
-   the built-in table's choice, and all of them with ``--all``; the slowest rank's time, the median
-   of the iterations; the clock, not the model, picks;
-3. rank 0 **writes** the rules file (collectives/tunefile.py: where it lives, its key, how it is
-   checked, RINGWEAVE_TUNE=0 to turn it off) and prints where.
+1. **probe** the cost model's terms (collectives/costmodel.py), every pair of ranks at once, so
+   contention is in the figures;
+2. **time the settings**: the compiled small shared-memory path on and off (``shm_compiled``),
+   the shared-memory all_reduce's copies streamed or not at 1-64 MiB (``shm_stream_min``);
+3. **time** the algorithms at every size of the grid (those the model puts within CLOSE of its
+   best, the table's choice; ``--all``: every one); the slowest rank's median; the clock picks,
+   and the table's choice stays within TIE of the fastest;
+4. **fit** each algorithm's line ``alpha + n beta`` (collectives/tunefit.py): a boundary between
+   two sizes with different winners where their lines cross (else the geometric midpoint), past
+   the grid the lower envelope of the lines timed at its top (``--quick``: the table);
+5. rank 0 **writes** the rules file (collectives/tunefile.py) for shared memory on and off.
 
-A size between two measured sizes takes the winner of the nearer one (geometric midpoint); sizes
-above the grid the winner of the largest (``--quick``: the built-in table). Where the table's choice
-is within TIE of the fastest, the table's choice stays. Rules are written for shared memory on
-(every algorithm) and off (TCP ones only) from the same measurements.
-
-Not here: the formulas (costmodel.py), loading the file (tunefile.py), choosing (registry.py).
+``--explain`` prints what the file gives (or, for a group size not tuned, what the nearest size's
+lines give). Not here: the formulas (costmodel.py), loading the file (tunefile.py), choosing (registry.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
+import json
 import math
 import os
 import subprocess
@@ -37,9 +40,11 @@ import time
 import numpy as np
 
 import runtime
-from collectives import api, costmodel, p2p, registry, tunefile
+from collectives import api, costmodel, p2p, registry, tunefile, tunefit
 from collectives.comm import reduce_step
+from collectives.slots import common, fastpath
 from runtime import args as types
+from runtime import env
 from runtime.sharedmem.segments import shm_usable
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
@@ -51,6 +56,9 @@ CLOSE = 3.0  # time the algorithms the model puts within this factor of its fast
 TIE = 0.05  # the table's choice stays unless another is this much faster
 ITEMSIZE = 4  # float32, as the bench grid
 SHM_ONLY = tunefile.SHM_ONLY
+STREAM_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # the shared-memory all_reduce, streaming copies or not
+NEVER = 1 << 62  # shm_stream_min where streaming never won
+_now = time.perf_counter  # every duration measured (tests give each rank a clock of its own)
 
 
 def registry_nbytes(collective: str, size: int, p: int) -> int:
@@ -92,10 +100,10 @@ async def agreed_max(values) -> np.ndarray:
 
 
 async def _clock(fn, reps: int) -> float:
-    t0 = time.perf_counter()
+    t0 = _now()
     for _ in range(reps):
         await fn()
-    return (time.perf_counter() - t0) / reps
+    return (_now() - t0) / reps
 
 
 async def probe(rt, quick: bool) -> costmodel.Machine:
@@ -167,15 +175,16 @@ def candidates(machine: costmodel.Machine, collective: str, p: int, nbytes: int,
     return sorted(chosen)
 
 
-async def time_algorithms(rt, collective: str, nbytes: int, names: list[str], quick: bool) -> dict[str, float]:
-    """The slowest rank's median seconds of each algorithm, interleaved iteration by iteration."""
-    start = caller(collective, nbytes, rt.world_size, rt.rank)
+async def time_calls(starts: dict, quick: bool) -> dict[str, float]:
+    """The slowest rank's median seconds of each of ``starts`` (name -> a function starting one
+    call), interleaved iteration by iteration; the same dict on every rank."""
+    names = list(starts)
     first = []
     for name in names:  # warm-up, and an estimate of how many iterations fit the budget
         await api.barrier()
-        t0 = time.perf_counter()
-        await start(name)
-        first.append(time.perf_counter() - t0)
+        t0 = _now()
+        await starts[name]()
+        first.append(_now() - t0)
     slowest = float((await agreed_max(first)).max())
     budget, lo, hi = (0.02, 2, 3) if quick else (0.4, 3, 15)
     iters = int(min(hi, max(lo, budget / max(slowest * len(names), 1e-6))))
@@ -183,11 +192,17 @@ async def time_algorithms(rt, collective: str, nbytes: int, names: list[str], qu
     for i in range(iters):
         for j, name in enumerate(names):
             await api.barrier()
-            t0 = time.perf_counter()
-            await start(name)
-            times[i, j] = time.perf_counter() - t0
+            t0 = _now()
+            await starts[name]()
+            times[i, j] = _now() - t0
     worst = (await agreed_max(times)).reshape(times.shape)
     return {name: float(np.median(worst[:, j])) for j, name in enumerate(names)}
+
+
+async def time_algorithms(rt, collective: str, nbytes: int, names: list[str], quick: bool) -> dict[str, float]:
+    """:func:`time_calls` of ``collective`` on ``nbytes`` with each algorithm of ``names``."""
+    start = caller(collective, nbytes, rt.world_size, rt.rank)
+    return await time_calls({name: functools.partial(start, name) for name in names}, quick)
 
 
 def pick(times: dict[str, float], allowed, table: str | None) -> str | None:
@@ -199,21 +214,176 @@ def pick(times: dict[str, float], allowed, table: str | None) -> str | None:
     return table if table in mine and mine[table] <= mine[best] * (1 + TIE) else best
 
 
-def thresholds(winners: list[tuple[int, str | None]], extrapolate: bool) -> list[list]:
-    """``[upto, algorithm]`` entries from (size, winner) in rising size: the boundary between two
-    sizes with different winners at their geometric midpoint; after the last size, its winner
-    (``extrapolate``) or None (the table)."""
-    out = []
-    for (size, name), (nxt, _) in zip(winners, winners[1:] + [(None, None)]):
-        upto = None if nxt is None else int(math.sqrt(max(size, 1) * nxt))
-        if out and out[-1][1] == name:
-            out[-1][0] = upto
-        else:
-            out.append([upto, name])
-    if not extrapolate and out[-1][0] is None and out[-1][1] is not None:
-        out[-1][0] = winners[-1][0]
-        out.append([None, None])
+def fits_of(measured: dict) -> dict:
+    """Each algorithm's line (tunefit.fit) over the sizes it was timed at: ``{collective: {name: [a, b]}}``."""
+    out: dict = {}
+    for collective, by_size in measured.items():
+        points: dict = {}
+        for nbytes, times in by_size.items():
+            for name, t in times.items():
+                points.setdefault(name, []).append((int(nbytes), t))
+        lines = {name: list(tunefit.fit(pts)) for name, pts in points.items() if any(t > 0 for _, t in pts)}
+        if lines:
+            out[collective] = lines
     return out
+
+
+@contextlib.contextmanager
+def setting(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, as before after it."""
+    old = env.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+async def measure_compiled(rt, quick: bool) -> bool | None:
+    """Whether the compiled small shared-memory path is faster here: a 1 KiB all_reduce and a
+    barrier on two groups of every rank, one made with RINGWEAVE_SHM_COMPILED=1 and one with 0
+    (read when a group's domain is made); the heuristic's choice stays within TIE. None: no
+    shared memory, or no compiled path on this machine."""
+    p = rt.world_size
+    if not (rt.world.shm_enabled and shm_usable() and fastpath.SUPPORTED):
+        return None
+    x, groups = np.zeros(256, np.float32), {}
+    for value in ("1", "0"):
+        with setting(env.SHM_COMPILED.name, value):
+            groups[value] = api.new_subgroups(ranks=[list(range(p))])[0]
+            await api.all_reduce(x, group=groups[value], algorithm="shm")  # its domain, made under the setting
+            await api.barrier()  # every rank made its domain before any restores the setting
+
+    async def small(g):
+        await api.all_reduce(x, group=g, algorithm="shm")
+        await api.barrier(group=g, algorithm="shm")
+    times = await time_calls({v: functools.partial(small, g) for v, g in groups.items()}, quick)
+    heuristic = "1" if common.own_cores(rt.world, p) else "0"
+    return pick(times, times, heuristic) == "1"
+
+
+async def measure_stream_min(rt, sizes, quick: bool) -> int | None:
+    """The shared-memory all_reduce's ``shm_stream_min``: the smallest of ``sizes`` (bytes) from
+    which copies by non-temporal stores win at every larger size too, cut at the geometric
+    midpoint below it (:data:`NEVER` where they never win); within TIE the default's side stays.
+    None: no shared memory, or no sizes."""
+    if not (rt.world.shm_enabled and shm_usable()) or not sizes:
+        return None
+    default, won = env.SHM_STREAM_MIN.get(), []
+    for nbytes in sizes:
+        x = np.zeros(nbytes // ITEMSIZE, np.float32)
+
+        async def run(threshold: int, x=x):
+            with setting(env.SHM_STREAM_MIN.name, str(threshold)):
+                await api.all_reduce(x, algorithm="shm")
+        times = await time_calls({"stream": functools.partial(run, 0), "plain": functools.partial(run, NEVER)}, quick)
+        won.append(pick(times, times, "stream" if nbytes >= default else "plain") == "stream")
+    return stream_cut(sizes, won)
+
+
+def stream_cut(sizes, won) -> int:
+    """The threshold from (size, whether streaming won there) in rising size: where it wins from
+    some size on; :data:`NEVER` where it does not win at the largest."""
+    cut = NEVER
+    for i in range(len(sizes) - 1, -1, -1):
+        if not won[i]:
+            break
+        cut = int(math.sqrt(sizes[i - 1] * sizes[i])) + 1 if i else sizes[0]
+    return cut
+
+
+async def measure(rt, ops, grid, quick: bool, every: bool, stream_sizes=(), budget_s: float | None = None,
+                  say=lambda *a, **k: None) -> dict:
+    """A rules file's content for this world, the same on every rank: the model's terms, each
+    collective of ``ops`` timed at ``grid`` (bench sizes), the winners, the fitted lines, and the
+    settings measured. ``budget_s``: no further size is started once the slowest rank has spent
+    this long (agreed, so every rank stops at the same size); the lines then carry the rules past it."""
+    p, t0 = rt.world_size, _now()
+    machine = await probe(rt, quick)
+    lb, sh = machine.loopback, machine.shm
+    say(f"# model: loopback alpha {lb.alpha * 1e6:.1f} us, o {lb.o * 1e6:.1f} us, {1e-9 / lb.beta:.2f} GB/s; "
+        f"shared memory alpha {sh.alpha * 1e6:.1f} us; reduce {1e-9 / machine.gamma:.2f} GB/s, copy "
+        f"{1e-9 / machine.copy:.2f} GB/s", flush=True)
+    shm = rt.world.shm_enabled
+    rules: dict = {"shm": {}, "tcp": {}} if shm else {"tcp": {}}
+    first = next(iter(rules))
+    measured: dict = {}
+    settings: dict = {}
+    compiled = await measure_compiled(rt, quick)
+    if compiled is not None:
+        settings["shm_compiled"] = compiled
+    stream = await measure_stream_min(rt, tuple(stream_sizes), quick)
+    if stream is not None:
+        settings["shm_stream_min"] = stream
+    say(f"# settings: {settings}", flush=True)
+    over = False
+    for collective in ops:
+        sizes = sorted({registry_nbytes(collective, s, p) for s in (grid if collective != "barrier" else (0,))})
+        winners: dict = {state: [] for state in rules}
+        for nbytes in sizes:
+            if budget_s is not None and (over or float((await agreed_max([_now() - t0]))[0]) > budget_s):
+                over = True
+                break
+            names = candidates(machine, collective, p, nbytes, shm, every)
+            times = await time_algorithms(rt, collective, nbytes, names, quick) if len(names) > 1 else {}
+            measured.setdefault(collective, {})[str(nbytes)] = times
+            for state in rules:
+                on = state == "shm"
+                allowed = [a for a in names if on or a not in SHM_ONLY]
+                table = registry._chosen(collective, nbytes, p, on, "one", 1)[0]
+                winners[state].append((nbytes, pick(times, allowed, table)))
+            if times:
+                say(f"{collective:>14} {nbytes:>10} B  " + "  ".join(
+                    f"{a}{'*' if a == winners[first][-1][1] else ''} {t * 1e6:.0f}us"
+                    for a, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
+        if not winners[first]:
+            continue
+        lines = fits_of({collective: measured[collective]}).get(collective, {})
+        last = measured[collective][str(winners[first][-1][0])]  # a line past the grid: timed at its top
+        for state in rules:
+            tail = {a: ln for a, ln in lines.items() if a in last and (state == "shm" or a not in SHM_ONLY)}
+            rules[state][collective] = tunefit.thresholds(winners[state], lines, not quick or budget_s is not None,
+                                                          past=tail)
+    return {"format": tunefile.FORMAT, "key": tunefile.machine_key(p, 1, p), "model": machine.to_json(),
+            "rules": rules, "times": measured, "fits": fits_of(measured), "settings": settings,
+            "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.2f} GB/s" if seconds_per_byte > 0 else "unbounded"
+
+
+def explain(rules: tunefile.TuneRules | None, world: int) -> str:
+    """What registry.choose takes from ``rules`` for ``world`` ranks on this host, as text."""
+    key = tunefile.machine_key(world, 1, world)
+    if rules is None:
+        return (f"no rules for {world} ranks on this machine ({tunefile.default_path(key)}; RINGWEAVE_TUNE="
+                f"{int(env.TUNE.get())}): the built-in table chooses")
+    out = [f"rules: {rules.path}", f"key: {json.dumps(rules.key, sort_keys=True)}",
+           f"settings: {json.dumps(rules.settings, sort_keys=True)} (RINGWEAVE_SHM_COMPILED / "
+           "RINGWEAVE_SHM_STREAM_MIN, where set, win)"]
+    m = rules.model
+    if m is not None:
+        out.append("model terms: " + "; ".join(
+            f"{name} alpha {link.alpha * 1e6:.1f} us, o {link.o * 1e6:.1f} us, 1/beta {_rate(link.beta)}"
+            for name, link in (("loopback", m.loopback), ("shm", m.shm)))
+            + f"; reduce {_rate(m.gamma)}, copy {_rate(m.copy)}")
+    for collective in sorted(rules.fits):
+        out.append(f"{collective}: t = alpha + n beta, fitted to the times measured")
+        for name, (alpha, beta) in sorted(rules.fits[collective].items(), key=lambda kv: kv[1][0]):
+            over = "shm" if name in SHM_ONLY else "tcp"
+            out.append(f"  {name:>20} ({over})  alpha {alpha * 1e6:9.1f} us  1/beta {_rate(beta)}")
+    for state, table in sorted(rules.rules.items()):
+        for collective, entries in sorted(table.items()):
+            lo, parts = 0, []
+            for upto, name in entries:
+                parts.append(f"{lo}..{'' if upto is None else upto} B {name or '(table)'}")
+                lo = (upto or 0) + 1
+            out.append(f"[{state}] {collective}: " + ", ".join(parts))
+    return "\n".join(out)
 
 
 async def rank_main(args) -> None:
@@ -223,39 +393,12 @@ async def rank_main(args) -> None:
     try:
         if rt.world.topology.hosts != 1:
             raise SystemExit("collectives.tune measures one host; its ranks are on several")
-        machine = await probe(rt, args.quick)
-        lb, sh = machine.loopback, machine.shm
-        say(f"# model: loopback alpha {lb.alpha * 1e6:.1f} us, o {lb.o * 1e6:.1f} us, {1e-9 / lb.beta:.2f} GB/s; "
-            f"shared memory alpha {sh.alpha * 1e6:.1f} us; reduce {1e-9 / machine.gamma:.2f} GB/s, copy "
-            f"{1e-9 / machine.copy:.2f} GB/s", flush=True)
-        shm = rt.world.shm_enabled
-        grid = QUICK_GRID if args.quick else GRID
-        rules: dict = {"shm": {}, "tcp": {}} if shm else {"tcp": {}}
-        measured: dict = {}
-        for collective in args.ops:
-            sizes = sorted({registry_nbytes(collective, s, p) for s in (grid if collective != "barrier" else (0,))})
-            winners: dict = {state: [] for state in rules}
-            for nbytes in sizes:
-                names = candidates(machine, collective, p, nbytes, shm, args.all)
-                times = await time_algorithms(rt, collective, nbytes, names, args.quick) if len(names) > 1 else {}
-                measured.setdefault(collective, {})[str(nbytes)] = times
-                for state in rules:
-                    on = state == "shm"
-                    allowed = [a for a in names if on or a not in SHM_ONLY]
-                    table = registry._chosen(collective, nbytes, p, on, "one", 1)[0]
-                    winners[state].append((nbytes, pick(times, allowed, table)))
-                if times:
-                    say(f"{collective:>14} {nbytes:>10} B  " + "  ".join(
-                        f"{a}{'*' if a == winners[next(iter(rules))][-1][1] else ''} {t * 1e6:.0f}us"
-                        for a, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
-            for state in rules:
-                rules[state][collective] = thresholds(winners[state], extrapolate=not args.quick)
+        stream_sizes = () if args.quick or "all_reduce" not in args.ops else STREAM_SIZES
+        doc = await measure(rt, args.ops, QUICK_GRID if args.quick else GRID, args.quick, args.all, stream_sizes,
+                            say=say)
         if r == 0:
-            key = tunefile.machine_key(p, 1, p)
-            doc = {"format": tunefile.FORMAT, "key": key, "model": machine.to_json(), "rules": rules,
-                   "times": measured, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "command": f"python -m collectives.tune -n {p}" + (" --quick" if args.quick else "")
-                   + (" --all" if args.all else "")}
+            doc["command"] = (f"python -m collectives.tune -n {p}" + (" --quick" if args.quick else "")
+                              + (" --all" if args.all else ""))
             path = tunefile.save(doc, registry.ALGORITHMS, args.out)
             print(f"# rules written to {path} (RINGWEAVE_TUNE=0 ignores them)", flush=True)
     finally:
@@ -270,6 +413,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {OPS} (default all)")
     p.add_argument("--out", default=None, help="the file to write (default: the cache's, keyed to this machine)")
     p.add_argument("--timeout-s", type=types.positive_seconds, default=900.0, help="stop the ranks after this long (default 900)")
+    p.add_argument("--explain", action="store_true",
+                   help="print the rules this machine has for -n ranks (lines, boundaries, settings); measure nothing")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -282,6 +427,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.explain:
+        print(explain(tunefile.rules_for(args.nproc, 1, args.nproc, registry.ALGORITHMS), args.nproc))
+        return 0
     if args.launched:
         asyncio.run(rank_main(args))
         return 0

@@ -313,6 +313,9 @@ TUNE = _("RINGWEAVE_TUNE", switch, "1", "each call",
 TUNE_FILE = _("RINGWEAVE_TUNE_FILE", text, None, "each call",
               "a rules file to load instead of $XDG_CACHE_HOME/ringweave/tune/<machine key>.json (its key must "
               "still match the machine and layout)")
+TUNE_PROBE = _("RINGWEAVE_TUNE_PROBE_S", number("seconds", lambda v: 0 <= v <= 10, "must be 0 (off) to 10 seconds"),
+                "0", "init", "the same on every rank: where no rules file exists for this machine and group size, "
+                "runtime.init() measures the job's all_reduce for about this long and writes one (0: never)")
 # -- end of the tuner's settings --
 WARMUP = _("RINGWEAVE_WARMUP", switch, "1", "init",
             "0: runtime.init() runs no warm-up (runtime/warmup.py): the first collective imports and compiles "

@@ -199,6 +199,11 @@ async def init(rank: int | None = None, world_size: int | None = None, *, master
         raise
     if loop is not None:
         _by_loop[loop] = rt
+    try:
+        await warmup.joined(rt)  # what the layers above run once joined (runtime/warmup.py on_join)
+    except BaseException as exc:
+        await abort(exc, rt)
+        raise
     return rt
 
 

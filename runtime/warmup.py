@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from runtime import env
 
@@ -28,6 +28,7 @@ T = TypeVar("T")
 
 _added: list[Callable[[], None]] = []  # in the order added
 _done: set[Callable[[], None]] = set()  # run already in this process
+_joined: list[Callable[[Any], Awaitable[None]]] = []  # on_join, in the order added
 _lock = threading.Lock()  # one worker runs them at a time (several runtimes per process: tests)
 
 
@@ -36,6 +37,19 @@ def add(fn: Callable[[], None]) -> None:
     next ``runtime.init()``; adding one twice adds it once."""
     if fn not in _added:
         _added.append(fn)
+
+
+def on_join(fn: Callable[[Any], Awaitable[None]]) -> None:
+    """Registers ``await fn(rt)`` to run at the end of every ``runtime.init()``, once the rank has
+    joined (the tuner's probe at init, collectives/tuneprobe.py); every rank runs the same ones."""
+    if fn not in _joined:
+        _joined.append(fn)
+
+
+async def joined(rt) -> None:
+    """Runs what :func:`on_join` registered, in order, on the runtime ``init()`` just made."""
+    for fn in _joined:
+        await fn(rt)
 
 
 def pending() -> list[Callable[[], None]]:

@@ -36,6 +36,7 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
+from collectives import tunefile
 from collectives.kernels.cpu import OP_CODES, apply
 from collectives.slots import atomics as at
 from collectives.slots import common
@@ -218,10 +219,10 @@ class _Compiled:
             self.wait = (SPIN_PAUSES, False, SLICE_NS)
         else:  # ranks share cores: a yield hands the core to one with work (bench/results/shm.md#waiting-and-waking)
             self.wait = (env.SHM_SPIN.get(), True, SLICE_NS)
-        # auto: only where it pays, a core per rank or tasks of one process
-        # (bench/results/shm.md#the-compiled-small-path)
+        # auto: only where it pays: as the tuner measured it (tunefile.compiled), else a core per
+        # rank; always for tasks of one process (bench/results/shm.md#the-compiled-small-path)
         setting = env.SHM_COMPILED.get()
-        self.enabled = setting == "1" or (setting == "auto" and (own or dom.cooperative))
+        self.enabled = setting == "1" or (setting == "auto" and (dom.cooperative or tunefile.compiled(dom.group, own)))
 
 
 def _compiled(dom) -> _Compiled:

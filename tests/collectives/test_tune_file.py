@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from collectives import registry, tune, tunefile
+from collectives import registry, tune, tunefile, tunefit
 from runtime.topology import HostTopology
 
 
@@ -138,8 +138,9 @@ def test_missing_cache_file_is_silent(fresh, caplog):
 
 def test_thresholds_cut_at_the_geometric_midpoint():
     winners = [(4, "a"), (64, "a"), (1024, "b")]
-    assert tune.thresholds(winners, extrapolate=True) == [[256, "a"], [None, "b"]]
-    assert tune.thresholds(winners, extrapolate=False) == [[256, "a"], [1024, "b"], [None, None]]
+    assert tunefit.thresholds(winners, {}, extrapolate=True) == [[256, "a"], [None, "b"]]
+    assert tunefit.thresholds(winners, {}, extrapolate=False) == [[256, "a"], [1024, "b"], [None, None]]
+    assert tunefit.thresholds([(4, None)], {}, extrapolate=False) == [[None, None]]
 
 
 def test_the_table_stays_within_tie_of_the_fastest():

@@ -13,7 +13,7 @@ How it works (n ranks, rank r, slot S_p = rank p's data slot in /dev/shm, mapped
   3. wait for every peer's phase 2; copy-out: x[c] = S_c[c] for every c != r.
   Then EXIT (posted by DomainCall): the next call that writes the slots waits for it.
 
-Copies of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB) and up use non-temporal stores
+Copies of ``RINGWEAVE_SHM_STREAM_MIN`` (4 MiB; else the tuner's ``shm_stream_min``) and up use non-temporal stores
 (``memops.stream_copy``; bench/results/shm.md#streaming-copies). Each element is reduced once, by
 its chunk's owner, and copied to the others: every rank gets the same bits (the traffic per rank:
 docs/design.md, "The shared-memory protocol").
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives import tunefile
 from collectives.ops import chunk_bounds
 from collectives.slots import common, fastpath, memops
 from runtime.sharedmem import domains
@@ -88,7 +89,7 @@ async def _large(comm, dom, x: np.ndarray, op: str) -> None:
     # 3. copy-out: every other chunk from its owner's slot
     others = [c for c in range(n) if c != r]
     await common.copy_off_loop(dom, x.nbytes, [(chunk(x, c), chunk(slots[c], c)) for c in others],
-                          common.streams(x.nbytes))
+                          x.nbytes >= tunefile.stream_min(comm.group))
 
 
 async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
@@ -109,7 +110,7 @@ async def scatter_reduce(comm, dom, x: np.ndarray, op: str, p: int, k: int):
     # 1. copy-in: every chunk but mine into my slot
     others = [c for c in range(k) if c != p]
     await common.copy_off_loop(dom, x.nbytes, [(chunk(slots[p], c), chunk(x, c)) for c in others],
-                          common.streams(x.nbytes))
+                          x.nbytes >= tunefile.stream_min(comm.group))
     dom.post(comm, 1)
     await dom.wait_all(comm, 1)
     # 2. reduce my chunk from every peer's slot, in member order, then publish it in my slot
