@@ -105,6 +105,7 @@ class Redundancy(NoRedundancy):
         self.segments: list = []
         self.log: list[tuple[np.ndarray, float, float, float]] = []  # (message, scale, coef, lr) per applied step
         self._inbox: tuple[np.ndarray, float] | None = None  # this step's message and loss scale, until applied
+        self._swap = None  # this step's buddy messages, a coroutine started by ``guard``
         self._shapes: tuple[list, int] = ([], 1)  # (lengths, N) the logged messages are cut by
 
     @property
@@ -136,6 +137,7 @@ class Redundancy(NoRedundancy):
         """At setup (``full``: every unit's padded initial master) or after a re-shard (and
         ``full_states``: every unit's whole optimizer buffers): builds the buddy's copies, the log empty."""
         self._inbox, self.log = None, []
+        self._drop_swap()
         self._masters, self._states, self.segments = [], [], []
         if not self._has_buddy(s):
             return
@@ -154,21 +156,32 @@ class Redundancy(NoRedundancy):
                                  else unit.decay_segments(sl.start, sl.stop))
 
     async def exchange(self, s, scale: float) -> None:
-        """Sends this rank's reduced gradient shards to its holder (rank - 1) and receives its buddy's
-        (rank + 1), kept with ``scale`` until the step is applied (``step_buddy`` logs them). First, when
-        K steps are logged (or a checkpoint was loaded), the whole state instead of the log (``refresh``)."""
+        """Right after this rank's gradient collectives: copies its reduced gradient shards into the
+        message for its holder (rank - 1), to travel while the statistics are summed (``guard``), as
+        the buddy's (rank + 1) arrives; kept with ``scale`` until the step is applied (``step_buddy``
+        logs it). When K steps are logged (or a checkpoint was loaded), a ``refresh`` goes first."""
         self._inbox = None
+        self._drop_swap()
         if not self._has_buddy(s):
             return
+        mine = np.concatenate([g for _, g, _ in s._opt_shards()])  # a copy: the step unscales its own in place
+        self._swap = self._swap_messages(s, mine, scale)
+
+    async def _swap_messages(self, s, mine: np.ndarray, scale: float) -> None:
         if any(copy.step + len(self.log) != own.step for copy, own in zip(self._states, s.states)):
             await self.refresh(s)  # a checkpoint was loaded since (the same on every rank: it loaded one)
         elif len(self.log) >= self.refresh_every:
             await self.refresh(s)  # every rank logged the same steps: all refresh in this step
-        mine = np.concatenate([g for _, g, _ in s._opt_shards()])
         inbox = np.empty_like(mine)  # every rank's shards have the same lengths
-        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
-                             s.collectives.recv(inbox, (s.rank + 1) % s.N, BUDDY_TAG))
+        await _together(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
+                        s.collectives.recv(inbox, (s.rank + 1) % s.N, BUDDY_TAG))
         self._inbox = (inbox, scale)
+
+    def _drop_swap(self) -> None:
+        """A message that never left (the step failed between ``exchange`` and ``guard``): closed unrun."""
+        if self._swap is not None:
+            self._swap.close()
+            self._swap = None
 
     async def abort(self, s, exc: BaseException) -> None:
         """This rank's step failed before its vote: records "no" for the step (the decision cannot be
@@ -181,8 +194,11 @@ class Redundancy(NoRedundancy):
                                f"{exc}); no state changed", s.step) from exc
 
     async def guard(self, s, coro) -> None:
+        """Awaits ``coro`` (the statistics' sum) and the buddy messages together: both complete before
+        the vote. A failure of either records "no" for the step (``abort``)."""
+        swap, self._swap = self._swap, None
         try:
-            await coro
+            await (coro if swap is None else _together(coro, swap))
         except BaseException as exc:
             await self.abort(s, exc)
             raise
@@ -229,8 +245,8 @@ class Redundancy(NoRedundancy):
         mine = np.concatenate([np.concatenate([s._master_shard(i), *s.states[i].buffers.values()])
                                for i in range(len(s.units))])
         inbox = np.empty_like(mine)  # every rank's shards have the same lengths
-        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, REFRESH_TAG),
-                             s.collectives.recv(inbox, (s.rank + 1) % s.N, REFRESH_TAG))
+        await _together(s.collectives.send(mine, (s.rank - 1) % s.N, REFRESH_TAG),
+                        s.collectives.recv(inbox, (s.rank + 1) % s.N, REFRESH_TAG))
         start = 0
         for i in range(len(s.units)):
             for dst in (self._masters[i], *self._states[i].buffers.values()):
@@ -266,6 +282,18 @@ class Redundancy(NoRedundancy):
                     g *= coef
                 self._optimizer.step(self._masters[i], g, self._states[i], lr, segments=self.segments[i])
             del self.log[0]
+
+
+async def _together(*coros) -> None:
+    """Awaits ``coros`` concurrently; the first failure cancels and reaps the others, then is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def memory_nbytes(s) -> int:
