@@ -14,11 +14,12 @@ slot: start of its main (imports excluded) -> its first step completed; (2) the 
 (3) the restart path (``--max-restarts 1``, a checkpoint every step), the same kill: (d) kill -> the
 first step completed by the restarted attempt (imports, rendezvous, checkpoint load included).
 
-Cost (``--cost``, also part of the default): one job alternates a step of the plain strategy and a
-step of the same strategy with its Redundancy (vote, buddy log, a refresh every K = --refresh-every
-steps), ``--cost-steps`` each after one warm-up pair: the median and the mean step (the mean over
-whole refresh periods is the cost: a refresh step is slower), their ratios, and the buddy memory
-(``redundancy.memory_nbytes``: the copy and a full log) beside the plain strategy's state.
+Cost (``--cost``, also part of the default): one job runs three blocks of ``--cost-steps`` steps
+(after 2 untimed ones), each on a strategy built afresh: plain, with its Redundancy (vote, buddy
+log, a refresh every K = --refresh-every steps), plain again; the median and the mean step (the
+mean over whole refresh periods is the cost: a refresh step is slower), their ratios against the
+two plain blocks, and the buddy memory (``redundancy.memory_nbytes``: the copy and a full log)
+beside the plain strategy's parameters and optimizer state. ``--control``: all three plain.
 
 Judged (``--judged``): the default GPT in float64 at the trainer's default global batch, per
 strategy (fsdp, ddp): (1) elastic with ``--rejoin-delay-s 10``: a random rank SIGKILLed from outside
@@ -53,6 +54,7 @@ T_MAIN = time.time()  # the worker's start, after its imports below are done (re
 F64 = ["--master-dtype", "float64", "--param-dtype", "float64", "--reduce-dtype", "float64"]
 REJOIN_DELAY_S = 10.0  # the judged run's restart delay of the killed rank's slot
 FULL_STEPS_AFTER_GROW = 3  # the judged run ends this many steps after the joiner is in (and past --steps)
+WARMUP_STEPS = 2  # the cost job's untimed steps at the start of each block
 
 
 def cli_args(o):
@@ -143,7 +145,10 @@ async def worker(o) -> None:
 
 
 async def step_times(o, rt, config, model, data, args, out) -> None:
-    """The plain strategy's step and the one with the Redundancy, alternating; the buddy memory."""
+    """Three blocks of ``--cost-steps`` steps, each on a strategy built afresh and closed after it:
+    plain, with the Redundancy, plain again (the plain blocks' mean cancels a drift of the machine;
+    two strategies alive at once, stepped in turn, measured the second one slower even when both
+    were plain). ``--control``: the middle block is plain too (the ratio then says the noise)."""
     import numpy as np
 
     from trainer.data import iter_local_batches
@@ -151,26 +156,30 @@ async def step_times(o, rt, config, model, data, args, out) -> None:
     from trainer.sharding.redundancy import Redundancy, memory_nbytes
 
     world = rt.world
-    pair = [make_strategy(o.strategy, model, config, world),
-            make_strategy(o.strategy, model, config, world, redundancy=Redundancy(
-                rt.store, timeout=rt.timeout_s, refresh_every=o.refresh_every))]
-    for s in pair:
-        await s.setup()
     batches = list(iter_local_batches(len(data.train), args.batch_size, world.size, world.rank, seed=1, epoch=0))
-    times = ([], [])
-    for k in range(2 * o.cost_steps + 2):
-        b = batches[k // 2 % len(batches)]
-        x, y = data.train.get(b.indices, 0)
-        t = time.perf_counter()
-        await pair[k % 2].train_step([(x, y, b.offset, b.global_size)])
-        if k >= 2:
-            times[k % 2].append(time.perf_counter() - t)
-    state = pair[0].memory_bytes()
-    record = {"off": float(np.median(times[0])), "on": float(np.median(times[1])),
-              "off_mean": float(np.mean(times[0])), "on_mean": float(np.mean(times[1])),
-              "buddy_bytes": memory_nbytes(pair[1]), "state_bytes": state["params"] + state["optim"]}
-    for s in pair:
+    times, record = {}, {}
+    for block in ("off", "on", "off2"):
+        on = block == "on" and not o.control
+        s = make_strategy(o.strategy, model, config, world, **({"redundancy": Redundancy(
+            rt.store, timeout=rt.timeout_s, refresh_every=o.refresh_every)} if on else {}))
+        await s.setup()
+        times[block] = []
+        for k in range(o.cost_steps + WARMUP_STEPS):
+            b = batches[k % len(batches)]
+            x, y = data.train.get(b.indices, 0)
+            t = time.perf_counter()
+            await s.train_step([(x, y, b.offset, b.global_size)])
+            if k >= WARMUP_STEPS:
+                times[block].append(time.perf_counter() - t)
+        if block == "on":
+            record["buddy_bytes"] = memory_nbytes(s)
+        else:
+            state = s.memory_bytes()
+            record["state_bytes"] = state["params"] + state["optim"]
         s.close()
+    off = times["off"] + times["off2"]
+    record.update(off=float(np.median(off)), on=float(np.median(times["on"])), off_mean=float(np.mean(off)),
+                  on_mean=float(np.mean(times["on"])))
     if world.rank == 0:
         (out / "steps.json").write_text(json.dumps(record))
 
@@ -185,6 +194,7 @@ def launch(o, mode: str, strategy: str, out: Path, flags: list[str], *, until: i
            __file__, "--worker", mode, "--model", o.model, "--strategy", strategy, "--steps", str(o.steps),
            "--kill-step", str(o.kill_step), "--out", str(out), "--refresh-every", str(o.refresh_every),
            "--cost-steps", str(o.cost_steps), "--until", str(until), *(["--float64"] if o.float64 else []),
+           *(["--control"] if o.control else []),
            *(["--kill-inside"] if o.kill_inside else [])]
     log = out / "launcher.log"
     with open(log, "w") as sink, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
@@ -318,7 +328,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=14, help="steps per job at least")
     p.add_argument("--kill-step", type=int, default=3, help="the recovery jobs' kill (the judged run's is random)")
     p.add_argument("--cost", action="store_true", help="the redundancy's cost only (step times, memory)")
-    p.add_argument("--cost-steps", type=int, default=24, help="steps per mode of the cost job (whole refresh periods)")
+    p.add_argument("--cost-steps", type=int, default=24, help="timed steps per block of the cost job (whole refresh periods)")
+    p.add_argument("--control", action="store_true", help="the cost job's middle block without the redundancy too")
     p.add_argument("--refresh-every", type=int, default=None, help="K (default: the library's REFRESH_EVERY)")
     p.add_argument("--judged", action="store_true", help="the judged run (float64; the kill from outside)")
     p.add_argument("--rejoin-delay-s", type=float, default=REJOIN_DELAY_S, help="the judged run's restart delay")
