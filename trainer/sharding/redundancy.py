@@ -285,15 +285,14 @@ class Redundancy(NoRedundancy):
 
 
 async def _together(*coros) -> None:
-    """Awaits ``coros`` concurrently; the first failure cancels and reaps the others, then is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
+    """Awaits ``coros`` concurrently; the first failure cancels and reaps the others and is raised
+    as itself (the loop reads a lost peer from its type, not from an ExceptionGroup)."""
     try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        async with asyncio.TaskGroup() as group:
+            for coro in coros:
+                group.create_task(coro)
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0]  # the member's own error, its traceback kept
 
 
 def memory_nbytes(s) -> int:
