@@ -22,12 +22,14 @@ compare_set is the one place where one answer is fixed, as membership's generati
 (runtime/membership.py). It costs one store request per rank per step.
 
 ``store`` is the generation's store (one namespace per generation: a step run again by the next
-generation votes afresh). Group rank 0 deletes ``commit/{step - 1}`` once ``step`` committed: every
-member had read it, since every one voted on ``step`` (see docs/design.md, "Elastic training").
+generation votes afresh). Group rank 0 deletes ``commit/{step - 1}`` (beside its decision) once every
+member voted 1 on ``step``: every one had read it by then (see docs/design.md, "Elastic training").
 It lives here, not in trainer/: it is a collective over a group, for any loop, not only ours.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 
@@ -72,7 +74,13 @@ async def should_commit(group, store, step: int, *, ok: bool, timeout: float) ->
         all_yes = bool(flag[0] == 1)
     except (RingweaveError, TimeoutError, OSError):  # a lost peer, a failed group, the deadline: "no"
         all_yes = False
-    committed = await decide(store, step, all_yes)
-    if committed and step > 0 and group.rank == 0:
-        await store.delete_key(commit_key(step - 1))
-    return committed
+    if not (all_yes and step > 0 and group.rank == 0):
+        return await decide(store, step, all_yes)
+    # every member voted 1 on this step, so every one had read step - 1's decision: the delete
+    # travels beside the decision instead of after it (one store round trip on rank 0, not two)
+    decided, deleted = await asyncio.gather(decide(store, step, all_yes), store.delete_key(commit_key(step - 1)),
+                                            return_exceptions=True)
+    for outcome in (decided, deleted):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return decided

@@ -52,6 +52,8 @@ before the ranks that failed because of it; a rank's usage error, exit code 2 af
 needed and not given; 1 when the launcher itself failed (the store could not listen, a rank
 could not be started)."""
 
+REJOIN_DELAY_S = 0.5  # --elastic: a lost rank's slot gets a joiner this long after its exit (a crash loop stays slow)
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -71,6 +73,7 @@ class LaunchConfig:
     tail_lines: int = 20
     force: bool = False              # -n past nproc_bound() is allowed
     elastic: str | None = None       # "MIN:MAX": keep going while MIN ranks live, restart lost ones as joiners
+    rejoin_delay_s: float = REJOIN_DELAY_S  # --elastic: the joiner starts this long after a rank's exit, e.g. 10
 
     @property
     def world_size(self) -> int:
@@ -113,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "live, and is restarted as a joiner the job grows back to; a rank that leaves on SIGTERM "
                         "is not; a loss with no copy of its state left restarts the attempt from the checkpoint "
                         "(README.md)")
+    p.add_argument("--rejoin-delay-s", type=types.seconds, default=REJOIN_DELAY_S, metavar="S",
+                   help="with --elastic: seconds between a lost rank's exit and the start of the joiner in its slot "
+                        "(default 0.5); the others train on, shrunk, meanwhile")
     p.add_argument("--grace-s", type=types.seconds, default=5.0, metavar="S",
                    help="when stopping ranks: seconds between SIGTERM and SIGKILL (default 5)")
     p.add_argument("--timeout-s", type=types.positive_seconds, default=None, metavar="T",
@@ -144,7 +150,7 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, job_id=ns.job_id, max_restarts=ns.max_restarts,
         grace_s=ns.grace_s, timeout_s=ns.timeout_s, max_time_s=ns.max_time_s, force=ns.force,
-        elastic=ns.elastic)
+        elastic=ns.elastic, rejoin_delay_s=ns.rejoin_delay_s)
     check_config(cfg, nproc_bound(usable_cores()))
     return cfg
 
@@ -163,6 +169,9 @@ def check_config(cfg: LaunchConfig, max_nproc: int | None = None) -> None:
     bound on -n without --force (:func:`nproc_bound`)."""
     if cfg.nproc < 1:
         raise ValueError(f"-n must be at least 1, got {cfg.nproc}")
+    if cfg.elastic is None and cfg.rejoin_delay_s != REJOIN_DELAY_S:
+        raise ValueError(f"--rejoin-delay-s {cfg.rejoin_delay_s:g} is for --elastic jobs (a fixed job restarts "
+                         f"every rank: --max-restarts)")
     if cfg.elastic is not None:
         bounds = parse_bounds(cfg.elastic)
         if cfg.nnodes != 1 or cfg.max_restarts or bounds.max_size != cfg.nproc:
@@ -185,8 +194,9 @@ def check_config(cfg: LaunchConfig, max_nproc: int | None = None) -> None:
         raise ValueError(f"--master-port must be in 0..65535, got {cfg.master_port}")
     if cfg.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
-    if not (math.isfinite(cfg.grace_s) and cfg.grace_s >= 0):  # NaN fails every comparison: ask for what is wanted
-        raise ValueError(f"--grace-s must be 0 or a positive, finite number of seconds, got {cfg.grace_s}")
+    for name, value in (("--grace-s", cfg.grace_s), ("--rejoin-delay-s", cfg.rejoin_delay_s)):
+        if not (math.isfinite(value) and value >= 0):  # NaN fails every comparison: ask for what is wanted
+            raise ValueError(f"{name} must be 0 or a positive, finite number of seconds, got {value}")
     for name, value in (("--timeout-s", cfg.timeout_s), ("--max-time-s", cfg.max_time_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")

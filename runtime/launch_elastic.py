@@ -3,7 +3,7 @@
 The launcher records generation 0 (the MAX ranks' member ids, in rank order: runtime/membership.py
 ``record``) in its store, then spawns the ranks. A rank that exits non-zero while at least MIN
 others still run is not the job's failure: the survivors re-form without it (runtime/elastic.py,
-trainer/elastic.py), and the launcher starts a new process in its slot after ``JOIN_BACKOFF_S``
+trainer/elastic.py), and the launcher starts a new process in its slot ``--rejoin-delay-s`` later
 with RINGWEAVE_ELASTIC_JOIN=1 and a new member id, which the job grows back to. A rank that left
 on purpose (exit 0 after writing ``left/<member>`` in the store: a graceful leave on the
 scheduler's signal, trainer/leave.py) is neither a failure nor the job's end, and its slot stays
@@ -38,7 +38,6 @@ from runtime.store import PrefixStore
 from runtime.store_tcp import TCPStore
 
 USAGE_EXIT = 2  # a rank refused its arguments (the same on every rank): the attempt fails at once
-JOIN_BACKOFF_S = 0.5  # a lost rank's slot is started again this long after its exit
 MAX_JOINS = 3  # a slot whose processes failed this many times more is the job's failure
 FALLBACK_EXIT = 75  # a rank whose state has no copy left (EX_TEMPFAIL): restart the attempt from the checkpoint
 MAX_FALLBACKS = 3  # restarts from the checkpoint per job
@@ -149,8 +148,8 @@ async def run_elastic_attempt(cfg: LaunchConfig, envs: list[dict[str, str]], con
                     break
                 joins[r.rank] += 1
                 console.say(f"rank {r.rank} exited with {describe_exit(r.returncode)}; {live} ranks go on "
-                            f"(--elastic {cfg.elastic}); starting a joiner in its place in {JOIN_BACKOFF_S:g} s")
-                pending_joins[asyncio.ensure_future(asyncio.sleep(JOIN_BACKOFF_S))] = r.rank
+                            f"(--elastic {cfg.elastic}); starting a joiner in its place in {cfg.rejoin_delay_s:g} s")
+                pending_joins[asyncio.ensure_future(asyncio.sleep(cfg.rejoin_delay_s))] = r.rank
             if outcome is None and not running and not pending_joins:
                 outcome = Outcome(Ending.SUCCEEDED)
         for task in pending_joins:

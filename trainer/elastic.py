@@ -40,7 +40,7 @@ from runtime.errors import CollectiveTimeoutError, PeerLostError
 from collectives.api import broadcast
 from collectives.objects import broadcast_object
 from trainer.sharding.base import ShardLostError, StepAbortedError
-from trainer.sharding.redundancy import Redundancy, relay
+from trainer.sharding.redundancy import REFRESH_EVERY, Redundancy, relay
 
 __all__ = ["ElasticJob", "RECOVERABLE"]
 
@@ -78,9 +78,10 @@ class ElasticJob:
     def group(self):
         return self.rt.world
 
-    def redundancy(self) -> Redundancy:
-        """The strategy's elastic part for this generation: ``make_strategy(..., redundancy=...)``."""
-        return Redundancy(self.rt.store, timeout=self.rt.timeout_s)
+    def redundancy(self, *, refresh_every: int = REFRESH_EVERY) -> Redundancy:
+        """The strategy's elastic part for this generation: ``make_strategy(..., redundancy=...)``;
+        ``refresh_every``: the steps a buddy copy is kept as a log before it is sent whole again."""
+        return Redundancy(self.rt.store, timeout=self.rt.timeout_s, refresh_every=refresh_every)
 
     def step_done(self) -> None:
         """A step completed (fit calls it): the first one, and the first after a loss, are timed."""

@@ -307,7 +307,7 @@ class DataParallelStrategy(Strategy):
             thread_exposed = self.collectives.exposed_s
             await self._finish_grads()  # 2. this rank's reduced gradient shards
             await self.model_parallel.finish_grads(self)
-            await self.redundancy.exchange(self, scale)  # elastic: the buddy's gradient shards
+            await self.redundancy.exchange(self, scale)  # elastic: the buddy message (sent with the sum below)
         except BaseException as exc:
             await self._cancel_pending()
             await self.redundancy.abort(self, exc)  # elastic: "no" for this step, StepAbortedError
@@ -384,7 +384,7 @@ class DataParallelStrategy(Strategy):
                 if coef < 1.0:
                     g *= coef
                 self.optimizer.step(param, g, state, lr, segments=self._segments[i])
-                self.redundancy.step_buddy(self, i, coef, lr)
+                self.redundancy.step_buddy(self, i, coef, lr)  # elastic: the buddy message into the log
                 self._after_shard_update(i)
                 self.offload.after_update(i)
         finally:

@@ -8,11 +8,14 @@ strategy holds `NoRedundancy` (every method does nothing: the step is exactly th
                   a failure of this rank's step before it voted ("no" recorded for it), raises
                   StepAbortedError with parameters, optimizer state, scaler and step untouched
                   (a failure after the commit, in zero1/2's gathers, counts the step: step + 1)
-    buddy         zero1/2, zero3/fsdp: rank r also holds rank r+1's (mod N) optimizer state and
-                  master shard (zero1/2 with param_dtype == master_dtype: the replicated
-                  parameters are that shard already); r+1 sends r its reduced gradient shard
-                  before the vote, and r steps the copy with the same code on the same inputs
-                  right after its own shard: bit-identical
+    buddy         zero1/2, zero3/fsdp: rank r holds a copy of rank r+1's (mod N) master shard
+                  and optimizer state as of the last refresh, and a log of what r+1 sent it
+                  before each applied step since (its reduced gradient shards; the step's loss
+                  scale, clip coefficient and lr). The copy is brought up to date only when it is
+                  read (a re-shard that lost r+1): the log replayed with the step's own code on
+                  the same inputs, bit-identical. Once ``refresh_every`` (K) steps are logged, r+1
+                  sends its whole state at the next step and the log starts afresh: K bounds the
+                  log's memory and the replay's time
     reshard       `reshard(s, new_group, lost)`: every survivor all_gathers its own shards and,
                   when it held a lost rank's replica, that one; each rebuilds the whole state,
                   pads it to the new world size, cuts its shard and its new buddy's (after a vote:
@@ -21,9 +24,9 @@ strategy holds `NoRedundancy` (every method does nothing: the step is exactly th
     ddp           every rank holds everything: the vote only, nothing to replicate
 
 `step_bytes(...)` is what elastic training adds to a step's bytes (the buddy send, the vote's
-all_reduce); `memory_nbytes(s)` the buddy's resident bytes. Refused (ValueError): hybrid sharding,
-a mesh, offload, gradient compression (its error feedback would change before the vote).
-What it is not: no membership (runtime/membership.py), no loop, no checkpoint.
+all_reduce; a refresh's: `refresh_bytes`); `memory_nbytes(s)` the buddy's resident bytes at most.
+Refused (ValueError): hybrid sharding, a mesh, offload, gradient compression (its error feedback
+would change before the vote). Not here: membership (runtime/membership.py), the loop, checkpoints.
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ from trainer.precision import unscale_
 from trainer.sharding.accounted import AccountedCollectives
 from trainer.sharding.base import ShardLostError, StepAbortedError
 
-__all__ = ["Redundancy", "NoRedundancy", "reshard", "relay", "step_bytes", "memory_nbytes", "VOTE_NBYTES"]
+__all__ = ["Redundancy", "NoRedundancy", "reshard", "relay", "step_bytes", "refresh_bytes", "memory_nbytes",
+           "VOTE_NBYTES", "REFRESH_EVERY"]
 
 VOTE_NBYTES = 4  # the vote's int32 flag
+# steps logged between two refreshes of a buddy copy: a refresh sends (1 + optimizer buffers) x a step's
+# message (Adam: 3x), so 8 adds 3/8 of a message a step on average; a recovery replays at most 8 steps
+REFRESH_EVERY = 8
 BUDDY_TAG = 0x0E1A  # the p2p tag of the buddy's gradient message
 REFRESH_TAG = 0x0E1B  # the p2p tag of a buddy's whole shard (refresh)
 
@@ -83,70 +90,98 @@ class NoRedundancy:
 
 class Redundancy(NoRedundancy):
     """Elastic training on (the module docstring). ``store``: the generation's store (the commit
-    decisions live there); ``timeout``: the vote's deadline in seconds."""
+    decisions live there); ``timeout``: the vote's deadline in seconds; ``refresh_every``: K, the
+    steps logged before the buddy sends its whole state again (1: every step)."""
 
     enabled = True
 
-    def __init__(self, store, *, timeout: float = 30.0) -> None:
-        self.base_store, self.timeout = store, float(timeout)
+    def __init__(self, store, *, timeout: float = 30.0, refresh_every: int = REFRESH_EVERY) -> None:
+        if int(refresh_every) != refresh_every or refresh_every < 1:
+            raise ValueError(f"refresh_every must be a whole number of steps >= 1, got {refresh_every!r}")
+        self.base_store, self.timeout, self.refresh_every = store, float(timeout), int(refresh_every)
         self.store, self._group, self._groups = store, None, 0
-        self.masters: list = []  # buddy's master shards (views into s.full for zero1/2 without a cast)
-        self.states: list = []  # buddy's optimizer states
+        self._masters: list = []  # buddy's master shards as of the last refresh (+ what was replayed)
+        self._states: list = []  # buddy's optimizer states, likewise
         self.segments: list = []
-        self._grads: list | None = None  # this step's received gradient shards, unscaled
+        self.log: list[tuple[np.ndarray, float, float, float]] = []  # (message, scale, coef, lr) per applied step
+        self._inbox: tuple[np.ndarray, float] | None = None  # this step's message and loss scale, until applied
+        self._swap = None  # this step's buddy messages, a coroutine started by ``guard``
+        self._shapes: tuple[list, int] = ([], 1)  # (lengths, N) the logged messages are cut by
+
+    @property
+    def masters(self) -> list:
+        """The buddy's master shards now: the log replayed first."""
+        self.replay()
+        return self._masters
+
+    @property
+    def states(self) -> list:
+        """The buddy's optimizer states now: the log replayed first."""
+        self.replay()
+        return self._states
+
+    def log_nbytes(self) -> int:
+        return sum(entry[0].nbytes for entry in self.log)
 
     def attach(self, s) -> None:
         why = ("hybrid sharding" if s.replicas.size > 1 else "a tensor/pipeline mesh" if s.model_parallel.group
                else "offload" if s.config.offload else "gradient compression" if s.collectives.codec else None)
         if why:
             raise ValueError(f"{s.name}: elastic training covers the plain data-parallel dimension; not with {why}")
-        self._group = s.group
+        self._group, self._optimizer = s.group, s.optimizer
 
     def _has_buddy(self, s) -> bool:
         return not s.replicated_state and s.N > 1
 
     def adopt(self, s, full, full_states=None) -> None:
         """At setup (``full``: every unit's padded initial master) or after a re-shard (and
-        ``full_states``: every unit's whole optimizer buffers): builds the buddy's copies."""
-        self._grads = None
-        self.masters, self.states, self.segments = [], [], []
+        ``full_states``: every unit's whole optimizer buffers): builds the buddy's copies, the log empty."""
+        self._inbox, self.log = None, []
+        self._drop_swap()
+        self._masters, self._states, self.segments = [], [], []
         if not self._has_buddy(s):
             return
+        self._shapes = (list(s.lengths), s.N)
         b = (s.rank + 1) % s.N
         for i, unit in enumerate(s.units):
             sl = slice(b * s.lengths[i] // s.N, (b + 1) * s.lengths[i] // s.N)
-            view = s._replicated_master(i, sl) if hasattr(s, "_replicated_master") else None
-            self.masters.append(view if view is not None else full[i][sl].copy())
+            self._masters.append(full[i][sl].copy())  # its own: the log is replayed onto it
             state = s.optimizer.init_state(sl.stop - sl.start, s.master_dtype)
             if full_states is not None:
                 for name, buf in state.buffers.items():
                     buf[:] = full_states[i][name][sl]
                 state.step = s.states[i].step
-            self.states.append(state)
+            self._states.append(state)
             self.segments.append([(0, sl.stop - sl.start, True)] if s.config.decay == "all"
                                  else unit.decay_segments(sl.start, sl.stop))
 
     async def exchange(self, s, scale: float) -> None:
-        """Sends this rank's reduced gradient shards to its holder (rank - 1) and receives its buddy's
-        (rank + 1), cast and unscaled exactly as the step treats its own."""
-        self._grads = None
+        """Right after this rank's gradient collectives: copies its reduced gradient shards into the
+        message for its holder (rank - 1), to travel while the statistics are summed (``guard``), as
+        the buddy's (rank + 1) arrives; kept with ``scale`` until the step is applied (``step_buddy``
+        logs it). When K steps are logged (or a checkpoint was loaded), a ``refresh`` goes first."""
+        self._inbox = None
+        self._drop_swap()
         if not self._has_buddy(s):
             return
-        if any(copy.step != own.step for copy, own in zip(self.states, s.states)):
+        mine = np.concatenate([g for _, g, _ in s._opt_shards()])  # a copy: the step unscales its own in place
+        self._swap = self._swap_messages(s, mine, scale)
+
+    async def _swap_messages(self, s, mine: np.ndarray, scale: float) -> None:
+        if any(copy.step + len(self.log) != own.step for copy, own in zip(self._states, s.states)):
             await self.refresh(s)  # a checkpoint was loaded since (the same on every rank: it loaded one)
-        mine = np.concatenate([g for _, g, _ in s._opt_shards()])
+        elif len(self.log) >= self.refresh_every:
+            await self.refresh(s)  # every rank logged the same steps: all refresh in this step
         inbox = np.empty_like(mine)  # every rank's shards have the same lengths
-        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
-                             s.collectives.recv(inbox, (s.rank + 1) % s.N, BUDDY_TAG))
-        grads, start = [], 0
-        for length in s.lengths:
-            g = inbox[start : start + length // s.N]
-            start += length // s.N
-            g = g if g.dtype == s.master_dtype else g.astype(s.master_dtype)
-            if scale != 1.0:
-                unscale_(g, scale)
-            grads.append(g)
-        self._grads = grads
+        await _together(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
+                        s.collectives.recv(inbox, (s.rank + 1) % s.N, BUDDY_TAG))
+        self._inbox = (inbox, scale)
+
+    def _drop_swap(self) -> None:
+        """A message that never left (the step failed between ``exchange`` and ``guard``): closed unrun."""
+        if self._swap is not None:
+            self._swap.close()
+            self._swap = None
 
     async def abort(self, s, exc: BaseException) -> None:
         """This rank's step failed before its vote: records "no" for the step (the decision cannot be
@@ -159,8 +194,11 @@ class Redundancy(NoRedundancy):
                                f"{exc}); no state changed", s.step) from exc
 
     async def guard(self, s, coro) -> None:
+        """Awaits ``coro`` (the statistics' sum) and the buddy messages together: both complete before
+        the vote. A failure of either records "no" for the step (``abort``)."""
+        swap, self._swap = self._swap, None
         try:
-            await coro
+            await (coro if swap is None else _together(coro, swap))
         except BaseException as exc:
             await self.abort(s, exc)
             raise
@@ -199,40 +237,78 @@ class Redundancy(NoRedundancy):
             self._group, self._groups = s.group, 0
 
     async def refresh(self, s) -> None:
-        """Fetches the buddy's master shard and optimizer state afresh: every rank sends its own to
-        its holder (rank - 1). After a checkpoint was loaded (a resume, or the fallback when a shard
-        had no copy left), when the copies no longer hold the buddy's state."""
+        """Fetches the buddy's master shard and optimizer state afresh (every rank sends its own to its
+        holder, rank - 1) and empties the log: every K logged steps, and after a checkpoint was loaded
+        (a resume, or the fallback when a shard had no copy left)."""
         if not self._has_buddy(s):
             return
         mine = np.concatenate([np.concatenate([s._master_shard(i), *s.states[i].buffers.values()])
                                for i in range(len(s.units))])
         inbox = np.empty_like(mine)  # every rank's shards have the same lengths
-        await asyncio.gather(s.collectives.send(mine, (s.rank - 1) % s.N, REFRESH_TAG),
-                             s.collectives.recv(inbox, (s.rank + 1) % s.N, REFRESH_TAG))
+        await _together(s.collectives.send(mine, (s.rank - 1) % s.N, REFRESH_TAG),
+                        s.collectives.recv(inbox, (s.rank + 1) % s.N, REFRESH_TAG))
         start = 0
         for i in range(len(s.units)):
-            for dst in (self.masters[i], *self.states[i].buffers.values()):
+            for dst in (self._masters[i], *self._states[i].buffers.values()):
                 dst[:] = inbox[start : start + len(dst)]
                 start += len(dst)
-            self.states[i].step = s.states[i].step
+            self._states[i].step = s.states[i].step
+        self.log = []
+        self._shapes = (list(s.lengths), s.N)
 
     def step_buddy(self, s, i: int, coef: float, lr: float) -> None:
-        """Compute thread, right after this rank stepped unit i: the same update of the buddy's copy."""
-        if self._grads is None:
-            return
-        g = self._grads[i]
-        if coef < 1.0:
-            g *= coef
-        s.optimizer.step(self.masters[i], g, self.states[i], lr, segments=self.segments[i])
+        """Compute thread, as this rank steps unit i of an applied step: the buddy's message of the
+        step goes into the log (once, at unit 0), with what its update needs."""
+        if self._inbox is not None:
+            inbox, scale = self._inbox
+            self._inbox = None
+            self.log.append((inbox, scale, coef, lr))
+
+    def replay(self) -> None:
+        """Brings the copies up to date: each logged step applied as the buddy applied it (the message
+        cast to the master dtype, unscaled, clipped, then the optimizer's step with the step's lr) and
+        dropped from the log. Bit-identical to the buddy's own state."""
+        lengths, N = self._shapes
+        while self.log:
+            message, scale, coef, lr = self.log[0]
+            start = 0
+            for i, length in enumerate(lengths):
+                g = message[start : start + length // N]
+                start += length // N
+                g = g if g.dtype == self._masters[i].dtype else g.astype(self._masters[i].dtype)
+                if scale != 1.0:
+                    unscale_(g, scale)
+                if coef < 1.0:
+                    g *= coef
+                self._optimizer.step(self._masters[i], g, self._states[i], lr, segments=self.segments[i])
+            del self.log[0]
+
+
+async def _together(*coros) -> None:
+    """Awaits ``coros`` concurrently; the first failure cancels and reaps the others and is raised
+    as itself (the loop reads a lost peer from its type, not from an ExceptionGroup)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for coro in coros:
+                group.create_task(coro)
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0]  # the member's own error, its traceback kept
 
 
 def memory_nbytes(s) -> int:
-    """The buddy's resident bytes on this rank (its optimizer state, and master shards it owns)."""
+    """The buddy's resident bytes on this rank at most: its copy of the buddy's master shard and
+    optimizer buffers, and a full log (K messages of sum_i L_i / N reduce-dtype elements)."""
     el = s.redundancy
-    if not el.enabled:
+    if not el.enabled or not el._has_buddy(s):
         return 0
-    own = [m for m in el.masters if m.base is None]
-    return sum(m.nbytes for m in own) + sum(st.nbytes for st in el.states)
+    copies = sum(m.nbytes for m in el._masters) + sum(st.nbytes for st in el._states)
+    return copies + el.refresh_every * sum(length // s.N for length in s.lengths) * np.dtype(s.reduce_dtype).itemsize
+
+
+def refresh_bytes(lengths: list[int], world: int, *, master_itemsize: int, buffers: int) -> int:
+    """Bytes one rank sends in a refresh (once every K steps): its master shard and its ``buffers``
+    optimizer buffers (Adam: 2), sum_i L_i / N master-dtype elements each."""
+    return 0 if world == 1 else (1 + buffers) * sum(length // world for length in lengths) * master_itemsize
 
 
 def step_bytes(name: str, lengths: list[int], world: int, *, reduce_itemsize: int) -> int:

@@ -72,11 +72,6 @@ class ZeroStrategy(DataParallelStrategy):
     def _master_shard(self, i: int) -> np.ndarray:
         return self.master[i]
 
-    def _replicated_master(self, i: int, sl: slice) -> np.ndarray | None:
-        """Another rank's master shard of unit i where this rank holds it already (the replicated
-        parameters, when they are the master), else None (redundancy.py's buddy copies it)."""
-        return None if self.separate else self.full[i][sl]
-
     async def reshard(self, new_group, lost=None, *, store=None, joining: bool = False) -> None:
         """Elastic training: the state re-sharded onto ``new_group``, the survivors then any joiners
         (redundancy.py)."""
