@@ -131,7 +131,16 @@ class Budget:
                 f"({self.steps * BATCH:,} windows, {done:.2f} epochs), evaluated {self.intervals} times (every "
                 f"{self.interval_windows // BATCH} steps); learning-rate warm-up {self.lr_warmup_steps} steps; top-k "
                 f"warm-up and torch PowerSGD's vanilla start {self.codec_warmup_steps} steps "
-                f"({self.codec_warmup_epochs:g} epochs)")
+                f"({self.codec_warmup_epochs:g} epochs; the trainer's top-k default is 2 epochs)")
+
+    def deviations(self, default_windows: int) -> list[str]:
+        """How this budget differs from 2 epochs of the trainer's epoch (the goal's), said plainly."""
+        out = []
+        if self.epochs != 2:
+            out.append(f"{self.epochs:g} epoch{'' if self.epochs == 1 else 's'}, not the 2 the goal names")
+        if self.epoch_windows != default_windows:
+            out.append(f"epochs of {self.epoch_windows:,} windows, not the trainer's {default_windows:,}")
+        return out
 
 
 def default_epoch_windows() -> int:
@@ -672,7 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the markdown file; the .png and .json go beside it")
     p.add_argument("--from-json", default=None, metavar="JSON", help="no runs: the table and plot of this data")
     p.add_argument("--deviation", default=None,
-                   help="a sentence for the header when the budget is not the 2 epochs asked for")
+                   help="why the budget differs from 2 epochs of the trainer's epoch, for the header (which "
+                        "names the difference itself)")
     return p
 
 
@@ -709,13 +719,14 @@ def main(argv=None) -> int:
         for line in write_outputs(args.out, dict(saved["meta"], tolerance=args.tolerance), saved["results"]):
             print(line)
         return 0
-    budget = Budget(args.epochs, args.windows or default_epoch_windows(), args.evals_per_epoch,
-                    args.codec_warmup_epochs)
+    default_windows = default_epoch_windows()
+    budget = Budget(args.epochs, args.windows or default_windows, args.evals_per_epoch, args.codec_warmup_epochs)
+    deviation = "; ".join(budget.deviations(default_windows) + ([args.deviation] if args.deviation else []))
     print(f"compress_e2e: {budget.describe()}", file=sys.stderr, flush=True)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, _on_signal)
     results, meta = run_grid(args, budget)
-    meta.update(command=command, budget=budget.describe(), deviation=args.deviation, tolerance=args.tolerance,
+    meta.update(command=command, budget=budget.describe(), deviation=deviation or None, tolerance=args.tolerance,
                 title="End to end: the default GPT on 2 hosts x 2 ranks, compressed against uncompressed and "
                       "torch DDP")
     stem = os.path.splitext(args.out)[0]

@@ -249,3 +249,9 @@ def test_torch_starts_from_the_trainers_parameters_and_computes_its_loss():
     assert opt.param_groups[0]["weight_decay"] == config.weight_decay and opt.param_groups[1]["weight_decay"] == 0
     assert len(decayed) == 4 * 2 and id(module.wte.weight) not in decayed  # 4 matrices a block, no embedding
     assert schedule(0) == pytest.approx(config.lr / config.warmup_steps)
+
+
+def test_a_budget_other_than_two_full_epochs_says_so():
+    assert e2e.Budget(2, 6554, 4, 0.5).deviations(6554) == []
+    assert e2e.Budget(1, 3200, 4, 0.5).deviations(6554) == ["1 epoch, not the 2 the goal names",
+                                                            "epochs of 3,200 windows, not the trainer's 6,554"]
