@@ -453,19 +453,21 @@ def run_variant(args, rate: str, variant: Variant, budget: Budget, scratch: str)
         result["error"] = "timed out" if code is None else f"exit {code}"
         print(f"  {variant.label}: {result['error']}; the job's output ends:\n{tail}", file=sys.stderr, flush=True)
         return result
+    if not os.path.exists(metrics):
+        result["error"] = "no metrics file"
+        return result
     result.update(curve(read_metrics(metrics)))
     if not result["points"]:
         result["error"] = "no validation loss in its metrics"
     return result
 
 
-def run_grid(args, budget: Budget) -> tuple[list[dict], dict]:
-    """Every variant at every rate, each its own netem job; (results, the header's facts)."""
-    try:
-        import torch
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
+def run_grid(args, budget: Budget, meta: dict) -> list[dict]:
+    """Every variant at every rate, each its own netem job; fills ``meta`` (the header's facts) and
+    saves the results so far after each job (--out's .json: a run stopped halfway keeps them)."""
+    import importlib.metadata
+    import importlib.util
+    torch_version = importlib.metadata.version("torch") if importlib.util.find_spec("torch") else None
     use_torch = torch_version is not None and args.torch != "off"
     if args.torch == "on" and torch_version is None:
         raise SystemExit("compress_e2e: --torch on needs torch (pip install torch)")
@@ -473,13 +475,17 @@ def run_grid(args, budget: Budget) -> tuple[list[dict], dict]:
         print("compress_e2e: torch is not importable: no torch-ddp rows", file=sys.stderr)
     todo, refused = variants(args.strategies, args.codecs, use_torch)
     from bench._machine import describe
-    meta = {"machine": describe().describe(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_before": os.getloadavg()[0], "torch": torch_version}
+    meta.update(machine=describe().describe(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                load_before=os.getloadavg()[0], torch=torch_version)
     results = []
+
+    def save():
+        meta["load_after"] = os.getloadavg()[0]
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
     with tempfile.TemporaryDirectory(prefix="rwe2e") as scratch:
         for rate in args.rate:
-            for v, why in refused.items():
-                results.append({"rate": rate, "label": v.label, **asdict(v), "refused": why})
             for v in todo:
                 print(f"{rate} {v.label} ...", file=sys.stderr, flush=True)
                 r = run_variant(args, rate, v, budget, scratch)
@@ -487,8 +493,10 @@ def run_grid(args, budget: Budget) -> tuple[list[dict], dict]:
                     print(f"{rate} {v.label}: final val loss {r['points'][-1][1]:.4f}, {r['train_s']:.1f} s of "
                           f"training, {r['wall_s']:.0f} s in all", file=sys.stderr, flush=True)
                 results.append(r)
-    meta["load_after"] = os.getloadavg()[0]
-    return results, meta
+                save()
+            results += [{"rate": rate, "label": v.label, **asdict(v), "refused": why} for v, why in refused.items()]
+    save()
+    return results
 
 
 # ---- torch's worker -------------------------------------------------------------------------
@@ -725,15 +733,12 @@ def main(argv=None) -> int:
     print(f"compress_e2e: {budget.describe()}", file=sys.stderr, flush=True)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, _on_signal)
-    results, meta = run_grid(args, budget)
-    meta.update(command=command, budget=budget.describe(), deviation=deviation or None, tolerance=args.tolerance,
+    meta = dict(command=command, budget=budget.describe(), deviation=deviation or None, tolerance=args.tolerance,
                 title="End to end: the default GPT on 2 hosts x 2 ranks, compressed against uncompressed and "
                       "torch DDP")
-    stem = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    for line in write_outputs(args.out, meta, results) + [f"wrote {stem}.json"]:
+    results = run_grid(args, budget, meta)
+    for line in write_outputs(args.out, meta, results) + [f"wrote {os.path.splitext(args.out)[0]}.json"]:
         print(line)
     analysed = analyse(results, args.tolerance)
     for rate, rows in analysed.items():
