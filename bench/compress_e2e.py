@@ -164,12 +164,13 @@ def trainer_args(variant: Variant, budget: Budget, metrics: str) -> list[str]:
 
 
 def job(variant: Variant, budget: Budget, metrics: str, powersgd_rank: int) -> list[str]:
-    """What bench/netem.py runs after ``--`` for a variant."""
+    """What bench/netem.py runs after ``--`` for a variant (torch's worker: its options, then
+    ``--trainer`` and the trainer's arguments, which give it the data, model and schedule)."""
     if variant.framework == "ringweave":
         return ["-m", "trainer", *trainer_args(variant, budget, metrics)]
     rank = powersgd_rank if variant.codec == "powersgd" else 0
     return [os.path.abspath(__file__), "--torch-worker", "--powersgd-rank", str(rank),
-            "--powersgd-start", str(max(2, budget.codec_warmup_steps)), "--", *trainer_args(variant, budget, metrics)]
+            "--powersgd-start", str(max(2, budget.codec_warmup_steps)), "--trainer", *trainer_args(variant, budget, metrics)]
 
 
 # ---- which variants run ---------------------------------------------------------------------
@@ -569,7 +570,7 @@ def torch_worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="compress_e2e.py --torch-worker")
     p.add_argument("--powersgd-rank", type=int, default=0, help="0: plain DDP")
     p.add_argument("--powersgd-start", type=int, default=2)
-    split = argv.index("--")
+    split = argv.index("--trainer")  # what follows: python -m trainer's arguments
     wargs, targs = p.parse_args(argv[:split]), parse_args(argv[split + 1:])
     retain_freed_memory()
     torch.set_num_threads(1)

@@ -212,7 +212,8 @@ def test_the_jobs_of_each_framework():
     assert plain[1] == psgd[1] == "--torch-worker" and Path(plain[0]).name == "compress_e2e.py"
     assert plain[plain.index("--powersgd-rank") + 1] == "0" and psgd[psgd.index("--powersgd-rank") + 1] == "4"
     assert psgd[psgd.index("--powersgd-start") + 1] == "52"
-    assert "--compression" not in psgd  # the trainer's arguments after -- carry data, model and schedule only
+    assert "--compression" not in psgd  # the trainer's arguments after --trainer: data, model and schedule only
+    assert psgd[psgd.index("--trainer") + 1:] == e2e.trainer_args(e2e.Variant("torch", "ddp", "powersgd"), b, "m.csv")
 
 
 def test_the_variants_run_what_the_trainer_takes_and_name_its_refusals():
