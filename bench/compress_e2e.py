@@ -2,7 +2,7 @@
 against uncompressed and against torch DDP on Gloo (plain, and with torch's PowerSGD hook): the
 time to reach the validation loss the uncompressed run reaches, and tokens/s.
 
-    sudo python bench/compress_e2e.py --rate 100mbit,1gbit --out bench/results/compress_e2e.md
+    sudo python bench/compress_e2e.py --rate 100mbit,1gbit --out bench/results/compression.md
     sudo python bench/compress_e2e.py --rate 100mbit --epochs 1 --windows 256 --evals-per-epoch 2 --out /tmp/e2e.md
     python bench/compress_e2e.py --from-json bench/results/compress_e2e.json --out /tmp/again.md   # table + plot again
 
@@ -41,9 +41,11 @@ L itself, which a codec ending a hair above L never reaches). Goals, printed, ne
 100 Mbit/s the best codec reaches the target at least 2x sooner than uncompressed and than torch
 DDP; no variant ends more than 1% above L.
 
-Output: ``--out`` (markdown: header, a table per rate, the goals), the plot beside it (.png: one
-panel per rate, validation loss against the training clock, one line per variant), the data
-beside it (.json; ``--from-json`` draws table and plot again from it). Needs root (bench/netem.py);
+Output: one section of ``--out`` (markdown: header, a table per rate, the goals), which replaces
+the section of the same heading there (or is added at the end); beside it compress_e2e.png (one
+panel per rate, validation loss against the training clock, one line per variant) and
+compress_e2e.json, the data, saved after every job (``--from-json`` draws the section and the
+plot again from it). Needs root (bench/netem.py);
 a run killed by SIGKILL leaves namespaces that ``bench/netem.py --cleanup`` removes.
 """
 
@@ -396,17 +398,41 @@ def plot(path: str, analysed: dict[str, list[dict]], title: str) -> str:
     return f"wrote {path}"
 
 
+TITLE = "End to end: the default GPT on 2 hosts x 2 ranks, compressed against uncompressed and torch DDP"
+NAME = "compress_e2e"  # the plot's and the data's file names beside --out: compress_e2e.png, .json
+
+
+def beside(out: str, ext: str) -> str:
+    """The plot (.png) or the data (.json) in --out's folder."""
+    return os.path.join(os.path.dirname(os.path.abspath(out)), NAME + ext)
+
+
+def put_section(path: str, text: str) -> None:
+    """Writes ``text`` (one "## " section) into the markdown file at ``path``: in place of the
+    section with the same heading where there is one, else at the end (the file made if missing)."""
+    old = open(path).read() if os.path.exists(path) else ""
+    heading = text.split("\n", 1)[0]
+    parts = [p.rstrip("\n") for p in re.split(r"(?m)^(?=## )", old) if p.strip()]
+    at = next((i for i, p in enumerate(parts) if p.split("\n", 1)[0] == heading), None)
+    if at is None:
+        parts.append(text.rstrip("\n"))
+    else:
+        parts[at] = text.rstrip("\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n\n".join(parts) + "\n")
+    os.replace(tmp, path)
+
+
 def write_outputs(out: str, meta: dict, results: list[dict]) -> list[str]:
-    """The markdown, the PNG beside it, and (from a run) the JSON beside it; the lines to print."""
-    stem = os.path.splitext(out)[0]
-    meta = dict(meta, plot=stem + ".png")
+    """The section into --out (replacing its namesake), the plot beside it; the lines to print."""
+    meta = dict(meta, plot=beside(out, ".png"))
     analysed = analyse(results, meta["tolerance"])
     said = [plot(meta["plot"], analysed, meta["title"])]
     if not said[0].startswith("wrote"):
         meta["plot"] = None
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(markdown(meta, analysed))
+    put_section(out, markdown(meta, analysed))
     said.append(f"wrote {out}")
     return said
 
@@ -482,7 +508,7 @@ def run_grid(args, budget: Budget, meta: dict) -> list[dict]:
 
     def save():
         meta["load_after"] = os.getloadavg()[0]
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        with open(beside(args.out, ".json"), "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="rwe2e") as scratch:
@@ -687,7 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="the target is L x (1 + this), L the uncompressed final loss (default 0.01)")
     p.add_argument("--max-time-s", type=_positive(int), default=900, help="one job's limit (default 900)")
-    p.add_argument("--out", required=True, help="the markdown file; the .png and .json go beside it")
+    p.add_argument("--out", required=True,
+                   help="the markdown file: its section of this name is replaced (or added); compress_e2e.png "
+                        "and compress_e2e.json go beside it")
     p.add_argument("--from-json", default=None, metavar="JSON", help="no runs: the table and plot of this data")
     p.add_argument("--deviation", default=None,
                    help="why the budget differs from 2 epochs of the trainer's epoch, for the header (which "
@@ -735,11 +763,10 @@ def main(argv=None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, _on_signal)
     meta = dict(command=command, budget=budget.describe(), deviation=deviation or None, tolerance=args.tolerance,
-                title="End to end: the default GPT on 2 hosts x 2 ranks, compressed against uncompressed and "
-                      "torch DDP")
+                title=TITLE)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = run_grid(args, budget, meta)
-    for line in write_outputs(args.out, meta, results) + [f"wrote {os.path.splitext(args.out)[0]}.json"]:
+    for line in write_outputs(args.out, meta, results) + [f"wrote {beside(args.out, '.json')}"]:
         print(line)
     analysed = analyse(results, args.tolerance)
     for rate, rows in analysed.items():

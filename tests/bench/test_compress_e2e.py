@@ -133,10 +133,26 @@ def test_the_writer_makes_a_table_per_rate_and_a_plot(tmp_path):
     assert "| torch-ddp powersgd | failed: exit 1 |" in text
     assert "- 100mbit: the best codec, ddp int8+ef" in text
     if said[0].startswith("wrote"):
-        assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert "![validation loss against training time](e2e.png)" in text
+        assert (tmp_path / "compress_e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "![validation loss against training time](compress_e2e.png)" in text
     else:
         assert said[0].startswith("plot skipped: matplotlib") and "![" not in text
+
+
+def test_the_section_replaces_its_namesake_and_leaves_the_others(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# page\n\nintro\n\n## A\n\n- a\n\n## T\n\n(pending)\n\n## B\n\n- b\n")
+    e2e.put_section(str(page), "## T\n\n- figures\n")
+    assert page.read_text() == "# page\n\nintro\n\n## A\n\n- a\n\n## T\n\n- figures\n\n## B\n\n- b\n"
+    e2e.put_section(str(page), "## C\n\n- c\n")
+    assert page.read_text().endswith("## B\n\n- b\n\n## C\n\n- c\n")
+    e2e.put_section(str(tmp_path / "new.md"), "## T\n\n- t\n")
+    assert (tmp_path / "new.md").read_text() == "## T\n\n- t\n"
+
+
+def test_the_skeleton_in_the_results_is_the_section_the_command_writes():
+    text = (ROOT / "bench" / "results" / "compression.md").read_text()
+    assert f"## {e2e.TITLE}\n" in text
 
 
 def test_from_json_draws_the_same_table_again(tmp_path, capsys):
