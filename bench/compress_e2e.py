@@ -307,7 +307,7 @@ def goals(rate: str, rows: list[dict]) -> list[str]:
     else:
         lines.append(f"{rate}: no codec reached the target (goal >= 2x sooner: NOT met)")
     ran = [r for r in rows if r.get("gap") is not None]
-    worse = [f"{r['label']} {100 * r['gap']:+.2f}%" for r in ran if r["gap"] > 0.01]
+    worse = [f"{r['label']} {100 * r['gap']:+.2f}%" for r in ran if r["gap"] > 0.01 + 1e-9]  # 1% exactly is within
     failed = [r["label"] for r in rows if r.get("error")]
     lines.append(f"{rate}: final validation loss within 1% of the uncompressed run's: "
                  + ("NOT met (" + ", ".join(worse) + ")" if worse else "met" if ran else "no figure")
@@ -410,7 +410,10 @@ def beside(out: str, ext: str) -> str:
 def put_section(path: str, text: str) -> None:
     """Writes ``text`` (one "## " section) into the markdown file at ``path``: in place of the
     section with the same heading where there is one, else at the end (the file made if missing)."""
-    old = open(path).read() if os.path.exists(path) else ""
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
     heading = text.split("\n", 1)[0]
     parts = [p.rstrip("\n") for p in re.split(r"(?m)^(?=## )", old) if p.strip()]
     at = next((i for i, p in enumerate(parts) if p.split("\n", 1)[0] == heading), None)
@@ -556,7 +559,7 @@ def torch_setup(targs):
     from bench.trainer import _torch_model
     from trainer.cli import build_model, load_data, make_config
     from trainer.loop import steps_per_epoch
-    from trainer.sharding import make_schedule
+    from trainer.sharding.data_parallel import make_schedule
 
     data = load_data(targs)
     config = make_config(targs, steps_per_epoch(len(data.train), targs.batch_size, targs.grad_accum))

@@ -5,6 +5,7 @@ own refusals). The runs themselves need root and minutes: none here; never a spe
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_compress_e2e", ROOT / "bench" / "compress_e2e.py")
 e2e = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = e2e  # its dataclasses look their module up there
 _spec.loader.exec_module(e2e)
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,7 +114,7 @@ def test_analysis_measures_every_variant_against_its_uncompressed_run_and_torch(
 def test_the_goals_name_the_best_codec_and_the_variants_that_end_worse():
     lines = e2e.goals("100mbit", e2e.analyse(_hand_made(), 0.01)["100mbit"])
     assert lines[0].startswith("100mbit: the best codec, ddp int8+ef,")
-    assert f"{29.8 / (10 + 0.49 / 0.495 * 5):.2f}x sooner than ddp none (goal >= 2x: met)" in lines[0]
+    assert f"{29.8 / (10 + 0.49 / 0.495 * 5):.2f}x sooner than ddp none (goal >= 2x: NOT met)" in lines[0]  # 1.99x
     assert "than torch-ddp (goal >= 2x: met)" in lines[1]
     assert "NOT met (ddp topk+ef +5.00%)" in lines[2] and "failed: torch-ddp powersgd" in lines[2]
 
