@@ -16,7 +16,7 @@ host). Variants, per rate:
   a table row that says why, asked of the trainer's own strategy constructors, not run;
 * torch DDP on Gloo (``torch-ddp``), and the same with torch's PowerSGD hook (``torch-ddp
   powersgd``: rank ``--powersgd-rank``, error feedback and warm start, vanilla all_reduce for the
-  first ``--codec-warmup-epochs``), when torch is importable (``--torch auto``; skipped with a
+  first ``--codec-warmup-epochs``; the whole model in one bucket), when torch is importable (``--torch auto``; skipped with a
   note otherwise). Its model is bench/trainer.py's torch GPT (nanoGPT's layout of the same
   architecture), started from the trainer's initial parameters (seed 0, copied in), on the
   trainer's data order, with the trainer's AdamW (decay on the matrices only) and learning-rate
@@ -613,7 +613,11 @@ def torch_worker(argv: list[str]) -> int:
     try:
         with threadpool_limits(limits=1, user_api="blas"):
             data, config, schedule, module, loss_fn = torch_setup(targs)
-            model = torch.nn.parallel.DistributedDataParallel(module)
+            # PowerSGD: one bucket for the whole model (3.3 MB). With two, the hook's chained all_reduces
+            # of P and Q start in whatever order each rank's callbacks run, and Gloo pairs them wrongly
+            # (a size mismatch in compute_qs on 2 hosts x 2 ranks).
+            model = torch.nn.parallel.DistributedDataParallel(module, **({"bucket_cap_mb": 64}
+                                                                         if wargs.powersgd_rank else {}))
             if wargs.powersgd_rank:
                 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
                 state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=wargs.powersgd_rank,
