@@ -274,3 +274,15 @@ def test_a_budget_other_than_two_full_epochs_says_so():
     assert e2e.Budget(2, 6554, 4, 0.5).deviations(6554) == []
     assert e2e.Budget(1, 3200, 4, 0.5).deviations(6554) == ["1 epoch, not the 2 the goal names",
                                                             "epochs of 3,200 windows, not the trainer's 6,554"]
+
+
+def test_the_warm_up_jobs_are_one_step_of_each_variant_of_the_trainer(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(e2e.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or
+                        type("Done", (), {"returncode": 0, "stderr": ""})())
+    e2e.warm_caches([e2e.Variant("ringweave", "ddp", "int8+ef"), e2e.Variant("torch", "ddp", "powersgd")],
+                    str(tmp_path))
+    assert len(ran) == 1 and ran[0][ran[0].index("--compression") + 1] == "int8+ef"
+    from trainer.cli import parse_args
+    targs = parse_args(ran[0][ran[0].index("trainer") + 1:])
+    assert (targs.epochs, targs.windows_per_epoch, targs.batch_size) == (1, 64, 64)
