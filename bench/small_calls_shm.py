@@ -60,9 +60,34 @@ def relaunch(args) -> int:
     return subprocess.call(cmd, cwd=os.getcwd())
 
 
+def _mpi_once(mpi, x, count: int) -> float:
+    """MPI's barrier, then one timed call of the row (OSU style)."""
+    from mpi4py import MPI
+    mpi.Barrier()
+    t = time.perf_counter()
+    if count:
+        mpi.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
+    else:
+        mpi.Barrier()
+    return time.perf_counter() - t
+
+
+def _then_mpi(keep: bool, ours_s: float, mpi, x, count: int, ours: list, theirs: list) -> None:
+    """After one of ours was timed: MPI's call of the row, the input reset, both kept past the warm-up."""
+    theirs_s = _mpi_once(mpi, x, count)
+    _reset(x)
+    if keep:
+        ours.append(ours_s)
+        theirs.append(theirs_s)
+
+
+def _reset(x) -> None:
+    if x is not None:
+        x[:] = 1  # the sums stay small
+
+
 async def _async_rows(api, mpi, xs: dict, iters: int, warmup: int) -> dict:
     """On the loop: each row's calls, ringweave's async and MPI's interleaved (OSU style)."""
-    from mpi4py import MPI
     out = {}
     for name, count in ROWS:
         x = xs[count]
@@ -74,22 +99,11 @@ async def _async_rows(api, mpi, xs: dict, iters: int, warmup: int) -> dict:
                 await api.all_reduce(x)
             else:
                 await api.barrier()
-            t1 = time.perf_counter()
-            mpi.Barrier()
-            t2 = time.perf_counter()
-            if count:
-                mpi.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
-            else:
-                mpi.Barrier()
-            t3 = time.perf_counter()
-            x[:] = 1
-            if i >= warmup:
-                ours.append(t1 - t0)
-                theirs.append(t3 - t2)
+            _then_mpi(i >= warmup, time.perf_counter() - t0, mpi, x, count, ours, theirs)
         t = time.perf_counter()
         for _ in range(iters):  # back to back
             await (api.all_reduce(x) if count else api.barrier())
-        x[:] = 1
+        _reset(x)
         out[name] = {"async": ours, "mpi": theirs, "async_loop": (time.perf_counter() - t) / iters}
     return out
 
@@ -103,24 +117,16 @@ def _blocking_rows(comm, mpi, xs: dict, iters: int, warmup: int, out: dict) -> N
             comm.barrier()
             t0 = time.perf_counter()
             comm.all_reduce(x) if count else comm.barrier()
-            t1 = time.perf_counter()
-            mpi.Barrier()
-            t2 = time.perf_counter()
-            mpi.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM) if count else mpi.Barrier()
-            t3 = time.perf_counter()
-            x[:] = 1
-            if i >= warmup:
-                ours.append(t1 - t0)
-                theirs.append(t3 - t2)
+            _then_mpi(i >= warmup, time.perf_counter() - t0, mpi, x, count, ours, theirs)
         t = time.perf_counter()
         for _ in range(iters):
             comm.all_reduce(x) if count else comm.barrier()
-        x[:] = 1
+        _reset(x)
         blocking_loop = (time.perf_counter() - t) / iters
         t = time.perf_counter()
         for _ in range(iters):
             mpi.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM) if count else mpi.Barrier()
-        x[:] = 1
+        _reset(x)
         out[name].update(blocking=ours, mpi_b=theirs, blocking_loop=blocking_loop,
                          mpi_loop=(time.perf_counter() - t) / iters)
 

@@ -120,7 +120,8 @@ class Communicator:
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                  master_port: int | None = None, timeout: float | None = None, shm: bool = True, **init_kw):
         self._thread = LoopThread("ringweave-communicator")
-        self._bridge = LoopBridge(self._thread.loop)  # refused once closed (ClosedError)
+        self._loop = self._thread.loop
+        self._bridge = LoopBridge(self._loop)  # refused once closed (ClosedError)
         self._order = threading.Lock()  # a start and its record, or a whole inline call (_inline)
         self._unfinished: set[concurrent.futures.Future] = set()  # started on the loop, not done
         try:
@@ -167,7 +168,7 @@ class Communicator:
 
     def _call(self, coro, what: str):
         """``LoopBridge.call`` through :meth:`_start`: blocks; cancels the call if the wait fails."""
-        if asyncio._get_running_loop() is self._thread.loop:
+        if asyncio._get_running_loop() is self._loop:
             return self._bridge.call(coro, None, what)  # raises: it would wait on itself
         fut = self._start(coro)
         try:
@@ -186,10 +187,11 @@ class Communicator:
             call = _INLINE_ARGS[name](*args, **kw)
         except TypeError:  # the loop's call says what is wrong
             return _NOT_TAKEN
-        if call is None or asyncio._get_running_loop() is self._thread.loop:
+        if call is None or asyncio._get_running_loop() is self._loop:
             return _NOT_TAKEN
         x, op, group, timeout, algorithm = call
-        timeout = check_timeout(timeout)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         with self._order:
             if self._unfinished or self._rt.in_flight or self._bridge.refused:
                 return _NOT_TAKEN

@@ -151,6 +151,19 @@ def _mismatch(ctl, me, parity, fp_header):
     return -1
 
 
+@njit(inline="always", cache=True)
+def _fold(ctl, parity, x, op):
+    """Step 4: ``x = S_0 <op> S_1 <op> ... <op> S_{n-1}`` over the small slots ``parity``, in rank order."""
+    n = x.size
+    first = carray(_pointer_like(ctl[0] + _HEADER + parity * _SMALL, x), n)
+    for i in range(n):
+        x[i] = first[i]
+    for q in range(1, ctl.size):
+        s = carray(_pointer_like(ctl[q] + _HEADER + parity * _SMALL, x), n)
+        for i in range(n):
+            x[i] = apply(op, x[i], s[i])
+
+
 @njit(**_JIT)
 def _all_reduce(ctl, me, parity, target, fp_header, x, op, state, spin, yield_spin, budget_ns):
     """Steps 1-4 of the module docstring. ``state``: int64 [stage, peer, timespec (2)]."""
@@ -168,13 +181,7 @@ def _all_reduce(ctl, me, parity, target, fp_header, x, op, state, spin, yield_sp
     if p >= 0:
         state[1] = p
         return MISMATCH
-    first = carray(_pointer_like(ctl[0] + _HEADER + parity * _SMALL, x), n)  # 4. rank order
-    for i in range(n):
-        x[i] = first[i]
-    for q in range(1, ctl.size):
-        s = carray(_pointer_like(ctl[q] + _HEADER + parity * _SMALL, x), n)
-        for i in range(n):
-            x[i] = apply(op, x[i], s[i])
+    _fold(ctl, parity, x, op)  # 4. rank order
     state[0] = 2
     return DONE
 
@@ -251,13 +258,7 @@ def _inline_all_reduce(x, state, seq, crc, parity, two_back, op):
     rc = _arrive(state, seq, parity, np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32)))
     if rc != DONE:
         return rc
-    first = carray(_pointer_like(ctl[0] + _HEADER + parity * _SMALL, x), n)  # rank order
-    for i in range(n):
-        x[i] = first[i]
-    for q in range(1, ctl.size):
-        s = carray(_pointer_like(ctl[q] + _HEADER + parity * _SMALL, x), n)
-        for i in range(n):
-            x[i] = apply(op, x[i], s[i])
+    _fold(ctl, parity, x, op)
     state[_STAGE] = 2
     return DONE
 

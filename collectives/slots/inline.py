@@ -57,12 +57,12 @@ class _Plan:
 class _Group:
     """What every inline call of one group reads: its domain and compiled state, the facts the
     plans hold under, the plans, the loop's turns."""
-    __slots__ = ("group", "rt", "actor", "dom", "on", "fast", "state", "facts", "topology", "plans", "turns",
-                 "read_algorithms", "read_tuning")
+    __slots__ = ("group", "rt", "actor", "tracer", "dom", "on", "fast", "state", "facts", "topology", "plans",
+                 "turns", "read_algorithms", "read_tuning")
 
     def __init__(self, group, dom, on: bool):
         self.group, self.rt, self.dom, self.on, self.turns = group, group.runtime, dom, on, None
-        self.actor = self.rt.actor
+        self.actor, self.tracer = self.rt.actor, self.rt.tracer
         self.fast = dom.compiled  # (None where the compiled path is not supported: then not on)
         self.state = None if self.fast is None else self.fast.inline
         self.topology = group.topology
@@ -97,7 +97,7 @@ def _plan(g: _Group, group, key: tuple, collective: str, x, op: str, algorithm, 
         plan = _new_plan(g, key, collective, x, op, algorithm, thread)
     dom = g.dom
     if (plan is None or dom._busy or dom._lock_waiters or not dom.ready or group.error is not None
-            or g.rt.tracer.enabled or g.actor.has_unexpected() or (thread is None and issuing_thread.get() is not None)):
+            or g.tracer.out_dir is not None or g.actor.has_unexpected() or (thread is None and issuing_thread.get() is not None)):
         if not dom.ready:
             del group._shm_inline  # closed: the next domain gets a state of its own
         return None
@@ -153,18 +153,20 @@ def all_reduce(x: np.ndarray, op: str, group, timeout: float | None, algorithm: 
     seq = group._seq + 1  # ProcessGroup.open_call's number, taken without its Call record
     group._seq = seq
     parity = dom.ncalls & 1
-    two_back = _text(dom, parity, plan)
-    rc = _NOT_ENTERED if two_back == _NOT_YET else \
-        _inline_all_reduce(flat, state, seq, plan.crc, parity, two_back, plan.op)
-    if rc == _NOT_ENTERED:
+    recent = dom._recent
+    two_back = recent[0] if len(recent) == 2 else -1  # the call whose slots this one reuses
+    if dom._fp_text[parity] is not plan.fingerprint and not _text(dom, parity, plan, two_back):
         return _normal(group, seq, plan, timeout, flat, op)
-    _entered(dom, seq, parity, plan.crc)
-    if rc:  # WAITING, MISMATCH: the call holds the domain until its rest ends it
+    rc = _inline_all_reduce(flat, state, seq, plan.crc, parity, two_back, plan.op)
+    if rc:  # WAITING, MISMATCH: the call holds the domain until its rest ends it; NOT_ENTERED
+        if rc == _NOT_ENTERED:
+            return _normal(group, seq, plan, timeout, flat, op)
+        _entered(dom, seq, parity, plan.crc)
         dom._busy = True
         return _rest(g, seq, plan, timeout, rc, (flat, state, seq, plan.crc, parity, -1, plan.op), flat, op)
     if plan.avg:
         divide_into(flat, group.size)
-    return _done(g, group, seq, plan, thread)
+    return _done(g, group, dom, seq, parity, plan, thread)
 
 
 def barrier(group, timeout: float | None, algorithm: str | None, thread=None):
@@ -185,15 +187,18 @@ def barrier(group, timeout: float | None, algorithm: str | None, thread=None):
     seq = group._seq + 1
     group._seq = seq
     parity = dom.ncalls & 1
-    two_back = _text(dom, parity, plan)
-    rc = _NOT_ENTERED if two_back == _NOT_YET else _inline_barrier(state, seq, plan.crc, parity, two_back)
-    if rc == _NOT_ENTERED:
+    recent = dom._recent
+    two_back = recent[0] if len(recent) == 2 else -1
+    if dom._fp_text[parity] is not plan.fingerprint and not _text(dom, parity, plan, two_back):
         return _normal(group, seq, plan, timeout)
-    _entered(dom, seq, parity, plan.crc)
+    rc = _inline_barrier(state, seq, plan.crc, parity, two_back)
     if rc:
+        if rc == _NOT_ENTERED:
+            return _normal(group, seq, plan, timeout)
+        _entered(dom, seq, parity, plan.crc)
         dom._busy = True
         return _rest(g, seq, plan, timeout, rc, (state, seq, plan.crc, parity, -1))
-    return _done(g, group, seq, plan, thread)
+    return _done(g, group, dom, seq, parity, plan, thread)
 
 
 def _off(group, g: _Group | None) -> None:
@@ -203,20 +208,15 @@ def _off(group, g: _Group | None) -> None:
         del group._shm_inline
 
 
-def _text(dom, parity: int, plan: _Plan) -> int:
-    """The call two back on the domain (its slots are this call's; -1: none), after the plan's
-    fingerprint text is in slot ``parity``: written here when it is not, once every peer has
-    left that call, else :data:`_NOT_YET`."""
-    recent = dom._recent
-    two_back = recent[0] if len(recent) == 2 else -1
-    if dom._fp_text[parity] != plan.fingerprint:  # a loop's calls repeat: rarely
-        if two_back >= 0 and not dom.reached_all(two_back, domains.EXIT):
-            return _NOT_YET
-        dom.write_fingerprint_text(parity, plan.fingerprint)
-    return two_back
-
-
-_NOT_YET = -2
+def _text(dom, parity: int, plan: _Plan, two_back: int) -> bool:
+    """Puts the plan's fingerprint text in slot ``parity`` (a loop's calls repeat: rarely needed)
+    once every peer has left call ``two_back`` (-1: none), which used that slot; False if not yet."""
+    if dom._fp_text[parity] == plan.fingerprint:
+        return True
+    if two_back >= 0 and not dom.reached_all(two_back, domains.EXIT):
+        return False
+    dom.write_fingerprint_text(parity, plan.fingerprint)
+    return True
 _UNSEEN = object()
 _OPS = frozenset(ops.OPS)
 
@@ -232,9 +232,10 @@ def _entered(dom, seq: int, parity: int, crc: int) -> None:
     dom._fp_header = (seq & 0xFFFFFFFF) | (crc << 32)
 
 
-def _done(g: _Group, group, seq: int, plan: _Plan, thread) -> object:
-    """A call that completed inline: recorded among the finished calls (ProcessGroup.run's
-    record); the loop's turn when one is due (as group.run gives it)."""
+def _done(g: _Group, group, dom, seq: int, parity: int, plan: _Plan, thread) -> object:
+    """A call that completed inline: the domain's bookkeeping of its entry, its record among the
+    finished calls (ProcessGroup.run's), the loop's turn when one is due (as group.run gives it)."""
+    _entered(dom, seq, parity, plan.crc)
     finished = group._finished
     finished[seq] = plan.fingerprint
     if len(finished) > 256:

@@ -17,7 +17,6 @@ import asyncio
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from runtime import group as group_module
 from runtime.errors import CollectiveMismatchError
 from runtime.sharedmem import domains, segments
 from tests.shm.test_shm_fastpath import inputs, reference
+from tests.shm.test_shm_processes import _finish, _free_port, _read_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).with_name("fastpath_inline_rank.py"))
@@ -170,10 +170,8 @@ async def test_a_setting_changed_between_calls_takes_effect_at_the_next(ranks, m
 
 # -- between processes ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _words(proc: subprocess.Popen, word: str, timeout_s: float = 60) -> list[str]:
+    return _read_until(proc, word, timeout_s).split()
 
 
 def _start(mode: str) -> list[subprocess.Popen]:
@@ -190,42 +188,22 @@ def _start(mode: str) -> list[subprocess.Popen]:
     return procs
 
 
-def _line(proc: subprocess.Popen, word: str, timeout_s: float = 60) -> list[str]:
-    deadline, lines = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith(word):
-            return line.split()
-    raise AssertionError(f"no {word!r} line; got:\n{''.join(lines)[-3000:]}")
-
-
-def _finish(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-        p.stdout.close()
-
-
 @pytest.mark.parametrize("fault, error, within_s", [("kill", "PeerLostError", (0.0, 3.0)),
                                                     ("stop", "CollectiveTimeoutError", (0.9, 3.0))])
 def test_a_peer_killed_or_stopped_during_an_inline_call_gives_the_typed_error_in_time(fault, error, within_s):
     procs = _start(fault)
     try:
-        _line(procs[1], "READY")
+        _words(procs[1], "READY")
         if fault == "stop":
             procs[1].send_signal(signal.SIGSTOP)
-        words = _line(procs[0], "ENTER")
+        words = _words(procs[0], "ENTER")
         assert int(words[2]) > 0, "the inline path never served rank 0"
-        _line(procs[0], "REST")  # rank 0 entered inline, and its peer is not coming
+        _words(procs[0], "REST")  # rank 0 entered inline, and its peer is not coming
         if fault == "kill":
             time.sleep(0.3)
             procs[1].send_signal(signal.SIGKILL)
             t = time.monotonic()
-        words = _line(procs[0], "CAUGHT", 30)
+        words = _words(procs[0], "CAUGHT", 30)
         assert words[2] == error, words
         seconds = float(words[3]) if fault == "stop" else time.monotonic() - t
         assert within_s[0] <= seconds <= within_s[1], f"{error} after {seconds:.2f} s"
@@ -239,7 +217,7 @@ def test_a_peer_killed_or_stopped_during_an_inline_call_gives_the_typed_error_in
 def test_the_communicators_calls_run_inline_on_the_calling_thread():
     procs = _start("blocking")
     try:
-        oks = [_line(p, "OK", 120) for p in procs]
+        oks = [_words(p, "OK", 120) for p in procs]
         for p in procs:
             assert p.wait(30) == 0
     finally:
