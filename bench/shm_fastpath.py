@@ -75,7 +75,10 @@ async def main() -> None:
     for name, x in cases:  # warm-up: compile, set up the domain
         await loop(g, name, x, 100)
     fastpath._compiled(domains.domain(g, list(range(g.size)))).enabled = True  # whatever RINGWEAVE_SHM_COMPILED says
-    off = (lambda *args, **kw: None)  # the inline path declines: the calls go through calls.py
+
+    def off(*args, **kw) -> None:  # the inline path declines: the calls go through calls.py
+        return None
+
     for _ in range(a.reps):
         for name, x in cases:
             inside_ar, inside_b = Inside(inline._inline_all_reduce), Inside(inline._inline_barrier)
@@ -98,11 +101,12 @@ async def main() -> None:
                 rows[name][k].append(float(v))
     if g.rank == 0:
         print(f"# {g.size} ranks, {a.calls} calls x {a.reps} repetitions; us per call, medians of the slowest rank")
-        print(f"{'case':>22} {'inline':>8} {'compiled':>9} {'python':>9} {'python/inline':>14} {'python work in inline':>22}")
+        print(f"{'case':>22} {'inline':>8} {'compiled':>9} {'python':>9} {'python/inline':>14} "
+              f"{'python work in inline':>22}")
         for name, _ in cases:
             r = {k: statistics.median(v) for k, v in rows[name].items()}
-            print(f"{name:>22} {r['inline']:8.2f} {r['compiled']:9.2f} {r['python']:9.2f} {r['python'] / r['inline']:14.2f} "
-                  f"{r['python_per_call']:22.2f}")
+            print(f"{name:>22} {r['inline']:8.2f} {r['compiled']:9.2f} {r['python']:9.2f} "
+                  f"{r['python'] / r['inline']:14.2f} {r['python_per_call']:22.2f}")
     await runtime.shutdown(rt)
 
 

@@ -22,7 +22,6 @@ Rank 0 prints the table and writes ``--json``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import os
@@ -160,7 +159,8 @@ def run(args) -> None:
     us = lambda s: f"{s * 1e6:7.2f}"  # noqa: E731
     print(f"# {args.n} ranks, {args.runs} runs x {args.iters} calls, {MPI.Get_library_version().splitlines()[0]}")
     print("# OSU style (barrier; t0; call; t1), slowest rank, median; the row: median of runs (each run)")
-    print(f"# {'row':18s} {'async us':>9s} {'blocking us':>12s} {'mpi us':>8s} {'mpi/async':>10s} {'mpi/blocking':>13s}")
+    print(f"# {'row':18s} {'async us':>9s} {'blocking us':>12s} {'mpi us':>8s} {'mpi/async':>10s} "
+          f"{'mpi/blocking':>13s}")
     table = {}
     for name, _ in ROWS:
         med = {k: statistics.median(r[name][k] for r in runs) for k in runs[0][name]}

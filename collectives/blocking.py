@@ -14,7 +14,8 @@ here, blocking, with the same name and arguments, plus a ``<name>_async`` twin t
 :class:`Handle` at once; its arrays belong to the collective until the handle is done. Any number
 of threads may call one communicator; each call carries its thread's name in its fingerprint, so
 calls of one group that interleave differently on two ranks raise ``CollectiveMismatchError``,
-never a wrong answer (README.md, "Threads").
+never a wrong answer (README.md, "Threads"). A small shared-memory all_reduce or barrier runs on the
+calling thread, not the loop's, while nothing else of the communicator is in flight (slots/inline.py).
 
 Life cycle (grammar)::
 

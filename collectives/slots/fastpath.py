@@ -219,7 +219,8 @@ def _enter(state, seq, crc, parity, two_back):
     me = np.int64(state[_ME])
     if two_back >= 0 and not _all_reached(ctl, me, ((two_back << 3) | waits.EXIT) & 0xFFFFFFFF):
         return False
-    at.store_release_u64(ctl[me] + _FP + parity * _FP_NBYTES, np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32)))
+    header = np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32))
+    at.store_release_u64(ctl[me] + _FP + parity * _FP_NBYTES, header)
     return True
 
 

@@ -36,7 +36,7 @@ from collectives.slots import fastpath
 from runtime import env
 from runtime.group import Call, issuing_thread
 from runtime.init import current as current_runtime
-from runtime.sharedmem import domains, segments
+from runtime.sharedmem import domains
 from runtime.turns import LoopTurns
 
 DONE = True  # what a call that completed returns (the caller's array holds the result)
@@ -97,7 +97,8 @@ def _plan(g: _Group, group, key: tuple, collective: str, x, op: str, algorithm, 
         plan = _new_plan(g, key, collective, x, op, algorithm, thread)
     dom = g.dom
     if (plan is None or dom._busy or dom._lock_waiters or not dom.ready or group.error is not None
-            or g.tracer.out_dir is not None or g.actor.has_unexpected() or (thread is None and issuing_thread.get() is not None)):
+            or g.tracer.out_dir is not None or g.actor.has_unexpected()
+            or (thread is None and issuing_thread.get() is not None)):
         if not dom.ready:
             del group._shm_inline  # closed: the next domain gets a state of its own
         return None

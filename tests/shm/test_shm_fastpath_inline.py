@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import collectives as C
-from collectives.slots import fastpath, inline
+from collectives.slots import fastpath
 from runtime import group as group_module
 from runtime.errors import CollectiveMismatchError
 from runtime.sharedmem import domains, segments
@@ -38,7 +38,8 @@ SCRIPT = str(Path(__file__).with_name("fastpath_inline_rank.py"))
 OPS = ("sum", "avg", "prod", "min", "max")
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(not (fastpath.SUPPORTED and segments.shm_usable()), reason="no compiled shm path here")]
+              pytest.mark.skipif(not (fastpath.SUPPORTED and segments.shm_usable()),
+                                 reason="no compiled shm path here")]
 
 
 def inline_calls(g) -> int:
