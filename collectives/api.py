@@ -35,6 +35,7 @@ import numpy as np
 from collectives import calls, compressed, ops
 from collectives.calls import group_of
 from collectives.kernels import is_device_array
+from collectives.slots import inline
 from collectives.groups import new_subgroups, split  # noqa: F401  (part of this module's calls)
 from collectives.monitor import monitored_barrier  # noqa: F401
 from collectives.p2p import iprobe, probe, recv, send, sendrecv  # noqa: F401
@@ -86,7 +87,14 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
         await all_reduce(x, op="sum")
         # Rank 0: [4. 6.]   Rank 1: [4. 6.]
     """
-    timeout = check_timeout(timeout)
+    if timeout is not None:
+        timeout = check_timeout(timeout)
+    if compression is None and type(x) is np.ndarray:  # a loop's small shared-memory calls: slots/inline.py
+        rest = inline.all_reduce(x, op, group, timeout, algorithm)
+        if rest is not None:
+            if rest is not inline.DONE:
+                await rest
+            return x
     if _on_device(x):  # collectives/device.py: staged through the host
         return await _device().all_reduce(x, op, group, timeout, algorithm, compression, key)
     if compression is not None:  # collectives/compressed.py
@@ -251,4 +259,11 @@ async def barrier(group=None, timeout: float | None = None, algorithm: str | Non
         # Rank 0: await barrier()   Rank 1: await asyncio.sleep(1); await barrier()
         # both return after about 1 s
     """
-    await calls.barrier(group, check_timeout(timeout), algorithm)
+    if timeout is not None:
+        timeout = check_timeout(timeout)
+    rest = inline.barrier(group, timeout, algorithm)  # a loop's shared-memory barriers: slots/inline.py
+    if rest is not None:
+        if rest is not inline.DONE:
+            await rest
+        return
+    await calls.barrier(group, timeout, algorithm)

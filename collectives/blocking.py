@@ -14,7 +14,8 @@ here, blocking, with the same name and arguments, plus a ``<name>_async`` twin t
 :class:`Handle` at once; its arrays belong to the collective until the handle is done. Any number
 of threads may call one communicator; each call carries its thread's name in its fingerprint, so
 calls of one group that interleave differently on two ranks raise ``CollectiveMismatchError``,
-never a wrong answer (README.md, "Threads").
+never a wrong answer (README.md, "Threads"). A small shared-memory all_reduce or barrier runs on the
+calling thread, not the loop's, while nothing else of the communicator is in flight (slots/inline.py).
 
 Life cycle (grammar)::
 
@@ -36,11 +37,14 @@ import functools
 import sys
 import threading
 
+import numpy as np
+
 import runtime
 from collectives import api, objects, uneven
+from collectives.slots import inline
 from runtime.bridge import LoopBridge, wait_done
 from runtime.errors import ClosedError
-from runtime.group import issuing_thread
+from runtime.group import check_timeout, issuing_thread
 from runtime.init import abort_reason
 from runtime.loopthread import LoopThread
 
@@ -117,7 +121,10 @@ class Communicator:
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, master_addr: str | None = None,
                  master_port: int | None = None, timeout: float | None = None, shm: bool = True, **init_kw):
         self._thread = LoopThread("ringweave-communicator")
-        self._bridge = LoopBridge(self._thread.loop)  # refused once closed (ClosedError)
+        self._loop = self._thread.loop
+        self._bridge = LoopBridge(self._loop)  # refused once closed (ClosedError)
+        self._order = threading.Lock()  # a start and its record, or a whole inline call (_inline)
+        self._unfinished: set[concurrent.futures.Future] = set()  # started on the loop, not done
         try:
             self._rt = self._thread.run(runtime.init(rank, world_size, master_addr=master_addr,
                                                      master_port=master_port, timeout_s=timeout, **init_kw))
@@ -141,7 +148,7 @@ class Communicator:
 
     def new_group(self, ranks):
         """A sub-group of the given world ranks; every rank must call it, in the same order."""
-        return self._bridge.call(self._new_group(list(ranks)), None, "new_group")
+        return self._call(self._new_group(list(ranks)), "new_group")
 
     async def _new_group(self, ranks):
         return self._rt.new_group(ranks)
@@ -150,7 +157,65 @@ class Communicator:
         """Starts ``await fn(*args, **kw)`` on the communicator's loop, where its runtime lives (a
         coroutine function of the caller's: several collectives in a row, a store call), and
         returns a :class:`Handle` at once. ``group=`` is not filled in: ``fn`` names its groups."""
-        return Handle(self._bridge.start(fn(*args, **kw)), getattr(fn, "__name__", "call"))
+        return Handle(self._start(fn(*args, **kw)), getattr(fn, "__name__", "call"))
+
+    def _start(self, coro) -> concurrent.futures.Future:
+        """``LoopBridge.start``, the call kept among the unfinished until it is done."""
+        with self._order:
+            fut = self._bridge.start(coro)
+            self._unfinished.add(fut)
+        fut.add_done_callback(self._unfinished.discard)  # (at once when done already)
+        return fut
+
+    def _call(self, coro, what: str):
+        """``LoopBridge.call`` through :meth:`_start`: blocks; cancels the call if the wait fails."""
+        if asyncio._get_running_loop() is self._loop:
+            return self._bridge.call(coro, None, what)  # raises: it would wait on itself
+        fut = self._start(coro)
+        try:
+            return wait_done(fut, None, what)  # the call bounds its own time
+        except BaseException:
+            fut.cancel()
+            raise
+        finally:
+            self._unfinished.discard(fut)  # (its callback may come a moment after this thread woke)
+
+    def _inline(self, name: str, args, kw):
+        """A small shared-memory all_reduce or barrier on the calling thread (collectives/slots/
+        inline.py), when nothing else of this communicator is in flight: no hop to the loop and
+        back. Returns ``_NOT_TAKEN`` when the loop must run it."""
+        try:
+            call = _INLINE_ARGS[name](*args, **kw)
+        except TypeError:  # the loop's call says what is wrong
+            return _NOT_TAKEN
+        if call is None or asyncio._get_running_loop() is self._loop:
+            return _NOT_TAKEN
+        x, op, group, timeout, algorithm = call
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        with self._order:
+            if self._unfinished or self._rt.in_flight or self._bridge.refused:
+                return _NOT_TAKEN
+            group = self._rt.world if group is None else group
+            if x is None:
+                rest = inline.barrier(group, timeout, algorithm, inline.thread_name())
+            else:
+                rest = inline.all_reduce(x, op, group, timeout, algorithm, inline.thread_name())
+            if rest is None:
+                return _NOT_TAKEN
+            if rest is inline.DONE:
+                return x
+            fut = self._bridge.start(rest)  # a peer was late: the rest on the loop, in order
+            self._unfinished.add(fut)
+        fut.add_done_callback(self._unfinished.discard)
+        try:
+            wait_done(fut, None, name)
+        except BaseException:
+            fut.cancel()
+            raise
+        finally:
+            self._unfinished.discard(fut)
+        return x
 
     def _coro(self, name: str, args, kw):
         if kw.get("group") is None:  # the world of *this* runtime (several may share a process)
@@ -168,7 +233,8 @@ class Communicator:
         self._leave(runtime.abort(exc, self._rt), 10.0)
 
     def _leave(self, coro, timeout: float) -> None:
-        leaving = self._bridge.refuse(ClosedError, "the communicator is closed", last=coro)
+        with self._order:  # after any inline call in progress
+            leaving = self._bridge.refuse(ClosedError, "the communicator is closed", last=coro)
         if leaving is None:  # closed before
             return
         _open.discard(self)
@@ -208,12 +274,35 @@ def _close_at_exit() -> None:
             print(f"ringweave: rank {comm.rank}: leaving the job at exit failed: {exc!r}", file=sys.stderr)
 
 
+def _all_reduce_args(x, op="sum", group=None, timeout=None, algorithm=None, compression=None, key=None):
+    """(x, op, group, timeout, algorithm) of a blocking all_reduce the inline path may take, else None."""
+    if type(x) is not np.ndarray or compression is not None:
+        return None
+    return x, op, group, timeout, algorithm
+
+
+def _barrier_args(group=None, timeout=None, algorithm=None):
+    return None, "", group, timeout, algorithm
+
+
+_INLINE_ARGS = {"all_reduce": _all_reduce_args, "barrier": _barrier_args}  # name -> its arguments' reader
+_NOT_TAKEN = object()
+
+
 def _blocking(name: str):
     fn = _CALLS[name]
 
-    @functools.wraps(fn)
-    def call(self, *args, **kw):
-        return self._bridge.call(self._coro(name, args, kw), None, name)  # the call bounds its own time
+    if name in _INLINE_ARGS:
+        @functools.wraps(fn)
+        def call(self, *args, **kw):
+            done = self._inline(name, args, kw)
+            if done is not _NOT_TAKEN:
+                return done
+            return self._call(self._coro(name, args, kw), name)
+    else:
+        @functools.wraps(fn)
+        def call(self, *args, **kw):
+            return self._call(self._coro(name, args, kw), name)
     call.__doc__ = f"Blocking :func:`{fn.__module__}.{name}` (same arguments; ``group`` defaults to the world)."
     return call
 
@@ -222,7 +311,7 @@ def _nonblocking(name: str):
     fn = _CALLS[name]
 
     def call(self, *args, **kw) -> Handle:
-        return Handle(self._bridge.start(self._coro(name, args, kw)), name)
+        return Handle(self._start(self._coro(name, args, kw)), name)
     call.__name__ = f"{name}_async"
     call.__doc__ = (f"Starts :func:`{fn.__module__}.{name}` and returns a :class:`Handle` at once "
                     "(same arguments; the arrays belong to the call until the handle is done).")

@@ -20,9 +20,10 @@ compare the two. One call of :func:`_all_reduce` (Numba ``nopython``, ``nogil``)
 4. **reduce**: ``x = S_0 <op> S_1 <op> ... <op> S_{n-1}`` in rank order, as the reference does
    (the same ``apply`` of collectives/kernels/cpu.py, the same order: the same bits).
 
-The barrier is steps 1-3 without data. Memory order is explicit (atomics.py), so this is correct
-on AArch64 as on x86-64; what the event loop must see between slices stays in Python
-(:func:`all_reduce`, :func:`barrier`; bench/results/shm.md#the-compiled-small-path).
+The barrier is steps 1-3 without data. ``_inline_*``, for inline.py, begin with the domain's entry.
+Memory order is explicit (atomics.py), so this is correct on AArch64 as on x86-64; what the event
+loop must see between slices stays in Python (:func:`all_reduce`, :func:`barrier`;
+bench/results/shm.md#the-compiled-small-path).
 
 Not here: the domain, its set-up and its call bookkeeping (runtime/sharedmem/domains.py), the large path
 (all_reduce_shm.py), float16 / bfloat16 (the reference path reduces them).
@@ -43,7 +44,7 @@ from collectives.slots import common
 from runtime import env
 from runtime.sharedmem import domains, waits
 
-DONE, WAITING, MISMATCH = 0, 1, 2
+DONE, WAITING, MISMATCH, NOT_ENTERED = 0, 1, 2, 3
 SUPPORTED = at.SUPPORTED
 NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8))
 
@@ -151,6 +152,19 @@ def _mismatch(ctl, me, parity, fp_header):
     return -1
 
 
+@njit(inline="always", cache=True)
+def _fold(ctl, parity, x, op):
+    """Step 4: ``x = S_0 <op> S_1 <op> ... <op> S_{n-1}`` over the small slots ``parity``, in rank order."""
+    n = x.size
+    first = carray(_pointer_like(ctl[0] + _HEADER + parity * _SMALL, x), n)
+    for i in range(n):
+        x[i] = first[i]
+    for q in range(1, ctl.size):
+        s = carray(_pointer_like(ctl[q] + _HEADER + parity * _SMALL, x), n)
+        for i in range(n):
+            x[i] = apply(op, x[i], s[i])
+
+
 @njit(**_JIT)
 def _all_reduce(ctl, me, parity, target, fp_header, x, op, state, spin, yield_spin, budget_ns):
     """Steps 1-4 of the module docstring. ``state``: int64 [stage, peer, timespec (2)]."""
@@ -168,13 +182,7 @@ def _all_reduce(ctl, me, parity, target, fp_header, x, op, state, spin, yield_sp
     if p >= 0:
         state[1] = p
         return MISMATCH
-    first = carray(_pointer_like(ctl[0] + _HEADER + parity * _SMALL, x), n)  # 4. rank order
-    for i in range(n):
-        x[i] = first[i]
-    for q in range(1, ctl.size):
-        s = carray(_pointer_like(ctl[q] + _HEADER + parity * _SMALL, x), n)
-        for i in range(n):
-            x[i] = apply(op, x[i], s[i])
+    _fold(ctl, parity, x, op)  # 4. rank order
     state[0] = 2
     return DONE
 
@@ -196,6 +204,81 @@ def _barrier(ctl, me, parity, target, fp_header, state, spin, yield_spin, budget
     return DONE
 
 
+# -- the inline calls (collectives/slots/inline.py): the domain's entry too, two arrays and ints --
+
+# inline state, uint64: stage, peer, timespec scratch (2), me, members, spin, yield_spin, budget_ns,
+# then (from _CTL) every member's control segment address
+_STAGE, _PEER, _ME, _N, _SPIN, _YIELD, _BUDGET, _CTL = 0, 1, 4, 5, 6, 7, 8, 16
+
+
+@njit(inline="always", cache=True)
+def _enter(state, seq, crc, parity, two_back):
+    """Domain.try_begin's check and the fingerprint's header (publish_fingerprint; the text is in
+    the slot already): False, nothing written, while a peer has not left call ``two_back``
+    (-1: none) that used this call's slots."""
+    ctl = state[_CTL:_CTL + np.int64(state[_N])]
+    me = np.int64(state[_ME])
+    if two_back >= 0 and not _all_reached(ctl, me, ((two_back << 3) | waits.EXIT) & 0xFFFFFFFF):
+        return False
+    header = np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32))
+    at.store_release_u64(ctl[me] + _FP + parity * _FP_NBYTES, header)
+    return True
+
+
+@njit(inline="always", cache=True)
+def _arrive(state, seq, parity, fp_header):
+    """Wait for every member's phase 1 of call ``seq`` and compare fingerprints: DONE, WAITING
+    (``budget`` spent; call again) or MISMATCH (the peer in ``state[_PEER]``)."""
+    ctl = state[_CTL:_CTL + np.int64(state[_N])]
+    me = np.int64(state[_ME])
+    target = ((seq << 3) | 1) & 0xFFFFFFFF
+    ts = state.ctypes.data + 16
+    if not _wait(ctl, me, target, np.int64(state[_SPIN]), state[_YIELD] != 0, np.int64(state[_BUDGET]), ts):
+        return WAITING
+    p = _mismatch(ctl, me, parity, fp_header)
+    if p >= 0:
+        state[_PEER] = p
+        return MISMATCH
+    return DONE
+
+
+@njit(**_JIT)
+def _inline_all_reduce(x, state, seq, crc, parity, two_back, op):
+    """The all_reduce of an inline call: enter (NOT_ENTERED: nothing done), steps 1-4; called
+    again after WAITING, it resumes at step 2 (``state[_STAGE]``)."""
+    ctl = state[_CTL:_CTL + np.int64(state[_N])]
+    me = np.int64(state[_ME])
+    n = x.size
+    if state[_STAGE] == 0:
+        if not _enter(state, seq, crc, parity, two_back):
+            return NOT_ENTERED
+        mine = carray(_pointer_like(ctl[me] + _HEADER + parity * _SMALL, x), n)
+        for i in range(n):
+            mine[i] = x[i]
+        _post(ctl, me, ((seq << 3) | 1) & 0xFFFFFFFF)
+        state[_STAGE] = 1
+    rc = _arrive(state, seq, parity, np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32)))
+    if rc != DONE:
+        return rc
+    _fold(ctl, parity, x, op)
+    state[_STAGE] = 2
+    return DONE
+
+
+@njit(**_JIT)
+def _inline_barrier(state, seq, crc, parity, two_back):
+    """The barrier of an inline call: enter, post, wait, compare (as :func:`_inline_all_reduce`)."""
+    if state[_STAGE] == 0:
+        if not _enter(state, seq, crc, parity, two_back):
+            return NOT_ENTERED
+        _post(state[_CTL:_CTL + np.int64(state[_N])], np.int64(state[_ME]), ((seq << 3) | 1) & 0xFFFFFFFF)
+        state[_STAGE] = 1
+    rc = _arrive(state, seq, parity, np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32)))
+    if rc == DONE:
+        state[_STAGE] = 2
+    return rc
+
+
 # One slice of waiting inside the compiled call: the event loop gets a turn at least this often
 # while a peer is late (the loop's other tasks, the deadline, a lost peer's EOF).
 SLICE_NS = 1_000_000
@@ -207,7 +290,7 @@ class _Compiled:
     """What the compiled calls need of a domain, made once per domain (``Domain.compiled``):
     the members' control segment addresses, a state array, how to wait, and whether this
     path serves the domain at all (``enabled``: RINGWEAVE_SHM_COMPILED)."""
-    __slots__ = ("ctl", "state", "wait", "enabled")
+    __slots__ = ("ctl", "state", "wait", "enabled", "inline", "inline_calls")
 
     def __init__(self, dom):
         self.ctl = np.array(dom.control_addresses, np.uint64)
@@ -223,6 +306,11 @@ class _Compiled:
         # rank; always for tasks of one process (bench/results/shm.md#the-compiled-small-path)
         setting = env.SHM_COMPILED.get()
         self.enabled = setting == "1" or (setting == "auto" and (dom.cooperative or tunefile.compiled(dom.group, own)))
+        self.inline = np.zeros(_CTL + dom.size, np.uint64)  # the inline calls' state (_STAGE ... _CTL)
+        self.inline[_ME], self.inline[_N] = dom.rank, dom.size
+        self.inline[_SPIN], self.inline[_YIELD], self.inline[_BUDGET] = self.wait
+        self.inline[_CTL:] = self.ctl
+        self.inline_calls = 0  # calls that completed inline, without a coroutine (Domain.statistics)
 
 
 def _compiled(dom) -> _Compiled:
@@ -284,7 +372,8 @@ async def _between(comm, dom, args: tuple) -> tuple:
 
 
 def warm(dtypes) -> None:
-    """Loads (or compiles) :func:`_all_reduce` for each of ``dtypes`` and :func:`_barrier`, with the
+    """Loads (or compiles) :func:`_all_reduce` for each of ``dtypes`` and :func:`_barrier` (and their
+    inline twins), with the
     argument types a real call passes, by running them as the only member of a private control
     block (no peer to wait for: each returns DONE at once). For collectives/warmup.py."""
     if not SUPPORTED:
@@ -298,3 +387,10 @@ def warm(dtypes) -> None:
         _all_reduce(ctl, 0, 0, target, fp_header, np.ones(2, dtype), OP_CODES["sum"], state, *wait)
     state[0] = 0
     _barrier(ctl, 0, 0, target, fp_header, state, *wait)
+    inline = np.zeros(_CTL + 1, np.uint64)  # the inline calls' kernels, alike
+    inline[_N], inline[_CTL] = 1, block.ctypes.data
+    for dtype in dtypes:
+        inline[_STAGE] = 0
+        _inline_all_reduce(np.ones(2, dtype), inline, 1, 0, 0, -1, OP_CODES["sum"])
+    inline[_STAGE] = 0
+    _inline_barrier(inline, 1, 0, 0, -1)

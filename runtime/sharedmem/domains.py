@@ -327,7 +327,7 @@ class Domain(Phases):
 
     def statistics(self) -> dict:
         return dict(self.statistics_, capacity=(1 << self.data_log2) if self.data_log2 else 0,
-                    members=self.members)
+                    members=self.members, inline=getattr(self.compiled, "inline_calls", 0))
 
 
 # -- the domains of each group ------------------------------------------------------------------
@@ -352,6 +352,12 @@ def domain(group, members: list[int] | None, index: int = 0) -> Domain:
         fast = group._shm_domains = {}
     fast[index] = d
     return d
+
+
+def existing(group, index: int = 0) -> Domain | None:
+    """The domain :func:`domain` made for ``group`` under ``index``, if one was made (never makes one)."""
+    fast = getattr(group, "_shm_domains", None)
+    return fast.get(index) if fast is not None else None
 
 
 def _track(d: Domain) -> None:

@@ -166,19 +166,29 @@ class Phases:
         before its first post of the call (the slot was last used two calls back)."""
         parity = self.parity
         fingerprint = call.fingerprint
+        crc = self.fingerprint_crc(fingerprint)
+        if self._fp_text[parity] != fingerprint:  # a loop's calls repeat: the text is there already
+            self.write_fingerprint_text(parity, fingerprint)
+        # the header (seq, crc32) in ONE aligned 8-byte store, after the text: struct.pack_into
+        # zeroes then writes byte by byte, and a peer could read this call's number with stale text
+        self._fp_header = (call.seq & 0xFFFFFFFF) | (crc << 32)
+        self._fp_headers[self.rank][parity].value = self._fp_header
+
+    def fingerprint_crc(self, fingerprint: str) -> int:
+        """The CRC-32 of ``fingerprint``'s text as a slot holds it (cut at :data:`FP_MAX` bytes)."""
         crc = self._fp_crc.get(fingerprint)
         if crc is None:
             if len(self._fp_crc) > 256:
                 self._fp_crc.clear()
             crc = self._fp_crc[fingerprint] = zlib.crc32(fingerprint.encode()[:FP_MAX])
-        if self._fp_text[parity] != fingerprint:  # a loop's calls repeat: the text is there already
-            fp = fingerprint.encode()[:FP_MAX]
-            struct.pack_into(f"<I{len(fp)}s", self.ctl[self.rank].mm, OFF_FP + parity * FP_NBYTES + 8, len(fp), fp)
-            self._fp_text[parity] = fingerprint
-        # the header (seq, crc32) in ONE aligned 8-byte store, after the text: struct.pack_into
-        # zeroes then writes byte by byte, and a peer could read this call's number with stale text
-        self._fp_header = (call.seq & 0xFFFFFFFF) | (crc << 32)
-        self._fp_headers[self.rank][parity].value = self._fp_header
+        return crc
+
+    def write_fingerprint_text(self, parity: int, fingerprint: str) -> None:
+        """Writes ``fingerprint``'s text into this member's slot ``parity`` (its header, written
+        after, says which call the text is of). Only once every peer has left the call two back."""
+        fp = fingerprint.encode()[:FP_MAX]
+        struct.pack_into(f"<I{len(fp)}s", self.ctl[self.rank].mm, OFF_FP + parity * FP_NBYTES + 8, len(fp), fp)
+        self._fp_text[parity] = fingerprint
 
     # -- posting
     def post(self, call, phase: int) -> None:
