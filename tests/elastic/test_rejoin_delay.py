@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 SCRIPT = """
 import os, sys, time
 from pathlib import Path
-out, rank, joiner = Path(sys.argv[1]), os.environ["RANK"], os.environ["RINGWEAVE_ELASTIC_JOIN"] == "1"
+from runtime import env
+out, rank, joiner = Path(sys.argv[1]), os.environ["RANK"], env.ELASTIC_JOIN.get()
 if rank == "1":
     (out / ("joined" if joiner else "exited")).write_text(repr(time.time()))
     sys.exit(0 if joiner else 3)
