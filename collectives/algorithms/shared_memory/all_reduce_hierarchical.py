@@ -115,8 +115,8 @@ async def through_leaders(comm: Comm, x: np.ndarray, op: str, across: Callable) 
     topology = comm.group.topology
     index = topology.node_of(comm.rank)
     local = topology.nodes[index]
-    leaders = SubComm(comm, [members[0] for members in topology.nodes])
     k, p = len(local), local.index(comm.rank)
+    leaders = SubComm(comm, [members[0] for members in topology.nodes]) if p == 0 else None  # leaders only
     if k == 1:  # alone on my host: only the leaders' all_reduce
         await _across(leaders, x, op, across)
         return
