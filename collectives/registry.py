@@ -118,7 +118,7 @@ def _pow2(world: int) -> bool:
 # The default tables, first rule that applies wins. Sizes: nbytes is one rank's input (all_gather:
 # its block, so the gathered output is nbytes * world). Figures: bench/results/<collective>.md.
 SHM = "one copy in, one copy out: bench/results/shm.md#beside-openmpi"
-HIER = "a block crosses into each host once, not once per rank: (H-1)/H of the data per host link"
+HIER = "a block crosses into each host once, (H-1)/H of it per link: bench/results/all_gather.md#several-ranks-per-host"
 TABLES: dict[str, list[Rule]] = {
     "all_reduce": [
         Rule("shm", always, why=SHM),
