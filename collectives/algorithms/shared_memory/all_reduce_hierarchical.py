@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from collectives import tunefile
 from collectives.algorithms.shared_memory import all_gather_hierarchical, all_reduce_shm
 from collectives.algorithms.shared_memory.all_gather_hierarchical import together
 from collectives.comm import Comm, SubComm
@@ -75,7 +76,7 @@ async def _pipelined(comm: Comm, x: np.ndarray, op: str, across: Callable) -> No
     async with common.DomainCall(comm, list(local), 1 + index) as dom:  # index 0 is the flat domain's
         await dom.claim_data(comm, x.nbytes)
         slots = [common.data_view(dom, q, x.dtype, x.size) for q in range(k)]
-        stream = common.streams(x.nbytes)
+        stream = x.nbytes >= tunefile.stream_min(comm.group)  # the copies bypass the caches
         await common.copy_off_loop(dom, x.nbytes, [(chunk(slots[a], p, c), chunk(x, p, c))  # 1. copy-in
                                                    for p in range(nparts) for c in others], stream)
         dom.post(comm, 1)

@@ -33,6 +33,7 @@ import asyncio
 
 import numpy as np
 
+from collectives import tunefile
 from collectives.algorithms.shared_memory.all_gather_hierarchical import Plan, send_parts, together
 from collectives.comm import Comm, copy_step, reduce_step
 from collectives.ops import as_bytes, scratch_pool
@@ -78,7 +79,7 @@ async def run(comm: Comm, out: np.ndarray, x: np.ndarray, op: str) -> None:
         peers = [q for q in range(len(local)) if q != a]
         copy_in = [g for g in range(n) if plan.keeper[g] != a]  # what my peers reduce
         ready = [asyncio.get_running_loop().create_future() for _ in plan.parts]  # partials of part p made
-        stream = common.streams(x.nbytes)
+        stream = x.nbytes >= tunefile.stream_min(comm.group)  # the copies bypass the caches
 
         async def reduce_parts() -> None:
             for p in plan.parts:
