@@ -169,6 +169,12 @@ def all_gather_shm(m: Machine, p: int, n: float, hosts: int = 1) -> float:
     return m.shm.alpha + p * n * m.shm.beta  # my block in, the p-1 others out
 
 
+def all_gather_hierarchical(m: Machine, p: int, n: float, hosts: int = 1) -> float:
+    local = max(1, math.ceil(p / hosts))  # a host's link carries the other hosts' blocks in, once
+    crossing = m.tcp(hosts).msg((hosts - 1) * local * n) if hosts > 1 else 0.0
+    return m.shm.alpha + all_gather_shm(m, p, n) + crossing  # the copies mostly overlap it: an upper bound
+
+
 def reduce_scatter_ring(m: Machine, p: int, n: float, hosts: int = 1) -> float:
     t, block = m.tcp(hosts), n / p
     nseg = _segs(block) if block > RECV_NOW_NBYTES else 1
@@ -178,6 +184,12 @@ def reduce_scatter_ring(m: Machine, p: int, n: float, hosts: int = 1) -> float:
 def reduce_scatter_shm(m: Machine, p: int, n: float, hosts: int = 1) -> float:
     part = (p - 1) / p * n
     return m.shm.alpha + part * m.shm.beta + part * (m.gamma + m.shm.beta)
+
+
+def reduce_scatter_hierarchical(m: Machine, p: int, n: float, hosts: int = 1) -> float:
+    local = max(1, math.ceil(p / hosts))  # a host's link carries one partial of each of its blocks per other host
+    crossing = m.tcp(hosts).msg((hosts - 1) / hosts * n) + (hosts - 1) * n / p * m.gamma if hosts > 1 else 0.0
+    return m.shm.alpha + reduce_scatter_shm(m, local, n) + crossing
 
 
 def broadcast_tree(m: Machine, p: int, n: float, hosts: int = 1) -> float:
@@ -246,8 +258,10 @@ FORMULAS = {
                    "recursive_doubling": all_reduce_recursive_doubling, "shm": all_reduce_shm,
                    "hierarchical": all_reduce_hierarchical},
     "all_gather": {"ring": all_gather_ring, "bruck": all_gather_bruck, "direct": all_gather_direct,
-                   "recursive_doubling": all_gather_recursive_doubling, "shm": all_gather_shm},
-    "reduce_scatter": {"ring": reduce_scatter_ring, "shm": reduce_scatter_shm},
+                   "recursive_doubling": all_gather_recursive_doubling, "shm": all_gather_shm,
+                   "hierarchical": all_gather_hierarchical},
+    "reduce_scatter": {"ring": reduce_scatter_ring, "shm": reduce_scatter_shm,
+                       "hierarchical": reduce_scatter_hierarchical},
     "broadcast": {"tree": broadcast_tree, "flat": broadcast_flat, "chain": broadcast_chain, "shm": broadcast_shm},
     "reduce": {"tree": reduce_tree, "rabenseifner": reduce_rabenseifner},
     "gather": {"tree": gather_tree, "direct": gather_direct},

@@ -39,8 +39,9 @@ from runtime.sharedmem.segments import shm_usable
 from runtime.topology import LAYOUTS
 
 from collectives import tunefile
-from collectives.algorithms.shared_memory import (all_gather_shm, all_reduce_hierarchical, all_reduce_shm,
-                                                  barrier_shm, broadcast_shm, reduce_scatter_shm)
+from collectives.algorithms.shared_memory import (all_gather_hierarchical, all_gather_shm, all_reduce_hierarchical,
+                                                  all_reduce_shm, barrier_shm, broadcast_shm,
+                                                  reduce_scatter_hierarchical, reduce_scatter_shm)
 from collectives.algorithms.tcp import (all_gather_bruck, all_gather_direct, all_gather_recursive_doubling,
                                         all_gather_ring, all_gather_v_ring, all_reduce_halving_doubling,
                                         all_reduce_recursive_doubling, all_reduce_ring, all_to_all_direct,
@@ -57,8 +58,10 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
                    "recursive_doubling": all_reduce_recursive_doubling.run,
                    "shm": all_reduce_shm.run, "hierarchical": all_reduce_hierarchical.run},
     "all_gather": {"ring": all_gather_ring.run, "bruck": all_gather_bruck.run, "direct": all_gather_direct.run,
-                   "recursive_doubling": all_gather_recursive_doubling.run, "shm": all_gather_shm.run},
-    "reduce_scatter": {"ring": reduce_scatter_ring.run, "shm": reduce_scatter_shm.run},
+                   "recursive_doubling": all_gather_recursive_doubling.run, "shm": all_gather_shm.run,
+                   "hierarchical": all_gather_hierarchical.run},
+    "reduce_scatter": {"ring": reduce_scatter_ring.run, "shm": reduce_scatter_shm.run,
+                       "hierarchical": reduce_scatter_hierarchical.run},
     "broadcast": {"tree": broadcast_tree.run, "flat": broadcast_flat.run, "chain": broadcast_chain.run,
                   "shm": broadcast_shm.run},
     "reduce": {"tree": reduce_tree.run, "rabenseifner": reduce_rabenseifner.run},
@@ -115,6 +118,7 @@ def _pow2(world: int) -> bool:
 # The default tables, first rule that applies wins. Sizes: nbytes is one rank's input (all_gather:
 # its block, so the gathered output is nbytes * world). Figures: bench/results/<collective>.md.
 SHM = "one copy in, one copy out: bench/results/shm.md#beside-openmpi"
+HIER = "a block crosses into each host once, (H-1)/H of it per link: bench/results/all_gather.md#several-ranks-per-host"
 TABLES: dict[str, list[Rule]] = {
     "all_reduce": [
         Rule("shm", always, why=SHM),
@@ -133,6 +137,7 @@ TABLES: dict[str, list[Rule]] = {
     ],
     "all_gather": [
         Rule("shm", always, why=SHM),
+        Rule("hierarchical", lambda nbytes, world: nbytes * world >= 1 << 20, hosts="grouped", why=HIER),
         Rule("ring", lambda nbytes, world: world >= 8 and nbytes * world >= 2 << 20, hosts="several",
              why="link-bound at 8+ ranks: bench/results/all_gather.md#across-hosts-at-8-and-16-ranks"),
         Rule("ring", lambda nbytes, world: nbytes * world >= 1 << 20, hosts="packed",
@@ -149,6 +154,7 @@ TABLES: dict[str, list[Rule]] = {
         Rule("ring", always, why="bandwidth optimum, segmented: bench/results/all_gather.md#bruck-against-ring"),
     ],
     "reduce_scatter": [Rule("shm", always, why=SHM),
+                       Rule("hierarchical", lambda nbytes, world: nbytes >= 1 << 20, hosts="grouped", why=HIER),
                        Rule("ring", always, why="bench/results/reduce_scatter.md#ring-blocks-on-the-fast-path")],
     "broadcast": [
         Rule("shm", always, why=SHM),
@@ -259,7 +265,7 @@ def _choose(collective: str, algorithms: dict, nbytes: int, world: int, override
 def _parts(collective: str, name: str, fn: Callable, nbytes: int, hosts: int) -> Callable:
     """``fn``, given the parts the table chooses for it: the hierarchical all_reduce gets its
     leaders' all_reduce (one rank per host, "spread", over TCP) as ``across``."""
-    if name != "hierarchical":
+    if name != "hierarchical" or collective != "all_reduce":
         return fn
     return functools.partial(fn, across=_chosen(collective, nbytes, hosts, False, "spread", hosts)[1])
 

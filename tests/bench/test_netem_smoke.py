@@ -107,16 +107,18 @@ def test_two_namespaces_behind_shaped_links(tmp_path):
 @pytest.mark.timeout(180)
 def test_two_ranks_per_namespace(tmp_path):
     """--per-node 2 --shm on: 4 ranks on 2 emulated hosts. The default all_reduce (the hierarchical
-    algorithm from 64 KiB across hosts, named so; the TCP table's choice below) gives the bench's
-    closed-form answers."""
+    algorithm from 64 KiB across hosts, named so; the TCP table's choice below), all_gather and
+    reduce_scatter (hierarchical from 1 MiB) give the bench's closed-form answers."""
     out_json = tmp_path / "n.json"
     stdout, _ = finish(start("-n", "2", "--per-node", "2", "--shm", "on", "--rate", "1gbit", "--max-time-s", "120",
-                             "--", "--ops", "all_reduce", "--sizes", "4,1M", "--iters", "2", "--plot", "",
-                             "--json", str(out_json)), 170)
+                             "--", "--ops", "all_reduce,all_gather,reduce_scatter", "--sizes", "4,1M", "--iters", "2",
+                             "--plot", "", "--json", str(out_json)), 170)
     assert "4 ranks (netem 2 namespaces x 2 ranks, 1gbit)" in stdout, stdout[-3000:]
     rows = {(r["op"], r["bytes"]): r for r in json.loads(out_json.read_text())["rows"]}
     assert rows[("all_reduce", 1 << 20)]["algorithm"] == "hierarchical", rows  # checked against the closed form
     assert rows[("all_reduce", 4)]["algorithm"] == "recursive_doubling", rows
+    for op in ("all_gather", "reduce_scatter"):  # a block crosses into each host once
+        assert rows[(op, 1 << 20)]["algorithm"] == "hierarchical", rows
 
 
 def peers_missing() -> str | None:
