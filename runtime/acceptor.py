@@ -135,7 +135,7 @@ class Acceptor:
                  deliver: Callable[[socket.socket, dict, str], None],
                  admit: Callable[[dict], str | None] | None = None,
                  refuse: Callable[[int], str | None] | None = None,
-                 max_handshaking: int = 64, handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S,
+                 max_handshaking: int = 64, handshake_timeout_s: float | None = None,
                  serve_tool: Callable[[str, list], Awaitable[Any]] | None = None,
                  tool_schema: wire.Schema | None = None):
         if max_handshaking < 1:
@@ -145,7 +145,7 @@ class Acceptor:
         self._secret, self._job = secret, job
         self._deliver, self._admit, self._refuse = deliver, admit, refuse
         self.max_handshaking = handshaking_bound(max_handshaking)
-        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_timeout_s = auth.handshake_timeout(handshake_timeout_s)  # None: the setting, read now
         self._serve_tool, self._tool_schema = serve_tool, tool_schema
         self.tool_idle_s = TOOL_IDLE_S  # read when made, so a test may lower the module's figure
         self._log = RefusalLog(name)

@@ -34,7 +34,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable
 
-from runtime import auth, env, wire
+from runtime import env, wire
 from runtime.errors import ClosedError
 from runtime.mailbox import DEFAULT_MAX_UNEXPECTED_NBYTES, Mailbox
 from runtime.peers import Peers
@@ -83,13 +83,14 @@ class Actor:
         requests  register, call
         the sink  on_header, on_whole, on_frame (the mailbox's), on_lost (the peers')
 
-    Raises (constructor): ValueError when ``rank`` is outside ``0..world_size - 1``.
+    Raises (constructor): ValueError when ``rank`` is outside ``0..world_size - 1``; SettingError
+    when ``handshake_timeout_s`` is None (read RINGWEAVE_HANDSHAKE_TIMEOUT_S) and that is bad.
     """
 
     def __init__(self, rank: int, world_size: int, *, secret: bytes | None = None, job: str = "ringweave",
                  max_unexpected_nbytes: int = DEFAULT_MAX_UNEXPECTED_NBYTES,
                  max_payload_nbytes: int = wire.DEFAULT_MAX_PAYLOAD_NBYTES,
-                 handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S, max_handshaking: int | None = None):
+                 handshake_timeout_s: float | None = None, max_handshaking: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         self.rank = rank

@@ -45,7 +45,7 @@ from runtime.errors import AuthenticationError, BadFrameError, ConnectError
 log = logging.getLogger("ringweave.auth")
 
 SECRET_ENV = env.SECRET.name
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S: float = env.HANDSHAKE_TIMEOUT.get({})  # 10 s: RINGWEAVE_HANDSHAKE_TIMEOUT_S unset
 
 SCHEMA: wire.Schema = {
     "hello": {"n": (bytes, True), "job": (str, True), "auth": (bool, True)},
@@ -61,6 +61,17 @@ HANDSHAKE_BUFFER_NBYTES = wire.PREFIX_NBYTES + HANDSHAKE_MAX_HEADER_NBYTES
 _warned_unauthenticated = False
 HOW_TO_SET = (f"set {SECRET_ENV} to the same value for every rank, e.g. export {SECRET_ENV}=$(python -c "
               f"'import secrets; print(secrets.token_hex(32))') before srun (and mpirun -x {SECRET_ENV})")
+
+
+def handshake_timeout(given: float | None = None) -> float:
+    """``given``, or else ``RINGWEAVE_HANDSHAKE_TIMEOUT_S`` as it is now (:data:`HANDSHAKE_TIMEOUT_S`
+    when unset): how long a connection has to finish the handshake. Listeners (a rank's, the
+    store's) read it when they are made, connectors when they dial.
+
+    Raises:
+        SettingError: the variable is not a positive, finite number of seconds.
+    """
+    return env.HANDSHAKE_TIMEOUT.get() if given is None else given
 
 
 def make_secret() -> str:
@@ -196,10 +207,11 @@ async def _send_frame(loop, sock, header: dict) -> None:
 
 
 async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str,
-                 timeout_s: float = HANDSHAKE_TIMEOUT_S, admit=None) -> dict:
+                 timeout_s: float | None = None, admit=None) -> dict:
     """Runs the acceptor side on a connected non-blocking socket.
 
     Args:
+        timeout_s: the handshake's deadline (None: :func:`handshake_timeout`).
         admit: optional ``admit(who) -> refusal message | None``, asked after the
             MAC checks out and before ``ok`` (e.g. a rank that is already connected).
     Returns:
@@ -211,7 +223,7 @@ async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str
     loop = asyncio.get_running_loop()
     nonce_a = secrets.token_bytes(16)
     buf = bytearray(HANDSHAKE_BUFFER_NBYTES)  # all this connection may cost before it authenticates
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(handshake_timeout(timeout_s)):
         await _send_frame(loop, sock, {"k": "hello", "n": nonce_a, "job": job, "auth": bool(secret)})
         msg = await _recv_frame(loop, sock, where, buf)
         if msg["k"] != "auth":
@@ -230,8 +242,9 @@ async def accept(sock: socket.socket, secret: bytes | None, job: str, where: str
 
 
 async def connect(sock: socket.socket, secret: bytes | None, job: str, who: dict, where: str,
-                  timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """Runs the connector side on a connected non-blocking socket.
+                  timeout_s: float | None = None) -> None:
+    """Runs the connector side on a connected non-blocking socket; ``timeout_s`` is the
+    handshake's deadline (None: :func:`handshake_timeout`).
 
     Raises:
         AuthenticationError: the acceptor refused us, belongs to another job, or
@@ -239,7 +252,7 @@ async def connect(sock: socket.socket, secret: bytes | None, job: str, who: dict
     """
     loop = asyncio.get_running_loop()
     buf = bytearray(HANDSHAKE_BUFFER_NBYTES)
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(handshake_timeout(timeout_s)):
         hello = await _recv_frame(loop, sock, where, buf)
         if hello["k"] != "hello":
             raise BadFrameError(f"handshake from {where}: expected 'hello', got {wire.shown(hello['k'])}")
@@ -265,7 +278,7 @@ async def connect(sock: socket.socket, secret: bytes | None, job: str, who: dict
 
 
 async def dial(host: str, port: int, *, secret: bytes | None, job: str, who: dict, what: str,
-               timeout_s: float, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+               timeout_s: float, handshake_timeout_s: float | None = None,
                retry_dropped: bool = False, wrap: Callable[[socket.socket], Awaitable[Any]] | None = None):
     """Connects to ``what`` at ``host:port`` (retrying refused connects until
     ``timeout_s``, :func:`net.connect`), then runs the connector side of the handshake.
@@ -274,7 +287,8 @@ async def dial(host: str, port: int, *, secret: bytes | None, job: str, who: dic
         who: how we name ourselves to the acceptor, e.g. ``{"rank": 3}``.
         what: names the acceptor in errors, e.g. ``"store"``, ``"rank 2"``; the
             handshake's ``where`` is ``f"{what} at {host}:{port}"``.
-        handshake_timeout_s: the handshake must be done in this time.
+        handshake_timeout_s: the handshake must be done in this time (None: the
+            setting, :func:`handshake_timeout`).
         retry_dropped: for a server that accepts and then drops connections while
             it is busy (the store at ``max_clients``) or restarting: a connection
             that is closed, breaks or falls silent during the handshake (or in
@@ -296,6 +310,7 @@ async def dial(host: str, port: int, *, secret: bytes | None, job: str, who: dic
     Cancellation: the socket is closed.
     """
     where = f"{what} at {host}:{port}"
+    handshake_timeout_s = handshake_timeout(handshake_timeout_s)
     backoff = net.Backoff(timeout_s)
     while True:
         sock = await net.connect(host, port, backoff.remaining(0.01) if retry_dropped else timeout_s, what=what)

@@ -276,6 +276,9 @@ _ = declare
 SECRET = _("RINGWEAVE_SECRET", text, None, "init, launch",
            "the job's secret (the launcher makes one; ranks on one host started without it share one made "
            "for the job in a file of this user's alone); required beyond one host (SECURITY.md)")
+HANDSHAKE_TIMEOUT = _("RINGWEAVE_HANDSHAKE_TIMEOUT_S", positive_seconds, "10", "init, each connection",
+                      "how long a new connection has to finish the authentication handshake; a rank's or the "
+                      "store's listener drops one that takes longer (a client that connects and says nothing)")
 TIMEOUT = _("RINGWEAVE_TIMEOUT_S", positive_seconds, "300", "init",
             "the deadline of every wait, in seconds; a collective timeout names the ranks that never arrived")
 MISMATCH_CHECK = _("RINGWEAVE_MISMATCH_CHECK_S", check_seconds, "1", "init",

@@ -60,7 +60,7 @@ class Peers:
                  tool_schema: wire.Schema, on_gone: Callable[[int, BaseException], None],
                  secret: bytes | None = None, job: str = "ringweave",
                  max_payload_nbytes: int = wire.DEFAULT_MAX_PAYLOAD_NBYTES,
-                 handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S, max_handshaking: int | None = None):
+                 handshake_timeout_s: float | None = None, max_handshaking: int | None = None):
         """
         Args:
             sink: where every connection's frames go (the actor).
@@ -81,7 +81,7 @@ class Peers:
         self._secret = secret
         self._job = job
         self._max_payload = max_payload_nbytes
-        self._handshake_timeout_s = handshake_timeout_s
+        self._handshake_timeout_s = auth.handshake_timeout(handshake_timeout_s)  # None: the setting, read now
         # every peer may dial at once (connect_peers), and strangers get a few more places
         self._max_handshaking = max_handshaking or world_size + STRANGERS_HANDSHAKING
         self.conns: dict[int, Connection] = {}

@@ -98,7 +98,8 @@ class StoreServer:
         job: the job name both sides must agree on.
         max_value_nbytes: largest value a client may store (64 MiB).
         max_clients: connections at once, handshaking ones included; more are closed at once.
-        handshake_timeout_s: a connection must finish the handshake in this time.
+        handshake_timeout_s: a connection must finish the handshake in this time (None:
+            RINGWEAVE_HANDSHAKE_TIMEOUT_S, read now; 10 s unset).
         max_waits_per_client: waiting get/wait requests one connection may hold.
         max_handshaking: connections in the handshake at once; one more drops the oldest
             (clients retry a dropped handshake: ``TCPStore.connect``).
@@ -107,7 +108,7 @@ class StoreServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None,
                  job: str = "ringweave", max_value_nbytes: int = DEFAULT_MAX_VALUE_NBYTES,
                  max_clients: int = DEFAULT_MAX_CLIENTS,
-                 handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S,
+                 handshake_timeout_s: float | None = None,
                  max_waits_per_client: int = DEFAULT_MAX_WAITS_PER_CLIENT,
                  max_handshaking: int = DEFAULT_MAX_HANDSHAKING):
         self.host = host
@@ -116,7 +117,7 @@ class StoreServer:
         self.job = job
         self.max_value_nbytes = max_value_nbytes
         self.max_clients = max_clients
-        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_timeout_s = auth.handshake_timeout(handshake_timeout_s)
         self.max_waits_per_client = max_waits_per_client
         self.max_handshaking = min(max_handshaking, max_clients)
         self.data = MemoryStore(name="store server")

@@ -1,6 +1,11 @@
-"""Elastic jobs through the real launcher (ddp, zero2, fsdp): a rank SIGKILLed mid-run is a shrink,
-its slot comes back as a joiner (its shard sent live), and the final parameters equal an undisturbed
-run's (float64, 1e-12); below MIN, and without --elastic, the same kill fails the job."""
+"""Elastic jobs through the real launcher (ddp): a rank SIGKILLed between two steps is a shrink, its
+slot comes back as a joiner (the state sent live), and the final parameters equal an undisturbed
+run's (float64, 1e-12); below MIN, and without --elastic, the same kill fails the job.
+
+The sharded strategies' kill, shrink and rejoin (their shards sent live) are test_elastic_faults.py's:
+zero2 grows back after a kill mid save in the checkpoint case, fsdp after a kill mid the statistics'
+all_reduce and one before connecting in the recovery (the wire case), zero1, zero2 and zero3 shrink
+at kills inside their collectives; each ends equal to the same undisturbed run."""
 
 import subprocess
 import sys
@@ -19,9 +24,10 @@ def reference(tmp_path_factory) -> np.ndarray:
     return undisturbed(tmp_path_factory.mktemp("undisturbed"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
-def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, reference, strategy):
-    kill = {"EL_KILL_RANK": "1", "EL_KILL_STEP": "4", "EL_STEP_S": "0.15", "EL_STRATEGY": strategy}
+def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_path, reference):
+    # the members wait (at most EL_HOLD_S) at a step boundary for the joiner: grown back before the
+    # end whatever the load, with no sleep in every step
+    kill = {"EL_KILL_RANK": "1", "EL_KILL_STEP": "4", "EL_HOLD_S": "30", "EL_STRATEGY": "ddp"}
     code, log, out = launch(tmp_path, "el", "--elastic", "2:3", env=kill)
     assert code == 0, log[-4000:]
     assert (out / "fault-1").exists(), log[-3000:]
@@ -33,9 +39,9 @@ def test_killed_rank_shrinks_then_rejoins_and_equals_the_undisturbed_run(tmp_pat
     reforms = [line for line in log.splitlines() if "re-formed" in line]
     # each survivor re-formed at least once (shrink, then grow: or both at once if the joiner came early)
     assert len(reforms) >= 2, log[-3000:]
-    if strategy == "ddp":  # a step that raised changed no state: every survivor equals new rank 0 already
-        checks = [line for line in log.splitlines() if "reshard: parameters equal" in line]
-        assert len(checks) >= 2 and all(line.endswith("True") for line in checks), log[-3000:]
+    # a step that raised changed no state: every survivor equals new rank 0 already
+    checks = [line for line in log.splitlines() if "reshard: parameters equal" in line]
+    assert len(checks) >= 2 and all(line.endswith("True") for line in checks), log[-3000:]
     np.testing.assert_allclose(np.load(out / "params.npy"), reference, rtol=1e-12, atol=1e-14)
     for line in log.splitlines():
         if "first step after the loss" in line:

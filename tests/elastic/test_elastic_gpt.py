@@ -2,7 +2,13 @@
 ``python -m runtime.launch --elastic 3:4 -n 4 -m trainer``:
 a rank SIGKILLed from outside at a random step, its slot restarted by the launcher: the run completes,
 its every step's loss and gradient norm and its validation loss equal an undisturbed run's to 1e-12,
-and no survivor was restarted."""
+and no survivor was restarted.
+
+Under fsdp, whose re-shard moves the most (every unit's shard re-sliced, the joiner's sent live); the
+undisturbed run is ddp's, so that the equality holds across strategies too. ddp's kill, shrink and
+rejoin, with the check that the step that failed changed no survivor's state, are
+test_elastic_ddp.py's (the launcher, the rendezvous and the trainer's elastic loop are the same for
+every strategy: only the re-shard differs)."""
 
 from __future__ import annotations
 
@@ -87,12 +93,11 @@ def undisturbed(tmp_path_factory) -> tuple[np.ndarray, float]:
     return steps_and_val(rows)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_the_default_gpt_killed_and_rejoined_equals_the_undisturbed_run(tmp_path, undisturbed, strategy):
+def test_the_default_gpt_under_fsdp_killed_and_rejoined_equals_the_undisturbed_run(tmp_path, undisturbed):
     seed = random.randrange(1 << 30)
     pick = random.Random(seed)
     rank, step = pick.randint(1, 3), pick.randint(2, 5)
-    code, log, got = trainer(tmp_path, "el", strategy, elastic=True, kill=(rank, step))
+    code, log, got = trainer(tmp_path, "el", "fsdp", elastic=True, kill=(rank, step))
     where = f"seed {seed}: rank {rank} killed after step {step}\n{log[-4000:]}"
     assert code == 0, where
     assert log.count("starting a joiner in its place") == 1 and f"rank {rank} exited with signal SIGKILL" in log, where

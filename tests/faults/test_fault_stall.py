@@ -40,8 +40,10 @@ async def show_status(rt):
 
 async def body(rt):
     x = np.ones(1 << 20, np.float32)          # 4 MiB
-    await C.all_reduce(x)
-    await C.barrier()
+    # The first call imports and compiles what it needs in each rank (no warm-up in the suite),
+    # seconds on a loaded machine: it gets room for that; the stalled call has --timeout-s.
+    await C.all_reduce(x, timeout=60)
+    await C.barrier(timeout=60)
     if RANK == 2:
         # Stalls just before the all_reduce, while the others are inside it. (Stopping
         # inside it would not do: on shared memory a rank's part can be done before
