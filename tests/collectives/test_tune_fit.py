@@ -150,7 +150,7 @@ def test_compiled_path_from_the_file_unless_set(fresh, monkeypatch, setting, tun
         save(2, settings={"shm_compiled": tuned})
     monkeypatch.setenv("RINGWEAVE_SHM_COMPILED", setting)
     monkeypatch.setattr(common, "own_cores", lambda g, n: own)
-    dom = SimpleNamespace(control_addresses=[0, 0], group=group(), size=2, cooperative=cooperative)
+    dom = SimpleNamespace(control_addresses=[0, 0], group=group(), rank=0, size=2, cooperative=cooperative)
     assert fastpath._Compiled(dom).enabled is enabled
     assert tunefile.compiled(group(), own) is (own if tuned is None else tuned)
 

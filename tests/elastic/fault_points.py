@@ -150,3 +150,9 @@ class Faults:
                 await task
             return algo, run_then_fail
         registry.choose = hooked
+        # the small shared-memory calls taken inline keep the choice they made at their first call
+        # (slots/inline.py), so they would never ask the hooked choice again: every call goes the
+        # normal path here, which asks it each time
+        from collectives.slots import inline
+        inline.all_reduce = lambda *args, **kw: None
+        inline.barrier = lambda *args, **kw: None
