@@ -171,9 +171,13 @@ class Communicator:
         """``LoopBridge.call`` through :meth:`_start`: blocks; cancels the call if the wait fails."""
         if asyncio._get_running_loop() is self._loop:
             return self._bridge.call(coro, None, what)  # raises: it would wait on itself
-        fut = self._start(coro)
+        return self._wait(self._start(coro), what)
+
+    def _wait(self, fut: concurrent.futures.Future, what: str):
+        """Waits for a call started on the loop (the call bounds its own time); cancels it if the
+        wait fails."""
         try:
-            return wait_done(fut, None, what)  # the call bounds its own time
+            return wait_done(fut, None, what)
         except BaseException:
             fut.cancel()
             raise
@@ -208,13 +212,7 @@ class Communicator:
             fut = self._bridge.start(rest)  # a peer was late: the rest on the loop, in order
             self._unfinished.add(fut)
         fut.add_done_callback(self._unfinished.discard)
-        try:
-            wait_done(fut, None, name)
-        except BaseException:
-            fut.cancel()
-            raise
-        finally:
-            self._unfinished.discard(fut)
+        self._wait(fut, name)
         return x
 
     def _coro(self, name: str, args, kw):

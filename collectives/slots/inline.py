@@ -88,10 +88,10 @@ def _group(group) -> _Group | None:
 
 def _plan(g: _Group, group, key: tuple, collective: str, x, op: str, algorithm, thread) -> _Plan | None:
     """The plan of ``key``'s calls when this one may run inline now (the module docstring), else None."""
-    if g.facts != (g.read_algorithms(), g.read_tuning(), group.shm_enabled) \
-            or g.topology is not group.topology:  # a setting changed: the table is asked again
+    facts = g.now()
+    if g.facts != facts or g.topology is not group.topology:  # a setting changed: the table is asked again
         g.plans.clear()
-        g.facts, g.topology = g.now(), group.topology
+        g.facts, g.topology = facts, group.topology
     plan = g.plans.get(key, _UNSEEN)
     if plan is _UNSEEN:
         plan = _new_plan(g, key, collective, x, op, algorithm, thread)
