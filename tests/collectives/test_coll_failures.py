@@ -331,11 +331,24 @@ async def test_sub_group_without_the_lost_rank_keeps_working(ranks):
 @pytest.mark.parametrize("collective,n", [("barrier", 3), ("all_reduce", 2), ("broadcast", 3)])
 async def test_timeout_names_the_missing_rank(ranks, collective, n):
     missing = n - 1
+    # The missing rank stays until the others are done: leaving earlier (it once slept 1 s) races
+    # with a first call slowed by a loaded machine, and the group then records the peer's
+    # departure before its own timeout (a PeerLostError from the second barrier, not a timeout).
+    done = asyncio.Event()
+    waiting = [n - 1]
 
     async def body(g):
         if g.rank == missing:
-            await asyncio.sleep(1.0)  # never calls
+            await asyncio.wait_for(done.wait(), 10)  # never calls
             return None
+        try:
+            return await _time_out_then_stay_failed(g)
+        finally:
+            waiting[0] -= 1
+            if not waiting[0]:
+                done.set()
+
+    async def _time_out_then_stay_failed(g):
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError) as info:
             if collective == "barrier":
