@@ -105,6 +105,7 @@ class Redundancy(NoRedundancy):
         self.segments: list = []
         self.log: list[tuple[np.ndarray, float, float, float]] = []  # (message, scale, coef, lr) per applied step
         self._inbox: tuple[np.ndarray, float] | None = None  # this step's message and loss scale, until applied
+        self._spare: list[np.ndarray] = []  # messages replayed or refreshed away: the next steps receive into them
         self._swap = None  # this step's buddy messages, a coroutine started by ``guard``
         self._shapes: tuple[list, int] = ([], 1)  # (lengths, N) the logged messages are cut by
 
@@ -136,7 +137,7 @@ class Redundancy(NoRedundancy):
     def adopt(self, s, full, full_states=None) -> None:
         """At setup (``full``: every unit's padded initial master) or after a re-shard (and
         ``full_states``: every unit's whole optimizer buffers): builds the buddy's copies, the log empty."""
-        self._inbox, self.log = None, []
+        self._inbox, self.log, self._spare = None, [], []  # (the shards' lengths may have changed)
         self._drop_swap()
         self._masters, self._states, self.segments = [], [], []
         if not self._has_buddy(s):
@@ -172,10 +173,23 @@ class Redundancy(NoRedundancy):
             await self.refresh(s)  # a checkpoint was loaded since (the same on every rank: it loaded one)
         elif len(self.log) >= self.refresh_every:
             await self.refresh(s)  # every rank logged the same steps: all refresh in this step
-        inbox = np.empty_like(mine)  # every rank's shards have the same lengths
+        inbox = self._take_spare(mine)  # every rank's shards have the same lengths
         await _together(s.collectives.send(mine, (s.rank - 1) % s.N, BUDDY_TAG),
                         s.collectives.recv(inbox, (s.rank + 1) % s.N, BUDDY_TAG))
         self._inbox = (inbox, scale)
+
+    def _take_spare(self, like: np.ndarray) -> np.ndarray:
+        """A buffer for this step's message: one a replay or refresh freed (no allocation in the steady
+        state: K buffers go round), else a new one. A receive that failed keeps its buffer out of the
+        pool (it is never logged), so no late frame can land in a message in use."""
+        for k, spare in enumerate(self._spare):
+            if spare.shape == like.shape and spare.dtype == like.dtype:
+                return self._spare.pop(k)
+        return np.empty_like(like)
+
+    def _free(self, entries) -> None:
+        self._spare.extend(entry[0] for entry in entries)
+        del self._spare[self.refresh_every:]
 
     def _drop_swap(self) -> None:
         """A message that never left (the step failed between ``exchange`` and ``guard``): closed unrun."""
@@ -253,6 +267,7 @@ class Redundancy(NoRedundancy):
                 dst[:] = inbox[start : start + len(dst)]
                 start += len(dst)
             self._states[i].step = s.states[i].step
+        self._free(self.log)
         self.log = []
         self._shapes = (list(s.lengths), s.N)
 
@@ -281,6 +296,7 @@ class Redundancy(NoRedundancy):
                 if coef < 1.0:
                     g *= coef
                 self._optimizer.step(self._masters[i], g, self._states[i], lr, segments=self.segments[i])
+            self._free(self.log[:1])
             del self.log[0]
 
 
