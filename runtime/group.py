@@ -365,16 +365,21 @@ class ProcessGroup:
         except TimeoutError:
             missing = call.cancel_outstanding()
             names = [self.ranks[m] for m in missing]
-            absent, why = await self._not_arrived(call)
             waiting = f" waiting on {ranks_in_words(names)}" if names else ""
-            not_arrived = (f"; {ranks_in_words(absent)} had not reached this call "
-                           f"({', '.join(f'{r}: {why[r]}' for r in absent)})" if absent else
-                           "; every rank had reached it")
-            exc = CollectiveTimeoutError(
-                f"rank {self.runtime.actor.rank}: {call.fingerprint!r} (group {self.gid}, call #{call.seq}) "
-                f"timed out after {call.timeout_s:.1f} s{waiting}{not_arrived}",
-                missing=names, absent=absent)
-            self.abort(exc)  # the others fail too: a late rank must not take this call's frames as a success
+            said = (f"rank {self.runtime.actor.rank}: {call.fingerprint!r} (group {self.gid}, call #{call.seq}) "
+                    f"timed out after {call.timeout_s:.1f} s{waiting}")
+            exc = CollectiveTimeoutError(said, missing=names)
+            first = self.error is None
+            # The group's error from here on (a peer lost while the others are asked below is not),
+            # its message completed once they answered; then the others are told.
+            self.abort(exc, tell_peers=False)
+            absent, why = await self._not_arrived(call)
+            exc.absent = absent
+            exc.args = (said + (f"; {ranks_in_words(absent)} had not reached this call "
+                                f"({', '.join(f'{r}: {why[r]}' for r in absent)})" if absent else
+                                "; every rank had reached it"),)
+            if first:  # the others fail too: a late rank must not take this call's frames as a success
+                self.runtime.tell_abort(self, exc)
             raise exc from None
         except BaseException as exc:
             call.cancel_outstanding()

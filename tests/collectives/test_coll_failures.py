@@ -372,6 +372,36 @@ async def test_timeout_names_the_missing_rank(ranks, collective, n):
         assert f"; rank {missing} had not reached this call" in said or f" waiting on rank {missing}" in said, said
 
 
+async def test_a_peer_lost_while_a_timeout_is_diagnosed_does_not_replace_the_groups_error(ranks, monkeypatch):
+    """The timed-out call asks the others whether they arrived; a peer lost during that question
+    must not become the group's error: the call and every later call raise the same timeout."""
+    from runtime.group import ProcessGroup
+    asked = ProcessGroup._not_arrived
+
+    async def lost_meanwhile(self, call):
+        self.abort(PeerLostError("rank 1 lost", rank=1), tell_peers=False)  # as the runtime does on a loss
+        return await asyncio.wait_for(asked(self, call), 5)
+
+    monkeypatch.setattr(ProcessGroup, "_not_arrived", lost_meanwhile)
+    done = asyncio.Event()
+
+    async def body(g):
+        if g.rank == 1:
+            await asyncio.wait_for(done.wait(), 10)  # never calls
+            return None
+        try:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                await C.all_reduce(np.ones(4), timeout=0.3)
+            with pytest.raises(CollectiveTimeoutError) as later:
+                await C.barrier()
+            assert later.value is info.value
+            assert "rank 1 had not reached this call" in str(info.value), str(info.value)
+        finally:
+            done.set()
+
+    await ranks(2, body, timeout_s=20)
+
+
 # -- point to point ---------------------------------------------------------------------
 
 async def test_send_recv_tags_order_and_errors(ranks):
