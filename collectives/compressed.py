@@ -40,8 +40,8 @@ STYLES = ("shard", "gather", "ring", "phases")
 DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
 
 __all__ = ["STYLES", "all_reduce", "cast_ring", "check_blockwise", "codec_at", "compresses_matrices",
-           "gather_decode_sum", "open_shard_calls", "powersgd_phases", "reduce_scatter", "reduce_scatter_wire_nbytes",
-           "resolve", "shard_decode_sum", "style_of", "wire_nbytes"]
+           "gather_decode_sum", "open_shard_calls", "powersgd_phase_counts", "powersgd_phases", "reduce_scatter",
+           "reduce_scatter_wire_nbytes", "resolve", "shard_decode_sum", "style_of", "wire_nbytes"]
 
 
 def resolve(compression) -> Codec:
@@ -199,7 +199,8 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
 def compresses_matrices(codec) -> bool:
     """Whether ``codec`` (name or object) compresses whole matrices (PowerSGD's low-rank
     all_reduces) rather than any 1-D array element- or block-wise: it cannot compress a
-    reduce_scatter's blocks, and it sends a flat 1-D array uncompressed."""
+    reduce_scatter's blocks, and it sends a flat 1-D array uncompressed (pass the matrices'
+    views to :func:`powersgd_phases`, as DDP's buckets do)."""
     return split(resolve(codec))[1].reduction == "powersgd-phases"
 
 
@@ -378,6 +379,20 @@ async def cast_ring(flat: np.ndarray, codec, *, op: str, group, timeout=None, ke
 def _worth_compressing(shape, r: int) -> bool:
     n, m = matrix_shape(tuple(shape))
     return len(shape) >= 2 and r * (n + m) < n * m
+
+
+def powersgd_phase_counts(arrays: list, codec) -> int:
+    """float32 elements PowerSGD's two phases all-reduce for ``arrays`` (as :func:`powersgd_phases`
+    splits them): sum of r (n + m) per matrix worth compressing, plus the size of every other array."""
+    r = split(resolve(codec))[1].rank
+    total = 0
+    for a in arrays:
+        if a.dtype.kind == "f" and _worth_compressing(a.shape, r):
+            n, m = matrix_shape(a.shape)
+            total += r * (n + m)
+        else:
+            total += a.size
+    return total
 
 
 async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, key=None) -> None:

@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global-norm gradient clipping (default off)")
     g.add_argument("--compression", default=None, metavar="CODEC",
                    help="gradient codec, e.g. fp16, bf16, int8, topk (ddp all-reduces flat buckets; zero1/2/3 "
-                        "and fsdp compress their reduce_scatter block by block; powersgd, which compresses "
-                        "matrices, is refused by both); "
+                        "and fsdp compress their reduce_scatter block by block); powersgd compresses matrices: "
+                        "ddp only, per parameter of each bucket; "
                         "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",

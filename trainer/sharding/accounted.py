@@ -137,6 +137,17 @@ class AccountedCollectives:
             return
         await self._timed(self._ring(x.nbytes, 2.0), _collectives().all_reduce(x, op=op, group=self.group))
 
+    async def all_reduce_matrices(self, arrays: list, *, key=None) -> None:
+        """Sum of a bucket's gradients held as ``arrays`` (views in their shapes) with the matrix
+        codec (PowerSGD: ``collectives.compressed.powersgd_phases``, in place, state per ``(key, i)``);
+        counted as the ring's bytes of its two phases (P and the 1-D riders, then Q)."""
+        if self.size == 1:
+            return
+        from collectives import compressed
+        nbytes = 4 * compressed.powersgd_phase_counts(arrays, self.codec)
+        await self._timed(self._ring(nbytes, 2.0), compressed.powersgd_phases(
+            arrays, compressed.resolve(self.codec), op="sum", group=self.group, key=key))
+
     async def all_gather(self, out: np.ndarray, x: np.ndarray) -> None:
         """``out`` (size * len(x),) gets every rank's ``x``, rank-major."""
         if self.size == 1:
