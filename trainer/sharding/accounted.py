@@ -63,6 +63,8 @@ class AccountedCollectives:
         self.comm_s = 0.0  # union of in-flight intervals
         self.exposed_s = 0.0  # time the compute or the step blocked on communication
         self.bytes_sent = 0
+        self.hierarchy = None  # (local, cross) groups: gradients all-reduced host-first (compressed.host_groups)
+        self._one_at_a_time = asyncio.Lock()  # hierarchical calls, in launch order (FIFO)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -125,6 +127,18 @@ class AccountedCollectives:
         """In place; ``grad=True`` passes the gradient codec, ``key`` names its state stream
         (error feedback, PowerSGD), e.g. the DDP bucket's index."""
         if self.size == 1:
+            return
+        if grad and self.codec is not None and self.hierarchy is not None:
+            from collectives import compressed
+            local, cross = self.hierarchy
+            chunk = -(-x.size // local.size)
+            try:  # float32 inside the host (reduce_scatter, all_gather), the codec's across
+                nbytes = compressed.wire_nbytes(compressed.codec_at(self.codec, key), chunk, cross.size)
+            except ValueError:  # styles whose bytes depend on the algorithm: count the fp32 ring
+                nbytes = 8 * (cross.size - 1) * chunk // cross.size
+            async with self._one_at_a_time:  # FIFO: every rank runs them in launch order
+                await self._timed(nbytes + 8 * (local.size - 1) * chunk, compressed.hierarchical(
+                    x.reshape(-1), self.codec, op=op, local=local, cross=cross, key=key))
             return
         if grad and self.codec is not None:
             from collectives import compressed
