@@ -160,10 +160,11 @@ def default_epoch_windows() -> int:
 
 
 def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: float | None = None,
-                 topk_ratio: float | None = None) -> list[str]:
+                 topk_ratio: float | None = None, flat: bool = False) -> list[str]:
     """`python -m trainer` arguments of a variant (torch's worker reads the same for its data,
     model, schedule and bucket size). ``bucket_cap_mb``: ddp's (None: the trainer's default);
-    ``topk_ratio``: top-k's kept fraction (None: the codec's default)."""
+    ``topk_ratio``: top-k's kept fraction (None: the codec's default); ``flat``: ddp compresses
+    between every pair of ranks (the trainer's --compression-flat), not host first."""
     args = ["--model", "gpt", "--strategy", "ddp" if variant.framework == "torch" else variant.strategy,
             "--batch-size", str(BATCH), "--epochs", str(budget.intervals),
             "--windows-per-epoch", str(budget.interval_windows), "--warmup-steps", str(budget.lr_warmup_steps),
@@ -174,7 +175,7 @@ def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: 
         codec = variant.codec
         if codec.startswith("topk") and topk_ratio is not None:
             codec += f":ratio={topk_ratio:g}"
-        args += ["--compression", codec]
+        args += ["--compression", codec] + (["--compression-flat"] if flat and variant.strategy == "ddp" else [])
         if variant.codec.startswith("topk"):
             args += ["--compression-warmup-steps", str(budget.codec_warmup_steps)]
     return args
@@ -246,7 +247,7 @@ def all_labels() -> list[str]:
 
 def knobs_of(args) -> dict:
     """The trainer's knobs this run sets for every variant (see :func:`trainer_args`)."""
-    return {"bucket_cap_mb": args.bucket_cap_mb, "topk_ratio": args.topk_ratio}
+    return {"bucket_cap_mb": args.bucket_cap_mb, "topk_ratio": args.topk_ratio, "flat": args.compression_flat}
 
 
 # wall seconds per step of each variant at each rate: 1.5 epochs (156 steps, 6 evaluations, kernel
@@ -795,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a bucket per layer of the default GPT, sent while backward goes on")
     p.add_argument("--topk-ratio", type=_positive(float), default=None,
                    help="top-k's kept fraction (default: the codec's, 0.01)")
+    p.add_argument("--compression-flat", action="store_true",
+                   help="ddp's codecs between every pair of ranks (default: reduced inside each host first, "
+                        "the codec across hosts only)")
     p.add_argument("--estimate", action="store_true", help="print how long the runs should take, run nothing")
     p.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
                    help="torch DDP rows: auto (when torch is importable), on (an error without it), off")
@@ -887,6 +891,8 @@ def main(argv=None) -> int:
     knobs = f"; ddp buckets of at most {args.bucket_cap_mb:g} MiB (ours and torch DDP's; torch's PowerSGD: one bucket)"
     if args.topk_ratio is not None:
         knobs += f"; top-k kept fraction {args.topk_ratio:g}"
+    knobs += ("; ddp's codecs between every pair of ranks (--compression-flat)" if args.compression_flat else
+              "; ddp's codecs across hosts only (float32 inside each host first)")
     meta = dict(command=command, budget=budget.describe() + knobs, deviation=deviation or None,
                 tolerance=args.tolerance, title=TITLE)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

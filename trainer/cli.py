@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "1.56%%, then the ratio, in equal stages); default two epochs "
                         "(bench/results/trainer.md#compression-warm-up), 0 for none")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
+    g.add_argument("--compression-flat", dest="compression_host_first", action="store_false",
+                   help="ddp: compress between every pair of ranks, also inside a host (default: on several "
+                        "hosts of several ranks each, reduce inside the host uncompressed, compress across hosts)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="zero3/fsdp: keep gathered parameters from forward to backward")
     g.add_argument("--no-prefetch", dest="prefetch", action="store_false",
@@ -380,7 +383,8 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
         grad_accum=args.grad_accum, clip_norm=args.clip_norm,
         compression=compression_spec(args, steps_per_epoch),
-        bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
+        bucket_cap_mb=args.bucket_cap_mb, compression_host_first=args.compression_host_first,
+        reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every, decay=args.decay,
         activation_checkpointing=args.activation_checkpointing, offload=args.offload, offload_dir=args.offload_dir)

@@ -304,9 +304,14 @@ def test_the_bucket_size_and_top_k_ratio_reach_the_trainer_and_torch_ddp():
     assert make_config(args, 26).compression == "topk+ef:ratio=0.1,warmup_steps=52"
     assert parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", topk_ratio=0.1)
                       ).compression == "int8+ef"  # the ratio is top-k's alone
-    torch_job = e2e.job(e2e.Variant("torch", "ddp", "none"), b, "m.csv", 4, bucket_cap_mb=0.5, topk_ratio=None)
+    torch_job = e2e.job(e2e.Variant("torch", "ddp", "none"), b, "m.csv", 4, bucket_cap_mb=0.5, topk_ratio=None,
+                        flat=True)
     assert parse_args(torch_job[torch_job.index("--trainer") + 1:]).bucket_cap_mb == 0.5  # what its DDP takes
     assert "--bucket-cap-mb" not in e2e.trainer_args(e2e.Variant("ringweave", "ddp", "none"), b, "m.csv")
+    flat = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", flat=True))
+    assert make_config(flat, 26).compression_host_first is False
+    host_first = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv"))
+    assert make_config(host_first, 26).compression_host_first is True
 
 
 def test_the_estimate_is_the_prior_seconds_per_step_scaled_to_the_budget():

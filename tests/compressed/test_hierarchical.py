@@ -70,13 +70,14 @@ async def test_ddp_reduces_compressed_gradients_host_first_on_several_hosts():
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((16, 12)).astype(np.float32), rng.integers(0, 6, 16)
 
-    async def body(g):
+    async def body(g, flat=False):
         g.runtime.nodes = list("AABB")
         model = mlp(12, (32,), 6, pad_to=g.size, dtype=np.float32)
-        strategy = make_strategy("ddp", model, make_config(parse_args(["--compression", "int8+ef"]), 1), g)
+        argv = ["--compression", "int8+ef"] + (["--compression-flat"] if flat else [])
+        strategy = make_strategy("ddp", model, make_config(parse_args(argv), 1), g)
         try:
             await strategy.setup()
-            assert strategy.collectives.hierarchy is not None
+            assert (strategy.collectives.hierarchy is None) == flat
             for _ in range(3):
                 lo = 4 * g.rank
                 await strategy.train_step([(x[lo:lo + 4], y[lo:lo + 4], lo, 16)])
@@ -84,7 +85,12 @@ async def test_ddp_reduces_compressed_gradients_host_first_on_several_hosts():
         finally:
             strategy.close()
 
+    def body_flat(g):
+        return body(g, flat=True)
+
     params = await run_ranks(4, body, transport="tcp", timeout_s=60)
     for p in params[1:]:
         for a, b in zip(p, params[0]):
             np.testing.assert_array_equal(a, b)
+    flat = await run_ranks(4, body_flat, transport="tcp", timeout_s=60)
+    assert not all(np.array_equal(a, b) for a, b in zip(flat[0], params[0]))  # another reduction: other bits

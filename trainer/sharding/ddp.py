@@ -104,7 +104,8 @@ class DDPStrategy(DataParallelStrategy):
         matrices = self.collectives.codec is not None and compressed.compresses_matrices(self.collectives.codec)
         self._shaped = {b.ready_after: [v for i in b.unit_ids for v in self.units[i].views(b.views[i]).values()]
                         for b in self.buckets} if matrices else None
-        if self.collectives.codec is not None and not matrices and not hasattr(self, "_hosts_asked"):
+        if (self.collectives.codec is not None and not matrices and self.config.compression_host_first
+                and not hasattr(self, "_hosts_asked")):
             # several hosts of several ranks: reduce inside each host first, compress across once
             self._hosts_asked = True  # new_group: once, at setup, on every rank of the world alike
             self.collectives.hierarchy = compressed.host_groups(self.collectives.group)
