@@ -870,8 +870,13 @@ def main(argv=None) -> int:
         if len(saved) > 1:
             meta["command"] = "`; `".join(s["meta"]["command"] for s in saved)
             meta["load_after"] = saved[-1]["meta"]["load_after"]
-        for line in write_outputs(args.out, meta, [r for s in saved for r in s["results"]]):
+        results = [r for s in saved for r in s["results"]]
+        for line in write_outputs(args.out, meta, results):
             print(line)
+        if len(saved) > 1:  # the data of the section, together, beside it
+            with open(beside(args.out, ".json"), "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=1)
+            print(f"wrote {beside(args.out, '.json')}")
         return 0
     default_windows = default_epoch_windows()
     budget = Budget(args.epochs, args.windows or default_windows, args.evals_per_epoch, args.codec_warmup_epochs)

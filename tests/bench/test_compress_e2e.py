@@ -349,3 +349,5 @@ def test_from_json_takes_several_runs_together(tmp_path):
     text = (tmp_path / "both.md").read_text()
     assert "### 100mbit" in text and "### 1gbit" in text
     assert "- Command: `c1`; `c2`" in text and "load 1.0 before, 3.0 after" in text
+    together = json.loads((tmp_path / "compress_e2e.json").read_text())  # beside --out, drawn again alike
+    assert len(together["results"]) == 2 * len(rows) and together["meta"]["command"] == "c1`; `c2"
