@@ -17,7 +17,8 @@ host). Variants, per rate:
   ``--strategies`` (ddp, fsdp) and C in ``--codecs`` (none, int8+ef, topk+ef, powersgd+ef; top-k
   at ``--topk-ratio`` when given); a pair the trainer refuses (powersgd under fsdp: it compresses
   matrices, fsdp reduce-scatters blocks) is a table row that says why, asked of the trainer's own
-  strategy constructors, not run. B (default 0.5 MiB: one bucket per layer of the default GPT)
+  strategy constructors, not run. Our PowerSGD (ddp: each bucket's matrices, rank 4) sends its
+  first ``--codec-warmup-epochs`` uncompressed, as torch's hook below does. B (default 0.5 MiB: one bucket per layer of the default GPT)
   lets ddp send each layer's gradient while backward goes on; with the trainer's 25 MiB all but
   the first 1 MiB bucket wait for the end of backward. torch DDP takes the same B;
 * torch DDP on Gloo (``torch-ddp``), and the same with torch's PowerSGD hook (``torch-ddp
@@ -176,7 +177,8 @@ def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: 
         if codec.startswith("topk") and topk_ratio is not None:
             codec += f":ratio={topk_ratio:g}"
         args += ["--compression", codec] + (["--compression-flat"] if flat and variant.strategy == "ddp" else [])
-        if variant.codec.startswith("topk"):
+        if variant.codec.startswith("topk") or (variant.codec.startswith("powersgd") and budget.codec_warmup_steps):
+            # top-k's DGC ramp; PowerSGD's uncompressed start, as torch's hook gets
             args += ["--compression-warmup-steps", str(budget.codec_warmup_steps)]
     return args
 

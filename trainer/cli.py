@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
                    help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, "
                         "1.56%%, then the ratio, in equal stages); default two epochs "
-                        "(bench/results/trainer.md#compression-warm-up), 0 for none")
+                        "(bench/results/trainer.md#compression-warm-up), 0 for none. powersgd (ddp): steps "
+                        "sent uncompressed first, as torch's start_powerSGD_iter (default none)")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--compression-flat", dest="compression_host_first", action="store_false",
                    help="ddp: compress between every pair of ranks, also inside a host (default: on several "
@@ -299,8 +300,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if not 0.0 <= args.dropout < 1.0:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.compression_warmup_steps and not (args.compression or "").startswith("topk"):
-        build_parser().error(f"--compression-warmup-steps is a topk option; --compression is {args.compression!r}")
+    if args.compression_warmup_steps and not (args.compression or "").startswith(("topk", "powersgd")):
+        build_parser().error(f"--compression-warmup-steps is a topk and powersgd option; --compression is "
+                             f"{args.compression!r}")
     if refusal := split_refusal(args):
         build_parser().error(refusal)
     if args.replicas != 1 and args.strategy == "ddp":
@@ -363,6 +365,8 @@ def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | No
     """--compression plus the top-k warm-up option, e.g. "topk+ef:warmup_steps=46" (two epochs of
     23 steps: the default, see --compression-warmup-steps); None for no codec."""
     spec = None if args.compression in (None, "none") else args.compression
+    if (spec or "").startswith("powersgd") and args.compression_warmup_steps and "vanilla_steps=" not in spec:
+        return f"{spec}{',' if ':' in spec else ':'}vanilla_steps={args.compression_warmup_steps}"
     if spec is None or not spec.startswith("topk") or "warmup_steps=" in spec:
         return spec
     steps = 2 * steps_per_epoch if args.compression_warmup_steps is None else args.compression_warmup_steps

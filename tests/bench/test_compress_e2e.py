@@ -308,6 +308,8 @@ def test_the_bucket_size_and_top_k_ratio_reach_the_trainer_and_torch_ddp():
                         flat=True)
     assert parse_args(torch_job[torch_job.index("--trainer") + 1:]).bucket_cap_mb == 0.5  # what its DDP takes
     assert "--bucket-cap-mb" not in e2e.trainer_args(e2e.Variant("ringweave", "ddp", "none"), b, "m.csv")
+    psgd = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "powersgd+ef"), b, "m.csv"))
+    assert make_config(psgd, 26).compression == "powersgd+ef:vanilla_steps=52"  # torch's hook starts alike
     flat = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", flat=True))
     assert make_config(flat, 26).compression_host_first is False
     host_first = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv"))

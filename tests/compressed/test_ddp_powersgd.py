@@ -63,6 +63,20 @@ async def test_ddp_powersgd_is_one_power_iteration_of_the_summed_gradient():
             np.testing.assert_allclose(got[0][name], g, rtol=1e-6, atol=1e-7)
 
 
+async def test_ddp_powersgd_sends_its_first_steps_uncompressed_when_asked():
+    exact = await _one_step(None)
+    vanilla = await _one_step(f"powersgd+ef:rank={RANK},vanilla_steps=1")  # step 1 of 1: a plain all_reduce
+    for name, g in exact[0].items():
+        for r in range(2):
+            np.testing.assert_array_equal(vanilla[r][name], g)
+
+
+def test_the_uncompressed_start_is_the_warm_up_option_of_powersgd():
+    args = parse_args(["--compression", "powersgd+ef", "--compression-warmup-steps", "52"])
+    assert make_config(args, 26).compression == "powersgd+ef:vanilla_steps=52"
+    assert make_config(parse_args(["--compression", "powersgd"]), 26).compression == "powersgd"  # default: none
+
+
 async def test_ddp_powersgd_with_error_feedback_trains_like_uncompressed():
     base = await train(["--strategy", "ddp", "--epochs", "2"])
     psgd = await train(["--strategy", "ddp", "--epochs", "2", "--compression", "powersgd+ef"])

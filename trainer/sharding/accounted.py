@@ -151,13 +151,17 @@ class AccountedCollectives:
             return
         await self._timed(self._ring(x.nbytes, 2.0), _collectives().all_reduce(x, op=op, group=self.group))
 
-    async def all_reduce_matrices(self, arrays: list, *, key=None) -> None:
-        """Sum of a bucket's gradients held as ``arrays`` (views in their shapes) with the matrix
-        codec (PowerSGD: ``collectives.compressed.powersgd_phases``, in place, state per ``(key, i)``);
-        counted as the ring's bytes of its two phases (P and the 1-D riders, then Q)."""
+    async def all_reduce_matrices(self, flat: np.ndarray, arrays: list, *, key=None) -> None:
+        """Sum of a bucket ``flat`` whose gradients are ``arrays`` (views in their shapes) with the
+        matrix codec (PowerSGD: ``collectives.compressed.powersgd_phases``, in place, state per
+        ``(key, i)``); counted as the ring's bytes of its two phases (P and the 1-D riders, then Q).
+        The codec's first ``vanilla_steps`` calls of ``key``: a plain all_reduce of ``flat``."""
         if self.size == 1:
             return
         from collectives import compressed
+        if compressed.split(compressed.resolve(self.codec))[1].vanilla(key):
+            await self.all_reduce(flat)
+            return
         nbytes = 4 * compressed.powersgd_phase_counts(arrays, self.codec)
         await self._timed(self._ring(nbytes, 2.0), compressed.powersgd_phases(
             arrays, compressed.resolve(self.codec), op="sum", group=self.group, key=key))

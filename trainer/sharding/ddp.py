@@ -154,7 +154,8 @@ class DDPStrategy(DataParallelStrategy):
                 # key: the bucket's codec state (error feedback) follows the bucket from step to step
                 key = bucket.ready_after
                 if self._shaped is not None:  # PowerSGD: the bucket's parameters as matrices
-                    self.collectives.launch(self.collectives.all_reduce_matrices(self._shaped[key], key=key))
+                    self.collectives.launch(self.collectives.all_reduce_matrices(bucket.buffer, self._shaped[key],
+                                                                                key=key))
                 else:
                     self.collectives.launch(self.collectives.all_reduce(bucket.buffer, grad=True, key=key))
 
