@@ -7,7 +7,8 @@ all_gather, reduce_scatter, broadcast), and the point-to-point send / recv a pip
 * accounting: bytes this rank sends, estimated with the ring algorithm's
   volume (all_reduce 2 (N-1)/N n, reduce_scatter and all_gather (N-1)/N n,
   broadcast n, where n is the full buffer's bytes; 0 at N = 1; a compressed
-  gradient collective counts its codec's payload bytes), and the time at
+  gradient collective counts its codec's payload bytes, host-first also the
+  float32 bytes inside the host: ``hierarchy``), and the time at
   least one collective was in flight ("comm_s", a union of intervals, so
   overlapping collectives are not counted twice);
 * the compute thread's door to the loop: strategies run the model's synchronous
