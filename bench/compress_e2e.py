@@ -5,15 +5,22 @@ time to reach the validation loss the uncompressed run reaches, and tokens/s.
     sudo python bench/compress_e2e.py --rate 100mbit,1gbit --out bench/results/compression.md
     sudo python bench/compress_e2e.py --rate 100mbit --epochs 1 --windows 256 --evals-per-epoch 2 --out /tmp/e2e.md
     python bench/compress_e2e.py --from-json bench/results/compress_e2e.json --out /tmp/again.md   # table + plot again
+    python bench/compress_e2e.py --out x.md --estimate --rate 100mbit       # how long, running nothing
+    sudo python bench/compress_e2e.py --rate 1gbit --variants 'ddp none,ddp int8+ef,torch-ddp' --out /tmp/g/e2e.md
+    python bench/compress_e2e.py --from-json /tmp/a/compress_e2e.json,/tmp/b/compress_e2e.json --out x.md  # together
 
 Each run is its own job on its own emulated network (bench/netem.py: 2 network namespaces, 2
 ranks each, every link shaped to ``--rate`` both ways; TCP only, also between the ranks of one
 host). Variants, per rate:
 
-* ``python -m trainer --model gpt --strategy S --compression C`` for S in ``--strategies`` (ddp,
-  fsdp) and C in ``--codecs`` (none, int8+ef, topk+ef, powersgd); a pair the trainer refuses
-  (powersgd under ddp and fsdp: it compresses matrices, both strategies reduce flat blocks) is
-  a table row that says why, asked of the trainer's own strategy constructors, not run;
+* ``python -m trainer --model gpt --strategy S --compression C --bucket-cap-mb B`` for S in
+  ``--strategies`` (ddp, fsdp) and C in ``--codecs`` (none, int8+ef, topk+ef, powersgd+ef; top-k
+  at ``--topk-ratio`` when given); a pair the trainer refuses (powersgd under fsdp: it compresses
+  matrices, fsdp reduce-scatters blocks) is a table row that says why, asked of the trainer's own
+  strategy constructors, not run. Our PowerSGD (ddp: each bucket's matrices, rank 4) sends its
+  first ``--codec-warmup-epochs`` uncompressed, as torch's hook below does. B (default 0.5 MiB: one bucket per layer of the default GPT)
+  lets ddp send each layer's gradient while backward goes on; with the trainer's 25 MiB all but
+  the first 1 MiB bucket wait for the end of backward. torch DDP takes the same B;
 * torch DDP on Gloo (``torch-ddp``), and the same with torch's PowerSGD hook (``torch-ddp
   powersgd``: rank ``--powersgd-rank``, error feedback and warm start, vanilla all_reduce for the
   first ``--codec-warmup-epochs``; the whole model in one bucket), when torch is importable (``--torch auto``; skipped with a
@@ -29,7 +36,9 @@ epoch, training bytes / block size = 6,554), global batch 64, evaluated ``--eval
 times per epoch: the trainer runs epochs of windows/K (rounded up to whole batches), so its
 validation loss comes K times per epoch. The learning-rate warm-up stays half an epoch of the
 full size, and top-k's warm-up is ``--codec-warmup-epochs`` (default 0.5; the trainer's default
-of two epochs would be the whole run). The table's header states all of it.
+of two epochs would be the whole run). The table's header states all of it. ``--variants``
+picks variants by label, ``--estimate`` prints how long the runs should take (from the 1.5-epoch
+run's seconds per step) and runs nothing; the estimate is printed before every run too.
 
 Measured, per variant: the validation loss after each of those intervals against the training
 clock (seconds since training began, evaluation excluded: every variant evaluates alike, and the
@@ -72,7 +81,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, _ROOT)
 
 STRATEGIES = ("ddp", "fsdp")
-CODECS = ("none", "int8+ef", "topk+ef", "powersgd")
+CODECS = ("none", "int8+ef", "topk+ef", "powersgd+ef")
 BATCH = 64  # the trainer's global batch of windows for the GPT
 BLOCK = 64  # its block size: tokens per window
 RATE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$", re.IGNORECASE)  # as tc spells a rate
@@ -151,28 +160,39 @@ def default_epoch_windows() -> int:
     return len(load_data(parse_args(["--model", "gpt"])).train)
 
 
-def trainer_args(variant: Variant, budget: Budget, metrics: str) -> list[str]:
+def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: float | None = None,
+                 topk_ratio: float | None = None, flat: bool = False) -> list[str]:
     """`python -m trainer` arguments of a variant (torch's worker reads the same for its data,
-    model and schedule)."""
+    model, schedule and bucket size). ``bucket_cap_mb``: ddp's (None: the trainer's default);
+    ``topk_ratio``: top-k's kept fraction (None: the codec's default); ``flat``: ddp compresses
+    between every pair of ranks (the trainer's --compression-flat), not host first."""
     args = ["--model", "gpt", "--strategy", "ddp" if variant.framework == "torch" else variant.strategy,
             "--batch-size", str(BATCH), "--epochs", str(budget.intervals),
             "--windows-per-epoch", str(budget.interval_windows), "--warmup-steps", str(budget.lr_warmup_steps),
             "--metrics", metrics, "--quiet", "--seed", "0"]
+    if bucket_cap_mb is not None:
+        args += ["--bucket-cap-mb", f"{bucket_cap_mb:g}"]
     if variant.framework == "ringweave" and variant.codec != "none":
-        args += ["--compression", variant.codec]
-        if variant.codec.startswith("topk"):
+        codec = variant.codec
+        if codec.startswith("topk") and topk_ratio is not None:
+            codec += f":ratio={topk_ratio:g}"
+        args += ["--compression", codec] + (["--compression-flat"] if flat and variant.strategy == "ddp" else [])
+        if variant.codec.startswith("topk") or (variant.codec.startswith("powersgd") and budget.codec_warmup_steps):
+            # top-k's DGC ramp; PowerSGD's uncompressed start, as torch's hook gets
             args += ["--compression-warmup-steps", str(budget.codec_warmup_steps)]
     return args
 
 
-def job(variant: Variant, budget: Budget, metrics: str, powersgd_rank: int) -> list[str]:
+def job(variant: Variant, budget: Budget, metrics: str, powersgd_rank: int, **knobs) -> list[str]:
     """What bench/netem.py runs after ``--`` for a variant (torch's worker: its options, then
-    ``--trainer`` and the trainer's arguments, which give it the data, model and schedule)."""
+    ``--trainer`` and the trainer's arguments, which give it the data, model and schedule);
+    ``knobs``: :func:`trainer_args`' bucket_cap_mb and topk_ratio."""
     if variant.framework == "ringweave":
-        return ["-m", "trainer", *trainer_args(variant, budget, metrics)]
+        return ["-m", "trainer", *trainer_args(variant, budget, metrics, **knobs)]
     rank = powersgd_rank if variant.codec == "powersgd" else 0
     return [os.path.abspath(__file__), "--torch-worker", "--powersgd-rank", str(rank),
-            "--powersgd-start", str(max(2, budget.codec_warmup_steps)), "--trainer", *trainer_args(variant, budget, metrics)]
+            "--powersgd-start", str(max(2, budget.codec_warmup_steps)), "--trainer",
+            *trainer_args(variant, budget, metrics, **knobs)]
 
 
 # ---- which variants run ---------------------------------------------------------------------
@@ -220,6 +240,46 @@ def variants(strategies, codecs, torch: bool) -> tuple[list[Variant], dict[Varia
     if torch:
         run += [Variant("torch", "ddp", "none"), Variant("torch", "ddp", "powersgd")]
     return run, skip
+
+
+def all_labels() -> list[str]:
+    """Every variant's label, refused or not: what --variants picks from."""
+    return [f"{s} {c}" for s in STRATEGIES for c in CODECS] + ["torch-ddp", "torch-ddp powersgd"]
+
+
+def knobs_of(args) -> dict:
+    """The trainer's knobs this run sets for every variant (see :func:`trainer_args`)."""
+    return {"bucket_cap_mb": args.bucket_cap_mb, "topk_ratio": args.topk_ratio, "flat": args.compression_flat}
+
+
+# wall seconds per step of each variant at each rate: 1.5 epochs (156 steps, 6 evaluations, kernel
+# caches warm), 25 MiB buckets, bench/results/compression.md "End to end" of 2026-11-27; PER_JOB_S:
+# launch and exit of one job. What the estimate scales; a variant not there takes its strategy's
+# none row.
+PRIOR_WALL_S_PER_STEP = {
+    "100mbit": {"ddp none": 0.56, "ddp int8+ef": 0.31, "ddp topk+ef": 0.23, "fsdp none": 0.83, "fsdp int8+ef": 0.69,
+                "fsdp topk+ef": 0.64, "torch-ddp": 0.60, "torch-ddp powersgd": 0.47},
+    "1gbit": {"ddp none": 0.25, "ddp int8+ef": 0.24, "ddp topk+ef": 0.24, "fsdp none": 0.27, "fsdp int8+ef": 0.27,
+              "fsdp topk+ef": 0.28, "torch-ddp": 0.30, "torch-ddp powersgd": 0.31},
+}
+PER_JOB_S, WARM_JOB_S = 10.0, 15.0
+
+
+def estimate_s(rates, labels, steps: int) -> float:
+    """Seconds the grid should take on 2 quiet cores: per job PER_JOB_S plus its prior seconds per
+    step x ``steps`` (a rate not measured: the nearest measured one, by the rate's bits per
+    second), plus one cache-warming job per ringweave variant."""
+    def bps(rate: str) -> float:
+        num, unit = re.match(r"^(\d+(?:\.\d+)?)([kmgt]?)", rate.lower()).groups()
+        return float(num) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit]
+    total = WARM_JOB_S * sum(not label.startswith("torch") for label in labels)
+    for rate in rates:
+        prior = PRIOR_WALL_S_PER_STEP.get(rate) or PRIOR_WALL_S_PER_STEP[
+            min(PRIOR_WALL_S_PER_STEP, key=lambda r: abs(math.log(bps(r) / bps(rate))))]
+        for label in labels:
+            per_step = prior.get(label) or prior.get(f"{label.split()[0].removeprefix('torch-')} none", 0.6)
+            total += PER_JOB_S + per_step * steps
+    return total
 
 
 # ---- reading a run ------------------------------------------------------------------------
@@ -460,7 +520,8 @@ def run_variant(args, rate: str, variant: Variant, budget: Budget, scratch: str)
     name = re.sub(r"[^a-z0-9]+", "-", f"{rate}-{variant.label}".lower())
     metrics, log_path = os.path.join(scratch, name + ".csv"), os.path.join(scratch, name + ".log")
     cmd = [sys.executable, os.path.join(_HERE, "netem.py"), "-n", "2", "--per-node", "2", "--rate", rate,
-           "--max-time-s", str(args.max_time_s), "--", *job(variant, budget, metrics, args.powersgd_rank)]
+           "--max-time-s", str(args.max_time_s), "--",
+           *job(variant, budget, metrics, args.powersgd_rank, **knobs_of(args))]
     result = {"rate": rate, "label": variant.label, **asdict(variant), "load_before": os.getloadavg()[0]}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -493,14 +554,14 @@ def run_variant(args, rate: str, variant: Variant, budget: Budget, scratch: str)
     return result
 
 
-def warm_caches(todo: list[Variant], scratch: str) -> None:
+def warm_caches(todo: list[Variant], scratch: str, knobs: dict | None = None) -> None:
     """One tiny job per codec and strategy to run, on loopback: the kernels compile into Numba's
     cache here, not inside the first timed run's training clock (a cold cache cost a first step
     ~15 s)."""
     for v in todo:
         if v.framework != "ringweave":
             continue
-        args = trainer_args(v, Budget(1, BATCH, 1, 0), os.path.join(scratch, "warm.csv"))  # one step
+        args = trainer_args(v, Budget(1, BATCH, 1, 0), os.path.join(scratch, "warm.csv"), **(knobs or {}))  # one step
         cmd = [sys.executable, "-m", "runtime.launch", "-n", "2", "--max-time-s", "300", "-m", "trainer", *args]
         print(f"warming the kernel caches: {v.label}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, cwd=_ROOT, env=dict(os.environ, RINGWEAVE_SHM="0"), capture_output=True,
@@ -521,6 +582,9 @@ def run_grid(args, budget: Budget, meta: dict) -> list[dict]:
     if args.torch == "auto" and torch_version is None:
         print("compress_e2e: torch is not importable: no torch-ddp rows", file=sys.stderr)
     todo, refused = variants(args.strategies, args.codecs, use_torch)
+    if args.variants:
+        todo = [v for v in todo if v.label in args.variants]
+        refused = {v: why for v, why in refused.items() if v.label in args.variants}
     from bench._machine import describe
     meta.update(machine=describe().describe(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 load_before=os.getloadavg()[0], torch=torch_version)
@@ -532,7 +596,7 @@ def run_grid(args, budget: Budget, meta: dict) -> list[dict]:
             json.dump({"meta": meta, "results": results}, f, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="rwe2e") as scratch:
-        warm_caches(todo, scratch)
+        warm_caches(todo, scratch, knobs_of(args))
         for rate in args.rate:
             for v in todo:
                 print(f"{rate} {v.label} ...", file=sys.stderr, flush=True)
@@ -634,8 +698,8 @@ def torch_worker(argv: list[str]) -> int:
             # PowerSGD: one bucket for the whole model (3.3 MB). With two, the hook's chained all_reduces
             # of P and Q start in whatever order each rank's callbacks run, and Gloo pairs them wrongly
             # (a size mismatch in compute_qs on 2 hosts x 2 ranks).
-            model = torch.nn.parallel.DistributedDataParallel(module, **({"bucket_cap_mb": 64}
-                                                                         if wargs.powersgd_rank else {}))
+            model = torch.nn.parallel.DistributedDataParallel(
+                module, bucket_cap_mb=64 if wargs.powersgd_rank else targs.bucket_cap_mb)
             if wargs.powersgd_rank:
                 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
                 state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=wargs.powersgd_rank,
@@ -726,6 +790,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", type=_choices(STRATEGIES), default=list(STRATEGIES), help="default ddp,fsdp")
     p.add_argument("--codecs", type=_choices(CODECS), default=list(CODECS),
                    help="default none,int8+ef,topk+ef,powersgd (none is the target: always needed)")
+    p.add_argument("--variants", type=_choices(all_labels()), default=None,
+                   help="only these variants, by label, comma-separated, e.g. 'ddp none,ddp int8+ef,torch-ddp' "
+                        "(each strategy's none, and ddp none for torch's rows: their targets)")
+    p.add_argument("--bucket-cap-mb", type=_positive(float), default=0.5,
+                   help="ddp's bucket size for ours and torch DDP (not torch's PowerSGD: one bucket); default 0.5: "
+                        "a bucket per layer of the default GPT, sent while backward goes on")
+    p.add_argument("--topk-ratio", type=_positive(float), default=None,
+                   help="top-k's kept fraction (default: the codec's, 0.01)")
+    p.add_argument("--compression-flat", action="store_true",
+                   help="ddp's codecs between every pair of ranks (default: reduced inside each host first, "
+                        "the codec across hosts only)")
+    p.add_argument("--estimate", action="store_true", help="print how long the runs should take, run nothing")
     p.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
                    help="torch DDP rows: auto (when torch is importable), on (an error without it), off")
     p.add_argument("--epochs", type=_positive(float), default=2.0, help="training budget in epochs (default 2)")
@@ -741,7 +817,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True,
                    help="the markdown file: its section of this name is replaced (or added); compress_e2e.png "
                         "and compress_e2e.json go beside it")
-    p.add_argument("--from-json", default=None, metavar="JSON", help="no runs: the table and plot of this data")
+    p.add_argument("--from-json", default=None, metavar="JSON[,JSON...]",
+                   help="no runs: the table and plot of this data (several: their results together, e.g. one "
+                        "run per rate; the first one's header)")
     p.add_argument("--deviation", default=None,
                    help="why the budget differs from 2 epochs of the trainer's epoch, for the header (which "
                         "names the difference itself)")
@@ -755,13 +833,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--out must be a markdown file (.md), got {args.out!r}")
     if "none" not in args.codecs:
         p.error("--codecs must include none: the uncompressed run sets the target")
+    if args.variants:
+        picked = [v for v in args.variants if v.split()[0].removeprefix("torch-") in args.strategies
+                  and (v.startswith("torch") or v.split()[1] in args.codecs)]
+        if picked != args.variants:
+            p.error(f"--variants {', '.join(v for v in args.variants if v not in picked)}: not in --strategies "
+                    f"and --codecs")
+        need = {f"{v.split()[0].removeprefix('torch-')} none" for v in args.variants}
+        if need - set(args.variants):
+            p.error(f"--variants must include {', '.join(sorted(need - set(args.variants)))}: the target of the "
+                    f"others")
     if not 0 <= args.tolerance < 1:
         p.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
     if not 0 <= args.codec_warmup_epochs <= args.epochs:
         p.error(f"--codec-warmup-epochs must be in [0, --epochs], got {args.codec_warmup_epochs}")
     if args.windows is not None and args.windows < BATCH:
         p.error(f"--windows must be at least one batch ({BATCH}), got {args.windows}")
-    if args.from_json is None:
+    if args.from_json is None and not args.estimate:
         from bench.netem import why_not
         why = why_not()
         if why:
@@ -776,19 +864,44 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python bench/compress_e2e.py " + shlex.join(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            saved = json.load(f)
-        for line in write_outputs(args.out, dict(saved["meta"], tolerance=args.tolerance), saved["results"]):
+        saved = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                saved.append(json.load(f))
+        meta = dict(saved[0]["meta"], tolerance=args.tolerance)
+        if len(saved) > 1:
+            meta["command"] = "`; `".join(s["meta"]["command"] for s in saved)
+            meta["load_after"] = saved[-1]["meta"]["load_after"]
+        results = [r for s in saved for r in s["results"]]
+        for line in write_outputs(args.out, meta, results):
             print(line)
+        if len(saved) > 1:  # the data of the section, together, beside it
+            with open(beside(args.out, ".json"), "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=1)
+            print(f"wrote {beside(args.out, '.json')}")
         return 0
     default_windows = default_epoch_windows()
     budget = Budget(args.epochs, args.windows or default_windows, args.evals_per_epoch, args.codec_warmup_epochs)
+    import importlib.util
+    todo, _ = variants(args.strategies, args.codecs, args.torch != "off" and bool(importlib.util.find_spec("torch")))
+    labels = [v.label for v in todo if not args.variants or v.label in args.variants]
+    estimate = estimate_s(args.rate, labels, budget.steps)
+    print(f"compress_e2e: {len(labels)} variants x {len(args.rate)} rates ({', '.join(args.rate)}), "
+          f"{budget.steps} steps each: about {estimate / 60:.0f} minutes on 2 quiet cores (an estimate, from the "
+          f"1.5-epoch run's seconds per step with 25 MiB buckets)", file=sys.stderr, flush=True)
+    if args.estimate:
+        return 0
     deviation = "; ".join(budget.deviations(default_windows) + ([args.deviation] if args.deviation else []))
     print(f"compress_e2e: {budget.describe()}", file=sys.stderr, flush=True)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, _on_signal)
-    meta = dict(command=command, budget=budget.describe(), deviation=deviation or None, tolerance=args.tolerance,
-                title=TITLE)
+    knobs = f"; ddp buckets of at most {args.bucket_cap_mb:g} MiB (ours and torch DDP's; torch's PowerSGD: one bucket)"
+    if args.topk_ratio is not None:
+        knobs += f"; top-k kept fraction {args.topk_ratio:g}"
+    knobs += ("; ddp's codecs between every pair of ranks (--compression-flat)" if args.compression_flat else
+              "; ddp's codecs across hosts only (float32 inside each host first)")
+    meta = dict(command=command, budget=budget.describe() + knobs, deviation=deviation or None,
+                tolerance=args.tolerance, title=TITLE)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = run_grid(args, budget, meta)
     for line in write_outputs(args.out, meta, results) + [f"wrote {beside(args.out, '.json')}"]:

@@ -40,8 +40,8 @@ STYLES = ("shard", "gather", "ring", "phases")
 DEFAULT_STYLE = {"cast-reduce": "ring", "gather-decode-sum": "shard", "powersgd-phases": "phases"}
 
 __all__ = ["STYLES", "all_reduce", "cast_ring", "check_blockwise", "codec_at", "compresses_matrices",
-           "gather_decode_sum", "open_shard_calls", "powersgd_phases", "reduce_scatter", "reduce_scatter_wire_nbytes",
-           "resolve", "shard_decode_sum", "style_of", "wire_nbytes"]
+           "gather_decode_sum", "hierarchical", "host_groups", "open_shard_calls", "powersgd_phase_counts", "powersgd_phases", "reduce_scatter",
+           "reduce_scatter_wire_nbytes", "resolve", "shard_decode_sum", "style_of", "wire_nbytes"]
 
 
 def resolve(compression) -> Codec:
@@ -196,10 +196,52 @@ async def reduce_scatter(out: np.ndarray, x: np.ndarray, codec, *, op: str = "su
     return out
 
 
+def host_groups(group):
+    """``(local, cross)`` for :func:`hierarchical`: this rank's host and the ranks of its local
+    index on every host, made with ``new_group`` (every world rank must call this, in the same
+    order), or None where it would not pay or cannot be made: ``group`` not the world, one host,
+    one rank per host, or hosts of unequal rank counts. 2 hosts x 2 ranks [0 1 | 2 3]: rank 2
+    gets local [2, 3] and cross [0, 2]."""
+    topo = group.topology
+    counts = {len(ranks) for ranks in topo.nodes}
+    if group.size != group.runtime.world_size or topo.hosts < 2 or len(counts) != 1 or counts == {1}:
+        return None
+    mine = None, None
+    for ranks in topo.nodes:
+        g = group.new_group([group.ranks[r] for r in ranks])
+        mine = (g, mine[1]) if g.is_member else mine
+    for i in range(len(topo.nodes[0])):
+        g = group.new_group([group.ranks[ranks[i]] for ranks in topo.nodes])
+        mine = (mine[0], g) if g.is_member else mine
+    return mine
+
+
+async def hierarchical(flat: np.ndarray, codec, *, op: str, local, cross, timeout=None, key=None) -> None:
+    """Compressed all_reduce of ``flat`` (1-D, in place) across hosts: float32 reduce_scatter
+    inside the host (``local``, L ranks), the compressed all_reduce of this rank's block of n / L
+    with its peers on the other hosts (``cross``; ``key`` its state stream), all_gather inside the
+    host. Across the hosts' links this sends the codec's payload of each block once per host
+    instead of the flat style's per rank: at 2 hosts x 2 ranks, int8 by the shard style, about
+    payload(n) out of each host per call instead of 2 payload(n). Every rank ends with the same
+    bits (the cross all_reduce's are the same on its members, the all_gather copies them). The
+    calls on ``local`` and ``cross`` of concurrent callers must run one at a time (their order
+    across the two groups is not fixed by launch order): AccountedCollectives holds a lock."""
+    L, n = local.size, flat.size
+    chunk = -(-n // L)
+    x = np.zeros(L * chunk, np.float32)
+    x[:n] = flat
+    block = np.empty(chunk, np.float32)
+    await calls.reduce_scatter(block, x, "sum", local, timeout, None)
+    await all_reduce(block, codec, op="sum", group=cross, timeout=timeout, key=key)
+    await calls.all_gather(x, block, local, timeout, None)
+    _finish(flat, x[:n], op, L * cross.size)
+
+
 def compresses_matrices(codec) -> bool:
     """Whether ``codec`` (name or object) compresses whole matrices (PowerSGD's low-rank
     all_reduces) rather than any 1-D array element- or block-wise: it cannot compress a
-    reduce_scatter's blocks, and it sends a flat 1-D array uncompressed."""
+    reduce_scatter's blocks, and it sends a flat 1-D array uncompressed (pass the matrices'
+    views to :func:`powersgd_phases`, as DDP's buckets do)."""
     return split(resolve(codec))[1].reduction == "powersgd-phases"
 
 
@@ -378,6 +420,20 @@ async def cast_ring(flat: np.ndarray, codec, *, op: str, group, timeout=None, ke
 def _worth_compressing(shape, r: int) -> bool:
     n, m = matrix_shape(tuple(shape))
     return len(shape) >= 2 and r * (n + m) < n * m
+
+
+def powersgd_phase_counts(arrays: list, codec) -> int:
+    """float32 elements PowerSGD's two phases all-reduce for ``arrays`` (as :func:`powersgd_phases`
+    splits them): sum of r (n + m) per matrix worth compressing, plus the size of every other array."""
+    r = split(resolve(codec))[1].rank
+    total = 0
+    for a in arrays:
+        if a.dtype.kind == "f" and _worth_compressing(a.shape, r):
+            n, m = matrix_shape(a.shape)
+            total += r * (n + m)
+        else:
+            total += a.size
+    return total
 
 
 async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, key=None) -> None:

@@ -146,15 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global-norm gradient clipping (default off)")
     g.add_argument("--compression", default=None, metavar="CODEC",
                    help="gradient codec, e.g. fp16, bf16, int8, topk (ddp all-reduces flat buckets; zero1/2/3 "
-                        "and fsdp compress their reduce_scatter block by block; powersgd, which compresses "
-                        "matrices, is refused by both); "
+                        "and fsdp compress their reduce_scatter block by block); powersgd compresses matrices: "
+                        "ddp only, per parameter of each bucket; "
                         "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
                    help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, "
                         "1.56%%, then the ratio, in equal stages); default two epochs "
-                        "(bench/results/trainer.md#compression-warm-up), 0 for none")
+                        "(bench/results/trainer.md#compression-warm-up), 0 for none. powersgd (ddp): steps "
+                        "sent uncompressed first, as torch's start_powerSGD_iter (default none)")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
+    g.add_argument("--compression-flat", dest="compression_host_first", action="store_false",
+                   help="ddp: compress between every pair of ranks, also inside a host (default: on several "
+                        "hosts of several ranks each, reduce inside the host uncompressed, compress across hosts)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="zero3/fsdp: keep gathered parameters from forward to backward")
     g.add_argument("--no-prefetch", dest="prefetch", action="store_false",
@@ -296,8 +300,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if not 0.0 <= args.dropout < 1.0:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.compression_warmup_steps and not (args.compression or "").startswith("topk"):
-        build_parser().error(f"--compression-warmup-steps is a topk option; --compression is {args.compression!r}")
+    if args.compression_warmup_steps and not (args.compression or "").startswith(("topk", "powersgd")):
+        build_parser().error(f"--compression-warmup-steps is a topk and powersgd option; --compression is "
+                             f"{args.compression!r}")
     if refusal := split_refusal(args):
         build_parser().error(refusal)
     if args.replicas != 1 and args.strategy == "ddp":
@@ -360,6 +365,8 @@ def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | No
     """--compression plus the top-k warm-up option, e.g. "topk+ef:warmup_steps=46" (two epochs of
     23 steps: the default, see --compression-warmup-steps); None for no codec."""
     spec = None if args.compression in (None, "none") else args.compression
+    if (spec or "").startswith("powersgd") and args.compression_warmup_steps and "vanilla_steps=" not in spec:
+        return f"{spec}{',' if ':' in spec else ':'}vanilla_steps={args.compression_warmup_steps}"
     if spec is None or not spec.startswith("topk") or "warmup_steps=" in spec:
         return spec
     steps = 2 * steps_per_epoch if args.compression_warmup_steps is None else args.compression_warmup_steps
@@ -380,7 +387,8 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
         grad_accum=args.grad_accum, clip_norm=args.clip_norm,
         compression=compression_spec(args, steps_per_epoch),
-        bucket_cap_mb=args.bucket_cap_mb, reshard_after_forward=args.reshard_after_forward,
+        bucket_cap_mb=args.bucket_cap_mb, compression_host_first=args.compression_host_first,
+        reshard_after_forward=args.reshard_after_forward,
         prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every, decay=args.decay,
         activation_checkpointing=args.activation_checkpointing, offload=args.offload, offload_dir=args.offload_dir)

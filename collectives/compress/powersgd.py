@@ -54,16 +54,28 @@ class PowerSGDCodec(Codec):
     lossy: ClassVar[bool] = True
     reduction: ClassVar[str] = "powersgd-phases"
 
-    def __init__(self, rank: int = 4, *, seed: int = 0, backend=None):
+    def __init__(self, rank: int = 4, *, seed: int = 0, vanilla_steps: int = 0, backend=None):
         super().__init__(backend=backend)
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
+        if int(vanilla_steps) != vanilla_steps or vanilla_steps < 0:
+            raise ValueError(f"vanilla_steps must be an integer >= 0, got {vanilla_steps!r}")
+        self.vanilla_steps = int(vanilla_steps)  # first calls of a stream sent uncompressed (torch's start_powerSGD_iter)
+        self.calls: dict = {}  # key -> calls counted by vanilla()
         self.rank = rank  # r, e.g. 4
         self.seed = int(seed)
         self.q_state: dict = {}  # key -> Q (m, r) float32, the warm start
         self._redraws: dict = {}  # key -> how many times zero columns of Q were drawn afresh
 
     # ---- phases a collective drives -------------------------------------------------
+
+    def vanilla(self, key=None) -> bool:
+        """Counts a call of stream ``key``; True while it is one of the first ``vanilla_steps``,
+        which the caller sends uncompressed (a plain all_reduce, as torch's PowerSGD hook does
+        before ``start_powerSGD_iter``): the warm start then begins from trained gradients."""
+        n = self.calls.get(key, 0)
+        self.calls[key] = n + 1
+        return n < self.vanilla_steps
 
     def compute_p(self, m: np.ndarray, *, key=None) -> np.ndarray:
         """P = M Q for M (n, m) float32; creates Q (seeded) on first use of ``key``."""
@@ -128,4 +140,5 @@ class PowerSGDCodec(Codec):
         return 4 * self.rank * n, 4 * self.rank * m
 
     def __repr__(self) -> str:
-        return f"PowerSGDCodec(rank={self.rank}, seed={self.seed})"
+        vanilla = f", vanilla_steps={self.vanilla_steps}" if self.vanilla_steps else ""
+        return f"PowerSGDCodec(rank={self.rank}, seed={self.seed}{vanilla})"

@@ -183,6 +183,11 @@ def test_from_json_draws_the_same_table_again(tmp_path, capsys):
     (["--tolerance", "1.5"], "--tolerance must be in [0, 1)"),
     (["--codec-warmup-epochs", "3"], "--codec-warmup-epochs must be in [0, --epochs]"),
     (["--out", "x.txt"], "must be a markdown file"),
+    (["--variants", "ddp int8"], "of ddp none, ddp int8+ef"),
+    (["--variants", "ddp int8+ef"], "must include ddp none: the target"),
+    (["--variants", "torch-ddp"], "must include ddp none"),
+    (["--variants", "fsdp none", "--strategies", "ddp"], "fsdp none: not in --strategies and --codecs"),
+    (["--bucket-cap-mb", "0"], "must be a number > 0"),
 ])
 def test_argument_errors_are_one_line_and_exit_2(argv, message, capsys):
     full = ["--out", "x.md", "--from-json", "x.json", *argv]
@@ -236,12 +241,11 @@ def test_the_jobs_of_each_framework():
 
 def test_the_variants_run_what_the_trainer_takes_and_name_its_refusals():
     run, refused = e2e.variants(["ddp", "fsdp"], list(e2e.CODECS), torch=True)
-    assert [v.label for v in run] == ["ddp none", "ddp int8+ef", "ddp topk+ef", "fsdp none", "fsdp int8+ef",
-                                      "fsdp topk+ef", "torch-ddp", "torch-ddp powersgd"]
-    # the trainer refuses powersgd under both: ddp all-reduces flat buckets, fsdp reduce-scatters blocks
-    assert {v.label for v in refused} == {"ddp powersgd", "fsdp powersgd"}
-    assert "flat" in refused[e2e.Variant("ringweave", "ddp", "powersgd")]
-    assert "compresses whole matrices" in refused[e2e.Variant("ringweave", "fsdp", "powersgd")]
+    assert [v.label for v in run] == ["ddp none", "ddp int8+ef", "ddp topk+ef", "ddp powersgd+ef", "fsdp none",
+                                      "fsdp int8+ef", "fsdp topk+ef", "torch-ddp", "torch-ddp powersgd"]
+    # ddp reduces each bucket's matrices with powersgd; fsdp reduce-scatters blocks, which it cannot
+    assert {v.label for v in refused} == {"fsdp powersgd+ef"}
+    assert "compresses whole matrices" in refused[e2e.Variant("ringweave", "fsdp", "powersgd+ef")]
     run, refused = e2e.variants(["fsdp"], ["none", "int8+ef"], torch=False)
     assert [v.label for v in run] == ["fsdp none", "fsdp int8+ef"] and not refused
 
@@ -286,3 +290,66 @@ def test_the_warm_up_jobs_are_one_step_of_each_variant_of_the_trainer(monkeypatc
     from trainer.cli import parse_args
     targs = parse_args(ran[0][ran[0].index("trainer") + 1:])
     assert (targs.epochs, targs.windows_per_epoch, targs.batch_size) == (1, 64, 64)
+
+
+# ---- the knobs, the filters, the estimate ---------------------------------------------------------
+
+
+def test_the_bucket_size_and_top_k_ratio_reach_the_trainer_and_torch_ddp():
+    from trainer.cli import make_config, parse_args
+    b = e2e.Budget(2, 6554, 4, 0.5)
+    args = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "topk+ef"), b, "m.csv", bucket_cap_mb=0.5,
+                                       topk_ratio=0.1))
+    assert args.bucket_cap_mb == 0.5 and args.compression == "topk+ef:ratio=0.1"
+    assert make_config(args, 26).compression == "topk+ef:ratio=0.1,warmup_steps=52"
+    assert parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", topk_ratio=0.1)
+                      ).compression == "int8+ef"  # the ratio is top-k's alone
+    torch_job = e2e.job(e2e.Variant("torch", "ddp", "none"), b, "m.csv", 4, bucket_cap_mb=0.5, topk_ratio=None,
+                        flat=True)
+    assert parse_args(torch_job[torch_job.index("--trainer") + 1:]).bucket_cap_mb == 0.5  # what its DDP takes
+    assert "--bucket-cap-mb" not in e2e.trainer_args(e2e.Variant("ringweave", "ddp", "none"), b, "m.csv")
+    psgd = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "powersgd+ef"), b, "m.csv"))
+    assert make_config(psgd, 26).compression == "powersgd+ef:vanilla_steps=52"  # torch's hook starts alike
+    flat = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", flat=True))
+    assert make_config(flat, 26).compression_host_first is False
+    host_first = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv"))
+    assert make_config(host_first, 26).compression_host_first is True
+
+
+def test_the_estimate_is_the_prior_seconds_per_step_scaled_to_the_budget():
+    prior = e2e.PRIOR_WALL_S_PER_STEP
+    one = e2e.estimate_s(["100mbit"], ["ddp none"], 208)
+    assert one == pytest.approx(e2e.WARM_JOB_S + e2e.PER_JOB_S + 208 * prior["100mbit"]["ddp none"])
+    both = e2e.estimate_s(["100mbit", "1gbit"], ["ddp none", "torch-ddp"], 100)
+    assert both == pytest.approx(e2e.WARM_JOB_S + 4 * e2e.PER_JOB_S + 100 * (
+        prior["100mbit"]["ddp none"] + prior["100mbit"]["torch-ddp"] + prior["1gbit"]["ddp none"]
+        + prior["1gbit"]["torch-ddp"]))
+    # a variant never measured takes its strategy's none; a rate never measured the nearest one's
+    assert e2e.estimate_s(["1gbit"], ["ddp powersgd+ef"], 10) == e2e.estimate_s(["1gbit"], ["ddp none"], 10)
+    assert e2e.estimate_s(["200mbit"], ["ddp none"], 10) == e2e.estimate_s(["100mbit"], ["ddp none"], 10)
+
+
+def test_estimate_runs_nothing_and_filters_the_variants(monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "run_grid", lambda *a: pytest.fail("--estimate ran the grid"))
+    assert e2e.main(["--out", "x.md", "--estimate", "--rate", "1gbit", "--torch", "off",
+                     "--variants", "ddp none,ddp int8+ef"]) == 0
+    err = capsys.readouterr().err
+    assert "2 variants x 1 rates (1gbit), 208 steps each" in err
+    want = e2e.estimate_s(["1gbit"], ["ddp none", "ddp int8+ef"], 208)
+    assert f"about {want / 60:.0f} minutes" in err
+
+
+def test_from_json_takes_several_runs_together(tmp_path):
+    meta = {"title": "t", "command": "c1", "machine": "m", "date": "d", "load_before": 1.0, "load_after": 2.0,
+            "budget": "b", "torch": None}
+    rows = _hand_made()
+    other = [dict(r, rate="1gbit") for r in rows]
+    (tmp_path / "a.json").write_text(json.dumps({"meta": meta, "results": rows}))
+    (tmp_path / "b.json").write_text(json.dumps({"meta": dict(meta, command="c2", load_after=3.0), "results": other}))
+    assert e2e.main(["--from-json", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "--out",
+                     str(tmp_path / "both.md")]) == 0
+    text = (tmp_path / "both.md").read_text()
+    assert "### 100mbit" in text and "### 1gbit" in text
+    assert "- Command: `c1`; `c2`" in text and "load 1.0 before, 3.0 after" in text
+    together = json.loads((tmp_path / "compress_e2e.json").read_text())  # beside --out, drawn again alike
+    assert len(together["results"]) == 2 * len(rows) and together["meta"]["command"] == "c1`; `c2"

@@ -47,7 +47,6 @@ async def test_other_sharded_strategies_take_the_codec(strategy):
 
 @pytest.mark.parametrize("strategy,why", [
     ("zero2", "powersgd"),  # zero reduce-scatters block by block; powersgd compresses whole matrices
-    ("ddp", "flat"),        # ddp all-reduces flat buckets, which powersgd would send uncompressed
 ])
 async def test_powersgd_is_refused_at_construction(strategy, why):
     async def body(group):

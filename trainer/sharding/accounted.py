@@ -7,7 +7,8 @@ all_gather, reduce_scatter, broadcast), and the point-to-point send / recv a pip
 * accounting: bytes this rank sends, estimated with the ring algorithm's
   volume (all_reduce 2 (N-1)/N n, reduce_scatter and all_gather (N-1)/N n,
   broadcast n, where n is the full buffer's bytes; 0 at N = 1; a compressed
-  gradient collective counts its codec's payload bytes), and the time at
+  gradient collective counts its codec's payload bytes, host-first also the
+  float32 bytes inside the host: ``hierarchy``), and the time at
   least one collective was in flight ("comm_s", a union of intervals, so
   overlapping collectives are not counted twice);
 * the compute thread's door to the loop: strategies run the model's synchronous
@@ -63,6 +64,8 @@ class AccountedCollectives:
         self.comm_s = 0.0  # union of in-flight intervals
         self.exposed_s = 0.0  # time the compute or the step blocked on communication
         self.bytes_sent = 0
+        self.hierarchy = None  # (local, cross) groups: gradients all-reduced host-first (compressed.host_groups)
+        self._one_at_a_time = asyncio.Lock()  # hierarchical calls, in launch order (FIFO)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -126,6 +129,18 @@ class AccountedCollectives:
         (error feedback, PowerSGD), e.g. the DDP bucket's index."""
         if self.size == 1:
             return
+        if grad and self.codec is not None and self.hierarchy is not None:
+            from collectives import compressed
+            local, cross = self.hierarchy
+            chunk = -(-x.size // local.size)
+            try:  # float32 inside the host (reduce_scatter, all_gather), the codec's across
+                nbytes = compressed.wire_nbytes(compressed.codec_at(self.codec, key), chunk, cross.size)
+            except ValueError:  # styles whose bytes depend on the algorithm: count the fp32 ring
+                nbytes = 8 * (cross.size - 1) * chunk // cross.size
+            async with self._one_at_a_time:  # FIFO: every rank runs them in launch order
+                await self._timed(nbytes + 8 * (local.size - 1) * chunk, compressed.hierarchical(
+                    x.reshape(-1), self.codec, op=op, local=local, cross=cross, key=key))
+            return
         if grad and self.codec is not None:
             from collectives import compressed
             try:  # the codec of this call: a warm-up step may send more (compressed.codec_at)
@@ -136,6 +151,21 @@ class AccountedCollectives:
                                                                 compression=self.codec, key=key))
             return
         await self._timed(self._ring(x.nbytes, 2.0), _collectives().all_reduce(x, op=op, group=self.group))
+
+    async def all_reduce_matrices(self, flat: np.ndarray, arrays: list, *, key=None) -> None:
+        """Sum of a bucket ``flat`` whose gradients are ``arrays`` (views in their shapes) with the
+        matrix codec (PowerSGD: ``collectives.compressed.powersgd_phases``, in place, state per
+        ``(key, i)``); counted as the ring's bytes of its two phases (P and the 1-D riders, then Q).
+        The codec's first ``vanilla_steps`` calls of ``key``: a plain all_reduce of ``flat``."""
+        if self.size == 1:
+            return
+        from collectives import compressed
+        if compressed.split(compressed.resolve(self.codec))[1].vanilla(key):
+            await self.all_reduce(flat)
+            return
+        nbytes = 4 * compressed.powersgd_phase_counts(arrays, self.codec)
+        await self._timed(self._ring(nbytes, 2.0), compressed.powersgd_phases(
+            arrays, compressed.resolve(self.codec), op="sum", group=self.group, key=key))
 
     async def all_gather(self, out: np.ndarray, x: np.ndarray) -> None:
         """``out`` (size * len(x),) gets every rank's ``x``, rank-major."""

@@ -162,12 +162,6 @@ class DataParallelStrategy(Strategy):
             from collectives import compressed
             if not self.replicated_grads:  # gradients are reduce-scattered
                 compressed.check_blockwise(self.collectives.codec)  # refuses powersgd here, not at the first step
-            elif compressed.compresses_matrices(self.collectives.codec):
-                # DDP all-reduces flat 1-D buckets, which PowerSGD sends uncompressed: it sent every
-                # byte while saying it compressed.
-                raise ValueError("compression 'powersgd' compresses matrices, and ddp all-reduces flat "
-                                 "gradient buckets, which it would send uncompressed: use int8, topk, fp16 "
-                                 "or bf16, or collectives.bucket.GradBucketer, which keeps the shapes")
         self.step = 0
         self.states: list = []
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringweave-compute-r{self.rank}")

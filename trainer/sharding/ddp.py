@@ -11,7 +11,8 @@ How it works:
                it (torch's gradient_as_bucket_view): "bucket_copy_in" and "_out" are free.
     backward:  grad_ready(i) for the LAST unit of a bucket launches all_reduce(sum) of the
                bucket on the event loop while the backward of the next units goes on (the
-               overlap); earlier micro-batches only accumulate (no_sync).
+               overlap); earlier micro-batches only accumulate (no_sync). PowerSGD reduces
+               the bucket's parameters as matrices (views of the buffer in their shapes).
     step:      every rank holds the same summed gradient; every rank steps all parameters.
 
     Worked example: units 0, 1, 2 with 66 KB, 263 KB, 10 KB of float32 gradients and
@@ -98,6 +99,16 @@ class DDPStrategy(DataParallelStrategy):
         for b in self.buckets:
             for i in b.unit_ids:
                 self.grads[i] = b.views[i]
+        # a matrix codec (PowerSGD) reduces each parameter of a bucket in its shape, a view of the buffer
+        from collectives import compressed  # local: the strategies import without collectives
+        matrices = self.collectives.codec is not None and compressed.compresses_matrices(self.collectives.codec)
+        self._shaped = {b.ready_after: [v for i in b.unit_ids for v in self.units[i].views(b.views[i]).values()]
+                        for b in self.buckets} if matrices else None
+        if (self.collectives.codec is not None and not matrices and self.config.compression_host_first
+                and not hasattr(self, "_hosts_asked")):
+            # several hosts of several ranks: reduce inside each host first, compress across once
+            self._hosts_asked = True  # new_group: once, at setup, on every rank of the world alike
+            self.collectives.hierarchy = compressed.host_groups(self.collectives.group)
 
     def _owned(self, i: int) -> tuple[int, int]:
         return 0, self.lengths[i]
@@ -141,7 +152,12 @@ class DDPStrategy(DataParallelStrategy):
             bucket = self._bucket_of.get(i)
             if bucket is not None:  # its last unit is done: reduce the whole bucket now
                 # key: the bucket's codec state (error feedback) follows the bucket from step to step
-                self.collectives.launch(self.collectives.all_reduce(bucket.buffer, grad=True, key=bucket.ready_after))
+                key = bucket.ready_after
+                if self._shaped is not None:  # PowerSGD: the bucket's parameters as matrices
+                    self.collectives.launch(self.collectives.all_reduce_matrices(bucket.buffer, self._shaped[key],
+                                                                                key=key))
+                else:
+                    self.collectives.launch(self.collectives.all_reduce(bucket.buffer, grad=True, key=key))
 
         return {"grad_ready": grad_ready}
 
