@@ -364,21 +364,15 @@ _BLOCKED = ("all_gather", "gather", "scatter")
 def table_choice(row: dict) -> str:
     """The algorithm this checkout's table (collectives/registry.py, rules files off) chooses for a
     row of collectives.py's JSON: its op, the bytes a rank passes, its world; one host, shared memory on."""
+    from unittest import mock
+
     import numpy as np
 
     from collectives import registry
     from runtime import env
     nbytes = row["count"] * np.dtype(row["dtype"]).itemsize if row["op"] in _BLOCKED else row["bytes"]
-    saved = {k: os.environ.get(k) for k in (env.SHM.name, env.TUNE.name)}
-    os.environ.update({env.SHM.name: "1", env.TUNE.name: "0"})
-    try:
+    with mock.patch.dict(os.environ, {env.SHM.name: "1", env.TUNE.name: "0"}):  # restored after
         return registry.choose(row["op"], nbytes, row["world"])[0]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main(argv=None) -> int:
