@@ -56,5 +56,6 @@ def test_the_command_line_prints_the_rows(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "machine.py"), "--grid", *paths], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[:2] == ["0 of 1 (op, size) rows within 1.10x",
-                                            "broadcast 4 B: default 3.00x the fastest (fastest/default per run: flat/shm)"]
+    assert proc.stdout.splitlines()[:2] == [
+        "0 of 1 (op, size) rows within 1.10x",
+        "broadcast 4 B: default 3.00x the fastest (fastest/default per run: flat/shm)"]
