@@ -40,11 +40,10 @@ def test_broadcast_takes_the_chain_only_across_hosts(monkeypatch, shm):
     # one host "shm" when shared memory is on
     assert registry.choose("broadcast", 1 << 20, 4, group=two_hosts) == ("chain", registry.ALGORITHMS["broadcast"]["chain"])
     assert registry.choose("broadcast", 1 << 20, 4, group=one_host)[0] == ("tree" if shm == "0" else "shm")
-    # reduce: Rabenseifner from 1 MiB across hosts, on one from 64 MiB at 4-7 ranks (the tree below)
+    # reduce: Rabenseifner from 1 MiB across hosts, from 16 MiB on one
     assert tcp("reduce", 1 << 20, 4, two_hosts)[0] == "rabenseifner"
     assert tcp("reduce", 1 << 20, 4, one_host)[0] == "tree"
-    assert tcp("reduce", 16 << 20, 4, one_host)[0] == "tree"
-    assert tcp("reduce", 64 << 20, 4, one_host)[0] == "rabenseifner"
+    assert tcp("reduce", 16 << 20, 4, one_host)[0] == "rabenseifner"
     # ... with several ranks per host in runs: the tree at every size; broadcast's tree to 1 MiB
     assert tcp("reduce", 1 << 20, 4, group_on("aabb"))[0] == "tree"
     assert tcp("reduce", 64 << 20, 8, group_on("aaaabbbb"))[0] == "tree"
