@@ -5,6 +5,9 @@ measured in the same run, three runs each, within a time budget, into one file k
     python bench/machine.py --budget 900 --runs 5    # longer, more runs per goal
     python bench/machine.py --only tcp-2,gap         # the goals whose id contains tcp-2 or gap
     python bench/machine.py --quick --out /tmp/m     # a smoke run: tiny iterations, one run
+    python bench/machine.py --grid a.json b.json     # measures nothing: the rows of these
+                                                     # collectives.py --algorithm all runs over 1.10x
+    python bench/machine.py --grid a.json --table    # ... as this checkout's table would choose
 
 It measures nothing itself: it runs bench/collectives.py and bench/trainer.py as subprocesses and
 reads their JSON. The layouts are those the machine allows: 2 ranks; 4 ranks, a core each where
@@ -50,7 +53,7 @@ ROOT = os.path.dirname(HERE)
 # Run as a script, bench/ is sys.path[0] and bench/collectives.py would shadow the package
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
-from bench._machine import Goal, Job, describe, find_peers, missing, plan_goals  # noqa: E402
+from bench._machine import Goal, Job, _grid_details, describe, find_peers, missing, plan_goals  # noqa: E402
 
 SAFETY = 0.9          # plan to this share of the time left
 STOP_GRACE_S = 10.0   # SIGTERM to SIGKILL
@@ -321,6 +324,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="directory of the file (default bench/results; --quick: bench/out)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (iterations and estimated seconds per job); run nothing")
+    p.add_argument("--grid", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: read these --json files of `collectives.py --algorithm all` (one layout) and "
+                        "print the (op, size) rows whose default algorithm's time over the fastest's, median over "
+                        "the files, is above --target")
+    p.add_argument("--target", type=float, default=1.10, help="with --grid: the ratio a row may reach (default 1.10)")
+    p.add_argument("--table", action="store_true",
+                   help="with --grid: each row's default is what this checkout's table chooses on one host with "
+                        "shared memory on, not what the run marked (a table change judged on the same runs)")
     args = p.parse_args(argv)
     args.runs = args.runs or (1 if args.quick else 3)
     if args.runs < 1 or args.budget <= 0:
@@ -330,8 +341,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def grid(paths: list[str], target: float, table: bool = False) -> list[str]:
+    """The grid goal's lines for these runs of one layout: how many (op, size) rows are within
+    ``target``, then each row over it, worst first. ``table``: the default of each row is
+    re-marked as :func:`table_choice` says."""
+    import json
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    if table:
+        for d in runs:
+            for r in d["rows"]:
+                r["default"] = r["algorithm"] == table_choice(r)
+    return _grid_details(target)(runs)
+
+
+# collectives.py's rows whose size is the whole output, not the block a rank passes to the table
+_BLOCKED = ("all_gather", "gather", "scatter")
+
+
+def table_choice(row: dict) -> str:
+    """The algorithm this checkout's table (collectives/registry.py, rules files off) chooses for a
+    row of collectives.py's JSON: its op, the bytes a rank passes, its world; one host, shared memory on."""
+    from unittest import mock
+
+    import numpy as np
+
+    from collectives import registry
+    from runtime import env
+    nbytes = row["count"] * np.dtype(row["dtype"]).itemsize if row["op"] in _BLOCKED else row["bytes"]
+    with mock.patch.dict(os.environ, {env.SHM.name: "1", env.TUNE.name: "0"}):  # restored after
+        return registry.choose(row["op"], nbytes, row["world"])[0]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.grid:
+        print("\n".join(grid(args.grid, args.target, args.table)))
+        return 0
     given = sys.argv[1:] if argv is None else argv
     command = "python bench/machine.py" + "".join(f" {shlex.quote(a)}" for a in given)
     started, load_before = time.time(), "%.2f %.2f %.2f" % os.getloadavg()

@@ -118,6 +118,7 @@ def _pow2(world: int) -> bool:
 # The default tables, first rule that applies wins. Sizes: nbytes is one rank's input (all_gather:
 # its block, so the gathered output is nbytes * world). Figures: bench/results/<collective>.md.
 SHM = "one copy in, one copy out: bench/results/shm.md#beside-openmpi"
+GRID = "bench/results/machine-c2-m24g-amd-epyc-nogpu.md (the default grid's rows over 1.10x)"
 HIER = "a block crosses into each host once, (H-1)/H of it per link: bench/results/all_gather.md#several-ranks-per-host"
 TABLES: dict[str, list[Rule]] = {
     "all_reduce": [
@@ -157,7 +158,8 @@ TABLES: dict[str, list[Rule]] = {
                        Rule("hierarchical", lambda nbytes, world: nbytes >= 1 << 20, hosts="grouped", why=HIER),
                        Rule("ring", always, why="bench/results/reduce_scatter.md#ring-blocks-on-the-fast-path")],
     "broadcast": [
-        Rule("shm", always, why=SHM),
+        Rule("shm", lambda nbytes, world: world > 4 or nbytes >= (1 << 20 if world == 2 else 256 << 10), why=GRID
+             + ": below, TCP's one send and receive straight off the socket beat the slot's two copies and hand-offs"),
         Rule("tree", lambda nbytes, world: 128 << 10 <= nbytes < 1 << 20, hosts="packed",
              why="crosses between hosts as seldom as the chain: bench/results/broadcast.md#several-ranks-per-host"),
         Rule("chain", lambda nbytes, world: nbytes >= (128 << 10 if world <= 8 else 512 << 10) and world <= 16,
@@ -171,8 +173,9 @@ TABLES: dict[str, list[Rule]] = {
              why="one array between two hosts: bench/results/reduce.md#several-ranks-per-host"),
         Rule("rabenseifner", lambda nbytes, world: nbytes >= 1 << 20, hosts="several",
              why="the root's link carries (n-1)/n of the array: bench/results/reduce.md#rabenseifner-across-hosts"),
-        Rule("rabenseifner", lambda nbytes, world: nbytes >= 16 << 20,
-             why="the work spread over every rank: bench/results/reduce.md#rabenseifner-against-the-tree"),
+        Rule("rabenseifner", lambda nbytes, world: nbytes >= 16 << 20 and world > 2,
+             why="the work spread over every rank: bench/results/reduce.md#rabenseifner-against-the-tree; at 2 "
+                 "ranks the tree's one step beat its two at 16 and 64 MiB: " + GRID),
         Rule("tree", always, why="log2(n) rounds: bench/results/reduce.md#tree-on-the-fast-path"),
     ],
     "gather": [
