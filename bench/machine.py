@@ -322,6 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma list: the goals whose id contains one of these (default all)")
     p.add_argument("--quick", action="store_true", help="the fewest iterations and one run: a check that it runs")
     p.add_argument("--out", default=None, help="directory of the file (default bench/results; --quick: bench/out)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep every job's JSON there (e.g. the grids, for --grid --table later); default: dropped")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (iterations and estimated seconds per job); run nothing")
     p.add_argument("--grid", nargs="+", metavar="JSON", default=None,
@@ -403,7 +405,9 @@ def main(argv=None) -> int:
         dry_run(plan, args.budget, machine.cores, args.quick)
         return 0
     with tempfile.TemporaryDirectory(prefix="rw-machine-") as tmp:
-        records = run_all(plan, args.budget - (time.time() - started), machine.cores, args.quick, tmp)
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+        records = run_all(plan, args.budget - (time.time() - started), machine.cores, args.quick, args.keep or tmp)
     ended = time.time()
     from collectives import tunefile
     layouts = sorted({g.where for g in goals if why_not[g.id] is None},
