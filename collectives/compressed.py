@@ -216,7 +216,8 @@ def host_groups(group):
     return mine
 
 
-async def hierarchical(flat: np.ndarray, codec, *, op: str, local, cross, timeout=None, key=None) -> None:
+async def hierarchical(flat: np.ndarray, codec, *, op: str, local, cross, timeout=None, key=None,
+                       scratch: dict | None = None) -> None:
     """Compressed all_reduce of ``flat`` (1-D, in place) across hosts: float32 reduce_scatter
     inside the host (``local``, L ranks), the compressed all_reduce of this rank's block of n / L
     with its peers on the other hosts (``cross``; ``key`` its state stream), all_gather inside the
@@ -225,12 +226,19 @@ async def hierarchical(flat: np.ndarray, codec, *, op: str, local, cross, timeou
     payload(n) out of each host per call instead of 2 payload(n). Every rank ends with the same
     bits (the cross all_reduce's are the same on its members, the all_gather copies them). The
     calls on ``local`` and ``cross`` of concurrent callers must run one at a time (their order
-    across the two groups is not fixed by launch order): AccountedCollectives holds a lock."""
+    across the two groups is not fixed by launch order): AccountedCollectives holds a lock.
+    ``scratch``: a dict the caller keeps, whose float32 buffers (per size) later calls reuse; only
+    for calls that run one at a time (as under that lock)."""
     L, n = local.size, flat.size
     chunk = -(-n // L)
-    x = np.zeros(L * chunk, np.float32)
+    bufs = None if scratch is None else scratch.get(n)
+    if bufs is None:
+        bufs = (np.empty(L * chunk, np.float32), np.empty(chunk, np.float32))
+        if scratch is not None:
+            scratch[n] = bufs
+    x, block = bufs
     x[:n] = flat
-    block = np.empty(chunk, np.float32)
+    x[n:] = 0  # the padding (< L elements; the last call's all_gather wrote there)
     await calls.reduce_scatter(block, x, "sum", local, timeout, None)
     await all_reduce(block, codec, op="sum", group=cross, timeout=timeout, key=key)
     await calls.all_gather(x, block, local, timeout, None)

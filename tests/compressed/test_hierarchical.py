@@ -94,3 +94,29 @@ async def test_ddp_reduces_compressed_gradients_host_first_on_several_hosts():
             np.testing.assert_array_equal(a, b)
     flat = await run_ranks(4, body_flat, transport="tcp", timeout_s=60)
     assert not all(np.array_equal(a, b) for a, b in zip(flat[0], params[0]))  # another reduction: other bits
+
+
+
+async def test_a_reused_scratch_gives_the_bits_of_fresh_buffers():
+    """Calls that reuse one scratch (as DDP's buckets under the accounting's lock) end with the bits of
+    calls that allocate afresh, over several steps of error feedback, at a size with padding."""
+    from runtime.testing import run_ranks
+
+    async def body(g):
+        g.runtime.nodes = list("AABB")
+        local, cross = compressed.host_groups(g)
+        fresh, reused = get_codec("int8", error_feedback=True), get_codec("int8", error_feedback=True)
+        scratch, out = {}, []
+        rng = np.random.default_rng(g.rank)
+        for _ in range(3):
+            a = rng.standard_normal(1001).astype(np.float32)  # 1001 = 2 x 501 - 1: one element of padding
+            b = a.copy()
+            await compressed.hierarchical(a, fresh, op="sum", local=local, cross=cross, key=0)
+            await compressed.hierarchical(b, reused, op="sum", local=local, cross=cross, key=0, scratch=scratch)
+            out.append((a, b))
+        return out, len(scratch)
+
+    for out, kept in await run_ranks(4, body, transport="tcp", timeout_s=60):
+        assert kept == 1
+        for a, b in out:
+            np.testing.assert_array_equal(a, b)

@@ -66,6 +66,7 @@ class AccountedCollectives:
         self.bytes_sent = 0
         self.hierarchy = None  # (local, cross) groups: gradients all-reduced host-first (compressed.host_groups)
         self._one_at_a_time = asyncio.Lock()  # hierarchical calls, in launch order (FIFO)
+        self._scratch: dict = {}  # their float32 buffers, per bucket size (used one call at a time)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -139,7 +140,7 @@ class AccountedCollectives:
                 nbytes = 8 * (cross.size - 1) * chunk // cross.size
             async with self._one_at_a_time:  # FIFO: every rank runs them in launch order
                 await self._timed(nbytes + 8 * (local.size - 1) * chunk, compressed.hierarchical(
-                    x.reshape(-1), self.codec, op=op, local=local, cross=cross, key=key))
+                    x.reshape(-1), self.codec, op=op, local=local, cross=cross, key=key, scratch=self._scratch))
             return
         if grad and self.codec is not None:
             from collectives import compressed
