@@ -139,10 +139,15 @@ def all_reduce_shm(m: Machine, p: int, n: float, hosts: int = 1) -> float:
 
 def all_reduce_hierarchical(m: Machine, p: int, n: float, hosts: int = 1) -> float:
     local = max(1, math.ceil(p / hosts))
-    inside = all_reduce_shm(m, local, n) + m.shm.alpha + n * m.shm.beta  # + the leader's gather and spread
     across = min(all_reduce_ring(m, hosts, n, hosts), all_reduce_halving_doubling(m, hosts, n, hosts)) \
-        if hosts > 1 else 0.0
-    return inside + across
+        if hosts > 1 else 0.0  # (equal hosts: k flows of n/k share the host's link: an all_reduce of n)
+    if p % hosts:  # unequal hosts: through the leaders, stage after stage (+ the leader's gather and spread)
+        return all_reduce_shm(m, local, n) + m.shm.alpha + n * m.shm.beta + across
+    s, part = m.shm, (local - 1) / local * n
+    # equal hosts: one copy-in, local rank a reduces chunk a over the host, its all_reduce across,
+    # the others copy it out; part by part, the crossing overlapping the reduction and the copies
+    inside = 2 * s.alpha + n * s.beta + part * (m.gamma + s.beta) + part * s.beta
+    return max(inside, across) + 2 * s.alpha
 
 
 def all_gather_ring(m: Machine, p: int, n: float, hosts: int = 1) -> float:

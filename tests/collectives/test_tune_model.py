@@ -70,3 +70,16 @@ def test_machine_json_round_trip_and_refusal():
     bad["loopback"]["beta"] = -1
     with pytest.raises(ValueError, match="model.loopback.beta"):
         Machine.from_json(bad)
+
+
+def test_hierarchical_all_reduce_of_equal_hosts_overlaps_the_crossing_and_unequal_go_through_leaders():
+    n = 16 * MiB
+    across = min(costmodel.all_reduce_ring(M, 2, n, 2), costmodel.all_reduce_halving_doubling(M, 2, n, 2))
+    # 2 hosts x 2 ranks: one copy-in, half the array reduced and copied out per rank (8 MiB), by hand
+    inside = 2e-6 + n * 0.1e-9 + n / 2 * (0.5e-9 + 0.1e-9) + n / 2 * 0.1e-9
+    assert inside < across  # the link bounds it: the host's work hides under the crossing
+    equal = costmodel.all_reduce_hierarchical(M, 4, n, hosts=2)
+    assert equal == pytest.approx(across + 2e-6, rel=1e-12)
+    # 5 ranks on 2 hosts (3 + 2): the leaders' stages one after the other, the gather and spread too
+    unequal = costmodel.all_reduce_hierarchical(M, 5, n, hosts=2)
+    assert unequal == pytest.approx(costmodel.all_reduce_shm(M, 3, n) + 1e-6 + n * 0.1e-9 + across, rel=1e-12)
