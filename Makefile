@@ -44,8 +44,8 @@ test: $(TEST_STAMP) sysdeps
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m compileall -q runtime collectives trainer tools bench ringweave_torch >/dev/null
 	@status=0; \
-	echo '$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial"'; \
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial" || status=$$?; \
+	echo '$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"'; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" || status=$$?; \
 	echo '$(PYTEST) -m serial'; \
 	$(PYTEST) -m serial || status=$$?; \
 	exit $$status

@@ -5,8 +5,8 @@ the simulator in CI through tests/*/test_*_cuda.py either way (marked ``cudasim`
 case modules run together, in one interpreter).
 
 The ``serial`` marker: the tests that must run with no other test beside them (:data:`SERIAL`).
-`make test` runs the rest on both cores (pytest-xdist: ``-n 2 -m "not serial"``), then these,
-one at a time (``-m serial``); a plain ``pytest`` runs everything in one process, as before."""
+`make test` runs the rest on both cores (pytest-xdist: ``-n 2 --dist loadfile -m "not serial"``),
+then these, one at a time (``-m serial``); a plain ``pytest`` runs everything in one process."""
 
 import os
 import sys
@@ -51,7 +51,8 @@ SERIAL = (
     "tests/store/test_store_tcp.py", "tests/store/test_store_blocking.py", "tests/store/test_store_many_clients.py",
     "tests/collectives/test_coll_failures.py", "tests/collectives/test_coll_late_rank.py",
     "tests/collectives/test_coll_monitored_barrier.py", "tests/collectives/test_commit.py",
-    "tests/collectives/test_coll_first_call.py",
+    "tests/collectives/test_coll_first_call.py", "tests/collectives/test_tune_command.py",
+    "tests/collectives/test_coll_blocking.py::test_plain_script_through_launcher",
     "tests/parallel/test_mesh_faults.py",
     "tests/parallel/test_mesh_launcher.py::test_a_rank_killed_in_a_tp2_pp2_step_fails_every_rank_naming_it",
     "tests/loop/test_ticker.py",
@@ -86,18 +87,37 @@ def pytest_configure(config):
         "these after the rest, with -m serial")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker, and before pytest-xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests of :data:`SERIAL` ``serial``; on a pytest-xdist worker, groups the tests by
-    file and all ``cudasim`` wrappers together (``--dist loadgroup``), so that one worker runs
-    a file's module fixtures once and the simulator's one interpreter for every case module."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER") is not None
+    """Marks the tests of :data:`SERIAL` ``serial``."""
     for item in items:
         if is_serial(item):
             item.add_marker(pytest.mark.serial)
-        if worker:
-            group = "cudasim" if item.get_closest_marker("cudasim") else _path(item)
-            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def simulated_files() -> set[str]:
+    """The test files that run case modules under the simulator (a ``cudasim`` marker in them)."""
+    return {p.relative_to(_ROOT).as_posix() for p in Path(_ROOT, "tests").rglob("test_*.py")
+            if "mark.cudasim" in p.read_text(errors="replace")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``--dist loadfile`` (each file's tests on one worker: its module fixtures
+    are made once), with the files of :func:`simulated_files` as one file, so that the simulator's
+    one run of every case module (tests/cudasim.py) happens on one worker, once."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    simulated = simulated_files()
+
+    class FilesScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "the simulator's wrappers" if path in simulated else path
+
+    return FilesScheduling(config, log)
 
 
 def pytest_collect_file(file_path, parent):
