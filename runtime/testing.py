@@ -24,7 +24,6 @@ whatever happened.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from typing import Any, Awaitable, Callable
 
 from runtime.actor import Actor
@@ -37,11 +36,7 @@ from runtime.transport import MemoryConnection
 async def make_runtimes(n: int, transport: str = "memory", *, timeout_s: float = 30.0,
                         secret: bytes | None = None, store=None, **actor_kw) -> list[RankRuntime]:
     """Creates ``n`` connected runtimes in this event loop (the caller closes them)."""
-    # A job name of their own: shared-memory names start with it, and a rank's clean-up after a lost
-    # peer unlinks that peer's names by it, which must never reach another test's ranks (another
-    # process running tests at the same time, in the same /dev/shm).
-    job = "test-" + secrets.token_hex(4)
-    actors = [Actor(r, n, secret=secret, job=job, **actor_kw) for r in range(n)]
+    actors = [Actor(r, n, secret=secret, job="test", **actor_kw) for r in range(n)]
     try:
         if transport == "memory":
             for a in range(n):
