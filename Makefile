@@ -32,13 +32,23 @@ demo: $(STAMP)
 
 # The whole test suite (what CI runs): the system packages (sysdeps), lint (pyproject.toml
 # [tool.ruff]), the library's bytecode compiled once (where PYTHONDONTWRITEBYTECODE is set, each of
-# the suite's hundreds of launched ranks would otherwise compile it again), then every test. The
-# tests install the ptx extra too (PTX=0 leaves it out) and then require it: the PTX test compiles
-# every kernel for a device on a machine without one.
+# the suite's hundreds of launched ranks would otherwise compile it again), then every test, in two
+# parts: the tests not marked serial on TEST_WORKERS cores at once (pytest-xdist; each file, and the
+# simulator's wrappers together, on one worker), then the serial ones alone, one at a time: they
+# assert wall-clock bounds or run jobs with deadlines (tests/conftest.py, SERIAL). Both parts run;
+# either failing fails `make test`. The tests install the ptx extra too (PTX=0 leaves it out) and
+# then require it: the PTX test compiles every kernel for a device on a machine without one.
+TEST_WORKERS ?= 2
+PYTEST := $(if $(filter 0,$(PTX)),,RINGWEAVE_REQUIRE_PTX=1 )$(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(TEST_STAMP) sysdeps
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m compileall -q runtime collectives trainer tools bench ringweave_torch >/dev/null
-	$(if $(filter 0,$(PTX)),,RINGWEAVE_REQUIRE_PTX=1 )$(BIN)/python -m pytest -q -p no:cacheprovider
+	@status=0; \
+	echo '$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"'; \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" || status=$$?; \
+	echo '$(PYTEST) -m serial'; \
+	$(PYTEST) -m serial || status=$$?; \
+	exit $$status
 
 # SLURM (slurmctld, slurmd, munge, the client commands) and Open MPI's mpirun, from Debian's
 # packages: the tests in tests/scheduler/ then run a private SLURM and real mpirun jobs

@@ -2,7 +2,11 @@
 fixture ``ranks`` from runtime.testing, and the ``gpu`` marker: the GPU case modules
 (``tests/*/gpu_*_cases.py``) are collected where a GPU is usable (tests/cudasim.py), and run under
 the simulator in CI through tests/*/test_*_cuda.py either way (marked ``cudasim``: this pytest run's
-case modules run together, in one interpreter)."""
+case modules run together, in one interpreter).
+
+The ``serial`` marker: the tests that must run with no other test beside them (:data:`SERIAL`).
+`make test` runs the rest on both cores (pytest-xdist: ``-n 2 --dist loadfile -m "not serial"``),
+then these, one at a time (``-m serial``); a plain ``pytest`` runs everything in one process."""
 
 import os
 import sys
@@ -28,6 +32,49 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":  # simulated threads get the G
     sys.setswitchinterval(cudasim.SWITCH_INTERVAL_S)
 
 
+# The tests that run alone (marked ``serial`` here, by path, so that no test file need say so; a
+# test may also carry ``@pytest.mark.serial`` itself). Each asserts a wall-clock bound or detects a
+# fault within a deadline (a stalled, stopped or killed peer, a named timeout, a heartbeat, an
+# elastic recovery), or launches jobs whose timings a test on the other core would stretch: SLURM
+# and mpirun jobs, emulated hosts, the benchmarks' smoke runs, the first-call and loop-turn
+# figures. An entry is a folder ("tests/faults/"), a file, or a file's test ("FILE::NAME", every
+# parametrization of it).
+SERIAL = (
+    "tests/faults/", "tests/elastic/", "tests/soak/", "tests/scheduler/", "tests/multinode/",
+    "tests/security/", "tests/launch/",
+    "tests/bench/test_bench_smoke.py", "tests/bench/test_compress_e2e.py", "tests/bench/test_machine.py",
+    "tests/bench/test_netem_smoke.py",
+    "tests/shm/test_shm_processes.py", "tests/shm/test_shm_domains.py", "tests/shm/test_shm_unit.py",
+    "tests/shm/test_shm_waits.py", "tests/shm/test_shm_atomics.py", "tests/shm/test_shm_fastpath_inline.py",
+    "tests/runtime/test_stalled_peer.py", "tests/runtime/test_peers.py", "tests/runtime/test_membership.py",
+    "tests/runtime/test_recv_now.py", "tests/runtime/test_dial.py",
+    "tests/store/test_store_tcp.py", "tests/store/test_store_blocking.py", "tests/store/test_store_many_clients.py",
+    "tests/collectives/test_coll_failures.py", "tests/collectives/test_coll_late_rank.py",
+    "tests/collectives/test_coll_monitored_barrier.py", "tests/collectives/test_commit.py",
+    "tests/collectives/test_coll_first_call.py", "tests/collectives/test_tune_command.py",
+    "tests/collectives/test_coll_blocking.py::test_plain_script_through_launcher",
+    "tests/parallel/test_mesh_faults.py",
+    "tests/parallel/test_mesh_launcher.py::test_a_rank_killed_in_a_tp2_pp2_step_fails_every_rank_naming_it",
+    "tests/loop/test_ticker.py",
+    "tests/torch_backend/test_torch_failures.py",
+)
+
+
+def _path(item) -> str:
+    """The test's file, relative to the repository root ("tests/faults/test_fault_stall.py")."""
+    path = Path(str(item.path)).resolve()
+    return path.relative_to(_ROOT).as_posix() if path.is_relative_to(_ROOT) else path.as_posix()
+
+
+def is_serial(item) -> bool:
+    """Whether ``item`` is one of :data:`SERIAL` or marked ``serial`` in its file."""
+    if item.get_closest_marker("serial") is not None:
+        return True
+    path = _path(item)
+    test = f"{path}::{getattr(item, 'originalname', item.name)}"
+    return any(path.startswith(entry) if entry.endswith("/") else entry in (path, test) for entry in SERIAL)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: numba.cuda cases (tests/*/gpu_*_cases.py): on a real GPU with `pytest -m gpu`, "
@@ -35,6 +82,42 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cudasim(cases): the test runs the case module `cases` under the simulator; the session's "
         "case modules run in one interpreter (tests/cudasim.py)")
+    config.addinivalue_line(
+        "markers", "serial: runs with no other test beside it (SERIAL in tests/conftest.py): `make test` runs "
+        "these after the rest, with -m serial")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of :data:`SERIAL` ``serial``."""
+    for item in items:
+        if is_serial(item):
+            item.add_marker(pytest.mark.serial)
+
+
+def simulated_files() -> set[str]:
+    """The test files that run case modules under the simulator (a ``cudasim`` marker in them)."""
+    return {p.relative_to(_ROOT).as_posix() for p in Path(_ROOT, "tests").rglob("test_*.py")
+            if "mark.cudasim" in p.read_text(errors="replace")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``--dist loadfile`` (each file's tests on one worker: its module fixtures
+    are made once), with the files of :func:`simulated_files` as one file, so that the simulator's
+    one run of every case module (tests/cudasim.py) happens on one worker, once."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    simulated = simulated_files()
+
+    class FilesScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "the simulator's wrappers" if path in simulated else path
+
+    return FilesScheduling(config, log)
 
 
 def pytest_collect_file(file_path, parent):
