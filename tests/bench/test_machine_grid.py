@@ -3,7 +3,6 @@ collectives.py --algorithm all JSON, with the default as each run marked it or a
 table chooses (--table). No speed is measured or asserted: the rows are made up."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench import machine  # noqa: E402
+from runtime import env  # noqa: E402
 
 
 def run_of(times: dict, default: str, op="broadcast", nbytes=4, world=2) -> dict:
@@ -48,7 +48,7 @@ def test_the_table_option_marks_this_checkouts_choice(tmp_path, monkeypatch):
     lines = machine.grid(paths, 1.10, table=True)
     assert lines == ["1 of 1 (op, size) rows within 1.10x"], lines
     assert machine.grid(paths, 1.10)[1].startswith("broadcast 4 B: default 3.00x")
-    assert os.environ["RINGWEAVE_SHM"] == "0"
+    assert env.SHM.get() is False  # the option's own setting was restored after the look-up
 
 
 def test_the_command_line_prints_the_rows(tmp_path):
