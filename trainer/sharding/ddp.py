@@ -83,6 +83,7 @@ class DDPStrategy(DataParallelStrategy):
     name = "ddp"
     replicated_state = True
     replicated_grads = True
+    _hosts_asked = False  # the host-first groups made (new_group: once, on every rank alike)
 
     def _allocate(self, full: list[np.ndarray]) -> None:
         self.master = full  # (lengths[i],) each, master dtype
@@ -105,9 +106,9 @@ class DDPStrategy(DataParallelStrategy):
         self._shaped = {b.ready_after: [v for i in b.unit_ids for v in self.units[i].views(b.views[i]).values()]
                         for b in self.buckets} if matrices else None
         if (self.collectives.codec is not None and not matrices and self.config.compression_host_first
-                and not hasattr(self, "_hosts_asked")):
+                and not self._hosts_asked):
             # several hosts of several ranks: reduce inside each host first, compress across once
-            self._hosts_asked = True  # new_group: once, at setup, on every rank of the world alike
+            self._hosts_asked = True
             self.collectives.hierarchy = compressed.host_groups(self.collectives.group)
 
     def _owned(self, i: int) -> tuple[int, int]:
