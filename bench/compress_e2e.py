@@ -37,8 +37,8 @@ times per epoch: the trainer runs epochs of windows/K (rounded up to whole batch
 validation loss comes K times per epoch. The learning-rate warm-up stays half an epoch of the
 full size, and top-k's warm-up is ``--codec-warmup-epochs`` (default 0.5; the trainer's default
 of two epochs would be the whole run). The table's header states all of it. ``--variants``
-picks variants by label, ``--estimate`` prints how long the runs should take (from the 1.5-epoch
-run's seconds per step) and runs nothing; the estimate is printed before every run too.
+picks variants by label, ``--estimate`` prints how long the runs should take (from the recorded
+run's seconds per step, bench/results/compress_e2e.json) and runs nothing; the estimate is printed before every run too.
 
 Measured, per variant: the validation loss after each of those intervals against the training
 clock (seconds since training began, evaluation excluded: every variant evaluates alike, and the
@@ -186,7 +186,7 @@ def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: 
 def job(variant: Variant, budget: Budget, metrics: str, powersgd_rank: int, **knobs) -> list[str]:
     """What bench/netem.py runs after ``--`` for a variant (torch's worker: its options, then
     ``--trainer`` and the trainer's arguments, which give it the data, model and schedule);
-    ``knobs``: :func:`trainer_args`' bucket_cap_mb and topk_ratio."""
+    ``knobs``: :func:`trainer_args`' bucket_cap_mb, topk_ratio and flat."""
     if variant.framework == "ringweave":
         return ["-m", "trainer", *trainer_args(variant, budget, metrics, **knobs)]
     rank = powersgd_rank if variant.codec == "powersgd" else 0
@@ -252,30 +252,39 @@ def knobs_of(args) -> dict:
     return {"bucket_cap_mb": args.bucket_cap_mb, "topk_ratio": args.topk_ratio, "flat": args.compression_flat}
 
 
-# wall seconds per step of each variant at each rate: 1.5 epochs (156 steps, 6 evaluations, kernel
-# caches warm), 25 MiB buckets, bench/results/compression.md "End to end" of 2026-11-27; PER_JOB_S:
-# launch and exit of one job. What the estimate scales; a variant not there takes its strategy's
-# none row.
-PRIOR_WALL_S_PER_STEP = {
-    "100mbit": {"ddp none": 0.56, "ddp int8+ef": 0.31, "ddp topk+ef": 0.23, "fsdp none": 0.83, "fsdp int8+ef": 0.69,
-                "fsdp topk+ef": 0.64, "torch-ddp": 0.60, "torch-ddp powersgd": 0.47},
-    "1gbit": {"ddp none": 0.25, "ddp int8+ef": 0.24, "ddp topk+ef": 0.24, "fsdp none": 0.27, "fsdp int8+ef": 0.27,
-              "fsdp topk+ef": 0.28, "torch-ddp": 0.30, "torch-ddp powersgd": 0.31},
-}
-PER_JOB_S, WARM_JOB_S = 10.0, 15.0
+PER_JOB_S, WARM_JOB_S = 10.0, 15.0  # launch and exit of one job; one cache-warming job
 
 
-def estimate_s(rates, labels, steps: int) -> float:
+def prior_wall_s_per_step(path: str | None = None) -> dict[str, dict[str, float]]:
+    """rate -> label -> wall seconds per step of each variant in the recorded run (``path``, default
+    bench/results/compress_e2e.json: wall_s / steps): what the estimate scales. Empty where there
+    is no readable record."""
+    path = path or os.path.join(_ROOT, "bench", "results", NAME + ".json")
+    try:
+        with open(path) as f:
+            results = json.load(f)["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    prior: dict[str, dict[str, float]] = {}
+    for r in results:
+        if isinstance(r, dict) and r.get("steps") and isinstance(r.get("wall_s"), (int, float)):
+            prior.setdefault(r["rate"], {})[r["label"]] = r["wall_s"] / r["steps"]
+    return prior
+
+
+def estimate_s(rates, labels, steps: int, prior: dict | None = None) -> float:
     """Seconds the grid should take on 2 quiet cores: per job PER_JOB_S plus its prior seconds per
-    step x ``steps`` (a rate not measured: the nearest measured one, by the rate's bits per
-    second), plus one cache-warming job per ringweave variant."""
+    step (``prior``, default :func:`prior_wall_s_per_step`) x ``steps`` (a rate not measured: the
+    nearest measured one, by the rate's bits per second; a variant not measured: its strategy's
+    none, else 0.6 s), plus one cache-warming job per ringweave variant."""
+    prior_all = prior_wall_s_per_step() if prior is None else prior
     def bps(rate: str) -> float:
         num, unit = re.match(r"^(\d+(?:\.\d+)?)([kmgt]?)", rate.lower()).groups()
         return float(num) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit]
     total = WARM_JOB_S * sum(not label.startswith("torch") for label in labels)
     for rate in rates:
-        prior = PRIOR_WALL_S_PER_STEP.get(rate) or PRIOR_WALL_S_PER_STEP[
-            min(PRIOR_WALL_S_PER_STEP, key=lambda r: abs(math.log(bps(r) / bps(rate))))]
+        prior = prior_all.get(rate) or (prior_all[min(prior_all, key=lambda r: abs(math.log(bps(r) / bps(rate))))]
+                                        if prior_all else {})
         for label in labels:
             per_step = prior.get(label) or prior.get(f"{label.split()[0].removeprefix('torch-')} none", 0.6)
             total += PER_JOB_S + per_step * steps
@@ -554,6 +563,22 @@ def run_variant(args, rate: str, variant: Variant, budget: Budget, scratch: str)
     return result
 
 
+QUIET_WAIT_S = 300.0  # the longest a job waits for --quiet-start
+
+
+def wait_for_load(below: float, limit_s: float, *, load=os.getloadavg, sleep=time.sleep) -> float:
+    """Waits (at most ``limit_s``) until the 1-minute load average is under ``below``: the previous
+    job's ranks decay out of it, so each job starts on a machine its predecessor has left. Returns
+    the load it started at (printed, and over ``below`` where the wait ran out)."""
+    deadline = time.monotonic() + limit_s
+    while (now := load()[0]) >= below and time.monotonic() < deadline:
+        sleep(2.0)
+    if now >= below:
+        print(f"compress_e2e: the load is still {now:.2f} after {limit_s:.0f} s; starting anyway",
+              file=sys.stderr, flush=True)
+    return now
+
+
 def warm_caches(todo: list[Variant], scratch: str, knobs: dict | None = None) -> None:
     """One tiny job per codec and strategy to run, on loopback: the kernels compile into Numba's
     cache here, not inside the first timed run's training clock (a cold cache cost a first step
@@ -599,6 +624,8 @@ def run_grid(args, budget: Budget, meta: dict) -> list[dict]:
         warm_caches(todo, scratch, knobs_of(args))
         for rate in args.rate:
             for v in todo:
+                if args.quiet_start is not None:
+                    wait_for_load(args.quiet_start, QUIET_WAIT_S)
                 print(f"{rate} {v.label} ...", file=sys.stderr, flush=True)
                 r = run_variant(args, rate, v, budget, scratch)
                 if r.get("points"):
@@ -814,6 +841,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="the target is L x (1 + this), L the uncompressed final loss (default 0.01)")
     p.add_argument("--max-time-s", type=_positive(int), default=900, help="one job's limit (default 900)")
+    p.add_argument("--quiet-start", type=_positive(float), default=None, metavar="LOAD",
+                   help="before each job, wait (at most 300 s) until the 1-minute load average is under LOAD, "
+                        "e.g. 1.0: the previous job's four ranks decay out of it (each job's load_before says "
+                        "where it started)")
     p.add_argument("--out", required=True,
                    help="the markdown file: its section of this name is replaced (or added); compress_e2e.png "
                         "and compress_e2e.json go beside it")

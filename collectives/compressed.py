@@ -430,18 +430,20 @@ def _worth_compressing(shape, r: int) -> bool:
     return len(shape) >= 2 and r * (n + m) < n * m
 
 
+def _matrices_and_riders(arrays: list, r: int) -> tuple[list[int], list[int]]:
+    """Indices of the arrays PowerSGD compresses at rank ``r`` and of those riding uncompressed."""
+    mats, plain = [], []
+    for i, a in enumerate(arrays):
+        (mats if a.dtype.kind == "f" and _worth_compressing(a.shape, r) else plain).append(i)
+    return mats, plain
+
+
 def powersgd_phase_counts(arrays: list, codec) -> int:
     """float32 elements PowerSGD's two phases all-reduce for ``arrays`` (as :func:`powersgd_phases`
-    splits them): sum of r (n + m) per matrix worth compressing, plus the size of every other array."""
-    r = split(resolve(codec))[1].rank
-    total = 0
-    for a in arrays:
-        if a.dtype.kind == "f" and _worth_compressing(a.shape, r):
-            n, m = matrix_shape(a.shape)
-            total += r * (n + m)
-        else:
-            total += a.size
-    return total
+    splits them): r (n + m) per matrix worth compressing, plus the size of every other array."""
+    inner = split(resolve(codec))[1]
+    mats, plain = _matrices_and_riders(arrays, inner.rank)
+    return sum(inner.wire_nbytes(arrays[i].shape) for i in mats) // 4 + sum(arrays[i].size for i in plain)
 
 
 async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, key=None) -> None:
@@ -457,9 +459,7 @@ async def powersgd_phases(arrays: list, codec, *, op: str, group, timeout=None, 
         raise TypeError(f"powersgd_phases needs a PowerSGDCodec, got {inner!r}")
     group = group_of(group)
     W, r = group.size, inner.rank
-    mats, plain = [], []  # indices of the arrays compressed / riding uncompressed
-    for i, a in enumerate(arrays):
-        (mats if a.dtype.kind == "f" and _worth_compressing(a.shape, r) else plain).append(i)
+    mats, plain = _matrices_and_riders(arrays, r)
     M, P = {}, {}
     for i in mats:
         y = ef.compensate(arrays[i], key=(key, i)) if ef is not None else as_f32(arrays[i])

@@ -316,17 +316,27 @@ def test_the_bucket_size_and_top_k_ratio_reach_the_trainer_and_torch_ddp():
     assert make_config(host_first, 26).compression_host_first is True
 
 
-def test_the_estimate_is_the_prior_seconds_per_step_scaled_to_the_budget():
-    prior = e2e.PRIOR_WALL_S_PER_STEP
-    one = e2e.estimate_s(["100mbit"], ["ddp none"], 208)
+def test_the_estimate_is_the_prior_seconds_per_step_scaled_to_the_budget(tmp_path):
+    record = tmp_path / "e2e.json"
+    record.write_text(json.dumps({"meta": {}, "results": [
+        {"rate": "100mbit", "label": "ddp none", "wall_s": 112.0, "steps": 200},
+        {"rate": "100mbit", "label": "torch-ddp", "wall_s": 130.0, "steps": 200},
+        {"rate": "1gbit", "label": "ddp none", "wall_s": 50.0, "steps": 200},
+        {"rate": "1gbit", "label": "torch-ddp", "wall_s": 60.0, "steps": 200},
+        {"rate": "1gbit", "label": "fsdp powersgd+ef", "refused": "why"}]}))  # a refused row: no time
+    prior = e2e.prior_wall_s_per_step(str(record))
+    assert prior == {"100mbit": {"ddp none": 0.56, "torch-ddp": 0.65}, "1gbit": {"ddp none": 0.25, "torch-ddp": 0.3}}
+    one = e2e.estimate_s(["100mbit"], ["ddp none"], 208, prior)
     assert one == pytest.approx(e2e.WARM_JOB_S + e2e.PER_JOB_S + 208 * prior["100mbit"]["ddp none"])
-    both = e2e.estimate_s(["100mbit", "1gbit"], ["ddp none", "torch-ddp"], 100)
+    both = e2e.estimate_s(["100mbit", "1gbit"], ["ddp none", "torch-ddp"], 100, prior)
     assert both == pytest.approx(e2e.WARM_JOB_S + 4 * e2e.PER_JOB_S + 100 * (
         prior["100mbit"]["ddp none"] + prior["100mbit"]["torch-ddp"] + prior["1gbit"]["ddp none"]
         + prior["1gbit"]["torch-ddp"]))
     # a variant never measured takes its strategy's none; a rate never measured the nearest one's
-    assert e2e.estimate_s(["1gbit"], ["ddp powersgd+ef"], 10) == e2e.estimate_s(["1gbit"], ["ddp none"], 10)
-    assert e2e.estimate_s(["200mbit"], ["ddp none"], 10) == e2e.estimate_s(["100mbit"], ["ddp none"], 10)
+    assert e2e.estimate_s(["1gbit"], ["ddp powersgd+ef"], 10, prior) == e2e.estimate_s(["1gbit"], ["ddp none"], 10, prior)
+    assert e2e.estimate_s(["200mbit"], ["ddp none"], 10, prior) == e2e.estimate_s(["100mbit"], ["ddp none"], 10, prior)
+    assert e2e.prior_wall_s_per_step(str(tmp_path / "missing.json")) == {}
+    assert e2e.prior_wall_s_per_step() != {}  # the committed record is read
 
 
 def test_estimate_runs_nothing_and_filters_the_variants(monkeypatch, capsys):
@@ -353,3 +363,12 @@ def test_from_json_takes_several_runs_together(tmp_path):
     assert "- Command: `c1`; `c2`" in text and "load 1.0 before, 3.0 after" in text
     together = json.loads((tmp_path / "compress_e2e.json").read_text())  # beside --out, drawn again alike
     assert len(together["results"]) == 2 * len(rows) and together["meta"]["command"] == "c1`; `c2"
+
+
+def test_wait_for_load_waits_until_the_load_falls_and_no_longer_than_its_limit():
+    loads = iter([3.0, 2.0, 0.9, 0.5])
+    slept = []
+    assert e2e.wait_for_load(1.0, 60, load=lambda: (next(loads), 0, 0), sleep=slept.append) == 0.9
+    assert slept == [2.0, 2.0]
+    assert e2e.wait_for_load(1.0, 0.0, load=lambda: (4.0, 0, 0), sleep=slept.append) == 4.0  # limit spent
+    assert slept == [2.0, 2.0]

@@ -161,12 +161,13 @@ class AccountedCollectives:
         if self.size == 1:
             return
         from collectives import compressed
-        if compressed.split(compressed.resolve(self.codec))[1].vanilla(key):
+        codec = compressed.resolve(self.codec)
+        if compressed.split(codec)[1].vanilla(key):
             await self.all_reduce(flat)
             return
-        nbytes = 4 * compressed.powersgd_phase_counts(arrays, self.codec)
+        nbytes = 4 * compressed.powersgd_phase_counts(arrays, codec)
         await self._timed(self._ring(nbytes, 2.0), compressed.powersgd_phases(
-            arrays, compressed.resolve(self.codec), op="sum", group=self.group, key=key))
+            arrays, codec, op="sum", group=self.group, key=key))
 
     async def all_gather(self, out: np.ndarray, x: np.ndarray) -> None:
         """``out`` (size * len(x),) gets every rank's ``x``, rank-major."""
