@@ -919,7 +919,7 @@ def main(argv=None) -> int:
     estimate = estimate_s(args.rate, labels, budget.steps)
     print(f"compress_e2e: {len(labels)} variants x {len(args.rate)} rates ({', '.join(args.rate)}), "
           f"{budget.steps} steps each: about {estimate / 60:.0f} minutes on 2 quiet cores (an estimate, from the "
-          f"1.5-epoch run's seconds per step with 25 MiB buckets)", file=sys.stderr, flush=True)
+          f"recorded run's seconds per step, bench/results/compress_e2e.json)", file=sys.stderr, flush=True)
     if args.estimate:
         return 0
     deviation = "; ".join(budget.deviations(default_windows) + ([args.deviation] if args.deviation else []))
