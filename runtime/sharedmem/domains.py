@@ -9,14 +9,15 @@ of two bytes, grown by re-creating it. A segment's life, run by every member at 
 
 1. the owner creates it under a fresh name (runtime/sharedmem/segments.py);
 2. the members swap their names' tokens over the call's authenticated TCP messages (an all-to-all)
-   and each maps every other member's segment;
+   and each maps every other member's segment (the tokens derive from a seed each member drew and
+   sent the others at set-up: segments.member_tokens);
 3. a second all-to-all says everyone has mapped everything, and each owner unlinks its name: from
    then on the memory lives exactly as long as the mappings;
 4. a later growth replaces the data slot (after the peers finished reading the old one), and
    :meth:`Domain.close` (a failed call, the runtime's close) unmaps all.
 
 Between 1 and 3 a name can outlive a crash; it is unlinked by its owner when the call fails, by
-the survivors when a peer is lost (:meth:`Domain.forget_peer`), by the launcher after the attempt
+the survivors when a peer is lost (:meth:`Domain.forget_peer`: the names of its seed only), by the launcher after the attempt
 and by an ``atexit`` hook. A name gone before a member mapped it means its owner left the call: the
 group's error, or a CollectiveError naming it after :data:`LEFT_WAIT_S`.
 
@@ -32,19 +33,21 @@ import asyncio
 import collections
 import mmap
 import os
+import secrets
 import struct
 import time
 import weakref
 
 from runtime import env
 from runtime.errors import CollectiveError
-from runtime.sharedmem.segments import Segment, job_prefix, remove_member_segments, segment_path
+from runtime.sharedmem.segments import Segment, job_prefix, member_tokens, remove_member_segments, segment_path
 from runtime.sharedmem.waits import EXIT, OFF_PID, Phases
 
 HEADER_NBYTES = 4096  # the control header: the words of runtime/sharedmem/waits.py (OFF_*)
 SMALL_NBYTES = 64 * 1024  # one small slot; the control file holds two after the header
 CONTROL_NBYTES = HEADER_NBYTES + 2 * SMALL_NBYTES
 MIN_DATA_LOG2 = 16  # smallest data slot: 64 KiB
+SEED_NBYTES = 32  # a member's secret seed, whence its names' tokens (segments.member_tokens)
 LEFT_WAIT_S = 2.0  # Domain._attach: a member whose name is gone tells its error within its answer budget (1 s)
 
 
@@ -80,6 +83,7 @@ class Domain(Phases):
         self.compiled = None  # and the state of its compiled path (collectives/slots/fastpath.py); None: not made
         self._prefix = ""  # ringweave-<job>-, once set up
         self._tokens: list[dict[str, str]] = [{} for _ in self.members]  # by domain rank: what -> token
+        self._seeds: list[bytes | None] = [None] * len(self.members)  # by domain rank: whence its tokens
         self._closed = False
         self.statistics_["grows"] = 0
 
@@ -93,7 +97,8 @@ class Domain(Phases):
     async def _create_own(self, call, what: str, nbytes: int) -> "Segment":
         """Creates this member's segment ``what`` under a fresh name and learns every other
         member's name for theirs (the all-to-all of their tokens)."""
-        own, token = Segment.create_fresh(lambda t: self._path(self.rank, what, t), nbytes)
+        own, token = Segment.create_fresh(lambda t: self._path(self.rank, what, t), nbytes,
+                                          member_tokens(self._seeds[self.rank], what))
         self._tokens[self.rank][what] = token
         try:
             tokens = await self._all_to_all(call, token.encode())
@@ -117,6 +122,9 @@ class Domain(Phases):
         """
         job = env.JOB.given() or getattr(self.group.runtime.actor, "_job", None) or "ringweave"
         self._prefix = job_prefix(job)
+        seed = self._seeds[self.rank] = secrets.token_bytes(SEED_NBYTES)
+        for p, theirs in enumerate(await self._all_to_all(call, seed)):  # before anyone makes a name
+            self._seeds[p] = theirs
         own = await self._create_own(call, "ctl", CONTROL_NBYTES)  # every control segment exists
         self.ctl[self.rank] = own
         struct.pack_into("<I", own.mm, OFF_PID, os.getpid())
@@ -304,10 +312,12 @@ class Domain(Phases):
     # -- clean-up
     def forget_peer(self, group_rank: int) -> None:
         """A peer was lost: unlink whatever of its names may remain (it cannot any more), its
-        files only: ``<prefix><any token>-g<domain>-r<its rank>-...`` of this user."""
-        if not self._prefix:
+        files only: ``<prefix><token of its seed>-g<domain>-r<its rank>-...`` of this user. A peer
+        lost before its seed arrived had made no name in this domain."""
+        seed = self._seeds[self.members.index(group_rank)] if group_rank in self.members else None
+        if not self._prefix or seed is None:
             return
-        remove_member_segments(self._prefix, self.name, self.group.ranks[group_rank])
+        remove_member_segments(self._prefix, self.name, self.group.ranks[group_rank], seed)
 
     def close(self) -> None:
         """Unlinks this member's names and unmaps everything. Idempotent."""

@@ -2,8 +2,12 @@
 how they are created, mapped and unlinked, and the clean-up of what a job leaves behind.
 
 A segment's name is ``ringweave-<job>-<token>-g<gid>d<domain>-r<rank>-<what>`` (:func:`segment_path`).
-/dev/shm is listed by everyone, so the token is 64 random bits drawn for that one file when its
-owner creates it: seeing one name tells another user nothing of the next.
+/dev/shm is listed by everyone, so the token is 64 bits no one else can predict: drawn at random for
+that one file, or (a domain's segments, :func:`member_tokens`) derived from its owner's secret seed,
+which only the owner's peers learn, over the job's authenticated messages. Seeing one name tells
+another user nothing of the next; a peer that knows the seed knows every name the owner may use, so
+the clean-up after a lost peer unlinks its names and no one else's, even another job's of the same
+name (two torchrun jobs with the default run id) in its window.
 
 The rules, each one a refusal rather than a trust:
 
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
+import hmac
 import logging
 import mmap
 import os
@@ -115,20 +121,33 @@ def remove_job_segments(job: str, ranks=None, directory: str = SHM_DIR) -> list[
     return removed
 
 
-def remove_member_segments(prefix: str, domain: str, grank: int) -> None:
+def member_tokens(seed: bytes, what: str) -> list[str]:
+    """The tokens a member whose seed is ``seed`` tries, in order, for its segment ``what``
+    (:meth:`Segment.create_fresh`'s ``tokens``): HMAC-SHA256 of ``what`` and the try, keyed by the seed."""
+    return [hmac.new(seed, f"{what}/{k}".encode(), hashlib.sha256).hexdigest()[:2 * TOKEN_NBYTES]
+            for k in range(CREATE_TRIES)]
+
+
+def remove_member_segments(prefix: str, domain: str, grank: int, seed: bytes) -> list[str]:
     """Unlinks whatever names global rank ``grank`` still has in domain ``domain`` of the job of
-    ``prefix`` (``<prefix><any token>-g<domain>-r<grank>-...``), files of this user only: what the
-    survivors do for a lost peer, which cannot any more."""
+    ``prefix``: ``<prefix><token>-g<domain>-r<grank>-<what>`` with a token of its ``seed``
+    (:func:`member_tokens`), files of this user only; returns them. What the survivors do for a
+    lost peer, which cannot any more; a name of the same pattern under another token is another
+    job's (or another process's), and stays."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
-        return
-    rest = re.compile(rf"[0-9a-f]+-g{domain}-r{grank}-[^-]+")  # after the prefix: token, domain, rank
+        return []
+    rest = re.compile(rf"([0-9a-f]+)-g{re.escape(domain)}-r{grank}-([^-]+)")  # after the prefix
+    removed = []
     for n in names:
-        if n.startswith(prefix) and rest.fullmatch(n, len(prefix)):
+        m = rest.fullmatch(n, len(prefix)) if n.startswith(prefix) else None
+        if m is not None and m.group(1) in member_tokens(seed, m.group(2)):
             path = os.path.join(SHM_DIR, n)
             if owned_here(path):
                 unlink_name(path)
+                removed.append(path)
+    return removed
 
 
 def shm_usable(directory: str = SHM_DIR) -> bool:
@@ -180,18 +199,19 @@ class Segment:
         return cls(path, nbytes, mm, owner=True)
 
     @classmethod
-    def create_fresh(cls, path_of, nbytes: int) -> tuple["Segment", str]:
-        """Creates a segment at ``path_of(token)`` with a fresh random token; a name that is
-        taken (someone else's file, a leftover) is tried again with another token, up to
-        CREATE_TRIES times. Returns the segment and its token.
+    def create_fresh(cls, path_of, nbytes: int, tokens=None) -> tuple["Segment", str]:
+        """Creates a segment at ``path_of(token)`` with a fresh token (the next of ``tokens``,
+        else a random one); a name that is taken (someone else's file, a leftover) is tried again
+        with another token, up to CREATE_TRIES times. Returns the segment and its token.
 
         Raises:
             RingweaveError: every name tried was taken (names them).
             OSError: /dev/shm is full or not writable.
         """
         taken = []
+        tokens = iter(tokens) if tokens is not None else None
         for _ in range(CREATE_TRIES):
-            token = _token()
+            token = _token() if tokens is None else next(tokens)
             path = path_of(token)
             try:
                 return cls.create(path, nbytes), token

@@ -117,18 +117,18 @@ def test_a_name_another_user_holds_is_left_to_them(monkeypatch):
     """The first name drawn is another user's file: the segment is made under a fresh name, and
     the file keeps its owner and bytes, through the clean-up after a lost peer too."""
     prefix = segments.job_prefix(f"held-{secrets.token_hex(4)}")
-    tokens = iter(["e" * 16, "f" * 16])
-    monkeypatch.setattr(segments, "_token", lambda: next(tokens))
+    seed = secrets.token_bytes(32)
+    tokens = segments.member_tokens(seed, "ctl")
     path_of = lambda t: segments.segment_path(prefix, t, "0d0", 1, "ctl")  # noqa: E731
-    held = path_of("e" * 16)
+    held = path_of(tokens[0])
     with open(held, "wb") as f:
         f.write(b"theirs")
     os.chown(held, NOBODY.pw_uid, NOBODY.pw_gid)
     try:
-        seg, token = segments.Segment.create_fresh(path_of, 4096)
+        seg, token = segments.Segment.create_fresh(path_of, 4096, tokens)
         try:
-            assert token == "f" * 16 and os.stat(seg.path).st_uid == os.geteuid()
-            segments.remove_member_segments(prefix, "0d0", 1)  # what the survivors do when rank 1 is lost
+            assert token == tokens[1] and os.stat(seg.path).st_uid == os.geteuid()
+            segments.remove_member_segments(prefix, "0d0", 1, seed)  # what the survivors do when rank 1 is lost
             assert not os.path.exists(seg.path)  # this user's: gone
         finally:
             seg.unlink()

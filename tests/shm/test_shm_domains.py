@@ -75,22 +75,53 @@ async def test_a_name_gone_is_the_owners_error_when_it_comes_in_time(monkeypatch
 
 
 def test_forgetting_a_lost_peer_unlinks_its_names_in_this_domain_only():
+    """The names of the lost peer's seed go (whatever try made them); the same pattern under
+    another token (another job of the same name, as two torchrun jobs with the default run id
+    are: its names in their window between creation and unlinking) stays, as do other domains',
+    other ranks' and links."""
     dom = _domain([4, 5, 6])
+    seed = secrets.token_bytes(domains.SEED_NBYTES)
+    dom._seeds[1] = seed
     name = lambda token, domain, rank, what: segments.segment_path(dom._prefix, token, domain, rank, what)  # noqa: E731
-    gone = [name("a1" * 8, "3d0", 5, "ctl"), name("a2" * 8, "3d0", 5, "v17")]
-    kept = [name("b1" * 8, "3d0", 6, "ctl"), name("b2" * 8, "3d1", 5, "ctl"), name("b3" * 8, "3d0", 15, "ctl")]
-    link = name("c1" * 8, "3d0", 5, "v18")
+    gone = [name(segments.member_tokens(seed, "ctl")[0], "3d0", 5, "ctl"),
+            name(segments.member_tokens(seed, "v17")[3], "3d0", 5, "v17")]
+    other_seed = segments.member_tokens(secrets.token_bytes(domains.SEED_NBYTES), "ctl")[0]
+    kept = [name(other_seed, "3d0", 5, "ctl"), name("b1" * 8, "3d0", 5, "v17"),
+            name(segments.member_tokens(seed, "ctl")[0], "3d1", 5, "ctl"),
+            name(segments.member_tokens(seed, "ctl")[0], "3d0", 6, "ctl")]
+    link = name(segments.member_tokens(seed, "v18")[0], "3d0", 5, "v18")
     try:
         for path in gone + kept:
             segments.Segment.create(path, 64).close()
         os.symlink(kept[0], link)
         dom.forget_peer(1)  # group rank 1: global rank 5
         assert [os.path.exists(p) for p in gone] == [False, False]
-        assert [os.path.exists(p) for p in kept] == [True, True, True] and os.path.islink(link)
+        assert [os.path.exists(p) for p in kept] == [True] * 4 and os.path.islink(link)
     finally:
         for path in gone + kept + [link]:
             segments.unlink_name(path)
             segments._owned_paths.discard(path)
+
+
+def test_a_peer_lost_before_its_seed_arrived_leaves_every_name():
+    dom = _domain([4, 5])
+    path = segments.segment_path(dom._prefix, "a1" * 8, "3d0", 5, "ctl")
+    try:
+        segments.Segment.create(path, 64).close()
+        dom.forget_peer(1)
+        assert os.path.exists(path)
+    finally:
+        segments.unlink_name(path)
+        segments._owned_paths.discard(path)
+
+
+def test_a_members_tokens_are_its_seeds_own():
+    seed = secrets.token_bytes(domains.SEED_NBYTES)
+    ctl, again = segments.member_tokens(seed, "ctl"), segments.member_tokens(seed, "ctl")
+    assert ctl == again and len(set(ctl)) == segments.CREATE_TRIES  # the same for every peer, a fresh one per try
+    assert all(len(t) == 2 * segments.TOKEN_NBYTES and int(t, 16) >= 0 for t in ctl)
+    assert not set(ctl) & set(segments.member_tokens(seed, "v17"))
+    assert not set(ctl) & set(segments.member_tokens(secrets.token_bytes(domains.SEED_NBYTES), "ctl"))
 
 
 def test_what_a_process_still_owns_at_exit_is_unlinked():

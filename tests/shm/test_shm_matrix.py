@@ -194,6 +194,24 @@ async def test_names_are_gone_once_every_member_mapped_them(ranks):
     assert left == [[], [], [], []]
 
 
+@needs_shm
+async def test_every_name_a_member_made_comes_from_the_seed_it_sent(ranks):
+    """The peers learn each member's seed at set-up, before any name is made, and every token it
+    used (the control segment, each data slot) is one of that seed's: what the clean-up after a
+    lost peer matches, so that it never touches another job's names."""
+    async def body(g):
+        for count in (10, 100_000, 1_000_000):  # the control segment, then two data slots
+            await C.all_reduce(np.ones(count, np.float32), group=g, algorithm="shm")
+        dom = domains.domain(g, list(range(g.size)))
+        assert all(len(s) == domains.SEED_NBYTES for s in dom._seeds) and len(set(dom._seeds)) == g.size
+        return [sorted((what, t in segments.member_tokens(dom._seeds[p], what)) for what, t in tokens.items())
+                for p, tokens in enumerate(dom._tokens)], dom._seeds
+    got = await ranks(3, body)
+    for made, seeds in got:
+        assert seeds == got[0][1]  # every member holds every member's seed
+        assert all([w for w, _ in m] == ["ctl", "v19", "v22"] and all(ok for _, ok in m) for m in made), made
+
+
 async def test_calls_in_flight(ranks):
     async def body(g):
         xs = [np.full(c, g.rank + 1, np.int64) for c in (5, 100_000, 3, 20_000)]
