@@ -165,7 +165,8 @@ class Job:
                               ",".join(map(str, s["sizes"]))]
             cmd += ["--warmup-rounds", str(p["rounds"]), "--plot", ""]
             if self.kind == "grid":
-                return cmd + ["--algorithm", "all"] + (["--sizes", QUICK_GRID_SIZES] if p.get("quick") else [])
+                quick = ["--sizes", QUICK_GRID_SIZES] if p.get("quick") else ["--small-iters", str(GRID_SMALL_ITERS)]
+                return cmd + ["--algorithm", "all"] + quick
             cmd += ["--shm", s["shm"], "--ops", ",".join(s["ops"]), "--sizes", ",".join(map(str, s["sizes"]))]
             cmd += ["--compare", ",".join(self.peers)] if self.peers else []
             return cmd + ([] if s["ticker"] else ["--no-ticker"])
@@ -200,13 +201,14 @@ class Job:
         fixed += p["rounds"] * sum(_call_s(n, cores, 4, "shm" if s.get("shm") == "on" else "tcp", lib, "all_reduce")
                                    for lib in libs)
         calls = p["warmup"] + p["iters"] + 1  # + the validation call
+        small_calls = calls + max(0, GRID_SMALL_ITERS - p["iters"]) if self.kind == "grid" and not p.get("quick") else calls
         total = fixed
         sizes = parse_sizes(QUICK_GRID_SIZES) if self.kind == "grid" and p.get("quick") else s["sizes"]
         for op in s["ops"]:
             for size in ([0] if op == "barrier" else sizes):
-                ours = 0.0
+                ours, k = 0.0, (small_calls if size <= SMALL_ROW else calls)
                 for path, count in _variants(self.kind, op, s.get("shm", "env")):
-                    ours += count * calls * _call_s(n, cores, size, path, "ringweave", op)
+                    ours += count * k * _call_s(n, cores, size, path, "ringweave", op)
                 theirs = sum(calls * _call_s(n, cores, size, "shm" if lib == "mpi" and s.get("shm") == "on"
                                              else "tcp", lib, op) for lib in self.peers)
                 idle = min(0.5, max(0.05, ours)) if s.get("ticker", True) else 0.0
@@ -257,6 +259,8 @@ QUICK = {
     "interleave": {"steps": 5, "warmup": 2, "repeat": 1, "quick": True},
 }
 QUICK_GRID_SIZES = "4,4096"
+GRID_SMALL_ITERS = 25  # the grid's rows of at most SMALL_ROW: a call of tens of microseconds, noise-bound below that
+SMALL_ROW = 64 << 10  # (bench/collectives.py --small-iters)
 GRID_SIZES = "4:64M:4"  # bench/collectives.py's defaults: every op (its OPS), 4 B .. 64 MiB in x4 steps
 
 

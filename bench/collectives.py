@@ -27,7 +27,8 @@ Method, per (op, size):
    input and its output is compared, exactly, with a closed-form answer (rank r contributes small
    integers r + i % 3, so sums are n(n-1)/2 + n (i % 3) -- no second implementation). A wrong answer
    stops the run naming the op, size, variant, rank and first wrong index.
-2. ``--warmup`` rounds, not timed, then ``--iters`` timed rounds. Each round runs every variant once,
+2. ``--warmup`` rounds, not timed, then ``--iters`` timed rounds (at least ``--small-iters`` in rows of
+   at most 64 KiB). Each round runs every variant once,
    in turn; each timed call is ``barrier; t0; call; t1; barrier`` with that library's own barrier
    (OSU style), and in-place inputs are reset before the first barrier (not timed). ``--block K``
    runs K iterations of one variant before the next variant's (default 1). ringweave's calls
@@ -91,6 +92,7 @@ ROOTED = {"broadcast", "reduce", "gather", "scatter"}
 BLOCKED = {"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"}  # size = n blocks
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8"]
 ROOT_RANK = 0
+SMALL_ROW = 64 << 10  # --small-iters: rows of at most this many bytes
 # Deadlines of the peers' waits, so that a peer that cannot be reached is an error, not a hang
 PEER_JOIN_TIMEOUT_S = 60     # Gloo: joining its TCPStore and its rendezvous
 PEER_CALL_TIMEOUT_S = 600    # Gloo: one collective (64 MiB over a 100 Mbit/s link takes seconds)
@@ -595,7 +597,8 @@ async def rank_main(args) -> None:
     from runtime import env
     shm_given = env.SHM.given()  # None: unset
 
-    meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "warmup": args.warmup, "block": args.block,
+    meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "small_iters": args.small_iters,
+            "warmup": args.warmup, "block": args.block,
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
             "RINGWEAVE_SHM": "(unset)" if shm_given is None else str(int(shm_given)), "launch": args.launched_by,
@@ -660,7 +663,7 @@ async def rank_main(args) -> None:
                 case.poison()
                 await timed_call(v, case, record=False)
                 check(case, v.lib, f"{v.lib.label} {v.shown}", rank)
-            total = args.warmup + args.iters
+            total = args.warmup + (max(args.iters, args.small_iters) if case.nbytes <= SMALL_ROW else args.iters)
             gaps = np.zeros((len(variants), 3))  # per variant: largest ticker gap busy, idle, busy CPU (s)
             for start in range(0, total, args.block):  # 2. rounds of every variant in turn
                 for i, v in enumerate(variants):  # --block calls of one variant, then the next one's
@@ -811,6 +814,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--algorithm", default="default", help="an algorithm name, 'default' (the table) or 'all'")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per row (default 20)")
+    p.add_argument("--small-iters", type=int, default=0, metavar="N",
+                   help="at least N timed iterations in the rows of at most 64 KiB, where a call takes tens "
+                        "of microseconds and a few iterations cannot rank the algorithms (default 0: --iters)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per row (default 3)")
     p.add_argument("--block", type=int, default=1,
                    help="iterations of one variant in a row before the next variant's (default 1: alternate every call)")
@@ -851,7 +857,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [c for c in args.compare if c not in ("gloo", "mpi")]
     if bad:
         p.error(f"--compare: unknown {bad}; choose gloo and/or mpi")
-    if args.iters < 1 or args.warmup < 0 or args.nproc < 1 or args.block < 1:
+    if args.iters < 1 or args.small_iters < 0 or args.warmup < 0 or args.nproc < 1 or args.block < 1:
         p.error("need --iters >= 1, --warmup >= 0, --block >= 1, -n >= 1")
     return args
 

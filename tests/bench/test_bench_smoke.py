@@ -86,6 +86,14 @@ def test_blocks_of_one_variant_still_time_every_iteration(tmp_path):
 
 
 @pytest.mark.timeout(360)
+def test_small_rows_take_at_least_small_iters(tmp_path):
+    """--small-iters 6 with --iters 2: the rows of at most 64 KiB time 6 calls, the larger 2."""
+    _, data, _ = run_bench(tmp_path, "--ops", "all_reduce", "--sizes", "4,65536,262144", "--small-iters", "6")
+    assert data["meta"]["small_iters"] == 6
+    assert {r["bytes"]: r["iters"] for r in data["rows"]} == {4: 6, 65536: 6, 262144: 2}
+
+
+@pytest.mark.timeout(360)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (optional peer)")
 def test_compare_gloo(tmp_path):
     stdout, data, png = run_bench(tmp_path, "--ops", "all_reduce,all_gather,reduce_scatter,broadcast,reduce",

@@ -1,9 +1,10 @@
 """The selection table on one host with shared memory on, where the default grid
 (``bench/collectives.py --algorithm all`` at 2 ranks, a core each, and at 4 ranks on 2 cores)
-measured the choices: the broadcast over TCP below 1 MiB at 2 ranks and below 256 KiB at 3-4
-(a send and a receive straight off the socket against the slot's two copies and hand-offs),
-shared memory above and at 5 ranks and more (not measured there); the reduce's tree at every
-size at 2 ranks, Rabenseifner from 16 MiB at 3 and more as before."""
+measured the choices: the broadcast over TCP below 1 MiB at 2-4 ranks (a send and a receive
+straight off the socket against the slot's two copies and hand-offs), shared memory above and at 5
+ranks and more (not measured there); the reduce's tree at every size at 2 ranks, Rabenseifner from
+16 MiB at 3 and more as before; the all_gather and reduce_scatter of 32 MiB and more at 3+ ranks by
+the hierarchical algorithm's one hand-off (shm's pipeline below and at 2 ranks)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def choice(monkeypatch):
 @pytest.mark.parametrize("world,nbytes,want", [
     (2, 4, "flat"), (2, 1 * KiB, "flat"), (2, 64 * KiB, "flat"), (2, 256 * KiB, "tree"),
     (2, 1 * MiB, "shm"), (2, 64 * MiB, "shm"),
-    (4, 4, "flat"), (4, 16 * KiB, "flat"), (4, 64 * KiB, "flat"), (4, 256 * KiB, "shm"), (4, 16 * MiB, "shm"),
-    (3, 4, "flat"), (3, 256 * KiB, "shm"),
+    (4, 4, "flat"), (4, 16 * KiB, "flat"), (4, 64 * KiB, "flat"), (4, 256 * KiB, "tree"), (4, 1 * MiB, "shm"),
+    (4, 16 * MiB, "shm"), (3, 4, "flat"), (3, 256 * KiB, "tree"), (3, 1 * MiB, "shm"),
     (8, 4, "shm"), (8, 64 * KiB, "shm"),
 ])
 def test_broadcast_on_one_host(choice, world, nbytes, want):
@@ -52,3 +53,13 @@ def test_broadcast_on_one_host(choice, world, nbytes, want):
 ])
 def test_reduce_on_one_host(choice, world, nbytes, want):
     assert choice("reduce", nbytes, world) == want
+
+
+@pytest.mark.parametrize("collective,world,nbytes,want", [
+    ("all_gather", 2, 32 * MiB, "shm"), ("all_gather", 4, 4 * MiB, "shm"), ("all_gather", 4, 16 * MiB, "hierarchical"),
+    ("all_gather", 3, 8 * MiB, "shm"), ("all_gather", 3, 16 * MiB, "hierarchical"),
+    ("reduce_scatter", 2, 64 * MiB, "shm"), ("reduce_scatter", 4, 16 * MiB, "shm"),
+    ("reduce_scatter", 4, 64 * MiB, "hierarchical"), ("reduce_scatter", 8, 32 * MiB, "hierarchical"),
+])
+def test_large_blocks_on_one_host_in_one_hand_off(choice, collective, world, nbytes, want):
+    assert choice(collective, nbytes, world) == want
