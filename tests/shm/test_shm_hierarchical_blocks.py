@@ -112,9 +112,12 @@ def test_the_table_picks_them_for_large_calls_on_hosts_with_several_ranks():
         assert registry.choose("reduce_scatter", big, world, group=group_on(nodes))[0] == "hierarchical"
         assert registry.choose("all_gather", small // world, world, group=group_on(nodes))[0] != "hierarchical"
         assert registry.choose("reduce_scatter", small, world, group=group_on(nodes))[0] != "hierarchical"
-    for group in (group_on("abcd"), group_on("aaaa"), group_on("aabb", shm=False)):  # a host each; one; shm off
+    for group in (group_on("abcd"), group_on("aabb", shm=False)):  # a host each; shm off
         assert registry.choose("all_gather", 16 << 20, 4, group=group)[0] != "hierarchical"
         assert registry.choose("reduce_scatter", 16 << 20, 4, group=group)[0] != "hierarchical"
+    # one host: shm's pipeline below 32 MiB (tests/collectives/test_registry_one_host.py: above it)
+    assert registry.choose("all_gather", 4 << 20, 4, group=group_on("aaaa"))[0] == "shm"
+    assert registry.choose("reduce_scatter", 16 << 20, 4, group=group_on("aaaa"))[0] == "shm"
     assert registry.choose("all_gather", 16 << 20, 4, group=group_on("aabb"), subcall=True)[0] == "ring"
     # only the all_reduce is given the leaders' algorithm
     assert registry.choose("all_gather", 16 << 20, 4, group=group_on("aabb"))[1] is all_gather_hierarchical.run
