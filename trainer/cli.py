@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, 1.56%%, "
                         "then the ratio, in equal stages); default two epochs, 0 for none. powersgd (ddp): steps "
                         "sent uncompressed first, as torch's start_powerSGD_iter (default none)")
-    g.add_argument("--freeze-step", type=_non_negative_int, default=0, metavar="N", help="1-bit Adam: N steps "
-                   "uncompressed, then adamw's variance frozen and the codec on (default 0: off)")
-    g.add_argument("--no-freeze-variance", dest="freeze_variance", action="store_false", help="its start only")
+    g.add_argument("--compression-start", type=_non_negative_int, default=0, metavar="N",
+                   help="any codec, any strategy: the first N steps' gradients uncompressed (default 0)")
+    g.add_argument("--freeze-variance", action="store_true", help="adamw's variance frozen from then on (1-bit Adam)")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--compression-flat", dest="compression_host_first", action="store_false",
                    help="ddp: compress between every pair of ranks, also inside a host (default: on several "
@@ -387,7 +387,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
-        grad_accum=args.grad_accum, clip_norm=args.clip_norm, freeze_step=args.freeze_step,
+        grad_accum=args.grad_accum, clip_norm=args.clip_norm, compression_start=args.compression_start,
         compression=compression_spec(args, steps_per_epoch), freeze_variance=args.freeze_variance,
         bucket_cap_mb=args.bucket_cap_mb, compression_host_first=args.compression_host_first,
         reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch,

@@ -55,7 +55,7 @@ class AccountedCollectives:
         self.size = group.size
         self.rank = group.rank
         self.codec = codec  # gradient codec: all_reduce / reduce_scatter(compression=codec) for gradients
-        self.plain = False  # this step's gradients go uncompressed (TrainConfig.freeze_step's start)
+        self.plain = False  # this step's gradients go uncompressed (TrainConfig.compression_start)
         runtime_timeout = getattr(getattr(group, "runtime", None), "timeout_s", 300.0)
         self.timeout_s = float(timeout_s if timeout_s is not None else runtime_timeout) + 10.0
         self._bridge = LoopBridge(keep=True)  # every launch is kept until drain or cancel_pending
