@@ -313,6 +313,7 @@ def test_the_bucket_size_and_top_k_ratio_reach_the_trainer_and_torch_ddp():
     assert (psgd.compression, psgd.compression_start) == ("powersgd+ef", 52)  # torch's hook starts alike
     ours = e2e.job(e2e.Variant("ringweave", "ddp", "powersgd+ef"), b, "m.csv", 16)
     assert ours[ours.index("--compression") + 1] == "powersgd+ef:rank=16"  # --powersgd-rank: ours as torch's
+    assert e2e.parse_args(["--out", "x.md", "--estimate"]).powersgd_rank == 32  # rank 4 ends +6.6%, 32 +0.18%
     flat = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", flat=True))
     assert make_config(flat, 26).compression_host_first is False
     host_first = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv"))
