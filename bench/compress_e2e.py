@@ -17,8 +17,10 @@ host). Variants, per rate:
   ``--strategies`` (ddp, fsdp) and C in ``--codecs`` (none, int8+ef, topk+ef, powersgd+ef; top-k
   at ``--topk-ratio`` when given); a pair the trainer refuses (powersgd under fsdp: it compresses
   matrices, fsdp reduce-scatters blocks) is a table row that says why, asked of the trainer's own
-  strategy constructors, not run. Our PowerSGD (ddp: each bucket's matrices, rank 4) sends its
-  first ``--codec-warmup-epochs`` uncompressed, as torch's hook below does. B (default 0.5 MiB: one bucket per layer of the default GPT)
+  strategy constructors, not run. Top-k and our PowerSGD (ddp: each bucket's matrices, rank
+  ``--powersgd-rank``) send their first ``--codec-warmup-epochs`` uncompressed (the trainer's
+  --compression-start; top-k without DGC's ramp), as torch's hook below does. B (default 0.5 MiB:
+  one bucket per layer of the default GPT)
   lets ddp send each layer's gradient while backward goes on; with the trainer's 25 MiB all but
   the first 1 MiB bucket wait for the end of backward. torch DDP takes the same B;
 * torch DDP on Gloo (``torch-ddp``), and the same with torch's PowerSGD hook (``torch-ddp
@@ -35,8 +37,8 @@ Budget: ``--epochs`` (default 2) of ``--windows`` training windows each (default
 epoch, training bytes / block size = 6,554), global batch 64, evaluated ``--evals-per-epoch``
 times per epoch: the trainer runs epochs of windows/K (rounded up to whole batches), so its
 validation loss comes K times per epoch. The learning-rate warm-up stays half an epoch of the
-full size, and top-k's warm-up is ``--codec-warmup-epochs`` (default 0.5; the trainer's default
-of two epochs would be the whole run). The table's header states all of it. ``--variants``
+full size, and top-k's and PowerSGD's uncompressed start is ``--codec-warmup-epochs`` (default
+0.5). The table's header states all of it. ``--variants``
 picks variants by label, ``--estimate`` prints how long the runs should take (from the recorded
 run's seconds per step, bench/results/compress_e2e.json) and runs nothing; the estimate is printed before every run too.
 
@@ -140,9 +142,9 @@ class Budget:
         done = self.steps * BATCH / self.epoch_windows
         return (f"{self.epochs:g} epochs of {self.epoch_windows:,} windows, global batch {BATCH}: {self.steps} steps "
                 f"({self.steps * BATCH:,} windows, {done:.2f} epochs), evaluated {self.intervals} times (every "
-                f"{self.interval_windows // BATCH} steps); learning-rate warm-up {self.lr_warmup_steps} steps; top-k "
-                f"warm-up and torch PowerSGD's vanilla start {self.codec_warmup_steps} steps "
-                f"({self.codec_warmup_epochs:g} epochs; the trainer's top-k default is 2 epochs)")
+                f"{self.interval_windows // BATCH} steps); learning-rate warm-up {self.lr_warmup_steps} steps; top-k's "
+                f"and PowerSGD's (ours and torch's) uncompressed start {self.codec_warmup_steps} steps "
+                f"({self.codec_warmup_epochs:g} epochs)")
 
     def deviations(self, default_windows: int) -> list[str]:
         """How this budget differs from 2 epochs of the trainer's epoch (the goal's), said plainly."""
@@ -161,11 +163,14 @@ def default_epoch_windows() -> int:
 
 
 def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: float | None = None,
-                 topk_ratio: float | None = None, flat: bool = False) -> list[str]:
+                 topk_ratio: float | None = None, flat: bool = False,
+                 powersgd_rank: int | None = None) -> list[str]:
     """`python -m trainer` arguments of a variant (torch's worker reads the same for its data,
     model, schedule and bucket size). ``bucket_cap_mb``: ddp's (None: the trainer's default);
     ``topk_ratio``: top-k's kept fraction (None: the codec's default); ``flat``: ddp compresses
-    between every pair of ranks (the trainer's --compression-flat), not host first."""
+    between every pair of ranks (the trainer's --compression-flat), not host first; ``powersgd_rank``:
+    our PowerSGD's rank (None: the codec's, 4). Top-k and PowerSGD start after the budget's codec
+    warm-up, sent uncompressed (--compression-start: torch's start_powerSGD_iter), not on DGC's ramp."""
     args = ["--model", "gpt", "--strategy", "ddp" if variant.framework == "torch" else variant.strategy,
             "--batch-size", str(BATCH), "--epochs", str(budget.intervals),
             "--windows-per-epoch", str(budget.interval_windows), "--warmup-steps", str(budget.lr_warmup_steps),
@@ -176,19 +181,23 @@ def trainer_args(variant: Variant, budget: Budget, metrics: str, bucket_cap_mb: 
         codec = variant.codec
         if codec.startswith("topk") and topk_ratio is not None:
             codec += f":ratio={topk_ratio:g}"
+        if codec.startswith("powersgd") and powersgd_rank is not None:
+            codec += f":rank={powersgd_rank}"
         args += ["--compression", codec] + (["--compression-flat"] if flat and variant.strategy == "ddp" else [])
-        if variant.codec.startswith("topk") or (variant.codec.startswith("powersgd") and budget.codec_warmup_steps):
-            # top-k's DGC ramp; PowerSGD's uncompressed start, as torch's hook gets
-            args += ["--compression-warmup-steps", str(budget.codec_warmup_steps)]
+        if codec.startswith("topk"):
+            args += ["--compression-warmup-steps", "0"]  # no DGC ramp: the uncompressed start instead
+        if codec.startswith(("topk", "powersgd")) and budget.codec_warmup_steps:
+            args += ["--compression-start", str(budget.codec_warmup_steps)]  # as torch's PowerSGD hook gets
     return args
 
 
 def job(variant: Variant, budget: Budget, metrics: str, powersgd_rank: int, **knobs) -> list[str]:
     """What bench/netem.py runs after ``--`` for a variant (torch's worker: its options, then
     ``--trainer`` and the trainer's arguments, which give it the data, model and schedule);
-    ``knobs``: :func:`trainer_args`' bucket_cap_mb, topk_ratio and flat."""
+    ``knobs``: :func:`trainer_args`' bucket_cap_mb, topk_ratio and flat. ``powersgd_rank``: ours
+    and torch's hook alike."""
     if variant.framework == "ringweave":
-        return ["-m", "trainer", *trainer_args(variant, budget, metrics, **knobs)]
+        return ["-m", "trainer", *trainer_args(variant, budget, metrics, powersgd_rank=powersgd_rank, **knobs)]
     rank = powersgd_rank if variant.codec == "powersgd" else 0
     return [os.path.abspath(__file__), "--torch-worker", "--powersgd-rank", str(rank),
             "--powersgd-start", str(max(2, budget.codec_warmup_steps)), "--trainer",
@@ -836,8 +845,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training windows per epoch (default: the trainer's, training bytes / block size)")
     p.add_argument("--evals-per-epoch", type=_positive(int), default=4, help="validation losses per epoch (default 4)")
     p.add_argument("--codec-warmup-epochs", type=float, default=0.5,
-                   help="top-k warm-up and torch PowerSGD's vanilla start, epochs (default 0.5)")
-    p.add_argument("--powersgd-rank", type=_positive(int), default=4, help="torch PowerSGD's rank (default 4)")
+                   help="top-k's and PowerSGD's uncompressed start (ours and torch's hook), epochs (default 0.5)")
+    p.add_argument("--powersgd-rank", type=_positive(int), default=32,
+                   help="PowerSGD's rank, ours and torch's hook (default 32: rank 4, torch's default, ends 6%% "
+                        "above uncompressed in this budget, 32 within 0.2%%: bench/results/compression.md)")
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="the target is L x (1 + this), L the uncompressed final loss (default 0.01)")
     p.add_argument("--max-time-s", type=_positive(int), default=900, help="one job's limit (default 900)")
@@ -929,6 +940,7 @@ def main(argv=None) -> int:
     knobs = f"; ddp buckets of at most {args.bucket_cap_mb:g} MiB (ours and torch DDP's; torch's PowerSGD: one bucket)"
     if args.topk_ratio is not None:
         knobs += f"; top-k kept fraction {args.topk_ratio:g}"
+    knobs += f"; PowerSGD rank {args.powersgd_rank} (ours and torch's hook)"
     knobs += ("; ddp's codecs between every pair of ranks (--compression-flat)" if args.compression_flat else
               "; ddp's codecs across hosts only (float32 inside each host first)")
     meta = dict(command=command, budget=budget.describe() + knobs, deviation=deviation or None,

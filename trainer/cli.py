@@ -151,10 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
                         "e.g. topk+ef:ratio=0.01 (default none)")
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
-                   help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, "
-                        "1.56%%, then the ratio, in equal stages); default two epochs "
-                        "(bench/results/trainer.md#compression-warm-up), 0 for none. powersgd (ddp): steps "
+                   help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, 1.56%%, "
+                        "then the ratio, in equal stages); default two epochs, 0 for none. powersgd (ddp): steps "
                         "sent uncompressed first, as torch's start_powerSGD_iter (default none)")
+    g.add_argument("--compression-start", type=_non_negative_int, default=0, metavar="N",
+                   help="any codec, any strategy: the first N steps' gradients uncompressed (default 0)")
+    g.add_argument("--freeze-variance", action="store_true", help="adamw's variance frozen from then on (1-bit Adam)")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--compression-flat", dest="compression_host_first", action="store_false",
                    help="ddp: compress between every pair of ranks, also inside a host (default: on several "
@@ -385,11 +387,11 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
-        grad_accum=args.grad_accum, clip_norm=args.clip_norm,
-        compression=compression_spec(args, steps_per_epoch),
+        grad_accum=args.grad_accum, clip_norm=args.clip_norm, compression_start=args.compression_start,
+        compression=compression_spec(args, steps_per_epoch), freeze_variance=args.freeze_variance,
         bucket_cap_mb=args.bucket_cap_mb, compression_host_first=args.compression_host_first,
-        reshard_after_forward=args.reshard_after_forward,
-        prefetch=args.prefetch, loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
+        reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch,
+        loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
         seed=args.seed, check_every=args.check_every, decay=args.decay,
         activation_checkpointing=args.activation_checkpointing, offload=args.offload, offload_dir=args.offload_dir)
     return TrainConfig(**fields)

@@ -112,17 +112,20 @@ class SGD:
         param -= lr * d
 
 
-def adamw_reference(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
+def adamw_reference(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step, freeze_step=0) -> None:
     """NumPy AdamW step `step` (1-based) in place on flat arrays; the readable version.
 
     Arithmetic is float64 and each array is stored once, in its own dtype, at the
     end (as the fused kernel does), so a float32 shard is rounded once per step.
+    ``freeze_step`` S > 0: from step S + 1 on, ``v`` is left as it is and its bias correction
+    stays that of step S (1-bit Adam's frozen variance).
     """
+    frozen = 0 < freeze_step < step
     bias_c1 = 1.0 - beta1**step
-    bias_c2 = 1.0 - beta2**step
+    bias_c2 = 1.0 - beta2**(freeze_step if frozen else step)
     g = grad.astype(np.float64)  # (n,)
     m64 = beta1 * m.astype(np.float64) + (1.0 - beta1) * g  # (n,)
-    v64 = beta2 * v.astype(np.float64) + (1.0 - beta2) * g * g  # (n,)
+    v64 = v.astype(np.float64) if frozen else beta2 * v.astype(np.float64) + (1.0 - beta2) * g * g  # (n,)
     denom = np.sqrt(v64) / math.sqrt(bias_c2) + eps  # (n,)
     param[...] = param.astype(np.float64) * (1.0 - lr * weight_decay) - (lr / bias_c1) * m64 / denom
     m[...] = m64
@@ -130,17 +133,22 @@ def adamw_reference(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, s
 
 
 @njit(nogil=True, cache=False)
-def adamw_fused(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, bias_c1, bias_c2):  # pragma: no cover
-    """Numba AdamW: the same formula as adamw_reference, one loop, float64 per element."""
+def adamw_fused(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, bias_c1, bias_c2,
+                frozen=False):  # pragma: no cover
+    """Numba AdamW: the same formula as adamw_reference, one loop, float64 per element;
+    ``frozen``: ``v`` read, not updated (``bias_c2`` then the freeze step's)."""
     decay = 1.0 - lr * weight_decay
     step_size = lr / bias_c1
     sqrt_bc2 = math.sqrt(bias_c2)
     for i in range(param.shape[0]):
         g = np.float64(grad[i])
         mi = beta1 * np.float64(m[i]) + (1.0 - beta1) * g
-        vi = beta2 * np.float64(v[i]) + (1.0 - beta2) * g * g
+        if frozen:
+            vi = np.float64(v[i])
+        else:
+            vi = beta2 * np.float64(v[i]) + (1.0 - beta2) * g * g
+            v[i] = vi
         m[i] = mi
-        v[i] = vi
         param[i] = np.float64(param[i]) * decay - step_size * mi / (math.sqrt(vi) / sqrt_bc2 + eps)
 
 
@@ -153,18 +161,28 @@ class AdamW:
     torch writes the m update as a lerp: the same expression up to rounding. Both kernels do
     float64 arithmetic and round to the shard's dtype once per array per step, so they agree bit
     for bit; on a float32 shard they differ from torch's float32 arithmetic by rounding only.
-    ``kernel="numba"`` releases the GIL, so a strategy may run it beside communication."""
+    ``kernel="numba"`` releases the GIL, so a strategy may run it beside communication.
+
+    ``freeze_step=S`` (0: off): 1-bit Adam's frozen variance (Tang et al. 2021; DeepSpeed's
+    ``freeze_step``). After S steps, ``v`` and its bias correction stay as they were at step S, so
+    the update is linear in the gradient (m / a fixed per-coordinate scale): a compressed gradient
+    with error feedback then adds up to what the uncompressed one would, as under SGD. With a
+    varying ``v`` a coordinate that top-k sends once in 1/density steps with 1/density times its
+    gradient inflates v by ~1/density and shrinks its step by ~sqrt(density)."""
 
     KERNELS = ("numpy", "numba")
 
     def __init__(self, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, kernel: str = "numpy") -> None:
+                 weight_decay: float = 1e-2, kernel: str = "numpy", freeze_step: int = 0) -> None:
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if kernel not in self.KERNELS:
             raise ValueError(f"kernel must be one of {self.KERNELS}, got {kernel!r}")
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        if int(freeze_step) != freeze_step or freeze_step < 0:
+            raise ValueError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
         self.eps, self.weight_decay, self.kernel = float(eps), float(weight_decay), kernel
+        self.freeze_step = int(freeze_step)  # steps after which v is frozen, e.g. 52; 0: never
 
     def init_state(self, numel: int, dtype=np.float32) -> OptimState:
         return OptimState(step=0, buffers={"exp_avg": np.zeros(numel, dtype=dtype),
@@ -178,11 +196,12 @@ class AdamW:
             wd = self.weight_decay if decayed else 0.0
             p, g, ms, vs = param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi]
             if self.kernel == "numba":
-                adamw_fused(p, g, ms, vs, float(lr), self.beta1, self.beta2, self.eps, wd,
-                            1.0 - self.beta1**t, 1.0 - self.beta2**t)
+                frozen = 0 < self.freeze_step < t
+                adamw_fused(p, g, ms, vs, float(lr), self.beta1, self.beta2, self.eps, wd, 1.0 - self.beta1**t,
+                            1.0 - self.beta2**(self.freeze_step if frozen else t), frozen)
             else:
                 adamw_reference(p, g, ms, vs, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                                weight_decay=wd, step=t)
+                                weight_decay=wd, step=t, freeze_step=self.freeze_step)
         state.step = t
 
 

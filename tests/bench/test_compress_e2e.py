@@ -222,7 +222,8 @@ def test_the_trainer_reads_the_budget_it_is_given():
     assert len(data.train) == b.interval_windows and args.epochs == b.intervals
     assert args.epochs * steps_per_epoch(len(data.train), args.batch_size) == b.steps
     assert (args.strategy, args.warmup_steps, args.metrics) == ("fsdp", b.lr_warmup_steps, "m.csv")
-    assert args.compression == "topk+ef" and args.compression_warmup_steps == b.codec_warmup_steps
+    assert args.compression == "topk+ef" and args.compression_start == b.codec_warmup_steps
+    assert args.compression_warmup_steps == 0  # an uncompressed start, not DGC's ramp
 
 
 def test_the_jobs_of_each_framework():
@@ -301,15 +302,18 @@ def test_the_bucket_size_and_top_k_ratio_reach_the_trainer_and_torch_ddp():
     args = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "topk+ef"), b, "m.csv", bucket_cap_mb=0.5,
                                        topk_ratio=0.1))
     assert args.bucket_cap_mb == 0.5 and args.compression == "topk+ef:ratio=0.1"
-    assert make_config(args, 26).compression == "topk+ef:ratio=0.1,warmup_steps=52"
+    assert make_config(args, 26).compression == "topk+ef:ratio=0.1" and make_config(args, 26).compression_start == 52
     assert parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", topk_ratio=0.1)
                       ).compression == "int8+ef"  # the ratio is top-k's alone
     torch_job = e2e.job(e2e.Variant("torch", "ddp", "none"), b, "m.csv", 4, bucket_cap_mb=0.5, topk_ratio=None,
                         flat=True)
     assert parse_args(torch_job[torch_job.index("--trainer") + 1:]).bucket_cap_mb == 0.5  # what its DDP takes
     assert "--bucket-cap-mb" not in e2e.trainer_args(e2e.Variant("ringweave", "ddp", "none"), b, "m.csv")
-    psgd = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "powersgd+ef"), b, "m.csv"))
-    assert make_config(psgd, 26).compression == "powersgd+ef:vanilla_steps=52"  # torch's hook starts alike
+    psgd = make_config(parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "powersgd+ef"), b, "m.csv")), 26)
+    assert (psgd.compression, psgd.compression_start) == ("powersgd+ef", 52)  # torch's hook starts alike
+    ours = e2e.job(e2e.Variant("ringweave", "ddp", "powersgd+ef"), b, "m.csv", 16)
+    assert ours[ours.index("--compression") + 1] == "powersgd+ef:rank=16"  # --powersgd-rank: ours as torch's
+    assert e2e.parse_args(["--out", "x.md", "--estimate"]).powersgd_rank == 32  # rank 4 ends +6.6%, 32 +0.18%
     flat = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv", flat=True))
     assert make_config(flat, 26).compression_host_first is False
     host_first = parse_args(e2e.trainer_args(e2e.Variant("ringweave", "ddp", "int8+ef"), b, "m.csv"))

@@ -55,6 +55,7 @@ class AccountedCollectives:
         self.size = group.size
         self.rank = group.rank
         self.codec = codec  # gradient codec: all_reduce / reduce_scatter(compression=codec) for gradients
+        self.plain = False  # this step's gradients go uncompressed (TrainConfig.compression_start)
         runtime_timeout = getattr(getattr(group, "runtime", None), "timeout_s", 300.0)
         self.timeout_s = float(timeout_s if timeout_s is not None else runtime_timeout) + 10.0
         self._bridge = LoopBridge(keep=True)  # every launch is kept until drain or cancel_pending
@@ -130,6 +131,7 @@ class AccountedCollectives:
         (error feedback, PowerSGD), e.g. the DDP bucket's index."""
         if self.size == 1:
             return
+        grad = grad and not self.plain
         if grad and self.codec is not None and self.hierarchy is not None:
             from collectives import compressed
             local, cross = self.hierarchy
@@ -162,7 +164,7 @@ class AccountedCollectives:
             return
         from collectives import compressed
         codec = compressed.resolve(self.codec)
-        if compressed.split(codec)[1].vanilla(key):
+        if self.plain or compressed.split(codec)[1].vanilla(key):
             await self.all_reduce(flat)
             return
         nbytes = 4 * compressed.powersgd_phase_counts(arrays, codec)
@@ -183,7 +185,7 @@ class AccountedCollectives:
         if self.size == 1:
             np.copyto(out, x)
             return
-        if grad and self.codec is not None:
+        if grad and self.codec is not None and not self.plain:
             from collectives import compressed
             nbytes = compressed.reduce_scatter_wire_nbytes(compressed.codec_at(self.codec, key), out.size, self.size)
             await self._timed(nbytes, _collectives().reduce_scatter(out, x, "sum", group=self.group,

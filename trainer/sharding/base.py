@@ -60,6 +60,8 @@ class TrainConfig:
     clip_norm: float | None = None    # global-norm gradient clipping, e.g. 1.0
     compression: str | None = None    # gradient codec, e.g. "int8+ef" (ddp all_reduce; zero/fsdp reduce_scatter)
     bucket_cap_mb: float = 25.0       # ddp bucket size
+    compression_start: int = 0        # the first N steps' gradients uncompressed, then the codec (any strategy)
+    freeze_variance: bool = False     # adamw: v frozen from compression_start on (1-bit Adam's freeze_step)
     compression_host_first: bool = True  # ddp on several hosts of several ranks: codec across hosts only
     reshard_after_forward: bool = True  # fsdp/zero3; False keeps gathered params until backward
     prefetch: bool = True             # fsdp/zero3: gather the next unit while this one computes

@@ -60,7 +60,10 @@ DECAY_GROUPS = ("matrices", "all")  # TrainConfig.decay: the layers' matrices on
 
 def make_optimizer(config: TrainConfig):
     if config.optimizer == "adamw":
-        return AdamW(betas=config.betas, weight_decay=config.weight_decay, kernel=config.adam_kernel)
+        if config.freeze_variance and not config.compression_start:
+            raise ValueError("TrainConfig.freeze_variance freezes adamw's variance at compression_start: set it > 0")
+        return AdamW(betas=config.betas, weight_decay=config.weight_decay, kernel=config.adam_kernel,
+                     freeze_step=config.compression_start if config.freeze_variance else 0)
     if config.optimizer == "sgd":
         return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay)
     raise ValueError(f"TrainConfig.optimizer must be 'adamw' or 'sgd', got {config.optimizer!r}")
@@ -292,6 +295,7 @@ class DataParallelStrategy(Strategy):
         if denominator <= 0:
             raise ValueError(f"the step's global batch is empty (global sizes {[mb[3] for mb in micro_batches]})")
         scale = self.scaler.scale
+        self.collectives.plain = self.step < self.config.compression_start  # the codec's uncompressed start
         self._begin_step()
         self.offload.begin_step()
         try:  # 1. forward and backward of every micro-batch; the hooks launch the gradient collectives
