@@ -66,6 +66,16 @@ def _pointer_like(typingctx, address, like):
     return ptr(types.uintp, like), codegen
 
 
+@intrinsic
+def _byte_pointer(typingctx, address):
+    """``address`` as a pointer to bytes (for ``numba.carray``)."""
+    ptr = types.CPointer(types.uint8)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+    return ptr(types.uintp), codegen
+
+
 @njit(inline="always", cache=True)
 def _reached(word, target):
     """``word`` at or past ``target`` in wrapping 32-bit sequence order (runtime.sharedmem.waits.reached)."""
@@ -207,19 +217,26 @@ def _barrier(ctl, me, parity, target, fp_header, state, spin, yield_spin, budget
 # -- the inline calls (collectives/slots/inline.py): the domain's entry too, two arrays and ints --
 
 # inline state, uint64: stage, peer, timespec scratch (2), me, members, spin, yield_spin, budget_ns,
-# then (from _CTL) every member's control segment address
-_STAGE, _PEER, _ME, _N, _SPIN, _YIELD, _BUDGET, _CTL = 0, 1, 4, 5, 6, 7, 8, 16
+# the fingerprint text to put in the slot first (its address and length; length 0: the slot holds
+# it already), then (from _CTL) every member's control segment address
+_STAGE, _PEER, _ME, _N, _SPIN, _YIELD, _BUDGET, _TEXT, _TEXT_N, _CTL = 0, 1, 4, 5, 6, 7, 8, 9, 10, 16
 
 
 @njit(inline="always", cache=True)
 def _enter(state, seq, crc, parity, two_back):
-    """Domain.try_begin's check and the fingerprint's header (publish_fingerprint; the text is in
-    the slot already): False, nothing written, while a peer has not left call ``two_back``
-    (-1: none) that used this call's slots."""
+    """Domain.try_begin's check and the fingerprint (publish_fingerprint): the text when
+    ``state[_TEXT_N]`` says so (waits.fingerprint_text's bytes), then the header: False, nothing
+    written, while a peer has not left call ``two_back`` (-1: none) that used this call's slots."""
     ctl = state[_CTL:_CTL + np.int64(state[_N])]
     me = np.int64(state[_ME])
     if two_back >= 0 and not _all_reached(ctl, me, ((two_back << 3) | waits.EXIT) & 0xFFFFFFFF):
         return False
+    n = np.int64(state[_TEXT_N])
+    if n > 0:  # plain stores: the header's release store below publishes them
+        src = carray(_byte_pointer(state[_TEXT]), n)
+        dst = carray(_byte_pointer(ctl[me] + _FP + parity * _FP_NBYTES + 8), n)
+        for i in range(n):
+            dst[i] = src[i]
     header = np.uint64(seq & 0xFFFFFFFF) | (np.uint64(crc) << np.uint64(32))
     at.store_release_u64(ctl[me] + _FP + parity * _FP_NBYTES, header)
     return True

@@ -36,22 +36,26 @@ from collectives.slots import fastpath
 from runtime import env
 from runtime.group import Call, issuing_thread
 from runtime.init import current as current_runtime
-from runtime.sharedmem import domains
+from runtime.sharedmem import domains, waits
 from runtime.turns import LoopTurns
 
 DONE = True  # what a call that completed returns (the caller's array holds the result)
 _SMALL = domains.SMALL_NBYTES
 _inline_all_reduce, _inline_barrier = fastpath._inline_all_reduce, fastpath._inline_barrier
 _WAITING, _MISMATCH, _NOT_ENTERED = fastpath.WAITING, fastpath.MISMATCH, fastpath.NOT_ENTERED
+_TEXT, _TEXT_N = fastpath._TEXT, fastpath._TEXT_N
 
 
 class _Plan:
     """One kind of call (collective, dtype, count, op, algorithm, thread) that the table gives
-    shared memory: its fingerprint, that text's CRC-32, its op code and the normal path's run."""
-    __slots__ = ("fingerprint", "crc", "op", "avg", "run")
+    shared memory: its fingerprint, that text's CRC-32 and its bytes as a slot holds them (their
+    address and length, for the compiled entry), its op code and the normal path's run."""
+    __slots__ = ("fingerprint", "crc", "text", "text_at", "text_n", "op", "avg", "run")
 
     def __init__(self, fingerprint: str, crc: int, op: int, avg: bool, run):
         self.fingerprint, self.crc, self.op, self.avg, self.run = fingerprint, crc, op, avg, run
+        self.text = np.frombuffer(waits.fingerprint_text(fingerprint), np.uint8).copy()
+        self.text_at, self.text_n = self.text.ctypes.data, self.text.size
 
 
 class _Group:
@@ -156,9 +160,10 @@ def all_reduce(x: np.ndarray, op: str, group, timeout: float | None, algorithm: 
     parity = dom.ncalls & 1
     recent = dom._recent
     two_back = recent[0] if len(recent) == 2 else -1  # the call whose slots this one reuses
-    if dom._fp_text[parity] is not plan.fingerprint and not _text(dom, parity, plan, two_back):
-        return _normal(group, seq, plan, timeout, flat, op)
+    text = dom._fp_text[parity] is not plan.fingerprint and _text(dom, parity, plan, state)
     rc = _inline_all_reduce(flat, state, seq, plan.crc, parity, two_back, plan.op)
+    if text:
+        _text_out(dom, parity, plan, state, rc)
     if rc:  # WAITING, MISMATCH: the call holds the domain until its rest ends it; NOT_ENTERED
         if rc == _NOT_ENTERED:
             return _normal(group, seq, plan, timeout, flat, op)
@@ -190,9 +195,10 @@ def barrier(group, timeout: float | None, algorithm: str | None, thread=None):
     parity = dom.ncalls & 1
     recent = dom._recent
     two_back = recent[0] if len(recent) == 2 else -1
-    if dom._fp_text[parity] is not plan.fingerprint and not _text(dom, parity, plan, two_back):
-        return _normal(group, seq, plan, timeout)
+    text = dom._fp_text[parity] is not plan.fingerprint and _text(dom, parity, plan, state)
     rc = _inline_barrier(state, seq, plan.crc, parity, two_back)
+    if text:
+        _text_out(dom, parity, plan, state, rc)
     if rc:
         if rc == _NOT_ENTERED:
             return _normal(group, seq, plan, timeout)
@@ -209,15 +215,23 @@ def _off(group, g: _Group | None) -> None:
         del group._shm_inline
 
 
-def _text(dom, parity: int, plan: _Plan, two_back: int) -> bool:
-    """Puts the plan's fingerprint text in slot ``parity`` (a loop's calls repeat: rarely needed)
-    once every peer has left call ``two_back`` (-1: none), which used that slot; False if not yet."""
+def _text(dom, parity: int, plan: _Plan, state: np.ndarray) -> bool:
+    """Whether slot ``parity`` needs the plan's fingerprint text (calls of two kinds alternate: often);
+    if so the compiled entry writes it, once every peer has left the call two back, which used
+    that slot, and before the header (``fastpath._enter``)."""
     if dom._fp_text[parity] == plan.fingerprint:
-        return True
-    if two_back >= 0 and not dom.reached_all(two_back, domains.EXIT):
+        dom._fp_text[parity] = plan.fingerprint  # the same text: the next call's test is ``is``
         return False
-    dom.write_fingerprint_text(parity, plan.fingerprint)
+    state[_TEXT], state[_TEXT_N] = plan.text_at, plan.text_n
     return True
+
+
+def _text_out(dom, parity: int, plan: _Plan, state: np.ndarray, rc: int) -> None:
+    """After a compiled entry given the text: unless it did not enter (nothing written), the slot
+    holds the plan's text now; the next calls give none."""
+    state[_TEXT_N] = 0
+    if rc != _NOT_ENTERED:
+        dom._fp_text[parity] = plan.fingerprint
 _UNSEEN = object()
 _OPS = frozenset(ops.OPS)
 

@@ -107,6 +107,13 @@ def encode(seq: int, phase: int) -> int:
     return ((seq << PHASE_BITS) | phase) & 0xFFFFFFFF
 
 
+def fingerprint_text(fingerprint: str) -> bytes:
+    """What a fingerprint slot holds after its header: the text's length (u32), then the text
+    (cut at :data:`FP_MAX` bytes)."""
+    fp = fingerprint.encode()[:FP_MAX]
+    return struct.pack("<I", len(fp)) + fp
+
+
 # -- this rank's side of the protocol -----------------------------------------------------------
 
 
@@ -186,8 +193,9 @@ class Phases:
     def write_fingerprint_text(self, parity: int, fingerprint: str) -> None:
         """Writes ``fingerprint``'s text into this member's slot ``parity`` (its header, written
         after, says which call the text is of). Only once every peer has left the call two back."""
-        fp = fingerprint.encode()[:FP_MAX]
-        struct.pack_into(f"<I{len(fp)}s", self.ctl[self.rank].mm, OFF_FP + parity * FP_NBYTES + 8, len(fp), fp)
+        text = fingerprint_text(fingerprint)
+        off = OFF_FP + parity * FP_NBYTES + 8
+        self.ctl[self.rank].mm[off:off + len(text)] = text
         self._fp_text[parity] = fingerprint
 
     # -- posting

@@ -29,7 +29,7 @@ import collectives as C
 from collectives.slots import fastpath
 from runtime import group as group_module
 from runtime.errors import CollectiveMismatchError
-from runtime.sharedmem import domains, segments
+from runtime.sharedmem import domains, segments, waits
 from tests.shm.test_shm_fastpath import inputs, reference
 from tests.shm.test_shm_processes import _finish, _free_port, _read_until
 
@@ -133,6 +133,40 @@ async def test_the_last_to_arrive_completes_without_suspending_or_a_call_record(
     assert len(calls) <= 20, f"{len(calls)} Python calls: {calls}"
     if what == "all_reduce":
         assert np.all(x == 2)
+
+
+async def test_two_kinds_alternating_get_their_text_from_the_compiled_entry(ranks, monkeypatch):
+    """barrier; all_reduce; barrier, round after round: most calls find the other kind's text in their slot. The
+    compiled entry writes it (no write from Python), the slot then holds the call's text, and the
+    results are exact."""
+    writes = []
+
+    async def body(g):
+        x = np.ones(4, np.float32)
+        for _ in range(3):
+            await C.barrier(group=g)
+            await C.all_reduce(x, group=g)
+        dom = domains.existing(g)
+        real = type(dom).write_fingerprint_text
+        monkeypatch.setattr(type(dom), "write_fingerprint_text",
+                            lambda self, *a: writes.append(a) or real(self, *a))
+        before = inline_calls(g)
+        for i in range(20):
+            await C.barrier(group=g)
+            x[:] = g.rank + i
+            await C.all_reduce(x, group=g)
+            assert np.all(x == 2 * i + 1), (i, x)
+            await C.barrier(group=g)  # three calls a round: a slot's kind changes from round to round
+            for parity in (0, 1):  # each slot holds the text of the last call that used it
+                off = waits.OFF_FP + parity * waits.FP_NBYTES + 8
+                fp = dom._fp_text[parity].encode()[:waits.FP_MAX]
+                text = len(fp).to_bytes(4, "little") + fp
+                assert bytes(dom.ctl[dom.rank].mm[off:off + len(text)]) == text, parity
+        return inline_calls(g) - before
+
+    out = await ranks(2, body)
+    assert writes == [], writes
+    assert sum(out) >= 60, out  # every call completed inline on the rank that arrived last
 
 
 async def test_a_mismatch_on_the_inline_path_is_the_typed_error(ranks):
