@@ -124,8 +124,11 @@ def links(owner: int) -> list[str]:
 
 def has_netem(ns: str) -> bool:
     """Whether the kernel has netem's qdisc (tried on ``ns``'s loopback, then removed)."""
-    tried = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
-                            "1us"], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+    try:
+        tried = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                                "1us"], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"netem: `tc qdisc add ... netem` had not finished after {SETUP_TIMEOUT_S} s") from None
     out("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "lo", "root")
     return tried.returncode == 0
 
