@@ -15,9 +15,13 @@ the number of copies. This builds that network and runs a job on it:
   (``unshare --uts``: the runtime tells machines apart by name, so no two hosts share memory) and
   one veth ``rwe<pid>o<i>`` into a bridge ``rwe<pid>b`` in the root namespace (10.<a>.<b>.<i+1>/24);
 * every link shaped in both directions with ``tc``: a token bucket at the link's ``--rate``
-  behind netem's ``--delay`` and ``--loss`` (when given) on the namespace's end (its sends) and on
-  the bridge's end (its receives). Each of the three is one value for every link or a comma list
-  with one per host (the link of host i);
+  behind ``--delay`` and ``--loss`` (when given) on the namespace's end (its sends) and on the
+  bridge's end (its receives), so one hop between hosts is twice the delay. Each of the three is
+  one value for every link or a comma list with one per host (the link of host i). The delay and
+  loss are netem's qdisc where the kernel has sch_netem; else (``--delay-by``) a delay line in
+  user space, bench/_delayline.py: iptables' NFQUEUE on the host's link (sends and receives) in
+  each namespace, whose verdicts it holds. The run's label names which one ran (``by netem``,
+  ``by nfqueue``);
 * the job after ``--``: a script path or ``-m module`` with its arguments (the trainer,
   bench/trainer.py, bench/compression.py, ...), or, when the arguments start with an option,
   bench/collectives.py with them. In each namespace ``python -m runtime.launch -n K --nnodes n
@@ -33,8 +37,9 @@ Clean-up: whatever happens (the job ends or fails, a set-up command fails, SIGTE
 ``--max-time-s`` passed), every process in the namespaces is stopped (SIGTERM, then SIGKILL) and
 every namespace and link of this run is deleted, found by name, so the clean-up can run twice.
 SIGKILL cannot be caught: ``--cleanup`` removes what such runs left, only names of this tool's
-pattern whose pid is no longer a running netem.py. Needs root, ``ip`` (iproute2), ``tc`` and
-``unshare``. Not a test: nothing here asserts a speed.
+pattern whose pid is no longer a running netem.py. The delay lines and their iptables rules live in
+the namespaces and go with them. Needs root, ``ip`` (iproute2), ``tc`` and ``unshare`` (and
+``iptables`` for the delay line). Not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ def why_not() -> str | None:
 
 
 def shape(ns: str | None, dev: str, rate: str, delay: str | None, loss: str | None) -> None:
-    """A token bucket at ``rate`` on ``dev``'s sends (inside ``ns`` when given), behind netem's delay and loss."""
+    """A token bucket at ``rate`` on ``dev``'s sends (inside ``ns`` when given), behind netem's
+    delay and loss (none: the delay line's, or nothing)."""
     where = ["ip", "netns", "exec", ns] if ns else []
     tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
     if delay or loss:
@@ -116,8 +122,40 @@ def links(owner: int) -> list[str]:
     return [name for name in names if (m := LINK_NAME.match(name)) and int(m.group(1)) == owner]
 
 
-def build(owner: int, subnet: str, rates: list[str], delays: list, losses: list) -> list[str]:
-    """The namespaces, bridge and shaped links of run ``owner``; teardown(owner) removes them."""
+def has_netem(ns: str) -> bool:
+    """Whether the kernel has netem's qdisc (tried on ``ns``'s loopback, then removed)."""
+    try:
+        tried = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                                "1us"], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"netem: `tc qdisc add ... netem` had not finished after {SETUP_TIMEOUT_S} s") from None
+    out("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "lo", "root")
+    return tried.returncode == 0
+
+
+def delay_mechanism(choice: str, ns: str) -> str:
+    """``netem`` or ``nfqueue``: --delay-by's choice, ``auto`` netem's qdisc where the kernel has it."""
+    if choice == "auto":
+        choice = "netem" if has_netem(ns) else "nfqueue"
+    if choice == "nfqueue" and shutil.which("iptables") is None:
+        raise SystemExit("netem: this kernel has no sch_netem, and the delay line needs `iptables` "
+                         "(apt-get install iptables)")
+    return choice
+
+
+class Delays:
+    """How run's delay and loss are made: ``by`` (``auto`` until the first namespace settles it:
+    ``netem`` or ``nfqueue``) and the delay lines started (their processes, reaped by clean())."""
+
+    def __init__(self, by: str = "auto", log=None):
+        self.by, self.log, self.lines = by, log, []
+
+
+def build(owner: int, subnet: str, rates: list[str], delays: list, losses: list,
+          how: Delays | None = None) -> list[str]:
+    """The namespaces, bridge and shaped links of run ``owner``; teardown(owner) removes them.
+    With ``how.by`` ``nfqueue``, a delay line runs in each namespace with a delay or loss."""
+    how = how or Delays()
     bridge = f"{LINK_PREFIX}{owner}b"
     sh("ip", "link", "add", bridge, "type", "bridge")
     sh("ip", "link", "set", bridge, "up")
@@ -132,9 +170,17 @@ def build(owner: int, subnet: str, rates: list[str], delays: list, losses: list)
         sh("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", inner)
         sh("ip", "-n", ns, "link", "set", inner, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        shape(ns, inner, rate, delay, loss)   # what host i sends
-        shape(None, outer, rate, delay, loss)  # what host i receives
         names.append(ns)
+        if i == 0 and how.by != "netem" and any(delays + losses):
+            how.by = delay_mechanism(how.by, ns)
+        queued = how.by == "nfqueue" and bool(delay or loss)
+        em = (None, None) if queued else (delay, loss)
+        shape(ns, inner, rate, *em)   # what host i sends
+        shape(None, outer, rate, *em)  # what host i receives
+        if queued:
+            sys.path.insert(0, ROOT)
+            from bench import _delayline
+            _delayline.start(ns, inner, delay, loss, SETUP_TIMEOUT_S, how.log, how.lines)
     return names
 
 
@@ -276,11 +322,12 @@ def run(args, job: list[str]) -> int:
     target, is_bench = job_command(job, args)
     procs, logs = [], []  # every node but 0 writes into a file (a pipe nobody reads while we wait could fill and stall it)
     scratch = tempfile.TemporaryDirectory(prefix="rwnetem")
+    how = Delays(args.delay_by, tempfile.TemporaryFile("w+", dir=scratch.name))  # the delay lines' errors
     try:
-        names = build(owner, subnet, rates, delays, losses)
+        names = build(owner, subnet, rates, delays, losses, how)
         label = (f"netem {args.nproc} namespaces" + (f" x {args.per_node} ranks" if args.per_node > 1 else "")
                  + f", {args.rate}" + (f", +{args.delay}" if args.delay else "")
-                 + (f", loss {args.loss}" if args.loss else ""))
+                 + (f", loss {args.loss}" if args.loss else "") + (f" by {how.by}" if args.delay or args.loss else ""))
         if is_bench and compares_mpi(target):
             os.environ.update({k: v for k, v in env.items() if k.startswith("RINGWEAVE_")})  # mpirun -x passes them
             starts = [mpirun_job(target, args, names, subnet, label, scratch.name)]
@@ -305,13 +352,16 @@ def run(args, job: list[str]) -> int:
             if code and log is not None:
                 log.seek(0)
                 print(f"netem: node {i} exited {code}: {log.read()[-2000:]}", file=sys.stderr)
+        if any(line.poll() is not None for line in how.lines):
+            how.log.seek(0)
+            print(f"netem: a delay line stopped during the run: {how.log.read()[-2000:]}", file=sys.stderr)
         return max(codes)
     finally:
         try:
             for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the clean-up runs to its end
                 signal.signal(s, signal.SIG_IGN)
         finally:  # also when a signal came just before the lines above
-            clean(owner, procs, logs, scratch)
+            clean(owner, procs + how.lines, logs + [how.log], scratch)
 
 
 def clean(owner: int, procs: list, logs: list, scratch) -> None:
@@ -342,8 +392,11 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit",
                    help="each link's rate, each way, as tc spells it; a comma list gives one per host (default 1gbit)")
     p.add_argument("--delay", default=None,
-                   help="netem latency added on every link end, e.g. 100us; one or one per host (needs sch_netem)")
-    p.add_argument("--loss", default=None, help="netem's random loss on every link end, e.g. 0.1%%; one or one per host")
+                   help="latency added on every link end (a hop between hosts: twice it), e.g. 1ms; one or one per host")
+    p.add_argument("--loss", default=None, help="random loss on every link end, e.g. 0.1%%; one or one per host")
+    p.add_argument("--delay-by", choices=("auto", "netem", "nfqueue"), default="auto",
+                   help="what makes --delay and --loss: netem's qdisc, or a delay line in user space on iptables' "
+                        "NFQUEUE (bench/_delayline.py); default auto: netem where the kernel has it")
     p.add_argument("--max-time-s", type=int, default=1800, help="the job's limit (runtime.launch --max-time-s)")
     p.add_argument("--cleanup", action="store_true",
                    help="remove the namespaces and links of runs that were killed (SIGKILL), then exit")
