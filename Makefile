@@ -60,13 +60,14 @@ slurm mpi:
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends $(SCHEDULER_PACKAGES)
 
 # What the SLURM, Open MPI and emulated-host tests need from the system (tests/scheduler,
-# tests/multinode, tests/bench/test_netem_smoke.py): SLURM with munge, Open MPI, iproute2, util-linux.
+# tests/multinode, tests/bench/test_netem_smoke.py): SLURM with munge, Open MPI, iproute2, util-linux,
+# iptables (the emulated hosts' delay line where the kernel has no netem qdisc).
 # `make test` runs this first, so CI runs those tests. It looks for each command and, as root (or
 # with SUDO=sudo) where apt-get is, installs the packages of the missing ones through `make slurm`
 # (an install that fails stops `make test`); elsewhere it names them and goes on, and those tests
 # skip saying why. With everything there it returns at once.
 SYSDEPS := munged:munge slurmctld:slurmctld slurmd:slurmd srun:slurm-client sbatch:slurm-client \
-	scontrol:slurm-client mpirun:openmpi-bin ip:iproute2 tc:iproute2 unshare:util-linux
+	scontrol:slurm-client mpirun:openmpi-bin ip:iproute2 tc:iproute2 unshare:util-linux iptables:iptables
 .PHONY: sysdeps
 sysdeps:
 	@export PATH="$$PATH:/usr/sbin:/sbin"; \
