@@ -290,7 +290,7 @@ INLINE_WAIT = _("RINGWEAVE_INLINE_WAIT_US", microseconds, "2000", "init",
                 "loop takes over (0: never); only while one call is in flight and the process has one runtime")
 SPIN = _("RINGWEAVE_SPIN_US", microseconds, "50", "init",
          "of that wait, how long the socket is re-read (sched_yield between reads) before the rank sleeps "
-         "in poll() (0: sleep at once); unset, 0 where the node's ranks outnumber the cores")
+         "in poll() (0: sleep at once)")
 SHM = _("RINGWEAVE_SHM", switch, "1", "init, each call",
         "0: no same-host shared memory, TCP only (also Communicator(shm=False)); where ranks differ at "
         "init, all take TCP")

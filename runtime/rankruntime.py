@@ -23,7 +23,6 @@ from runtime import env, turns
 from runtime.actor import Actor
 from runtime.group import Call, ProcessGroup, count_runtime
 from runtime.trace import Tracer
-from runtime.transport import wait_spin_s
 from runtime.errors import (ClosedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                             PeerAbortedError, PeerLostError, RingweaveError)
 
@@ -133,7 +132,7 @@ class RankRuntime:
         self.shm_enabled = True  # every rank must agree (the algorithm is in each call's fingerprint)
         self.watchdog = Watchdog(env.mismatch_check_s())  # deadlines and mismatch checks of the calls in flight
         self.inline_wait_s = env.inline_wait_s()  # Call.sendrecv's wait off the event loop (0: never)
-        self.spin_s = wait_spin_s(local_world_size)  # of that wait, the part spent re-reading the socket
+        self.spin_s = env.spin_s()  # of that wait, the part spent re-reading the socket before poll()
         count_runtime(+1)  # Call.sendrecv waits off the loop only while this is the process's one runtime
         self.in_flight = 0  # collective calls running now, on every group (ProcessGroup.run)
         self.call_turn_s = turns.call_turn_s(local_world_size)  # ProcessGroup.run's loop turns

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime import env, turns, wire
+from runtime import turns, wire
 from runtime.errors import ClosedError, PeerLostError
 from runtime.frame_protocol import FrameProtocol
 
@@ -43,17 +43,6 @@ _COALESCE_NBYTES = 16 * 1024  # payloads up to this size are copied behind their
 SEND_NOW_NBYTES = 1024 * 1024  # the largest payload Connection.send_now takes
 RECV_NOW_NBYTES = 1024 * 1024  # the largest payload a caller should hand Connection.recv_now
 _NOW_WHOLE_NBYTES = 64 * 1024  # recv_now: frames up to this are read whole and their payload copied
-
-
-def wait_spin_s(local_ranks: int) -> float:
-    """The spin of :meth:`Connection.recv_now`'s wait, in seconds, for a rank whose node runs
-    ``local_ranks`` ranks: ``RINGWEAVE_SPIN_US`` where it is set; unset, its default where each rank
-    has a core, else 0. Where ranks outnumber the cores, a rank that spins holds a core the rank it
-    waits for needs (a ``sched_yield`` gives the core to any runnable thread, not to that one), and
-    a call timed between barriers ran faster and with less CPU sleeping in ``poll()`` at once."""
-    if env.SPIN.given() is None and turns.shares_cores(local_ranks):
-        return 0.0
-    return env.spin_s()
 
 
 class Sink(Protocol):

@@ -54,19 +54,14 @@ SHARED_TURN_S = 0.025
 _clock = time.perf_counter
 
 
-def shares_cores(local_ranks: int) -> bool:
-    """Whether the node's ranks outnumber the cores this process may run on."""
+def call_turn_s(local_ranks: int) -> float:
+    """The turn interval between whole calls: TURN_S when this process's cores are at least the
+    node's ranks, else SHARED_TURN_S."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return cores < max(1, local_ranks)
-
-
-def call_turn_s(local_ranks: int) -> float:
-    """The turn interval between whole calls: TURN_S when this process's cores are at least the
-    node's ranks, else SHARED_TURN_S."""
-    return SHARED_TURN_S if shares_cores(local_ranks) else TURN_S
+    return TURN_S if cores >= max(1, local_ranks) else SHARED_TURN_S
 
 
 def piece_items(itemsize: int, arrays: int = 2) -> int:
