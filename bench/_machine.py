@@ -165,9 +165,10 @@ class Job:
                               ",".join(map(str, s["sizes"]))]
             cmd += ["--warmup-rounds", str(p["rounds"]), "--plot", ""]
             if self.kind == "grid":
-                quick = ["--sizes", QUICK_GRID_SIZES] if p.get("quick") else ["--small-iters", str(GRID_SMALL_ITERS)]
+                quick = ["--sizes", QUICK_GRID_SIZES] if p.get("quick") else ["--small-iters", str(SMALL_ITERS["grid"])]
                 return cmd + ["--algorithm", "all"] + quick
             cmd += ["--shm", s["shm"], "--ops", ",".join(s["ops"]), "--sizes", ",".join(map(str, s["sizes"]))]
+            cmd += [] if p.get("quick") else ["--small-iters", str(SMALL_ITERS[self.kind])]
             cmd += ["--compare", ",".join(self.peers)] if self.peers else []
             return cmd + ([] if s["ticker"] else ["--no-ticker"])
         cmd = [py, os.path.join(HERE, "trainer.py"), "--model", "gpt", "--out", out]
@@ -201,7 +202,7 @@ class Job:
         fixed += p["rounds"] * sum(_call_s(n, cores, 4, "shm" if s.get("shm") == "on" else "tcp", lib, "all_reduce")
                                    for lib in libs)
         calls = p["warmup"] + p["iters"] + 1  # + the validation call
-        small_calls = calls + max(0, GRID_SMALL_ITERS - p["iters"]) if self.kind == "grid" and not p.get("quick") else calls
+        small_calls = calls + max(0, SMALL_ITERS[self.kind] - p["iters"]) if not p.get("quick") else calls
         total = fixed
         sizes = parse_sizes(QUICK_GRID_SIZES) if self.kind == "grid" and p.get("quick") else s["sizes"]
         for op in s["ops"]:
@@ -243,7 +244,7 @@ def _variants(kind: str, op: str, shm: str) -> list[tuple[str, int]]:
 
 
 # Iterations per kind: {name: (fewest, full)}. Full: the scripts' defaults (the GPT's 10 steps,
-# collectives.py's 20 iterations); the 4 B .. 1 KiB shared-memory rows take 100, being cheap.
+# collectives.py's 20 iterations); the rows of at most 64 KiB take SMALL_ITERS at least, being cheap.
 FULL = {
     "collectives": {"iters": (5, 20), "warmup": (1, 3), "rounds": (50, 500)},
     "grid": {"iters": (3, 20), "warmup": (1, 3), "rounds": (20, 500)},
@@ -259,7 +260,10 @@ QUICK = {
     "interleave": {"steps": 5, "warmup": 2, "repeat": 1, "quick": True},
 }
 QUICK_GRID_SIZES = "4,4096"
-GRID_SMALL_ITERS = 25  # the grid's rows of at most SMALL_ROW: a call of tens of microseconds, noise-bound below that
+# At least these many timed iterations in the rows of at most SMALL_ROW (collectives.py --small-iters):
+# a call of microseconds to a few hundred, where a median of the 3-20 iterations the large rows fit in
+# the budget is one slow iteration's; they cost well under a second a row.
+SMALL_ITERS = {"collectives": 200, "grid": 25}
 SMALL_ROW = 64 << 10  # (bench/collectives.py --small-iters)
 GRID_SIZES = "4:64M:4"  # bench/collectives.py's defaults: every op (its OPS), 4 B .. 64 MiB in x4 steps
 
