@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
                    help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, 1.56%%, "
                         "then the ratio, in equal stages); default two epochs, 0 for none. powersgd (ddp): steps "
-                        "sent uncompressed first, as torch's start_powerSGD_iter (default none)")
+                        "sent uncompressed first, as torch's start_powerSGD_iter: the same as --compression-start "
+                        "(default none)")
     g.add_argument("--compression-start", type=_non_negative_int, default=0, metavar="N",
                    help="any codec, any strategy: the first N steps' gradients uncompressed (default 0)")
     g.add_argument("--freeze-variance", action="store_true", help="adamw's variance frozen from then on (1-bit Adam)")
@@ -305,6 +306,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.compression_warmup_steps and not (args.compression or "").startswith(("topk", "powersgd")):
         build_parser().error(f"--compression-warmup-steps is a topk and powersgd option; --compression is "
                              f"{args.compression!r}")
+    if (args.compression_warmup_steps and args.compression_start
+            and (args.compression or "").startswith("powersgd")):
+        build_parser().error("--compression-warmup-steps is --compression-start for powersgd: give one of them")
     if refusal := split_refusal(args):
         build_parser().error(refusal)
     if args.replicas != 1 and args.strategy == "ddp":
@@ -367,14 +371,21 @@ def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | No
     """--compression plus the top-k warm-up option, e.g. "topk+ef:warmup_steps=46" (two epochs of
     23 steps: the default, see --compression-warmup-steps); None for no codec."""
     spec = None if args.compression in (None, "none") else args.compression
-    if (spec or "").startswith("powersgd") and args.compression_warmup_steps and "vanilla_steps=" not in spec:
-        return f"{spec}{',' if ':' in spec else ':'}vanilla_steps={args.compression_warmup_steps}"
     if spec is None or not spec.startswith("topk") or "warmup_steps=" in spec:
         return spec
     steps = 2 * steps_per_epoch if args.compression_warmup_steps is None else args.compression_warmup_steps
     if not steps:
         return spec
     return f"{spec}{',' if ':' in spec else ':'}warmup_steps={steps}"
+
+
+def compression_start(args: argparse.Namespace) -> int:
+    """--compression-start, or PowerSGD's --compression-warmup-steps (torch's start_powerSGD_iter):
+    counted in the strategy's steps, which a checkpoint restores, so a resumed run does not start
+    its uncompressed steps again (the codec's own ``vanilla_steps`` counts the calls of a process)."""
+    if (args.compression or "").startswith("powersgd") and args.compression_warmup_steps:
+        return args.compression_warmup_steps
+    return args.compression_start
 
 
 def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
@@ -387,7 +398,7 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
-        grad_accum=args.grad_accum, clip_norm=args.clip_norm, compression_start=args.compression_start,
+        grad_accum=args.grad_accum, clip_norm=args.clip_norm, compression_start=compression_start(args),
         compression=compression_spec(args, steps_per_epoch), freeze_variance=args.freeze_variance,
         bucket_cap_mb=args.bucket_cap_mb, compression_host_first=args.compression_host_first,
         reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch,

@@ -5,11 +5,18 @@ trains like uncompressed. ``--freeze-variance`` freezes AdamW's variance at N (1
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from tests.compressed.trainer_runs import train
 from trainer.cli import make_config, parse_args
+from trainer.data import Split, make_synthetic
+from trainer.loop import Callback, fit
+from trainer.nn import mlp
+from trainer.sharding import make_strategy
 from trainer.sharding.data_parallel import make_optimizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,3 +49,49 @@ def test_freeze_variance_freezes_adamw_at_the_compression_start():
     assert make_optimizer(make_config(parse_args(["--compression-start", "7"]), 23)).freeze_step == 0
     with pytest.raises(ValueError, match="compression_start"):
         make_optimizer(make_config(parse_args(["--freeze-variance"]), 23))
+
+
+class _Bytes(Callback):
+    """Each step's bytes sent (this rank), and a stop after step ``stop_at``."""
+
+    def __init__(self, stop_at=None):
+        self.sent, self.stop_at = {}, stop_at
+
+    def on_step_end(self, state):
+        self.sent[state.step] = int(state.result.comm_bytes)
+        state.stop_training = state.step == self.stop_at
+
+
+async def test_powersgd_warmup_steps_are_not_sent_again_after_a_resume(ranks, tmp_path):
+    """``--compression powersgd+ef --compression-warmup-steps 3``: steps 1-3 uncompressed, then
+    PowerSGD; a run stopped at step 5 and resumed sends steps 6.. compressed, as the uninterrupted
+    run does (the warm-up is counted in the strategy's steps, which the checkpoint restores; a count
+    of the codec's calls would start again at the resume and send 3 more steps whole)."""
+    args = parse_args(["--quiet", "--strategy", "ddp", "--compression", "powersgd+ef:rank=2",
+                       "--compression-warmup-steps", "3"])
+    split = make_synthetic(120, in_dim=32, num_classes=4, seed=3, class_sep=1.0, dtype=np.float32)
+    split = Split(split[0][20:], split[1][20:], split[0][:20], split[1][:20], 4)
+
+    def body(stop_at=None, ckpt=None, resume=False):
+        async def run(group):
+            config = make_config(args, 7)
+            strategy = make_strategy("ddp", mlp(32, (32, 32), 4, pad_to=group.size, dtype=np.float32), config, group)
+            await strategy.setup()
+            rec = _Bytes(stop_at)
+            try:
+                await fit(strategy, split, config, epochs=2, global_batch_size=16, callbacks=[rec], group=group,
+                          checkpoint_dir=ckpt, resume=resume, progress_stream=io.StringIO(),
+                          summary_stream=io.StringIO())
+            finally:
+                strategy.close()
+            return rec.sent
+        return run
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        whole, _ = await ranks(2, body())
+        ckpt = str(tmp_path / "ckpt")
+        first, _ = await ranks(2, body(stop_at=5, ckpt=ckpt))
+        rest, _ = await ranks(2, body(ckpt=ckpt, resume=True))
+    assert whole[1] == whole[3] > 4 * whole[4] > 0  # the uncompressed start, then rank-2 factors
+    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(rest) == list(range(6, 15))
+    assert {s: whole[s] for s in rest} == rest

@@ -73,8 +73,12 @@ async def test_ddp_powersgd_sends_its_first_steps_uncompressed_when_asked():
 
 def test_the_uncompressed_start_is_the_warm_up_option_of_powersgd():
     args = parse_args(["--compression", "powersgd+ef", "--compression-warmup-steps", "52"])
-    assert make_config(args, 26).compression == "powersgd+ef:vanilla_steps=52"
-    assert make_config(parse_args(["--compression", "powersgd"]), 26).compression == "powersgd"  # default: none
+    config = make_config(args, 26)
+    assert (config.compression, config.compression_start) == ("powersgd+ef", 52)  # counted in steps, not calls
+    config = make_config(parse_args(["--compression", "powersgd"]), 26)
+    assert (config.compression, config.compression_start) == ("powersgd", 0)  # default: none
+    with pytest.raises(SystemExit):
+        parse_args(["--compression", "powersgd", "--compression-warmup-steps", "5", "--compression-start", "5"])
 
 
 async def test_ddp_powersgd_with_error_feedback_trains_like_uncompressed():
