@@ -52,12 +52,13 @@ def resolve(compression) -> Codec:
 def codec_at(codec, key=None, *, advance: bool = False) -> Codec:
     """The codec a call of stream ``key`` uses now: a warm-up step's codec (top-k's
     ``warmup_steps``: a larger ratio, same error-feedback residuals) or ``codec`` itself.
-    ``advance=True`` counts the call (all_reduce does; wire-byte estimates do not)."""
+    ``advance=True`` counts the call (all_reduce does; wire-byte estimates do not). A codec whose
+    ``step`` is set (the trainer's) is at that step in every stream, whatever its count."""
     codec = resolve(codec)
     ef, inner = split(codec)
     if not getattr(inner, "warmup_steps", 0):
         return codec
-    step = inner.steps.get(key, 0)
+    step = inner.steps.get(key, 0) if inner.step is None else inner.step
     if advance:
         inner.steps[key] = step + 1
     now = inner.at_step(step)

@@ -17,8 +17,9 @@ Warm-up (``warmup_steps=S``, default 0: off), after Deep Gradient Compression (L
 the first S calls of a state stream (``key``) keep more entries, in four equal stages of kept
 fraction 25%, 6.25%, 1.5625%, 0.39%, never below ``ratio``. ``ratio_at(step)`` gives the fraction,
 ``at_step(step)`` a plain codec with it; collectives/compressed.py reads and advances the per-stream
-counts (``steps``), one call per all_reduce of a stream. What that costs on the wire and what a
-resumed run does: docs/design.md, "Compressed collectives".
+counts (``steps``), one call per all_reduce of a stream, unless the caller sets ``step``: then every
+stream is at that step (the trainer's optimizer step, which a checkpoint restores). What that costs
+on the wire and what a resumed run does: docs/design.md, "Compressed collectives".
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class TopKCodec(Codec):
         self.ratio = float(ratio)  # fraction of entries kept, e.g. 0.01
         self.warmup_steps = int(warmup_steps)  # calls per stream on the DGC ramp, e.g. 46; 0: none
         self.steps: dict = {}  # key -> calls made so far (advanced by collectives/compressed.py)
+        self.step: int | None = None  # set: every stream's place on the ramp (the trainer's step), not its calls
         self._at: dict[float, TopKCodec] = {}  # ratio -> plain codec for warm-up steps
 
     def ratio_at(self, step: int) -> float:

@@ -62,15 +62,12 @@ class _Bytes(Callback):
         state.stop_training = state.step == self.stop_at
 
 
-async def test_powersgd_warmup_steps_are_not_sent_again_after_a_resume(ranks, tmp_path):
-    """``--compression powersgd+ef --compression-warmup-steps 3``: steps 1-3 uncompressed, then
-    PowerSGD; a run stopped at step 5 and resumed sends steps 6.. compressed, as the uninterrupted
-    run does (the warm-up is counted in the strategy's steps, which the checkpoint restores; a count
-    of the codec's calls would start again at the resume and send 3 more steps whole)."""
-    args = parse_args(["--quiet", "--strategy", "ddp", "--compression", "powersgd+ef:rank=2",
-                       "--compression-warmup-steps", "3"])
-    split = make_synthetic(120, in_dim=32, num_classes=4, seed=3, class_sep=1.0, dtype=np.float32)
-    split = Split(split[0][20:], split[1][20:], split[0][:20], split[1][:20], 4)
+async def _bytes_per_step_stopped_and_resumed(ranks, tmp_path, flags: list[str], stop_at: int):
+    """Each step's bytes (rank 0) of an uninterrupted 14-step ddp run with ``flags``, and of the
+    same run stopped after step ``stop_at`` and resumed from its checkpoint (steps 1.. and the rest)."""
+    args = parse_args(["--quiet", "--strategy", "ddp", *flags])
+    x, y = make_synthetic(120, in_dim=32, num_classes=4, seed=3, class_sep=1.0, dtype=np.float32)
+    split = Split(x[20:], y[20:], x[:20], y[:20], 4)
 
     def body(stop_at=None, ckpt=None, resume=False):
         async def run(group):
@@ -87,11 +84,35 @@ async def test_powersgd_warmup_steps_are_not_sent_again_after_a_resume(ranks, tm
             return rec.sent
         return run
 
+    ckpt = str(tmp_path / "ckpt")
     with threadpool_limits(limits=1, user_api="blas"):
         whole, _ = await ranks(2, body())
-        ckpt = str(tmp_path / "ckpt")
-        first, _ = await ranks(2, body(stop_at=5, ckpt=ckpt))
+        first, _ = await ranks(2, body(stop_at=stop_at, ckpt=ckpt))
         rest, _ = await ranks(2, body(ckpt=ckpt, resume=True))
+    assert sorted(first) == list(range(1, stop_at + 1)) and sorted(rest) == list(range(stop_at + 1, 15))
+    return whole, first, rest
+
+
+async def test_powersgd_warmup_steps_are_not_sent_again_after_a_resume(ranks, tmp_path):
+    """``--compression powersgd+ef --compression-warmup-steps 3``: steps 1-3 uncompressed, then
+    PowerSGD; a run stopped at step 5 and resumed sends steps 6.. compressed, as the uninterrupted
+    run does (the warm-up is counted in the strategy's steps, which the checkpoint restores; a count
+    of the codec's calls would start again at the resume and send 3 more steps whole)."""
+    whole, _, rest = await _bytes_per_step_stopped_and_resumed(
+        ranks, tmp_path, ["--compression", "powersgd+ef:rank=2", "--compression-warmup-steps", "3"], 5)
     assert whole[1] == whole[3] > 4 * whole[4] > 0  # the uncompressed start, then rank-2 factors
-    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(rest) == list(range(6, 15))
+    assert {s: whole[s] for s in rest} == rest
+
+
+@pytest.mark.parametrize("start", [0, 2])
+async def test_topk_warmup_goes_on_from_its_step_after_a_resume(ranks, tmp_path, start):
+    """top-k's DGC ramp of 8 steps (25% of the entries for two steps, 6.25%, 1.56%, then 1%), after
+    an uncompressed start of ``start`` steps: a run stopped at step start + 3 and resumed sends each
+    later step's bytes as the uninterrupted run does (the ramp counted in the strategy's steps; a
+    count of the codec's calls would start the ramp again: 25% at the first resumed step)."""
+    whole, _, rest = await _bytes_per_step_stopped_and_resumed(
+        ranks, tmp_path, ["--compression", "topk+ef", "--compression-warmup-steps", "8",
+                          "--compression-start", str(start)], start + 3)
+    ramp = [whole[s] for s in range(start + 1, start + 10)]
+    assert ramp[0] == ramp[1] > ramp[2] == ramp[3] > ramp[4] == ramp[5] > ramp[7] == ramp[8] > 0
     assert {s: whole[s] for s in rest} == rest

@@ -121,6 +121,18 @@ class AccountedCollectives:
         finally:
             self._exit()
 
+    def start_step(self, step: int, compression_start: int = 0) -> None:
+        """Before optimizer step ``step`` (0-based): its gradients go uncompressed while ``step <
+        compression_start`` (``plain``), and a codec with a warm-up (top-k's DGC ramp) is at
+        ``step - compression_start`` in every stream: counted in steps, which a checkpoint
+        restores, so a resumed run goes on where the uninterrupted one is, not at the ramp's start."""
+        self.plain = step < compression_start
+        if self.codec is not None:
+            from collectives import compressed
+            inner = compressed.split(compressed.resolve(self.codec))[1]
+            if getattr(inner, "warmup_steps", 0):
+                inner.step = max(0, step - compression_start)
+
     def _ring(self, nbytes: int, factor: float) -> int:
         return 0 if self.size == 1 else int(factor * (self.size - 1) / self.size * nbytes)
 

@@ -295,7 +295,7 @@ class DataParallelStrategy(Strategy):
         if denominator <= 0:
             raise ValueError(f"the step's global batch is empty (global sizes {[mb[3] for mb in micro_batches]})")
         scale = self.scaler.scale
-        self.collectives.plain = self.step < self.config.compression_start  # the codec's uncompressed start
+        self.collectives.start_step(self.step, self.config.compression_start)
         self._begin_step()
         self.offload.begin_step()
         try:  # 1. forward and backward of every micro-batch; the hooks launch the gradient collectives
