@@ -191,7 +191,7 @@ async def probe(rt, quick: bool) -> costmodel.Machine:
     k = len(sizes) + 1
     network = fitted_link(sizes, m[k:2 * k - 1], m[2 * k - 1]) if topo.hosts > 1 else None
     # no two ranks on one host (every rank on a host of its own): TCP inside a host is not measured
-    loopback = fitted_link(sizes, m[:k - 1], m[k - 1]) if any(m[:k]) or network is None else network
+    loopback = fitted_link(sizes, m[:k - 1], m[k - 1]) if any(m[:k - 1]) or network is None else network
     gamma, copy_s, shm_alpha = m[-3:]
     shared = costmodel.Link(float(shm_alpha) or loopback.alpha, float(shm_alpha) or loopback.alpha, float(copy_s))
     return costmodel.Machine(loopback, shared, float(gamma), float(copy_s), network)
