@@ -1,131 +1,221 @@
-"""The tuner across hosts (collectives/tune.py, tunefile.py): the probe pairs ranks inside a host
-and across hosts, and the link between hosts is what it measures as ``network``; the file is keyed
-by the group's shape (hosts, most ranks on one), so a 2x2 file is never a one-host job's, and a job
-of that shape loads it and chooses by it; the table's choices are those of the group's layout.
-In process (ranks on hosts named by hand), and once across 2 emulated hosts (bench/netem.py:
-needs root, ip, tc and unshare, skipped otherwise)."""
+"""The tuner across hosts (collectives/tune.py), in one process: the probe's pairs (one on the
+rank's host, one on another), the file keyed to the world's shape and its choices taken for the
+world's layout, a 2x2 file found by every 2x2 job and by no one-host 4-rank job, and a launched
+run's checks (every host's first rank holds the file; a job of the shape loads it)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from collectives import p2p, registry, tune, tunefile
-from collectives.kernels import jitcache
+from collectives import api, costmodel, p2p, registry, tune, tunefile
 from runtime.init import current
 from runtime.topology import HostTopology
 
-ROOT = Path(__file__).resolve().parents[2]
-CROSSING_S = 0.01  # what a message between the hosts named by hand costs in process
-NUMBA_CACHE = jitcache.cache_root()  # this run's compiled kernels, before a test moves XDG_CACHE_HOME
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def cache(monkeypatch, tmp_path):
-    """Rules on, read from a temporary cache; nothing loaded before or after."""
+def fresh(monkeypatch, tmp_path):
+    """Rules on, read from a temporary cache; shared memory off; nothing loaded or chosen before."""
     monkeypatch.setenv("RINGWEAVE_TUNE", "1")
-    monkeypatch.delenv("RINGWEAVE_TUNE_FILE", raising=False)
+    monkeypatch.setenv("RINGWEAVE_SHM", "0")
+    for name in ("RINGWEAVE_TUNE_FILE", "RINGWEAVE_TUNE_PROBE_S"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     registry.forget()
-    yield tmp_path / "cache"
+    yield tmp_path
     registry.forget()
 
 
-def group_on(nodes: str, shm: bool = True):
-    """A stand-in group whose rank i is on host nodes[i] (what registry.choose reads of a group)."""
-    return SimpleNamespace(topology=HostTopology.of(nodes), size=len(nodes), shm_enabled=shm)
+def group_of(nodes: str):
+    return SimpleNamespace(topology=HostTopology.of(nodes), size=len(nodes), shm_enabled=True)
 
 
-@pytest.mark.parametrize("ids, inside, across", [
-    ("aaaa", [1, 0, 3, 2], [None] * 4),                   # one host: r ^ 1, as before
-    ("aaa", [1, 0, None], [None] * 3),
-    ("aabb", [1, 0, 3, 2], [2, 3, 0, 1]),                 # 2x2: the i-th rank of each host together
-    ("abab", [2, 3, 0, 1], [1, 0, 3, 2]),                 # interleaved: by place on the host, not rank
-    ("abcd", [None] * 4, [1, 0, 3, 2]),                   # a rank per host: host 0-1, 2-3
-    ("aabbb", [1, 0, 3, 2, None], [2, 3, 0, 1, None]),    # unequal hosts: the extra rank measures nothing
-    ("aabbcc", [1, 0, 3, 2, 5, 4], [2, 3, 0, 1, None, None]),  # an odd host out
+@pytest.mark.parametrize("nodes, want", [
+    ("aabb", {0: (1, 2), 1: (0, 3), 2: (3, 0), 3: (2, 1)}),          # the launcher's 2x2
+    ("abab", {0: (2, 1), 1: (3, 0), 2: (0, 3), 3: (1, 2)}),          # ranks dealt round-robin
+    ("ab", {0: (None, 1), 1: (None, 0)}),                            # a host each
+    ("aaa", {0: (1, None), 1: (0, None), 2: (None, None)}),          # one host, an odd count
+    ("aabbc", {0: (1, 2), 1: (0, 3), 2: (3, 0), 3: (2, 1), 4: (None, None)}),  # an odd host count
 ])
-def test_the_probe_pairs_ranks_inside_and_across_hosts(ids, inside, across):
-    nodes = HostTopology.of(ids).nodes
-    got = [tune.partners(nodes, r) for r in range(len(ids))]
-    assert [g[0] for g in got] == inside and [g[1] for g in got] == across
-    for r, (i, a) in enumerate(got):  # a pair is mutual, on one host and across two
-        assert i is None or (got[i][0] == r and ids[i] == ids[r])
-        assert a is None or (got[a][1] == r and ids[a] != ids[r])
+def test_probe_partners(nodes, want):
+    topo = HostTopology.of(nodes)
+    got = {r: tune.partners(topo.nodes, r) for r in range(len(nodes))}
+    assert got == want
+    for r, (inside, across) in got.items():  # pairs are mutual, on one host / on two
+        if inside is not None:
+            assert got[inside][0] == r and nodes[inside] == nodes[r]
+        if across is not None:
+            assert got[across][1] == r and nodes[across] != nodes[r]
 
 
-async def test_measure_on_two_hosts_keys_by_shape_and_measures_the_link_between(cache, monkeypatch, ranks):
-    """4 ranks on hosts a a b b, a message between a and b 10 ms late: the network link's round is
-    at least that and loopback's is not; the file is keyed 4 ranks on 2 hosts x 2; with every
-    algorithm timed equal, the rules are the packed table's choices, not one host's."""
-    send = p2p.send
+def test_fitted_link_recovers_the_closed_form():
+    alpha, beta, o = 50e-6, 1e-9, 5e-6
+    sizes = (8, 64 << 10, 1 << 20, 4 << 20)
+    halves = [alpha if n == 8 else alpha + n * beta for n in sizes]
+    link = tune.fitted_link(sizes, halves, 2 * alpha + (tune.BURST - 1) * o)
+    assert link.alpha == pytest.approx(alpha) and link.beta == pytest.approx(beta, rel=1e-6)
+    assert link.o == pytest.approx(o)
 
-    async def crossing(buf, dst, *args, **kw):
-        if current().nodes[current().rank] != current().nodes[dst]:
-            await asyncio.sleep(CROSSING_S)
-        return await send(buf, dst, *args, **kw)
-    monkeypatch.setattr(p2p, "send", crossing)
 
-    async def ties(starts, quick):  # every algorithm equal: the table's choice stays
-        return {name: 1e-3 for name in starts}
-    monkeypatch.setattr(tune, "time_calls", ties)
+def test_candidates_follow_the_layout():
+    m = costmodel.Machine(costmodel.Link(30e-6, 5e-6, 1e-9), costmodel.Link(2e-6, 1e-6, 1e-10), 1e-10, 1e-10,
+                          costmodel.Link(1e-3, 5e-6, 1e-8))
+    one = tune.candidates(m, "reduce_scatter", 4, 4096, True, True, "one", 1)
+    packed = tune.candidates(m, "reduce_scatter", 4, 4096, True, True, "packed", 2)
+    assert "shm" in one and "shm" not in packed and "hierarchical" in packed  # shm maps every peer: one host
+    assert "hierarchical" not in tune.candidates(m, "reduce_scatter", 4, 4096, False, True, "packed", 2)
+    for n in (16, 4096, 1 << 20):  # the table's choice for the layout is always timed
+        table = registry._chosen("reduce_scatter", n, 4, True, "packed", 2)[0]
+        assert table in tune.candidates(m, "reduce_scatter", 4, n, True, False, "packed", 2)
+
+
+def sends(monkeypatch) -> list:
+    """Records (rank, peer, tag) of every p2p.send."""
+    seen, send = [], p2p.send
+
+    async def recording(buf, dst, *a, tag=0, **k):
+        seen.append((current().rank, dst, tag))
+        return await send(buf, dst, *a, tag=tag, **k)
+    monkeypatch.setattr(p2p, "send", recording)
+    return seen
+
+
+def ticking(monkeypatch, step_s: float):
+    ticks: dict = {}
+
+    def now():
+        r = current().rank
+        ticks[r] = ticks.get(r, 0) + 1
+        return ticks[r] * step_s
+    monkeypatch.setattr(tune, "_now", now)
+
+
+async def test_measure_keys_the_file_to_the_shape_and_takes_the_layouts_table(fresh, monkeypatch, ranks):
+    ticking(monkeypatch, 0.01)  # every call 10 ms: ties everywhere, the table's choices stay
+    seen = sends(monkeypatch)
 
     async def body(world):
-        world.runtime.nodes = list("aabb")
-        return await tune.measure(world.runtime, ("all_reduce", "reduce_scatter"), (4, 256 << 10), True, False)
-    docs = await ranks(4, body, timeout_s=60)
+        world.runtime.nodes = ["a", "a", "b", "b"]
+        doc = await tune.measure(world.runtime, ("reduce_scatter", "broadcast"), (4, 64 << 10), True, False)
+        return await tune.shared(world.runtime, doc)
+    docs = await ranks(4, body)
+    assert all(d == docs[0] for d in docs)
     doc = docs[0]
-    assert all(d["key"] == doc["key"] for d in docs) and doc["key"] == tunefile.machine_key(4, 2, 2)
-    model = tunefile.parse(json.dumps(doc).encode(), None, registry.ALGORITHMS).model
-    assert model.network is not None and model.network.alpha >= CROSSING_S
-    assert model.loopback.alpha < CROSSING_S / 2 < model.network.alpha
-    rules = tunefile.TuneRules(doc["key"], {s: {c: tuple(map(tuple, e)) for c, e in t.items()}
-                                            for s, t in doc["rules"].items()})
+    assert doc["key"] == tunefile.machine_key(4, 2, 2) and doc["model"]["network"] is not None
+    # the probe: every rank pings its host's other rank (tags 7-9) and its peer on the other host (10-12)
+    inside = {(r, d) for r, d, t in seen if t in (7, 8, 9)}
+    across = {(r, d) for r, d, t in seen if t in (10, 11, 12)}
+    assert inside == {(0, 1), (1, 0), (2, 3), (3, 2)} and across == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    rules = tunefile.parse(tunefile._text(doc).encode(), None, registry.ALGORITHMS)
     for state in doc["rules"]:
-        on = state == "shm"
-        for collective in ("all_reduce", "reduce_scatter"):
-            for n in (tune.registry_nbytes(collective, s, 4) for s in (4, 256 << 10)):
-                assert rules.pick(collective, on, n) == registry._chosen(collective, n, 4, on, "packed", 2)[0]
-    n = tune.registry_nbytes("all_reduce", 256 << 10, 4)  # where the packed table differs from one host's
-    assert rules.pick("all_reduce", False, n) == "ring" != registry._chosen("all_reduce", n, 4, False, "one", 1)[0]
+        for collective in ("reduce_scatter", "broadcast"):
+            for nbytes in map(int, doc["times"][collective]):
+                want = registry._chosen(collective, nbytes, 4, state == "shm", "packed", 2)[0]
+                assert rules.pick(collective, state == "shm", nbytes) == want, (state, collective, nbytes)
 
 
-def two_by_two(pick: str) -> dict:
-    """A rules file for 4 ranks on 2 hosts x 2 naming ``pick`` for reduce_scatter to 64 KiB."""
-    entries = [[64 << 10, pick], [None, None]]
-    return {"format": tunefile.FORMAT, "key": tunefile.machine_key(4, 2, 2),
-            "rules": {"shm": {"reduce_scatter": entries}, "tcp": {"reduce_scatter": [[64 << 10, "ring"], [None, None]]}}}
+async def test_one_host_probe_measures_no_network(fresh, monkeypatch, ranks):
+    ticking(monkeypatch, 0.01)
+    seen = sends(monkeypatch)
+    docs = await ranks(2, lambda world: tune.measure(world.runtime, ("barrier",), (0,), True, False))
+    assert docs[0]["key"] == tunefile.machine_key(2, 1, 2) and docs[0]["model"].get("network") is None
+    assert not [t for _, _, t in seen if t in (10, 11, 12)]
 
 
-def test_a_two_host_file_serves_its_shape_only(cache):
-    assert registry.choose("reduce_scatter", 64, 4, group=group_on("aabb"))[0] == "ring"  # the table
-    path = tunefile.save(two_by_two("hierarchical"), registry.ALGORITHMS)
-    assert path == tunefile.default_path(tunefile.machine_key(4, 2, 2)) and "/w4-h2x2-" in path
+def rules_doc(world, hosts, per_host, chosen="hierarchical"):
+    return {"format": tunefile.FORMAT, "key": tunefile.machine_key(world, hosts, per_host),
+            "rules": {"shm": {"reduce_scatter": [[65536, chosen], [None, None]]},
+                      "tcp": {"reduce_scatter": [[None, None]]}}}
+
+
+def test_a_two_host_file_is_found_by_its_shape_only(fresh, monkeypatch):
+    monkeypatch.setenv("RINGWEAVE_SHM", "1")
+    monkeypatch.setattr(registry, "shm_usable", lambda: True)
+    packed, mixed, one, uneven = group_of("aabb"), group_of("abab"), group_of("aaaa"), group_of("aaab")
+    table = {name: registry.choose("reduce_scatter", 1024, 4, group=g)[0]
+             for name, g in (("packed", packed), ("one", one))}
+    assert table["packed"] == "ring"  # what the file is for: the table keeps ring at 2x2
+    path = tunefile.save(rules_doc(4, 2, 2), registry.ALGORITHMS)
+    assert path == tunefile.default_path(tunefile.machine_key(4, 2, 2)) and "-h2x2-" in os.path.basename(path)
     registry.forget()
+    assert registry.choose("reduce_scatter", 1024, 4, group=packed)[0] == "hierarchical"
+    assert registry.choose("reduce_scatter", 1024, 4, group=mixed)[0] == "hierarchical"  # the same shape
+    assert registry.choose("reduce_scatter", 1 << 20, 4, group=packed)[0] == \
+        registry._chosen("reduce_scatter", 1 << 20, 4, True, "packed", 2)[0]  # past the rules: the table
+    assert tunefile.for_group(one) is None and tunefile.rules_for(4, 1, 4) is None  # a one-host job: never
+    assert registry.choose("reduce_scatter", 1024, 4, group=one)[0] == table["one"]
+    assert tunefile.for_group(uneven) is None  # 2 hosts, 3 on one: another shape
     assert tunefile.rules_for(4, 2, 2).path == path
-    assert tunefile.rules_for(4, 1, 4) is None and tunefile.rules_for(4, 4, 1) is None  # not carried either
-    assert registry.choose("reduce_scatter", 64, 4, group=group_on("aabb"))[0] == "hierarchical"
-    assert registry.choose("reduce_scatter", 128 << 10, 4, group=group_on("aabb"))[0] == "ring"  # past it: the table
-    assert registry.choose("reduce_scatter", 64, 4, group=group_on("aabb", shm=False))[0] == "ring"
-    assert registry.choose("reduce_scatter", 64, 4, group=group_on("aaaa"))[0] == "shm"  # one host: the table
-    assert path in tune.explain(tunefile.rules_for(4, 2, 2), 4, hosts=2)
-    assert "no rules for 4 ranks on 2 hosts x 2" in tune.explain(None, 4, hosts=2)
+    text = tune.explain(tunefile.rules_for(4, 2, 2), 4, hosts=2)
+    assert path in text and '"hosts": 2' in text
+    assert "2 hosts x 2" in tune.explain(None, 4, hosts=2)
 
 
-def test_holds_tells_the_file_written_from_another(cache):
-    doc = two_by_two("hierarchical")
+async def test_every_host_holds_the_file_and_a_job_of_the_shape_loads_it(fresh, monkeypatch, ranks):
+    doc = dict(rules_doc(4, 2, 2, "ring"), times={"reduce_scatter": {"16": {"ring": 1e-3}}})
+    path = tunefile.default_path(doc["key"])
+    wrote_there: set = set()
+    holds = tunefile.holds
+
+    def other_filesystem(p, d):  # host b's first rank (rank 2) sees a filesystem of its own, once
+        if current().rank == 2 and 2 not in wrote_there:
+            wrote_there.add(2)
+            return False
+        return holds(p, d)
+    monkeypatch.setattr(tunefile, "holds", other_filesystem)
+
+    async def body(world):
+        world.runtime.nodes = ["a", "a", "b", "b"]
+        wrote = await tune.write_on_every_host(world.runtime, doc, path)
+        return wrote, await tune.loaded_by_a_job(world.runtime, doc, path, ["reduce_scatter"])
+    results = await ranks(4, body)
+    assert [w for w, _ in results] == [True, False, True, False]  # rank 0, then host b's first rank
+    assert holds(path, doc)
+    assert all(line == results[0][1] for _, line in results)
+    assert results[0][1].startswith("# every rank of a job of this shape loads it") and "ring" in results[0][1]
+    os.remove(path)
+    registry.forget()
+
+    async def one_host(world):  # the same file under a one-host key's name: not loaded by this 2x2 job
+        world.runtime.nodes = ["a", "a", "b", "b"]
+        if world.rank == 0:
+            tunefile.save(dict(doc, key=tunefile.machine_key(4, 1, 4)), registry.ALGORITHMS)
+        await api.barrier()
+        return await tune.loaded_by_a_job(world.runtime, doc, path, ["reduce_scatter"])
+    assert all(line.startswith("# NOT loaded") for line in await ranks(4, one_host))
+
+
+async def test_the_network_link_is_the_one_between_hosts(fresh, monkeypatch, ranks):
+    """A message between hosts a and b 10 ms late: the network link's round is at least that,
+    loopback's (inside a host) well below it."""
+    crossing_s, send = 0.01, p2p.send
+
+    async def late_across(buf, dst, *a, **k):
+        if current().nodes[current().rank] != current().nodes[dst]:
+            await asyncio.sleep(crossing_s)
+        return await send(buf, dst, *a, **k)
+    monkeypatch.setattr(p2p, "send", late_across)
+
+    async def body(world):
+        world.runtime.nodes = ["a", "a", "b", "b"]
+        return await tune.probe(world.runtime, True)
+    machines = await ranks(4, body, timeout_s=60)
+    m = machines[0]
+    assert all(x == m for x in machines)
+    assert m.network.alpha >= crossing_s and m.loopback.alpha < crossing_s / 2
+
+
+def test_holds_tells_the_file_written_from_another(fresh):
+    doc = rules_doc(4, 2, 2)
     path = tunefile.default_path(doc["key"])
     assert not tunefile.holds(path, doc)
     tunefile.save(doc, registry.ALGORITHMS)
-    assert tunefile.holds(path, doc) and not tunefile.holds(path, two_by_two("ring"))
+    assert tunefile.holds(path, doc) and not tunefile.holds(path, rules_doc(4, 2, 2, "ring"))
 
 
 @pytest.mark.parametrize("text, nbytes", [("4096", 4096), ("64K", 65536), ("256KiB", 256 << 10), ("1m", 1 << 20)])
@@ -133,31 +223,3 @@ def test_max_size_reads_sizes(text, nbytes):
     assert tune.size(text) == nbytes
     with pytest.raises(ValueError, match="not a size"):
         tune.size("1.5M")
-
-
-_spec = importlib.util.spec_from_file_location("bench_netem", ROOT / "bench" / "netem.py")
-netem = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(netem)
-WHY_NOT = netem.why_not()
-
-
-@pytest.mark.serial
-@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-@pytest.mark.timeout(90)
-def test_tune_across_two_emulated_hosts(cache):
-    """--quick across 2 emulated hosts x 2 ranks: the file is keyed 2x2, in the cache both hosts
-    read, and every rank of the job loads it at that shape (the tuner checks it and says so)."""
-    (cache / "ringweave").mkdir(parents=True)
-    os.symlink(NUMBA_CACHE, cache / "ringweave" / "numba")  # the kernels compiled already (else a minute)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "netem.py"), "-n", "2", "--per-node", "2", "--shm", "on",
-                           "--max-time-s", "60", "--", "-m", "collectives.tune", "--launched", "--quick",
-                           "--ops", "reduce_scatter"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=80)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    path = tunefile.default_path(tunefile.machine_key(4, 2, 2))
-    assert f"rules written to {path}" in proc.stdout, proc.stdout[-3000:]
-    assert "every rank of a job of this shape loads it; it chooses reduce_scatter 16 B " in proc.stdout
-    rules = tunefile.load(path, tunefile.machine_key(4, 2, 2), registry.ALGORITHMS)
-    assert (rules.key["world"], rules.key["hosts"], rules.key["per_host"]) == (4, 2, 2)
-    assert rules.model.network is not None
-    assert tunefile.rules_for(4, 1, 4) is None  # a one-host job of 4 ranks does not take it
