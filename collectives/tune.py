@@ -18,7 +18,12 @@ init's: collectives/tuneprobe.py):
 4. **fit** each algorithm's line ``alpha + n beta`` (collectives/tunefit.py): a boundary between
    two sizes with different winners where their lines cross (else the geometric midpoint), past
    the grid the lower envelope of the lines timed at its top (``--quick``: the table);
-5. rank 0 **writes** the rules file (collectives/tunefile.py) for shared memory on and off.
+5. rank 0 **writes** the rules file (collectives/tunefile.py) for shared memory on and off, the
+   first rank of each other host its copy where that host's filesystem lacks it.
+
+Across hosts: ``--launched`` under any launcher with ``--nnodes`` (``bench/netem.py -n 2 --per-node 2
+-- -m collectives.tune --launched``); the probe also pairs ranks on two hosts (``network``), the file
+is keyed to the world's shape (tunefile.shape) and the table's choices are its layout's.
 
 ``--explain`` prints what the file gives (or, for a group size not tuned, what the nearest size's
 lines give). Not here: the formulas (costmodel.py), loading the file (tunefile.py), choosing (registry.py).
