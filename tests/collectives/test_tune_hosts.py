@@ -14,6 +14,7 @@ import pytest
 from collectives import api, costmodel, p2p, registry, tune, tunefile
 from runtime.init import current
 from runtime.topology import HostTopology
+from test_tune_probe import ticking  # every call the same time: ties
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,16 +84,6 @@ def sends(monkeypatch) -> list:
         return await send(buf, dst, *a, tag=tag, **k)
     monkeypatch.setattr(p2p, "send", recording)
     return seen
-
-
-def ticking(monkeypatch, step_s: float):
-    ticks: dict = {}
-
-    def now():
-        r = current().rank
-        ticks[r] = ticks.get(r, 0) + 1
-        return ticks[r] * step_s
-    monkeypatch.setattr(tune, "_now", now)
 
 
 async def test_measure_keys_the_file_to_the_shape_and_takes_the_layouts_table(fresh, monkeypatch, ranks):
