@@ -541,6 +541,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [o for o in args.ops if o not in OPS]
     if bad or args.nproc < 2:
         p.error(f"--ops: unknown {bad}; choose from {OPS}" if bad else "-n must be 2 or more")
+    if args.hosts != 1 and not args.explain:
+        p.error("--hosts goes with --explain; to measure across hosts, launch --launched on each (--nnodes)")
+    if args.max_size is not None and args.max_size < GRID[0]:
+        p.error(f"--max-size {args.max_size}: below the grid's smallest size, {GRID[0]} B")
     return args
 
 

@@ -214,3 +214,18 @@ def test_max_size_reads_sizes(text, nbytes):
     assert tune.size(text) == nbytes
     with pytest.raises(ValueError, match="not a size"):
         tune.size("1.5M")
+
+
+def test_the_command_line():
+    assert [tune.size(t) for t in ("4096", "64K", "256KiB", "1M", "1g")] == [4096, 64 << 10, 256 << 10, 1 << 20, 1 << 30]
+    for bad in ("", "K", "1.5M", "64X"):
+        with pytest.raises(ValueError, match="not a size"):
+            tune.size(bad)
+    assert tune.parse_args(["--launched", "--max-size", "256K"]).max_size == 256 << 10
+    for argv in (["-n", "4", "--hosts", "2"], ["--max-size", "2"], ["--max-size", "1.5M"]):
+        with pytest.raises(SystemExit):
+            tune.parse_args(argv)
+    args = tune.parse_args(["-n", "4", "--hosts", "2", "--explain"])
+    assert (args.nproc, args.hosts) == (4, 2)
+    assert tune.command(tune.parse_args(["--launched", "--quick"]), 2, 2).startswith(
+        "python -m collectives.tune --launched --quick (on 2 hosts, at most 2 ranks on one)")
