@@ -209,13 +209,6 @@ def test_holds_tells_the_file_written_from_another(fresh):
     assert tunefile.holds(path, doc) and not tunefile.holds(path, rules_doc(4, 2, 2, "ring"))
 
 
-@pytest.mark.parametrize("text, nbytes", [("4096", 4096), ("64K", 65536), ("256KiB", 256 << 10), ("1m", 1 << 20)])
-def test_max_size_reads_sizes(text, nbytes):
-    assert tune.size(text) == nbytes
-    with pytest.raises(ValueError, match="not a size"):
-        tune.size("1.5M")
-
-
 def test_the_command_line():
     assert [tune.size(t) for t in ("4096", "64K", "256KiB", "1M", "1g")] == [4096, 64 << 10, 256 << 10, 1 << 20, 1 << 30]
     for bad in ("", "K", "1.5M", "64X"):
