@@ -18,7 +18,12 @@ init's: collectives/tuneprobe.py):
 4. **fit** each algorithm's line ``alpha + n beta`` (collectives/tunefit.py): a boundary between
    two sizes with different winners where their lines cross (else the geometric midpoint), past
    the grid the lower envelope of the lines timed at its top (``--quick``: the table);
-5. rank 0 **writes** the rules file (collectives/tunefile.py) for shared memory on and off.
+5. rank 0 **writes** the rules file (collectives/tunefile.py) for shared memory on and off, the
+   first rank of each other host its copy where that host's filesystem lacks it.
+
+Across hosts: ``--launched`` under any launcher with ``--nnodes`` (``bench/netem.py -n 2 --per-node 2
+-- -m collectives.tune --launched``); the probe also pairs ranks on two hosts (``network``), the file
+is keyed to the world's shape (tunefile.shape) and the table's choices are its layout's.
 
 ``--explain`` prints what the file gives (or, for a group size not tuned, what the nearest size's
 lines give). Not here: the formulas (costmodel.py), loading the file (tunefile.py), choosing (registry.py).
@@ -58,6 +63,7 @@ ITEMSIZE = 4  # float32, as the bench grid
 SHM_ONLY = tunefile.SHM_ONLY
 STREAM_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # the shared-memory all_reduce, streaming copies or not
 NEVER = 1 << 62  # shm_stream_min where streaming never won
+BURST = 16  # small messages sent back to back, for a link's ``o``
 _now = time.perf_counter  # every duration measured (tests give each rank a clock of its own)
 
 
@@ -106,26 +112,35 @@ async def _clock(fn, reps: int) -> float:
     return (_now() - t0) / reps
 
 
-async def probe(rt, quick: bool) -> costmodel.Machine:
-    """The model's terms on this machine, the same on every rank (the largest any rank saw)."""
-    p, r = rt.world_size, rt.rank
-    partner = r ^ 1 if (r ^ 1) < p else None
-    sizes = (8, 1 << 20) if quick else (8, 64 << 10, 1 << 20, 4 << 20)
-    burst = 16
-    measured = []  # half round trips per size, then the burst, gamma, copy, shm alpha
+def partners(nodes, rank: int) -> tuple[int | None, int | None]:
+    """The probe's partners of ``rank`` among hosts ``nodes`` (a topology's ranks per host):
+    (one on its host, one on another). Inside a host the ranks pair by their place on it (0-1,
+    2-3, ...: ``r ^ 1`` on one host); across, the i-th rank of host h with the i-th of host
+    ``h ^ 1``. None where that rank or host does not exist (an odd count): it measures nothing."""
+    h = next(i for i, ranks in enumerate(nodes) if rank in ranks)
+    mine, j = nodes[h], nodes[h].index(rank)
+    inside = mine[j ^ 1] if (j ^ 1) < len(mine) else None
+    across = nodes[h ^ 1][j] if (h ^ 1) < len(nodes) and j < len(nodes[h ^ 1]) else None
+    return inside, across
 
+
+async def link_times(partner: int | None, lead: bool, sizes, quick: bool, tag: int) -> list[float]:
+    """Half a ping-pong at each of ``sizes`` with ``partner`` (``lead``: this rank sends first),
+    then a burst of BURST small messages and a reply; zeros without a partner. Every rank calls it
+    (its barriers are the group's), every pair at once."""
+    measured = []
     for nbytes in sizes:
         buf, reps = np.zeros(nbytes, np.uint8), (10 if quick else 30) if nbytes <= 64 << 10 else (3 if quick else 8)
 
         async def pingpong(buf=buf):
             if partner is None:
                 return
-            if r % 2 == 0:
-                await p2p.send(buf, partner, tag=7)
-                await p2p.recv(buf, partner, tag=7)
+            if lead:
+                await p2p.send(buf, partner, tag=tag)
+                await p2p.recv(buf, partner, tag=tag)
             else:
-                await p2p.recv(buf, partner, tag=7)
-                await p2p.send(buf, partner, tag=7)
+                await p2p.recv(buf, partner, tag=tag)
+                await p2p.send(buf, partner, tag=tag)
         await _clock(pingpong, 2)
         await api.barrier()
         measured.append(await _clock(pingpong, reps) / 2 if partner is not None else 0.0)
@@ -134,11 +149,34 @@ async def probe(rt, quick: bool) -> costmodel.Machine:
     async def bursts():
         if partner is None:
             return
-        for _ in range(burst):
-            await (p2p.send(tiny, partner, tag=8) if r % 2 == 0 else p2p.recv(tiny, partner, tag=8))
-        await (p2p.recv(tiny, partner, tag=9) if r % 2 == 0 else p2p.send(tiny, partner, tag=9))
+        for _ in range(BURST):
+            await (p2p.send(tiny, partner, tag=tag + 1) if lead else p2p.recv(tiny, partner, tag=tag + 1))
+        await (p2p.recv(tiny, partner, tag=tag + 2) if lead else p2p.send(tiny, partner, tag=tag + 2))
     await api.barrier()
     measured.append(await _clock(bursts, 3 if quick else 10))
+    return measured
+
+
+def fitted_link(sizes, halves, t_burst: float) -> costmodel.Link:
+    """A link's terms from :func:`link_times`' figures (the largest over the ranks)."""
+    alpha = float(halves[0])
+    xs = np.array(sizes[1:], np.float64)
+    beta = float(max(1e-13, np.dot(xs, np.asarray(halves[1:]) - alpha) / np.dot(xs, xs)))
+    o = float(min(alpha, max(0.0, (t_burst - 2 * alpha) / (BURST - 1))))
+    return costmodel.Link(alpha, o, beta)
+
+
+async def probe(rt, quick: bool) -> costmodel.Machine:
+    """The model's terms on this machine, the same on every rank (the largest any rank saw): TCP
+    inside a host (``loopback``) between ranks that share one, between hosts (``network``, where
+    the group spans several) between ranks on different ones, every pair at once."""
+    r, topo = rt.rank, rt.world.topology
+    inside, across = partners(topo.nodes, r)
+    h = topo.node_of(r)
+    sizes = (8, 1 << 20) if quick else (8, 64 << 10, 1 << 20, 4 << 20)
+    measured = await link_times(inside, topo.nodes[h].index(r) % 2 == 0, sizes, quick, tag=7)
+    if topo.hosts > 1:
+        measured += await link_times(across, h % 2 == 0, sizes, quick, tag=10)
     a, b = np.zeros(1 << 20, np.float32), np.zeros(1 << 20, np.float32)
     await reduce_step(a, b, "sum")  # compiles the kernel first
     measured.append(await _clock(lambda: reduce_step(a, b, "sum"), 5 if quick else 20) / a.nbytes)
@@ -146,31 +184,35 @@ async def probe(rt, quick: bool) -> costmodel.Machine:
     async def copy():
         np.copyto(a, b)
     measured.append(await _clock(copy, 5 if quick else 20) / a.nbytes)
-    shm = rt.world.shm_enabled and shm_usable()
+    # shared memory's round: a barrier of one host's ranks (a group per host where there are several)
+    shm = rt.world.shm_enabled and shm_usable() and max(len(n) for n in topo.nodes) > 1
+    host = api.new_subgroups(ranks=[list(n) for n in topo.nodes])[0] if shm and topo.hosts > 1 else None
     if shm:
-        await api.barrier(algorithm="shm")
-    measured.append(await _clock(lambda: api.barrier(algorithm="shm"), 20 if quick else 100) if shm else 0.0)
+        await api.barrier(group=host, algorithm="shm")
+    measured.append(await _clock(lambda: api.barrier(group=host, algorithm="shm"), 20 if quick else 100)
+                    if shm else 0.0)
 
     m = await agreed_max(measured)
-    halves, (t_burst, gamma, copy_s, shm_alpha) = m[:len(sizes)], m[len(sizes):]
-    alpha = float(halves[0])
-    xs = np.array(sizes[1:], np.float64)
-    beta = float(max(1e-13, np.dot(xs, halves[1:] - alpha) / np.dot(xs, xs)))
-    o = float(min(alpha, max(0.0, (t_burst - 2 * alpha) / (burst - 1))))
-    loopback = costmodel.Link(alpha, o, beta)
-    shared = costmodel.Link(float(shm_alpha) or alpha, float(shm_alpha) or alpha, float(copy_s))
-    return costmodel.Machine(loopback, shared, float(gamma), float(copy_s))
+    k = len(sizes) + 1
+    network = fitted_link(sizes, m[k:2 * k - 1], m[2 * k - 1]) if topo.hosts > 1 else None
+    # no two ranks on one host (every rank on a host of its own): TCP inside a host is not measured
+    loopback = fitted_link(sizes, m[:k - 1], m[k - 1]) if any(m[:k - 1]) or network is None else network
+    gamma, copy_s, shm_alpha = m[-3:]
+    shared = costmodel.Link(float(shm_alpha) or loopback.alpha, float(shm_alpha) or loopback.alpha, float(copy_s))
+    return costmodel.Machine(loopback, shared, float(gamma), float(copy_s), network)
 
 
-def candidates(machine: costmodel.Machine, collective: str, p: int, nbytes: int, shm: bool, every: bool) -> list[str]:
+def candidates(machine: costmodel.Machine, collective: str, p: int, nbytes: int, shm: bool, every: bool,
+               layout: str = "one", hosts: int = 1) -> list[str]:
     """The algorithms to time: the model's close ones (among all, and among the TCP ones), the
-    table's choices (shared memory on and off), or every one that can run here."""
-    runnable = [a for a in registry.ALGORITHMS[collective] if registry.NEEDS.get(a, lambda s, lay: True)(shm, "one")]
+    table's choices (shared memory on and off), or every one that can run here (ranks laid out
+    on ``hosts`` hosts as ``layout``, runtime/topology.py)."""
+    runnable = [a for a in registry.ALGORITHMS[collective] if registry.NEEDS.get(a, lambda s, lay: True)(shm, layout)]
     if every:
         return sorted(runnable)
-    chosen = {registry._chosen(collective, nbytes, p, state, "one", 1)[0] for state in {shm, False}}
+    chosen = {registry._chosen(collective, nbytes, p, state, layout, hosts)[0] for state in {shm, False}}
     for allowed in (runnable, [a for a in runnable if a not in SHM_ONLY]):
-        ranked = costmodel.ranking(machine, collective, p, nbytes, 1, allowed)
+        ranked = costmodel.ranking(machine, collective, p, nbytes, hosts, allowed)
         chosen |= {a for t, a in ranked if t <= CLOSE * ranked[0][0] or a == ranked[0][1]}
     return sorted(chosen)
 
@@ -296,28 +338,35 @@ def stream_cut(sizes, won) -> int:
 
 
 async def measure(rt, ops, grid, quick: bool, every: bool, stream_sizes=(), budget_s: float | None = None,
-                  say=lambda *a, **k: None) -> dict:
+                  say=lambda *a, **k: None, beyond: bool = True) -> dict:
     """A rules file's content for this world, the same on every rank: the model's terms, each
     collective of ``ops`` timed at ``grid`` (bench sizes), the winners, the fitted lines, and the
-    settings measured. ``budget_s``: no further size is started once the slowest rank has spent
-    this long (agreed, so every rank stops at the same size); the lines then carry the rules past it."""
-    p, t0 = rt.world_size, _now()
+    settings measured. Keyed to the world's shape (hosts, most ranks on one: tunefile.shape); the
+    table's choices and the candidates are those of its layout. ``budget_s``: no further size is
+    started once the slowest rank has spent this long (agreed, so every rank stops at the same
+    size); the lines then carry the rules past it. ``beyond`` False (or ``quick`` without a
+    budget): past the grid, the table."""
+    p, t0, topo = rt.world_size, _now(), rt.world.topology
+    hosts, per_host = tunefile.shape(rt.world, p)
+    layout = topo.layout
     machine = await probe(rt, quick)
-    lb, sh = machine.loopback, machine.shm
-    say(f"# model: loopback alpha {lb.alpha * 1e6:.1f} us, o {lb.o * 1e6:.1f} us, {1e-9 / lb.beta:.2f} GB/s; "
-        f"shared memory alpha {sh.alpha * 1e6:.1f} us; reduce {1e-9 / machine.gamma:.2f} GB/s, copy "
-        f"{1e-9 / machine.copy:.2f} GB/s", flush=True)
+    say("# model: " + "; ".join(f"{name} alpha {ln.alpha * 1e6:.1f} us, o {ln.o * 1e6:.1f} us, {_rate(ln.beta)}"
+                                for name, ln in (("loopback", machine.loopback), ("network", machine.network))
+                                if ln is not None)
+        + f"; shared memory alpha {machine.shm.alpha * 1e6:.1f} us; reduce {_rate(machine.gamma)}, copy "
+        f"{_rate(machine.copy)}", flush=True)
     shm = rt.world.shm_enabled
     rules: dict = {"shm": {}, "tcp": {}} if shm else {"tcp": {}}
     first = next(iter(rules))
     measured: dict = {}
     settings: dict = {}
-    compiled = await measure_compiled(rt, quick)
-    if compiled is not None:
-        settings["shm_compiled"] = compiled
-    stream = await measure_stream_min(rt, tuple(stream_sizes), quick)
-    if stream is not None:
-        settings["shm_stream_min"] = stream
+    if hosts == 1:  # each setting is timed on the world's own shared memory: one host's
+        compiled = await measure_compiled(rt, quick)
+        if compiled is not None:
+            settings["shm_compiled"] = compiled
+        stream = await measure_stream_min(rt, tuple(stream_sizes), quick)
+        if stream is not None:
+            settings["shm_stream_min"] = stream
     say(f"# settings: {settings}", flush=True)
     over = False
     for collective in ops:
@@ -327,13 +376,13 @@ async def measure(rt, ops, grid, quick: bool, every: bool, stream_sizes=(), budg
             if budget_s is not None and (over or float((await agreed_max([_now() - t0]))[0]) > budget_s):
                 over = True
                 break
-            names = candidates(machine, collective, p, nbytes, shm, every)
+            names = candidates(machine, collective, p, nbytes, shm, every, layout, hosts)
             times = await time_algorithms(rt, collective, nbytes, names, quick) if len(names) > 1 else {}
             measured.setdefault(collective, {})[str(nbytes)] = times
             for state in rules:
                 on = state == "shm"
                 allowed = [a for a in names if on or a not in SHM_ONLY]
-                table = registry._chosen(collective, nbytes, p, on, "one", 1)[0]
+                table = registry._chosen(collective, nbytes, p, on, layout, hosts)[0]
                 winners[state].append((nbytes, pick(times, allowed, table)))
             if times:
                 say(f"{collective:>14} {nbytes:>10} B  " + "  ".join(
@@ -345,9 +394,9 @@ async def measure(rt, ops, grid, quick: bool, every: bool, stream_sizes=(), budg
         last = measured[collective][str(winners[first][-1][0])]  # a line past the grid: timed at its top
         for state in rules:
             tail = {a: ln for a, ln in lines.items() if a in last and (state == "shm" or a not in SHM_ONLY)}
-            rules[state][collective] = tunefit.thresholds(winners[state], lines, not quick or budget_s is not None,
-                                                          past=tail)
-    return {"format": tunefile.FORMAT, "key": tunefile.machine_key(p, 1, p), "model": machine.to_json(),
+            rules[state][collective] = tunefit.thresholds(winners[state], lines,
+                                                          beyond and (not quick or budget_s is not None), past=tail)
+    return {"format": tunefile.FORMAT, "key": tunefile.machine_key(p, hosts, per_host), "model": machine.to_json(),
             "rules": rules, "times": measured, "fits": fits_of(measured), "settings": settings,
             "written": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -356,11 +405,13 @@ def _rate(seconds_per_byte: float) -> str:
     return f"{1e-9 / seconds_per_byte:.2f} GB/s" if seconds_per_byte > 0 else "unbounded"
 
 
-def explain(rules: tunefile.TuneRules | None, world: int) -> str:
-    """What registry.choose takes from ``rules`` for ``world`` ranks on this host, as text."""
-    key = tunefile.machine_key(world, 1, world)
+def explain(rules: tunefile.TuneRules | None, world: int, hosts: int = 1) -> str:
+    """What registry.choose takes from ``rules`` for ``world`` ranks on ``hosts`` hosts of this
+    machine's kind (as many on each as fit: -n 4 --hosts 2 is 2x2), as text."""
+    key = tunefile.machine_key(world, hosts, -(-world // hosts))
     if rules is None:
-        return (f"no rules for {world} ranks on this machine ({tunefile.default_path(key)}; RINGWEAVE_TUNE="
+        where = "this machine" if hosts == 1 else f"{hosts} hosts x {key['per_host']} of this machine's kind"
+        return (f"no rules for {world} ranks on {where} ({tunefile.default_path(key)}; RINGWEAVE_TUNE="
                 f"{int(env.TUNE.get())}): the built-in table chooses")
     out = [f"rules: {rules.path}", f"key: {json.dumps(rules.key, sort_keys=True)}",
            f"settings: {json.dumps(rules.settings, sort_keys=True)} (RINGWEAVE_SHM_COMPILED / "
@@ -369,7 +420,7 @@ def explain(rules: tunefile.TuneRules | None, world: int) -> str:
     if m is not None:
         out.append("model terms: " + "; ".join(
             f"{name} alpha {link.alpha * 1e6:.1f} us, o {link.o * 1e6:.1f} us, 1/beta {_rate(link.beta)}"
-            for name, link in (("loopback", m.loopback), ("shm", m.shm)))
+            for name, link in (("loopback", m.loopback), ("network", m.network), ("shm", m.shm)) if link is not None)
             + f"; reduce {_rate(m.gamma)}, copy {_rate(m.copy)}")
     for collective in sorted(rules.fits):
         out.append(f"{collective}: t = alpha + n beta, fitted to the times measured")
@@ -386,23 +437,88 @@ def explain(rules: tunefile.TuneRules | None, world: int) -> str:
     return "\n".join(out)
 
 
+async def shared(rt, doc: dict) -> dict:
+    """Rank 0's ``doc`` on every rank (JSON, never pickle: its length, then its bytes)."""
+    data = json.dumps(doc, sort_keys=True).encode() if rt.rank == 0 else b""
+    size = np.array([len(data)], np.int64)
+    await api.broadcast(size, src=0)
+    buf = np.frombuffer(data, np.uint8).copy() if rt.rank == 0 else np.zeros(int(size[0]), np.uint8)
+    await api.broadcast(buf, src=0)
+    return json.loads(buf.tobytes())
+
+
+async def write_on_every_host(rt, doc: dict, path: str) -> bool:
+    """Rank 0 writes ``doc`` (the same on every rank) to ``path``; then the first rank of each
+    other host writes its own copy where that host does not hold it already (hosts with a
+    filesystem of their own; emulated hosts share one). Returns whether this rank wrote."""
+    topo, wrote = rt.world.topology, False
+    if rt.rank == 0:
+        tunefile.save(doc, registry.ALGORITHMS, path)
+        wrote = True
+    await api.barrier()
+    if rt.rank != 0 and topo.nodes[topo.node_of(rt.rank)][0] == rt.rank and not tunefile.holds(path, doc):
+        tunefile.save(doc, registry.ALGORITHMS, path)
+        wrote = True
+    await api.barrier()
+    return wrote
+
+
+async def loaded_by_a_job(rt, doc: dict, path: str, ops) -> str:
+    """Whether every rank of this world, as a job of its shape, now loads the file at ``path``
+    (tunefile.for_group), and what registry.choose then takes for each of ``ops`` at the
+    smallest size timed, as a line of text (the same on every rank)."""
+    registry.forget()
+    rules = tunefile.for_group(rt.world)
+    missing = await agreed_max([0.0 if rules is not None and rules.path == path else 1.0 + rt.rank])
+    if missing[0]:
+        return (f"# NOT loaded by rank {int(missing[0]) - 1} of a job of this shape (RINGWEAVE_TUNE="
+                f"{int(env.TUNE.get())}, RINGWEAVE_TUNE_FILE={env.TUNE_FILE.get() or ''}): the table chooses there")
+    p, chosen = rt.world_size, []
+    for collective in ops:
+        sizes = sorted(int(n) for n in doc["times"].get(collective, {}))
+        if sizes:
+            chosen.append(f"{collective} {sizes[0]} B {registry.choose(collective, sizes[0], p, group=rt.world)[0]}")
+    return f"# every rank of a job of this shape loads it; it chooses {', '.join(chosen) or 'as the table'}"
+
+
+def command(args, hosts: int, per_host: int) -> str:
+    """The command recorded in the file."""
+    flags = (" --quick" if args.quick else "") + (" --all" if args.all else "") + (
+        f" --max-size {args.max_size}" if args.max_size is not None else "") + (
+        f" --ops {','.join(args.ops)}" if tuple(args.ops) != OPS else "")
+    if hosts == 1:
+        return f"python -m collectives.tune -n {hosts * per_host}{flags}"
+    return f"python -m collectives.tune --launched{flags} (on {hosts} hosts, at most {per_host} ranks on one)"
+
+
 async def rank_main(args) -> None:
     rt = await runtime.init()
     p, r = rt.world_size, rt.rank
     say = print if r == 0 else (lambda *a, **k: None)
     try:
-        if rt.world.topology.hosts != 1:
-            raise SystemExit("collectives.tune measures one host; its ranks are on several")
-        stream_sizes = () if args.quick or "all_reduce" not in args.ops else STREAM_SIZES
-        doc = await measure(rt, args.ops, QUICK_GRID if args.quick else GRID, args.quick, args.all, stream_sizes,
-                            say=say)
-        if r == 0:
-            doc["command"] = (f"python -m collectives.tune -n {p}" + (" --quick" if args.quick else "")
-                              + (" --all" if args.all else ""))
-            path = tunefile.save(doc, registry.ALGORITHMS, args.out)
-            print(f"# rules written to {path} (RINGWEAVE_TUNE=0 ignores them)", flush=True)
+        hosts, per_host = tunefile.shape(rt.world, p)
+        stream_sizes = () if args.quick or "all_reduce" not in args.ops or hosts > 1 else STREAM_SIZES
+        grid = QUICK_GRID if args.quick else tuple(s for s in GRID if args.max_size is None or s <= args.max_size)
+        doc = await measure(rt, args.ops, grid, args.quick, args.all, stream_sizes, say=say,
+                            beyond=args.max_size is None)
+        doc["command"] = command(args, hosts, per_host)
+        doc = await shared(rt, doc)
+        path = args.out or tunefile.default_path(doc["key"])
+        await write_on_every_host(rt, doc, path)
+        say(f"# rules written to {path} (RINGWEAVE_TUNE=0 ignores them)", flush=True)
+        line = await loaded_by_a_job(rt, doc, path, args.ops) if args.out is None else ""
+        say(line or f"# a job loads them with RINGWEAVE_TUNE_FILE={path}", flush=True)
     finally:
         await runtime.shutdown()
+
+
+def size(text: str) -> int:
+    """Bytes from ``4096``, ``64K``, ``1M`` or ``1G`` (binary units); ValueError otherwise."""
+    units = {"": 0, "K": 10, "M": 20, "G": 30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if not t[:-1 if t[-1:] in units else None].isdigit():
+        raise ValueError(f"{text!r} is not a size such as 4096, 64K or 1M")
+    return int(t[:-1]) << units[t[-1]] if t[-1] in units else int(t)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -413,14 +529,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {OPS} (default all)")
     p.add_argument("--out", default=None, help="the file to write (default: the cache's, keyed to this machine)")
     p.add_argument("--timeout-s", type=types.positive_seconds, default=900.0, help="stop the ranks after this long (default 900)")
+    p.add_argument("--max-size", type=size, default=None,
+                   help="time the grid up to this size (bytes, or 64K, 1M), past it the table (default: to 64M)")
     p.add_argument("--explain", action="store_true",
                    help="print the rules this machine has for -n ranks (lines, boundaries, settings); measure nothing")
+    p.add_argument("--hosts", type=types.positive_int, default=1,
+                   help="with --explain: the rules for -n ranks on this many hosts of this kind (default 1)")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in args.ops if o not in OPS]
     if bad or args.nproc < 2:
         p.error(f"--ops: unknown {bad}; choose from {OPS}" if bad else "-n must be 2 or more")
+    if args.hosts != 1 and not args.explain:
+        p.error("--hosts goes with --explain; to measure across hosts, launch --launched on each (--nnodes)")
+    if args.max_size is not None and args.max_size < GRID[0]:
+        p.error(f"--max-size {args.max_size}: below the grid's smallest size, {GRID[0]} B")
     return args
 
 
@@ -428,7 +552,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.explain:
-        print(explain(tunefile.rules_for(args.nproc, 1, args.nproc, registry.ALGORITHMS), args.nproc))
+        per_host = -(-args.nproc // args.hosts)
+        print(explain(tunefile.rules_for(args.nproc, args.hosts, per_host, registry.ALGORITHMS), args.nproc,
+                      args.hosts))
         return 0
     if args.launched:
         asyncio.run(rank_main(args))

@@ -45,8 +45,8 @@ from collectives.costmodel import FORMULAS, Machine
 from runtime import env, owndir, private
 from runtime.errors import PrivateDirError
 
-__all__ = ["FORMAT", "TuneRules", "machine_key", "default_path", "parse", "load", "save", "rules_for", "for_group",
-           "install", "stream_min", "compiled"]
+__all__ = ["FORMAT", "TuneRules", "machine_key", "default_path", "parse", "load", "save", "holds", "rules_for",
+           "for_group", "install", "stream_min", "compiled"]
 
 log = logging.getLogger("ringweave.tune")
 
@@ -240,6 +240,11 @@ def load(path: str, key: dict | None, algorithms: Mapping) -> TuneRules:
         PrivateDirError: a link, not a regular file, another owner, writable by others.
         ValueError: see :func:`parse`.
     """
+    return parse(_read_bytes(path), key, algorithms, path)
+
+
+def _read_bytes(path: str) -> bytes:
+    """A rules file's bytes, checked as :func:`load` says (the same errors, less ValueError's parse)."""
     where = os.path.dirname(os.path.abspath(path))
     dfd = owndir.open_dir(where, create=False, what="the tuner's directory")
     try:
@@ -249,15 +254,27 @@ def load(path: str, key: dict | None, algorithms: Mapping) -> TuneRules:
     with os.fdopen(fd, "rb") as f:
         if st.st_size > MAX_FILE_BYTES:
             raise ValueError(f"{st.st_size} bytes, more than a rules file's {MAX_FILE_BYTES}")
-        data = f.read(MAX_FILE_BYTES + 1)
-    return parse(data, key, algorithms, path)
+        return f.read(MAX_FILE_BYTES + 1)
+
+
+def _text(doc: dict) -> str:
+    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+
+def holds(path: str, doc: dict) -> bool:
+    """Whether the file at ``path`` is ``doc`` as :func:`save` writes it (False: missing, or
+    anything :func:`load` refuses)."""
+    try:
+        return _read_bytes(path) == _text(doc).encode()
+    except (OSError, ValueError, PrivateDirError):
+        return False
 
 
 def save(doc: dict, algorithms: Mapping, path: str | None = None) -> str:
     """Writes ``doc`` (checked with :func:`parse` first) to ``path`` (default: its key's place in
     the cache), replacing what was there; returns the path. PrivateDirError: a directory that
     others may write in, or another user's."""
-    text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+    text = _text(doc)
     parse(text.encode(), None, algorithms)
     path = path or default_path(doc["key"])
     where = os.path.dirname(os.path.abspath(path))

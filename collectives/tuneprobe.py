@@ -26,13 +26,10 @@ machine measures better. ``RINGWEAVE_TUNE=0`` turns the rules off, and the probe
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
-import numpy as np
-
-from collectives import api, registry, tune, tunefile
+from collectives import registry, tune, tunefile
 from runtime import env
 from runtime.errors import PrivateDirError
 
@@ -56,12 +53,7 @@ async def at_init(rt) -> dict | None:
         return None
     doc = await tune.measure(rt, ("all_reduce",), GRID, True, False, STREAM_SIZES, budget_s=budget)
     doc["command"] = f"RINGWEAVE_TUNE_PROBE_S={budget:g} (the probe at init)"
-    data = json.dumps(doc, sort_keys=True).encode() if rt.rank == 0 else b""
-    size = np.array([len(data)], np.int64)
-    await api.broadcast(size, src=0)
-    buf = np.frombuffer(data, np.uint8).copy() if rt.rank == 0 else np.zeros(int(size[0]), np.uint8)
-    await api.broadcast(buf, src=0)
-    doc = json.loads(buf.tobytes())
+    doc = await tune.shared(rt, doc)
     tunefile.install(doc, p, registry.ALGORITHMS)
     registry.forget_choices()
     if rt.rank == 0 and not have:
