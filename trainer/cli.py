@@ -51,6 +51,7 @@ from trainer.nn import GPT, GPTConfig, mlp
 from trainer.parallel import Mesh, ParallelConfig, make_parallel_strategy
 from trainer.parallel.offload import make_offload_strategy
 from trainer import checkpoint_fallback as fallback
+from trainer import compression_flags
 from trainer.preempt import Left, Preempted, Preemption
 from trainer.runid import RunError
 from trainer.sharding import make_strategy
@@ -144,19 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per optimizer step (default 1)")
     g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
                    help="global-norm gradient clipping (default off)")
-    g.add_argument("--compression", default=None, metavar="CODEC",
-                   help="gradient codec, e.g. fp16, bf16, int8, topk (ddp all-reduces flat buckets; zero1/2/3 "
-                        "and fsdp compress their reduce_scatter block by block); powersgd compresses matrices: "
-                        "ddp only, per parameter of each bucket; "
-                        "append +ef for error feedback, e.g. int8+ef, and codec options after a colon, "
-                        "e.g. topk+ef:ratio=0.01 (default none)")
-    g.add_argument("--compression-warmup-steps", type=_non_negative_int, default=None, metavar="N",
-                   help="topk: steps of Deep Gradient Compression's warm-up (kept fraction 25%%, 6.25%%, 1.56%%, "
-                        "then the ratio, in equal stages); default two epochs, 0 for none. powersgd (ddp): steps "
-                        "sent uncompressed first, as torch's start_powerSGD_iter: the same as --compression-start "
-                        "(default none)")
-    g.add_argument("--compression-start", type=_non_negative_int, default=0, metavar="N",
-                   help="any codec, any strategy: the first N steps' gradients uncompressed (default 0)")
+    compression_flags.add_arguments(g)
     g.add_argument("--freeze-variance", action="store_true", help="adamw's variance frozen from then on (1-bit Adam)")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0, help="ddp bucket size (default 25)")
     g.add_argument("--compression-flat", dest="compression_host_first", action="store_false",
@@ -303,12 +292,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         build_parser().error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if not 0.0 <= args.dropout < 1.0:
         build_parser().error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.compression_warmup_steps and not (args.compression or "").startswith(("topk", "powersgd")):
-        build_parser().error(f"--compression-warmup-steps is a topk and powersgd option; --compression is "
-                             f"{args.compression!r}")
-    if (args.compression_warmup_steps and args.compression_start
-            and (args.compression or "").startswith("powersgd")):
-        build_parser().error("--compression-warmup-steps is --compression-start for powersgd: give one of them")
+    if refusal := compression_flags.refusal(args):
+        build_parser().error(refusal)
     if refusal := split_refusal(args):
         build_parser().error(refusal)
     if args.replicas != 1 and args.strategy == "ddp":
@@ -367,27 +352,6 @@ def stage_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def compression_spec(args: argparse.Namespace, steps_per_epoch: int) -> str | None:
-    """--compression plus the top-k warm-up option, e.g. "topk+ef:warmup_steps=46" (two epochs of
-    23 steps: the default, see --compression-warmup-steps); None for no codec."""
-    spec = None if args.compression in (None, "none") else args.compression
-    if spec is None or not spec.startswith("topk") or "warmup_steps=" in spec:
-        return spec
-    steps = 2 * steps_per_epoch if args.compression_warmup_steps is None else args.compression_warmup_steps
-    if not steps:
-        return spec
-    return f"{spec}{',' if ':' in spec else ':'}warmup_steps={steps}"
-
-
-def compression_start(args: argparse.Namespace) -> int:
-    """--compression-start, or PowerSGD's --compression-warmup-steps (torch's start_powerSGD_iter):
-    counted in the strategy's steps, which a checkpoint restores, so a resumed run does not start
-    its uncompressed steps again (the codec's own ``vanilla_steps`` counts the calls of a process)."""
-    if (args.compression or "").startswith("powersgd") and args.compression_warmup_steps:
-        return args.compression_warmup_steps
-    return args.compression_start
-
-
 def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
     """The TrainConfig of the flags; the schedule spans `epochs * steps_per_epoch` steps."""
     total = max(1, args.epochs * steps_per_epoch)
@@ -398,8 +362,8 @@ def make_config(args: argparse.Namespace, steps_per_epoch: int) -> TrainConfig:
         min_lr=args.lr / 100 if args.min_lr is None else args.min_lr,
         warmup_steps=min(warmup, total), total_steps=total,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, master_dtype=args.master_dtype,
-        grad_accum=args.grad_accum, clip_norm=args.clip_norm, compression_start=compression_start(args),
-        compression=compression_spec(args, steps_per_epoch), freeze_variance=args.freeze_variance,
+        grad_accum=args.grad_accum, clip_norm=args.clip_norm, compression_start=compression_flags.start(args),
+        compression=compression_flags.spec(args, steps_per_epoch), freeze_variance=args.freeze_variance,
         bucket_cap_mb=args.bucket_cap_mb, compression_host_first=args.compression_host_first,
         reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch,
         loss_scale={"auto": None, "on": True, "off": False}[args.loss_scale],
