@@ -78,7 +78,7 @@ def piece_items(itemsize: int, arrays: int = 2) -> int:
 class LoopTurns:
     """The turn check of one event loop (:meth:`for_loop` gives each loop its own)."""
 
-    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "_turn_at", "yields", "hops")
+    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "_turn_at", "yields", "hops", "yielding")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # (the table below is keyed weakly by the loop)
@@ -91,6 +91,7 @@ class LoopTurns:
         # a timer or a socket woke is queued behind the first yield and runs before the second;
         # asyncio's own loop runs due timers as ready callbacks, a hop later
         self.hops = 2 if type(loop).__module__.startswith("uvloop") else 3
+        self.yielding = 0  # tasks inside yield_turn now: every other check says overdue meanwhile
 
     def due(self, turn_s: float = TURN_S) -> bool:
         """True when the loop has had no turn for ``turn_s`` since this was armed (the caller then
@@ -118,7 +119,7 @@ class LoopTurns:
         """True when no turn has been recorded for :data:`TURN_S` (the caller, between pieces of
         bulk work, then awaits :func:`yield_turn`). Right after a wait that turned the loop
         unseen it may say yes once too often: a yield costs microseconds."""
-        if self.left() <= 0.0:
+        if self.left() <= 0.0 or self.yielding:
             self.yields += 1
             return True
         return False
@@ -166,9 +167,16 @@ async def yield_turn() -> None:
     """A turn of the running loop that lets every task it woke meanwhile (a timer, a socket, a
     ``call_soon``) run before the caller goes on. One ``asyncio.sleep(0)`` queues the caller ahead
     of what the next iteration's timers and sockets wake, so those tasks would wait through one more
-    stretch of the caller's work (two TURN_S in a row); the caller yields again behind them."""
-    for _ in range(_running().hops):
-        await asyncio.sleep(0)
+    stretch of the caller's work (two TURN_S in a row); the caller yields again behind them. Until
+    it is back, :func:`overdue` says yes to every check, so a second task of ours (a send beside a
+    reduction) does one piece and yields too instead of running its own TURN_S first."""
+    turns = _running()
+    turns.yielding += 1  # our other tasks queued ahead of the woken ones stop after a piece too
+    try:
+        for _ in range(turns.hops):
+            await asyncio.sleep(0)
+    finally:
+        turns.yielding -= 1
 
 
 def due() -> bool:
