@@ -20,7 +20,6 @@ the kernels themselves (collectives/kernels).
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 

@@ -3,9 +3,9 @@
 How it works (n ranks, root ``root``; the root holds n **blocks** of ``count``
 elements, block j for rank j): the root sends block j to rank j for
 j = root + 1, root + 2, ..., root + n - 1 (mod n), straight from its input, then
-copies its own block (in pieces, ``copy_step``); every other rank receives its block once, straight into
-``out`` (``comm.sendrecv`` with nothing to send, which reads it off the socket
-when it can).
+copies its own block (in pieces, ``copy_step``); every other rank receives its
+block once, straight into ``out`` (``comm.sendrecv`` with nothing to send, which
+reads it off the socket when it can).
 
 Every block crosses the network once, so the root sends n - 1 blocks in all,
 the fewest possible, where the binomial tree (scatter_tree.py)
