@@ -20,7 +20,6 @@ the kernels themselves (collectives/kernels).
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from collectives.kernels import divide_into, reduce_into
