@@ -124,4 +124,4 @@ async def give_turn() -> None:
     read), so the loop's other tasks still run while pieces of work that wait on nothing follow
     each other."""
     if turns.overdue():
-        await asyncio.sleep(0)
+        await turns.yield_turn()

@@ -20,8 +20,6 @@ the kernels themselves (collectives/kernels).
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
 from collectives.kernels import divide_into, reduce_into
@@ -238,7 +236,7 @@ async def finish_avg(x: np.ndarray, op: str, size: int) -> None:
         for lo in range(0, x.size, step):
             divide_into(x[lo:lo + step], size)
             if turns.overdue():
-                await asyncio.sleep(0)
+                await turns.yield_turn()
 
 
 class ScratchPool:

@@ -197,7 +197,7 @@ class TCPConnection(Connection):
                     async with lock:
                         while handed < rest.nbytes:
                             if turns.overdue():
-                                await asyncio.sleep(0)
+                                await turns.yield_turn()
                             if proto.lost is not None or self._closed:  # the rest would go nowhere
                                 raise PeerLostError(f"cannot send to {self.where}: connection lost "
                                                     f"({proto.lost})", self.peer)
@@ -214,7 +214,7 @@ class TCPConnection(Connection):
                     self._chunking = None
         await proto.wait_drained()
         if nbytes > _COALESCE_NBYTES and turns.overdue():  # after a payload's last piece
-            await asyncio.sleep(0)
+            await turns.yield_turn()
 
     def send_now(self, packed: bytes, payload: memoryview) -> bool:
         """See base class: written at once when no large frame is going out in pieces and

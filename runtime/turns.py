@@ -7,12 +7,12 @@ arrived, a large copy, reduction, socket read or write. Meanwhile every other ta
 stands still (a heartbeat, a data loader, the Watchdog's timer). The rule (docs/design.md, "The
 loop's turns"): bulk work goes in pieces of at most :data:`PIECE_NBYTES` of memory traffic
 (:func:`piece_items`), and after each piece the code asks :func:`overdue` and, when it says so,
-awaits ``asyncio.sleep(0)``, which runs one iteration of the loop before coming back::
+awaits :func:`yield_turn`, which comes back once what the loop woke meanwhile has run::
 
     for lo in range(0, n, step):
         work(lo, lo + step)
         if turns.overdue():
-            await asyncio.sleep(0)
+            await turns.yield_turn()
 
 A check is one clock read; at most every ``TURN_S / 2`` it arms a callback (``call_soon``) that
 runs at the loop's next iteration and records that turn, whoever caused it (this code yielding,
@@ -78,7 +78,7 @@ def piece_items(itemsize: int, arrays: int = 2) -> int:
 class LoopTurns:
     """The turn check of one event loop (:meth:`for_loop` gives each loop its own)."""
 
-    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "_turn_at", "yields")
+    __slots__ = ("_loop", "_due", "_armed", "_quiet_until", "_turn_at", "yields", "hops", "yielding")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # (the table below is keyed weakly by the loop)
@@ -87,10 +87,15 @@ class LoopTurns:
         self._quiet_until = 0.0  # the loop turned just before this: no need to arm yet
         self._turn_at = 0.0  # the last turn recorded (0: none yet, so the first overdue() yields)
         self.yields = 0  # times a check said "due" or "overdue" (statistics)
+        # loop iterations a yield_turn waits: uvloop runs its timers before the ready queue, so what
+        # a timer or a socket woke is queued behind the first yield and runs before the second;
+        # asyncio's own loop runs due timers as ready callbacks, a hop later
+        self.hops = 2 if type(loop).__module__.startswith("uvloop") else 3
+        self.yielding = 0  # tasks inside yield_turn now: every other check says overdue meanwhile
 
     def due(self, turn_s: float = TURN_S) -> bool:
         """True when the loop has had no turn for ``turn_s`` since this was armed (the caller then
-        awaits ``asyncio.sleep(0)``)."""
+        awaits :func:`yield_turn`)."""
         now = _clock()
         if not self._armed:
             if now < self._quiet_until:
@@ -112,9 +117,9 @@ class LoopTurns:
 
     def overdue(self) -> bool:
         """True when no turn has been recorded for :data:`TURN_S` (the caller, between pieces of
-        bulk work, then awaits ``asyncio.sleep(0)``). Right after a wait that turned the loop
+        bulk work, then awaits :func:`yield_turn`). Right after a wait that turned the loop
         unseen it may say yes once too often: a yield costs microseconds."""
-        if self.left() <= 0.0:
+        if self.left() <= 0.0 or self.yielding:
             self.yields += 1
             return True
         return False
@@ -156,6 +161,22 @@ def _running() -> LoopTurns:
     if turns is None or turns._loop() is not loop:
         turns = _last = LoopTurns.for_loop(loop)
     return turns
+
+
+async def yield_turn() -> None:
+    """A turn of the running loop that lets every task it woke meanwhile (a timer, a socket, a
+    ``call_soon``) run before the caller goes on. One ``asyncio.sleep(0)`` queues the caller ahead
+    of what the next iteration's timers and sockets wake, so those tasks would wait through one more
+    stretch of the caller's work (two TURN_S in a row); the caller yields again behind them. Until
+    it is back, :func:`overdue` says yes to every check, so a second task of ours (a send beside a
+    reduction) does one piece and yields too instead of running its own TURN_S first."""
+    turns = _running()
+    turns.yielding += 1  # our other tasks queued ahead of the woken ones stop after a piece too
+    try:
+        for _ in range(turns.hops):
+            await asyncio.sleep(0)
+    finally:
+        turns.yielding -= 1
 
 
 def due() -> bool:

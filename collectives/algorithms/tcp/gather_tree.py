@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import as_bytes
 
 
@@ -50,7 +51,7 @@ async def run(comm, out, x: np.ndarray, root: int) -> None:
         blocks = min(mask, n - v - mask)
         posted.append(comm.irecv((v + mask + root) % n, as_bytes(buf[mask * count:(mask + blocks) * count])))
         mask <<= 1
-    buf[:count] = x  # our own block
+    await copy_step(buf[:count], x)  # our own block, in pieces, every receive posted
     for fut in posted:
         await fut
     if v:  # pass the subtree up

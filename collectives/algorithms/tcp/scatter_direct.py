@@ -2,10 +2,10 @@
 
 How it works (n ranks, root ``root``; the root holds n **blocks** of ``count``
 elements, block j for rank j): the root sends block j to rank j for
-j = root + 1, root + 2, ..., root + n - 1 (mod n), straight from its input, and
-copies its own block; every other rank receives its block once, straight into
-``out`` (``comm.sendrecv`` with nothing to send, which reads it off the socket
-when it can).
+j = root + 1, root + 2, ..., root + n - 1 (mod n), straight from its input, then
+copies its own block (in pieces, ``copy_step``); every other rank receives its
+block once, straight into ``out`` (``comm.sendrecv`` with nothing to send, which
+reads it off the socket when it can).
 
 Every block crosses the network once, so the root sends n - 1 blocks in all,
 the fewest possible, where the binomial tree (scatter_tree.py)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import as_bytes
 
 
@@ -37,4 +38,4 @@ async def run(comm, out: np.ndarray, x, root: int) -> None:
     for i in range(1, n):  # in turn: all at once was no faster (bench/results/gather_scatter.md#direct-against-the-trees)
         j = (root + i) % n
         await comm.send(j, as_bytes(x[j * count:(j + 1) * count]))
-    out[...] = x[root * count:(root + 1) * count]
+    await copy_step(out, x[root * count:(root + 1) * count])  # our own block, in pieces

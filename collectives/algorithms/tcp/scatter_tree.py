@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import copy_step
 from collectives.ops import as_bytes
 
 
@@ -56,4 +57,4 @@ async def run(comm, out: np.ndarray, x, root: int) -> None:
             blocks = min(mask, n - v - mask)
             await comm.send((v + mask + root) % n, as_bytes(buf[mask * count:(mask + blocks) * count]))
         mask >>= 1
-    out[...] = buf[:count]  # our own block
+    await copy_step(out, buf[:count])  # our own block, in pieces
