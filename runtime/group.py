@@ -38,6 +38,7 @@ from runtime.errors import (CollectiveMismatchError, CollectiveTimeoutError, Pee
                             RingweaveError, ranks_in_words)
 
 log = logging.getLogger("ringweave.group")
+NOTHING, SENT, DONE = 0, 1, 2  # what Call.exchange_now did
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
 _live_runtimes = 0  # RankRuntimes made and not closed in this process (Call.sendrecv; count_runtime)
 # The thread that issued the call running in this task, set by the blocking facade
@@ -176,6 +177,22 @@ class Call:
         Cancellation: as ``send`` then awaiting the receive; the wait in ``poll()`` cannot
             be cancelled, it ends by itself within ``inline_wait_s``.
         """
+        done = self.exchange_now(dst, sbuf, src, rbuf)
+        if done == DONE:
+            return
+        if done == SENT:
+            await self.irecv(src, rbuf)  # what was read of it went the usual way
+            return
+        arrived = self.irecv(src, rbuf)
+        if dst is not None:
+            await self.send(dst, sbuf)
+        await arrived
+
+    def exchange_now(self, dst: int | None, sbuf, src: int, rbuf: memoryview) -> int:
+        """:meth:`sendrecv`'s fast path alone, on the caller's thread, without a coroutine:
+        DONE (sent, and ``src``'s frame is in ``rbuf``), SENT (sent, or nothing to send, but
+        the frame did not come in time or was not ours: receive it the usual way, ``irecv``)
+        or NOTHING (nothing sent: the path cannot be taken now)."""
         actor = self._actor
         rt = self.group.runtime
         if (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= RECV_NOW_NBYTES
@@ -183,14 +200,8 @@ class Call:
             conn = actor.connection(self._peers[src])
             if dst is None or self.send_now(dst, sbuf):
                 head = wire.encode_head(self._packed or self._pack(), rbuf.nbytes)
-                if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s):
-                    return
-                await self.irecv(src, rbuf)  # what was read of it went the usual way
-                return
-        arrived = self.irecv(src, rbuf)
-        if dst is not None:
-            await self.send(dst, sbuf)
-        await arrived
+                return DONE if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s) else SENT
+        return NOTHING
 
     def send_now(self, dst: int, buf) -> bool:
         """Sends ``buf`` to group rank ``dst`` if that can be done at once (a frame up to
