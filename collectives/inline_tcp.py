@@ -31,6 +31,7 @@ from collectives import ops, registry
 from collectives.algorithms.tcp import all_reduce_recursive_doubling as rd
 from collectives.kernels.cpu import divide_into
 from runtime.errors import PeerLostError
+from runtime import group as group_module
 from runtime.group import Call, issuing_thread
 from runtime.init import current as current_runtime
 from runtime.turns import LoopTurns
@@ -52,9 +53,9 @@ def all_reduce(x: np.ndarray, op: str, group, timeout: float | None, algorithm: 
         group = current_runtime().world
     rt = group.runtime
     size = group.size
-    if (rt.in_flight or group.error is not None or group.rank < 0 or size < 2 or size & (size - 1)
-            or x.nbytes > SMALL_NBYTES or type(op) is not str or op not in _OPS or rt.tracer.enabled
-            or rt.actor.has_unexpected() or not (algorithm is None or type(algorithm) is str)):
+    if (rt.in_flight or group_module._live_runtimes != 1 or group.error is not None or group.rank < 0
+            or size < 2 or size & (size - 1) or x.nbytes > SMALL_NBYTES or type(op) is not str or op not in _OPS
+            or rt.tracer.enabled or rt.actor.has_unexpected() or not (algorithm is None or type(algorithm) is str)):
         return None
     try:
         ops.check_array("x", x)
