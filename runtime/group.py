@@ -78,8 +78,9 @@ class Call:
     record of it that ``tools/status`` shows (``gid``, ``seq``, ``fingerprint``, ``started``,
     ``waiting_on``).
 
-    Algorithms use only ``rank``, ``size``, ``send``, ``irecv``, ``recv_into`` and ``sendrecv``;
-    ranks are group ranks and buffers are bytes-like (memoryviews of arrays).
+    Algorithms use only ``rank``, ``size``, ``send``, ``irecv``, ``recv_into`` and ``sendrecv``
+    (and ``exchange_now``, the inline rounds of collectives/inline_tcp.py); ranks are group ranks
+    and buffers are bytes-like (memoryviews of arrays).
 
     Every receive posted by the call stays in ``_outstanding`` until the call ends: what it
     still waits on is derived from it when asked (status, a timeout), not kept up to date
