@@ -4,7 +4,8 @@ coroutines, the watchdog and the kernel steps of the normal path (calls.py -> gr
 all_reduce_recursive_doubling.run, whose lines stay the readable reference). Taken when:
 
 * nothing else is in flight on the runtime and it is the process's only one (``exchange_now``'s
-  own conditions), no group error, no frame held unexpected, no tracing;
+  own conditions: a frame of the call kept before it began is taken from where it is kept), no
+  group error, no tracing;
 * the table chose ``recursive_doubling`` for this call (``registry.choose``, as open_call asks
   it), the group's size a power of two (no fold), this rank a member;
 * a NumPy array within :data:`SMALL_NBYTES`, one the normal path takes (``ops.check_array``).
@@ -55,7 +56,7 @@ def all_reduce(x: np.ndarray, op: str, group, timeout: float | None, algorithm: 
     size = group.size
     if (rt.in_flight or group_module._live_runtimes != 1 or group.error is not None or group.rank < 0
             or size < 2 or size & (size - 1) or x.nbytes > SMALL_NBYTES or type(op) is not str or op not in _OPS
-            or rt.tracer.enabled or rt.actor.has_unexpected() or not (algorithm is None or type(algorithm) is str)):
+            or rt.tracer.enabled or not (algorithm is None or type(algorithm) is str)):
         return None
     try:
         ops.check_array("x", x)

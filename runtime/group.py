@@ -33,6 +33,7 @@ import time
 from runtime import wire
 from runtime.topology import HostTopology
 from runtime.turns import LoopTurns
+from runtime.mailbox import KEPT_NOW_NBYTES
 from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, PeerTimeoutError,
                             RingweaveError, ranks_in_words)
@@ -196,12 +197,25 @@ class Call:
         or NOTHING (nothing sent: the path cannot be taken now)."""
         actor = self._actor
         rt = self.group.runtime
-        if (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= RECV_NOW_NBYTES
-                and self.group.error is None and not actor.has_unexpected()):
-            conn = actor.connection(self._peers[src])
-            if dst is None or self.send_now(dst, sbuf):
-                head = wire.encode_head(self._packed or self._pack(), rbuf.nbytes)
-                return DONE if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s) else SENT
+        if not (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= RECV_NOW_NBYTES
+                and self.group.error is None):
+            return NOTHING
+        peer = self._peers[src]
+        if actor.has_unexpected():  # frames kept: ours, if among them, is taken from there (a peer ahead)
+            key = ("c", peer, self._tag)
+            if rbuf.nbytes > KEPT_NOW_NBYTES or not actor.mailbox.holds(key):
+                return NOTHING  # (the socket may hold frames behind a kept one of ours)
+            if dst is not None and not self.send_now(dst, sbuf):
+                return NOTHING
+            fut = actor.post(key, peer, rbuf, self._check, self.loop)  # done at once: copied, or checked and failed
+            exc = fut.exception()  # (a mismatch: the group is failed, as the normal path's receive would)
+            if exc is not None:
+                raise exc
+            return DONE
+        conn = actor.connection(peer)
+        if dst is None or self.send_now(dst, sbuf):
+            head = wire.encode_head(self._packed or self._pack(), rbuf.nbytes)
+            return DONE if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s) else SENT
         return NOTHING
 
     def send_now(self, dst: int, buf) -> bool:

@@ -66,6 +66,26 @@ async def main():
         print(f"rank {r}: wrong={len(wrong)} {' '.join(f'{k}={v}' for k, v in paths.items())}", flush=True)
         for w in wrong[:3]:
             print(f"rank {r}: WRONG {w}", flush=True)
+    elif MODE == "ahead":  # rank 0 gives the loop time first: rank 1's frame of the call is kept before it
+        for it in range(30):
+            if r == 0:
+                await asyncio.sleep(0.01)
+            x = inputs(r, it, 5, np.float64)
+            await C.all_reduce(x, op="max")
+            want = np.max(np.stack([inputs(q, it, 5, np.float64) for q in range(n)]), axis=0)
+            if not np.array_equal(x, want):
+                wrong.append(f"max: {x[:3]} != {want[:3]}")
+        print(f"rank {r}: wrong={len(wrong)} {' '.join(f'{k}={v}' for k, v in paths.items())}", flush=True)
+    elif MODE == "mismatch_ahead":
+        x = np.ones(3, np.float32)
+        await C.all_reduce(x)
+        if r == 0:
+            await asyncio.sleep(0.05)  # rank 1's frame of the next call is kept by then
+        try:
+            await C.all_reduce(x, op="max" if r == 1 else "sum", timeout=20)
+            print(f"rank {r}: no error", flush=True)
+        except CollectiveMismatchError:
+            print(f"rank {r}: mismatch {' '.join(f'{k}={v}' for k, v in paths.items())}", flush=True)
     elif MODE == "mismatch":
         x = np.ones(3, np.float32)
         await C.all_reduce(x)  # one call on the path first
@@ -133,6 +153,20 @@ def test_a_late_peer_sends_the_rest_of_the_call_to_the_normal_path_with_the_righ
     assert all(wrong == 0 for wrong, *_ in found.values()), out
     assert found[0][2] > 0, found  # rank 0 waited past the inline wait: the rest went to group.run
     assert found[0][1] > 0, found
+
+
+@pytest.mark.timeout(120)
+def test_a_frame_kept_before_the_call_began_is_taken_inline(tmp_path):
+    out = run_job(tmp_path, 2, "ahead")
+    found = {int(m[1]): tuple(map(int, m.groups()[1:])) for m in PATHS.finditer(out)}
+    assert all(wrong == 0 for wrong, *_ in found.values()), out
+    assert found[0][1] >= 25, found  # rank 0's calls found rank 1's frame kept, and still went inline
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatched_frame_kept_before_the_call_raises_on_every_rank(tmp_path):
+    out = run_job(tmp_path, 2, "mismatch_ahead")
+    assert re.search(r"rank 0: mismatch", out) and re.search(r"rank 1: mismatch", out), out
 
 
 @pytest.mark.timeout(120)
