@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives import calls, compressed, ops
+from collectives import calls, compressed, inline_tcp, ops
 from collectives.calls import group_of
 from collectives.kernels import is_device_array
 from collectives.slots import inline
@@ -91,6 +91,8 @@ async def all_reduce(x: np.ndarray, op: str = "sum", group=None, timeout: float 
         timeout = check_timeout(timeout)
     if compression is None and type(x) is np.ndarray:  # a loop's small shared-memory calls: slots/inline.py
         rest = inline.all_reduce(x, op, group, timeout, algorithm)
+        if rest is None:  # a small TCP one: inline_tcp.py
+            rest = inline_tcp.all_reduce(x, op, group, timeout, algorithm)
         if rest is not None:
             if rest is not inline.DONE:
                 await rest

@@ -33,11 +33,13 @@ import time
 from runtime import wire
 from runtime.topology import HostTopology
 from runtime.turns import LoopTurns
+from runtime.mailbox import KEPT_NOW_NBYTES
 from runtime.transport import RECV_NOW_NBYTES
 from runtime.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, PeerTimeoutError,
                             RingweaveError, ranks_in_words)
 
 log = logging.getLogger("ringweave.group")
+NOTHING, SENT, DONE = 0, 1, 2  # what Call.exchange_now did
 WARN_AT_CHECK = 5  # the mismatch check that also logs who the call waits for (at 1+2+4+8+16 = 31 check_s)
 _live_runtimes = 0  # RankRuntimes made and not closed in this process (Call.sendrecv; count_runtime)
 # The thread that issued the call running in this task, set by the blocking facade
@@ -77,8 +79,9 @@ class Call:
     record of it that ``tools/status`` shows (``gid``, ``seq``, ``fingerprint``, ``started``,
     ``waiting_on``).
 
-    Algorithms use only ``rank``, ``size``, ``send``, ``irecv``, ``recv_into`` and ``sendrecv``;
-    ranks are group ranks and buffers are bytes-like (memoryviews of arrays).
+    Algorithms use only ``rank``, ``size``, ``send``, ``irecv``, ``recv_into`` and ``sendrecv``
+    (and ``exchange_now``, the inline rounds of collectives/inline_tcp.py); ranks are group ranks
+    and buffers are bytes-like (memoryviews of arrays).
 
     Every receive posted by the call stays in ``_outstanding`` until the call ends: what it
     still waits on is derived from it when asked (status, a timeout), not kept up to date
@@ -176,21 +179,44 @@ class Call:
         Cancellation: as ``send`` then awaiting the receive; the wait in ``poll()`` cannot
             be cancelled, it ends by itself within ``inline_wait_s``.
         """
-        actor = self._actor
-        rt = self.group.runtime
-        if (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= RECV_NOW_NBYTES
-                and self.group.error is None and not actor.has_unexpected()):
-            conn = actor.connection(self._peers[src])
-            if dst is None or self.send_now(dst, sbuf):
-                head = wire.encode_head(self._packed or self._pack(), rbuf.nbytes)
-                if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s):
-                    return
-                await self.irecv(src, rbuf)  # what was read of it went the usual way
-                return
+        done = self.exchange_now(dst, sbuf, src, rbuf)
+        if done == DONE:
+            return
+        if done == SENT:
+            await self.irecv(src, rbuf)  # what was read of it went the usual way
+            return
         arrived = self.irecv(src, rbuf)
         if dst is not None:
             await self.send(dst, sbuf)
         await arrived
+
+    def exchange_now(self, dst: int | None, sbuf, src: int, rbuf: memoryview) -> int:
+        """:meth:`sendrecv`'s fast path alone, on the caller's thread, without a coroutine:
+        DONE (sent, and ``src``'s frame is in ``rbuf``), SENT (sent, or nothing to send, but
+        the frame did not come in time or was not ours: receive it the usual way, ``irecv``)
+        or NOTHING (nothing sent: the path cannot be taken now)."""
+        actor = self._actor
+        rt = self.group.runtime
+        if not (rt.in_flight == 1 and _live_runtimes == 1 and rt.inline_wait_s > 0 and rbuf.nbytes <= RECV_NOW_NBYTES
+                and self.group.error is None):
+            return NOTHING
+        peer = self._peers[src]
+        if actor.has_unexpected():  # frames kept: ours, if among them, is taken from there (a peer ahead)
+            key = ("c", peer, self._tag)
+            if rbuf.nbytes > KEPT_NOW_NBYTES or not actor.mailbox.holds(key):
+                return NOTHING  # (the socket may hold frames behind a kept one of ours)
+            if dst is not None and not self.send_now(dst, sbuf):
+                return NOTHING
+            fut = actor.post(key, peer, rbuf, self._check, self.loop)  # done at once: copied, or checked and failed
+            exc = fut.exception()  # (a mismatch: the group is failed, as the normal path's receive would)
+            if exc is not None:
+                raise exc
+            return DONE
+        conn = actor.connection(peer)
+        if dst is None or self.send_now(dst, sbuf):
+            head = wire.encode_head(self._packed or self._pack(), rbuf.nbytes)
+            return DONE if conn.recv_now(head, rbuf, rt.inline_wait_s, rt.spin_s) else SENT
+        return NOTHING
 
     def send_now(self, dst: int, buf) -> bool:
         """Sends ``buf`` to group rank ``dst`` if that can be done at once (a frame up to

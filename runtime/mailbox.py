@@ -42,6 +42,7 @@ from runtime.transport import Connection
 MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 _COPY_NOW_NBYTES = 64 * 1024  # a kept frame up to this is copied into its receive at once (well under a piece)
+KEPT_NOW_NBYTES = _COPY_NOW_NBYTES  # (the largest receive that a kept frame completes before post returns)
 _DEFAULT = object()  # "the mailbox's default_timeout_s" (None means no deadline, on purpose only)
 
 
@@ -224,6 +225,10 @@ class Mailbox:
         if not q and len(key) == 2:
             return self._posted.get((None, key[1])), (None, key[1])
         return q, key
+
+    def holds(self, key: tuple) -> bool:
+        """Whether a frame for ``key`` is kept (a receive posted for it now completes at once)."""
+        return bool(self._unexpected.get(key))
 
     def has_unexpected(self) -> bool:
         """Whether any frame is kept that no receive has taken yet (a cheap test per call)."""

@@ -29,14 +29,15 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.comm import copy_step, reduce_step
-from collectives.ops import Fold, as_bytes
+from collectives.ops import Fold, as_bytes, reduce_now
+from runtime.group import DONE, SENT
 
 
 async def run(comm, x: np.ndarray, op: str) -> None:
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    extra, folds, steps = _plan(n, r)
+    extra, folds, steps = plan(n, r)
     buf = as_bytes(x)
     if extra:  # an extra rank: hand our data over and wait for the result
         await comm.send(r + 1, buf)
@@ -48,18 +49,48 @@ async def run(comm, x: np.ndarray, op: str) -> None:
         await comm.recv_into(r - 1, sbuf)
         await reduce_step(scratch, x, op)  # x[r-1] <op> x[r]
         await copy_step(x, scratch)
-    for partner, lower in steps:  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
-        await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
+    await rounds(comm, x, scratch, steps, op)
+    if folds:  # unfold: give the extra rank the result
+        await comm.send(r - 1, buf)
+
+
+async def rounds(comm, x: np.ndarray, scratch: np.ndarray, steps, op: str, start: int = 0,
+                 sent: bool = False) -> None:
+    """The exchange rounds ``steps[start:]``; ``sent``: round ``start``'s send already went out
+    (:func:`rounds_now` stopped there), so only its receive is left."""
+    buf, sbuf = as_bytes(x), as_bytes(scratch)
+    for k in range(start, len(steps)):  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
+        partner, lower = steps[k]
+        if sent and k == start:
+            await comm.recv_into(partner, sbuf)
+        else:
+            await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
         if lower:  # the partner is lower: result = theirs <op> ours
             await reduce_step(scratch, x, op)
             await copy_step(x, scratch)
         else:
             await reduce_step(x, scratch, op)
-    if folds:  # unfold: give the extra rank the result
-        await comm.send(r - 1, buf)
 
 
-def _plan(n: int, r: int) -> tuple[bool, bool, tuple[tuple[int, bool], ...]]:
+def rounds_now(comm, x: np.ndarray, scratch: np.ndarray, steps, op: str) -> tuple[int, bool]:
+    """The exchange rounds done on the caller's thread while each can be (``comm.exchange_now``:
+    a small frame each way, read straight off the socket): the same messages and the same
+    reductions as :func:`rounds` (small arrays: one ``reduce_now`` each, the same bits). Returns
+    (the first round not done, whether its send went out): (len(steps), False) when all were."""
+    buf, sbuf = as_bytes(x), as_bytes(scratch)
+    for k, (partner, lower) in enumerate(steps):
+        done = comm.exchange_now(partner, buf, partner, sbuf)
+        if done != DONE:
+            return k, done == SENT
+        if lower:
+            reduce_now(scratch, x, op)
+            np.copyto(x, scratch)
+        else:
+            reduce_now(x, scratch, op)
+    return len(steps), False
+
+
+def plan(n: int, r: int) -> tuple[bool, bool, tuple[tuple[int, bool], ...]]:
     """(extra, folds, steps) of rank r of n: the Fold's roles, and per exchange round the
     partner's real rank and whether it is the lower of the pair. Arithmetic only, so it is
     worked out once per (n, r)."""
