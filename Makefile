@@ -32,12 +32,14 @@ demo: $(STAMP)
 
 # The whole test suite (what CI runs): the system packages (sysdeps), lint (pyproject.toml
 # [tool.ruff]), the library's bytecode compiled once (where PYTHONDONTWRITEBYTECODE is set, each of
-# the suite's hundreds of launched ranks would otherwise compile it again), then every test, in two
-# parts: the tests not marked serial on TEST_WORKERS cores at once (pytest-xdist; each file, and the
-# simulator's wrappers together, on one worker), then the serial ones alone, one at a time: they
-# assert wall-clock bounds or run jobs with deadlines (tests/conftest.py, SERIAL). Both parts run;
-# either failing fails `make test`. The tests install the ptx extra too (PTX=0 leaves it out) and
-# then require it: the PTX test compiles every kernel for a device on a machine without one.
+# the suite's hundreds of launched ranks would otherwise compile it again), then every test, in three
+# parts (tests/conftest.py): the tests not marked serial on TEST_WORKERS cores at once (pytest-xdist;
+# each file, and the simulator's wrappers together, on one worker); then the serial ones that are not
+# alone, two at a time: they run jobs with deadlines that hold with one other test beside them (SERIAL);
+# then the alone ones, one at a time: they assert wall-clock bounds or detect a fault within a tight
+# deadline (ALONE). Every part runs; any failing fails `make test`. The tests install the ptx extra
+# too (PTX=0 leaves it out) and then require it: the PTX test compiles every kernel for a device on a
+# machine without one.
 TEST_WORKERS ?= 2
 PYTEST := $(if $(filter 0,$(PTX)),,RINGWEAVE_REQUIRE_PTX=1 )$(BIN)/python -m pytest -q -p no:cacheprovider
 test: $(TEST_STAMP) sysdeps
@@ -46,8 +48,10 @@ test: $(TEST_STAMP) sysdeps
 	@status=0; \
 	echo '$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"'; \
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" || status=$$?; \
-	echo '$(PYTEST) -m serial'; \
-	$(PYTEST) -m serial || status=$$?; \
+	echo '$(PYTEST) -n 2 --dist loadfile -m "serial and not alone"'; \
+	$(PYTEST) -n 2 --dist loadfile -m "serial and not alone" || status=$$?; \
+	echo '$(PYTEST) -m alone'; \
+	$(PYTEST) -m alone || status=$$?; \
 	exit $$status
 
 # SLURM (slurmctld, slurmd, munge, the client commands) and Open MPI's mpirun, from Debian's

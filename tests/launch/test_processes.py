@@ -110,7 +110,8 @@ THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "
 
 def launcher_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RINGWEAVE_") and k not in THREAD_VARS}
+           if k in ("RINGWEAVE_TUNE", "RINGWEAVE_WARMUP")  # the suite's settings (tests/conftest.py)
+           or not k.startswith("RINGWEAVE_") and k not in THREAD_VARS}
     env.update(extra)
     return env
 

@@ -18,6 +18,10 @@ from tests.scheduler.jobs import PYTHON, ROOT, assert_ranks_die_with, free_port,
 
 pytestmark = pytest.mark.timeout(60)
 NO_SUCH_HOST = "ringweave-no-such-host.invalid"
+# The suite's own settings (tests/conftest.py), kept where a test clears the launchers' variables: with
+# RINGWEAVE_WARMUP unset, init compiles every kernel (a minute on a loaded machine, in the test's
+# process, whose event loop then waits for it to close).
+SUITE_SETTINGS = ("RINGWEAVE_TUNE", "RINGWEAVE_WARMUP")
 
 
 @pytest.fixture
@@ -25,6 +29,8 @@ def clean_env(monkeypatch):
     """No launcher variables of the test's own environment; the parent not watched (these ranks
     live inside pytest)."""
     for name in list(os.environ):
+        if name in SUITE_SETTINGS:
+            continue
         if name.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MASTER_", "RINGWEAVE_")) or name in (
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             monkeypatch.delenv(name)
@@ -128,7 +134,8 @@ def test_ranks_exit_within_seconds_of_any_sigkilled_launcher(tmp_path):
     """Not our launcher, not mpirun: any parent. Its ranks notice it died and exit."""
     script, log = tmp_path / "launcher.py", tmp_path / "run.log"
     script.write_text(LAUNCHER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "RINGWEAVE_", "MASTER_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k in SUITE_SETTINGS or not k.startswith(("SLURM_", "OMPI_", "RINGWEAVE_", "MASTER_"))}
     pid = assert_ranks_die_with([PYTHON, str(script), str(free_port()), str(ROOT / "tests/scheduler/probe.py")], log,
                                 2, cwd=ROOT, env=env)
     # the first rank to notice says so and exits; the other may notice, or lose its peer first

@@ -14,5 +14,5 @@ def launch(job: str, *args: str, timeout_s: float = 60.0, ranks_timeout_s: int =
     captured; the whole run is killed after ``timeout_s``."""
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "runtime.launch", "-n", "2", "--timeout-s", str(ranks_timeout_s),
-           str(ROOT / "tests" / "torch" / job), *args]
+           str(ROOT / "tests" / "torch_backend" / job), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
