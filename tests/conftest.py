@@ -61,7 +61,7 @@ ALONE = (
     "tests/faults/test_fault_store_host.py", "tests/faults/test_fault_user_raise.py",
     "tests/elastic/test_elastic_faults.py::"
     "test_a_member_lost_during_the_recovery_before_it_connects_then_one_stopped_past_the_timeout",
-    "tests/soak/", "tests/multinode/", "tests/bench/test_netem_smoke.py",
+    "tests/soak/", "tests/multinode/", "tests/bench/test_netem_smoke.py", "tests/collectives/test_tune_netem.py",
     "tests/bench/test_machine.py::test_a_job_past_its_limit_is_stopped_with_its_process_group",
     "tests/security/test_handshake_timeout.py", "tests/security/test_listeners.py",
     "tests/security/test_security_fuzz.py", "tests/security/test_security_job.py",
