@@ -83,7 +83,7 @@ ALONE = (
     "tests/torch_backend/test_torch_failures.py",
 )
 
-# Files that share a session fixture run on one xdist worker, as one file: the scheduler's tests
+# Files that share a fixture of the whole run go on one xdist worker, as one file: the scheduler's tests
 # start one private SLURM and make one reference run.
 GROUPS = {"tests/scheduler/": "the scheduler's files"}
 
