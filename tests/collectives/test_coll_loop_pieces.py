@@ -201,3 +201,53 @@ async def test_a_frame_kept_before_its_receive_is_copied_in_a_piece_per_turn(mon
     finally:
         for rt in rts:
             await rt.close()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("algo", ["recursive_doubling", "halving_doubling", "ring"])
+async def test_all_reduce_frames_kept_before_their_receive_cost_a_piece(monkeypatch, algo, n):
+    """A frame that arrives before its receive is posted is kept in a buffer allocated (zero-filled)
+    at once by the loop callback that reads its header: a 64 MiB message held the loop for 35 ms.
+    Every all_reduce over TCP sends its array in messages of at most a segment, so with segments of
+    a piece no callback moves more than a piece, the allocations charged too. The last rank enters
+    the call late, so that its peers' frames arrive first and are kept."""
+    from collectives.algorithms.tcp import all_reduce_ring
+    from runtime import mailbox
+
+    ledger = Ledger()
+    instrument(monkeypatch, ledger)
+    take = mailbox._BufferPool.take
+
+    def charged_take(pool, nbytes):
+        ledger.charge(nbytes, "a kept frame's buffer")  # written once: zero-filled
+        return take(pool, nbytes)
+    monkeypatch.setattr(mailbox._BufferPool, "take", charged_take)
+    for module in (comm, all_reduce_ring):  # segments of a piece (the ring's own, the rest's: comm's)
+        if hasattr(module, "SEGMENT_NBYTES"):
+            monkeypatch.setattr(module, "SEGMENT_NBYTES", PIECE)
+    original_run = asyncio.events.Handle._run
+
+    def run(handle):
+        ledger.turn()
+        try:
+            return original_run(handle)
+        finally:
+            ledger.turn()
+    monkeypatch.setattr(asyncio.events.Handle, "_run", run)
+    count = 2 * BLOCK
+
+    async def body(g):
+        x = (g.rank + 1 + np.arange(count) % 7).astype(np.float32)
+        if g.rank == n - 1:
+            await asyncio.sleep(0.2)  # the peers' frames to this rank arrive before its receives
+        await C.all_reduce(x, op="sum", group=g, algorithm=algo)
+        return x, g.runtime.actor.statistics().kept_frames_total
+    results = await run_ranks(n, body, transport="tcp")
+    monkeypatch.undo()
+    want = (n * (n + 1) // 2 + n * (np.arange(count) % 7)).astype(np.float32)
+    for r, (got, _) in enumerate(results):
+        np.testing.assert_array_equal(got, want, err_msg=f"{algo} rank {r} of {n}")
+    assert results[-1][1] > 0, "no frame arrived before its receive: the case was not made"
+    assert ledger.worst <= PIECE + SLACK, (
+        f"{algo} on {n} ranks: one loop callback moved {ledger.worst} bytes (last through "
+        f"{ledger.what}); a piece is {PIECE}")

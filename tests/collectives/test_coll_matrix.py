@@ -172,7 +172,7 @@ async def test_all_to_all(ranks, algo, n, count):
 # do not reach per chunk. Here segments are 4 KiB so each message is many segments: the
 # pipelines (receives posted ahead, scratch slots reused round-robin, a segment sent on as
 # soon as it is reduced) run with every chunk length, remainders included.
-SEGMENTED = [("all_reduce", "ring"), ("all_reduce", "halving_doubling"),
+SEGMENTED = [("all_reduce", "ring"), ("all_reduce", "halving_doubling"), ("all_reduce", "recursive_doubling"),
              ("reduce_scatter", "ring"), ("all_gather", "ring")]
 
 
@@ -181,8 +181,11 @@ SEGMENTED = [("all_reduce", "ring"), ("all_reduce", "halving_doubling"),
 async def test_segmented_pipelines(ranks, monkeypatch, collective, algo, n):
     import importlib
 
+    from collectives import comm
+
     module = importlib.import_module(f"collectives.algorithms.tcp.{collective}_{algo}")
-    monkeypatch.setattr(module, "SEGMENT_NBYTES", 4096)
+    # (algorithms that cut their messages with comm.segments take the size from there)
+    monkeypatch.setattr(module if hasattr(module, "SEGMENT_NBYTES") else comm, "SEGMENT_NBYTES", 4096)
     count = 12_345 * n + 3  # ~12 segments of float32 per chunk, chunks of unequal length
     dtype = F32
 

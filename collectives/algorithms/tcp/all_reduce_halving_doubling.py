@@ -34,9 +34,9 @@ import asyncio
 
 import numpy as np
 
-from collectives.comm import reduce_step
+from collectives.comm import reduce_step, segments, send_segments
 from collectives.ops import Fold, as_bytes, chunk_bounds, scratch_pool
-from collectives.tuning import SCRATCH_NBYTES, SEGMENT_NBYTES
+from collectives.tuning import SCRATCH_NBYTES
 from runtime.transport import RECV_NOW_NBYTES
 
 EXCHANGE_NBYTES = 2 * RECV_NOW_NBYTES  # arrays up to this: one sendrecv per step (messages up to half: 1 MiB)
@@ -139,21 +139,10 @@ async def _posted(comm, x: np.ndarray, op: str, span, rs: list, ag: list, bounds
                 await fut  # this segment of the partner's copy is here
                 await reduce_step(dst, src, op)  # our half <op> the partner's copy
 
-        await asyncio.gather(send_all(comm, partner, span(*give)), reduce_each())
+        await asyncio.gather(send_segments(comm, partner, span(*give)), reduce_each())
     for i, (partner, theirs, ours) in enumerate(ag):
         arrived = ag_posted[i] if ahead else post_ag(i)
-        await send_all(comm, partner, span(*ours))
+        await send_segments(comm, partner, span(*ours))
         for fut in arrived:
             await fut
     scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
-
-
-def segments(a: np.ndarray) -> list[np.ndarray]:
-    """``a`` cut into SEGMENT_NBYTES pieces (both ends cut the same way)."""
-    step = max(1, SEGMENT_NBYTES // a.itemsize)
-    return [a[i:i + step] for i in range(0, a.size, step)] or [a]
-
-
-async def send_all(comm, dst: int, a: np.ndarray) -> None:
-    for seg in segments(a):
-        await comm.send(dst, as_bytes(seg))

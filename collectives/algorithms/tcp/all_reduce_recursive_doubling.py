@@ -13,7 +13,11 @@ How it works (n ranks, rank r; p = the largest power of two <= n, rem = n - p):
 * **unfold**: odd rank r+1 sends the result back to even rank r.
 
 Each round costs one latency and moves the whole array, so this wins only
-when the array is small (see the table in registry.py). No padding.
+when the array is small (see the table in registry.py). No padding. A larger
+array still goes as messages of at most SEGMENT_NBYTES (``comm.segments``: a
+message that arrives before its receive is kept in a buffer allocated whole on
+the loop's thread), every receive of a round posted before its first send, and
+a segment is reduced once it has arrived and ours of it has gone out.
 
 Worked example, n = 3, op = sum, rank i holds [xi] (p = 2, rem = 1)::
 
@@ -28,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.comm import copy_step, reduce_step
-from collectives.ops import Fold, as_bytes, reduce_now
+from collectives.comm import copy_step, reduce_step, segments, send_segments
+from collectives.ops import Fold, as_bytes, reduce_now, scratch_pool
 from runtime.group import DONE, SENT
 
 
@@ -38,38 +42,65 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     if n == 1:
         return
     extra, folds, steps = plan(n, r)
-    buf = as_bytes(x)
     if extra:  # an extra rank: hand our data over and wait for the result
-        await comm.send(r + 1, buf)
-        await comm.recv_into(r + 1, buf)
+        await send_segments(comm, r + 1, x)
+        await _recv_segments(comm, r + 1, x)
         return
-    scratch = np.empty_like(x)
-    sbuf = as_bytes(scratch)
-    if folds:  # reduce in the extra rank r-1's array
-        await comm.recv_into(r - 1, sbuf)
-        await reduce_step(scratch, x, op)  # x[r-1] <op> x[r]
-        await copy_step(x, scratch)
+    raw = scratch_pool.take(x.nbytes)
+    scratch = raw[:x.nbytes].view(x.dtype)
+    if folds:  # reduce in the extra rank r-1's array: x = x[r-1] <op> x[r]
+        arrived = [comm.irecv(r - 1, as_bytes(seg)) for seg in segments(scratch)]
+        for fut, theirs, mine in zip(arrived, segments(scratch), segments(x)):
+            await fut
+            await reduce_step(theirs, mine, op)
+            await copy_step(mine, theirs)
     await rounds(comm, x, scratch, steps, op)
+    scratch_pool.give(raw)  # only after success: a failed call may still have frames landing in it
     if folds:  # unfold: give the extra rank the result
-        await comm.send(r - 1, buf)
+        await send_segments(comm, r - 1, x)
+
+
+async def _recv_segments(comm, src: int, a: np.ndarray) -> None:
+    arrived = [comm.irecv(src, as_bytes(seg)) for seg in segments(a)]
+    for fut in arrived:
+        await fut
 
 
 async def rounds(comm, x: np.ndarray, scratch: np.ndarray, steps, op: str, start: int = 0,
                  sent: bool = False) -> None:
     """The exchange rounds ``steps[start:]``; ``sent``: round ``start``'s send already went out
-    (:func:`rounds_now` stopped there), so only its receive is left."""
-    buf, sbuf = as_bytes(x), as_bytes(scratch)
+    (:func:`rounds_now` stopped there: a small array, one message), so only its receive is left.
+    A round posts every receive (into ``scratch``) before its first send; a segment is reduced
+    once the partner's copy of it is here and ours has gone out (reducing changes ours)."""
+    xs, ss = segments(x), segments(scratch)
     for k in range(start, len(steps)):  # exchange with new rank q ^ mask, mask = 1, 2, 4, ...
         partner, lower = steps[k]
-        if sent and k == start:
-            await comm.recv_into(partner, sbuf)
-        else:
-            await comm.sendrecv(partner, buf, partner, sbuf)  # ours out, theirs into scratch
-        if lower:  # the partner is lower: result = theirs <op> ours
-            await reduce_step(scratch, x, op)
-            await copy_step(x, scratch)
-        else:
-            await reduce_step(x, scratch, op)
+        if len(xs) == 1 and not (sent and k == start):  # one message each way: sendrecv's fast path
+            await comm.sendrecv(partner, as_bytes(x), partner, as_bytes(scratch))
+            await _combine(None, x, scratch, lower, op)
+            continue
+        arrived = [comm.irecv(partner, as_bytes(seg)) for seg in ss]
+        done = 0  # segments reduced
+        if not (sent and k == start):
+            for j, seg in enumerate(xs):
+                await comm.send(partner, as_bytes(seg))
+                while done <= j and arrived[done].done():  # reduce what is here meanwhile
+                    await _combine(arrived[done], xs[done], ss[done], lower, op)
+                    done += 1
+        for j in range(done, len(xs)):
+            await _combine(arrived[j], xs[j], ss[j], lower, op)
+
+
+async def _combine(arrived, mine: np.ndarray, theirs: np.ndarray, lower: bool, op: str) -> None:
+    """One segment of a round, once ``arrived``: the lower rank's copy first, so that both of a
+    pair hold the same bits."""
+    if arrived is not None:
+        await arrived
+    if lower:  # the partner is lower: result = theirs <op> ours
+        await reduce_step(theirs, mine, op)
+        await copy_step(mine, theirs)
+    else:
+        await reduce_step(mine, theirs, op)
 
 
 def rounds_now(comm, x: np.ndarray, scratch: np.ndarray, steps, op: str) -> tuple[int, bool]:
