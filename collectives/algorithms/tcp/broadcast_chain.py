@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from collectives.comm import give_turn
 from collectives.ops import as_bytes
 
 SEGMENTS = 8                    # aim: this many segments per array ...
@@ -59,13 +60,17 @@ async def run(comm, x: np.ndarray, root: int) -> None:
     buf = as_bytes(x)
     segs = [buf[a:b] for a, b in segment_bounds(buf.nbytes)]
     nxt = (r + 1) % n if v + 1 < n else None
+    # A segment's send and receive may both be done at once (sendrecv's fast path, straight to and
+    # from the sockets) without a wait: the loop gets its turn between segments when one is due.
     if v == 0:
         for seg in segs:
             await comm.send(nxt, seg)
+            await give_turn()
         return
     prev, held = (r - 1) % n, None  # held: the segment received last, not yet sent on
     for seg in segs:
         await comm.sendrecv(nxt if held is not None else None, held if nxt is not None else None, prev, seg)
         held = seg
+        await give_turn()
     if nxt is not None:
         await comm.send(nxt, held)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.comm import reduce_step
+from collectives.comm import copy_step, reduce_step
 from collectives.ops import as_bytes
 from runtime.transport import RECV_NOW_NBYTES
 
@@ -49,7 +49,10 @@ async def run(comm, x: np.ndarray, root: int, op: str) -> None:
         if parent is not None:
             await comm.send(parent, as_bytes(x))
         return
-    acc = x if v == 0 else x.copy()  # non-root ranks keep x unchanged
+    acc = x  # non-root ranks keep x unchanged: they reduce into a copy
+    if v:
+        acc = np.empty_like(x)
+        await copy_step(acc, x)
     if x.nbytes <= RECV_NOW_NBYTES:  # small: each child's partial read off its socket, in turn
         slot = np.empty_like(x)
         for c in children:
