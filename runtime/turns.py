@@ -20,7 +20,8 @@ or any wait on an unfinished future). :func:`overdue` says yes once no turn has 
 :data:`TURN_S`, so the loop turns at least every TURN_S plus a piece (per callback of that
 iteration); a wait that blocks its thread sleeps at most :func:`left`. Between whole calls
 runtime/group.py asks the looser :meth:`LoopTurns.due` (up to 1.5 x its interval, never a yield
-right after a wait that turned the loop unseen; :data:`SHARED_TURN_S` where ranks share cores).
+right after a wait that turned the loop unseen; :data:`CALL_TURN_S`, or :data:`SHARED_TURN_S`
+where ranks share cores).
 
 Not here: where the checks are made (runtime/group.py after each call, the Comm's steps
 (collectives/comm.py), the shared-memory pieces (collectives/slots/common.py), the TCP
@@ -37,8 +38,12 @@ import weakref
 
 # The longest the loop's thread runs collective work without a turn, when it can cut the work:
 # pieces of work are themselves bounded (PIECE_NBYTES, one wait slice), so the loop's other tasks
-# wait at most this plus one piece.
-TURN_S = 0.002
+# wait at most this plus one piece (docs/design.md, "The loop's turns": 1 ms, not 2).
+TURN_S = 0.001
+
+# Between whole calls that each waited on nothing (small calls back to back), where the node's
+# cores are at least its ranks: a turn costs such a call's latency, so this stays at 2 ms.
+CALL_TURN_S = 0.002
 
 # The memory one piece of bulk work on the loop's thread reads and writes at most: a copy of 2 MiB,
 # a reduction of about 1 MiB, a socket read or write of 2 MiB (the kernel copies it once). 0.1-1 ms
@@ -55,13 +60,13 @@ _clock = time.perf_counter
 
 
 def call_turn_s(local_ranks: int) -> float:
-    """The turn interval between whole calls: TURN_S when this process's cores are at least the
-    node's ranks, else SHARED_TURN_S."""
+    """The turn interval between whole calls: CALL_TURN_S when this process's cores are at least
+    the node's ranks, else SHARED_TURN_S."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    return TURN_S if cores >= max(1, local_ranks) else SHARED_TURN_S
+    return CALL_TURN_S if cores >= max(1, local_ranks) else SHARED_TURN_S
 
 
 def piece_items(itemsize: int, arrays: int = 2) -> int:
@@ -93,7 +98,7 @@ class LoopTurns:
         self.hops = 2 if type(loop).__module__.startswith("uvloop") else 3
         self.yielding = 0  # tasks inside yield_turn now: every other check says overdue meanwhile
 
-    def due(self, turn_s: float = TURN_S) -> bool:
+    def due(self, turn_s: float = CALL_TURN_S) -> bool:
         """True when the loop has had no turn for ``turn_s`` since this was armed (the caller then
         awaits :func:`yield_turn`)."""
         now = _clock()
