@@ -12,6 +12,8 @@ table's algorithm) and over shared memory, on 2 and 4 ranks as tasks of one loop
 (runtime.testing), their answers checked against closed forms. Under uvloop, which reads a socket
 again and again within one wake-up, the bytes read between two turns of a ticker task are counted;
 a frame kept before its receive was posted reaches the receive in pieces, the loop turning between.
+Every TCP algorithm of the collectives, in step and with the receiving rank late (its peers' frames
+kept), likewise, a kept frame's zero-filled buffer and sends done at once charged too.
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def instrument(monkeypatch, ledger: Ledger) -> None:
     monkeypatch.setattr(common, "OFFLOAD_MIN_NBYTES", 1 << 62)  # in-process peers too: every piece inline
 
 
+def per_callback(monkeypatch, ledger: Ledger) -> None:
+    """An account per callback of asyncio's loop (``Handle._run``): each starts at zero."""
+    original_run = asyncio.events.Handle._run
+
+    def run(handle):
+        ledger.turn()
+        try:
+            return original_run(handle)
+        finally:
+            ledger.turn()
+    monkeypatch.setattr(asyncio.events.Handle, "_run", run)
+
+
 def inputs(op: str, n: int, r: int) -> tuple:
     """(the call's arguments, its keywords, the array that holds the answer, the answer) for rank r of n."""
     if op == "all_reduce":  # avg of r + 1 + i % 7: exact in float32 for 2 and 4 ranks
@@ -136,15 +151,7 @@ async def run_op(op: str, n: int, shm: bool) -> list:
 async def test_no_loop_callback_moves_more_than_a_piece(monkeypatch, op, n, shm):
     ledger = Ledger()
     instrument(monkeypatch, ledger)
-    original_run = asyncio.events.Handle._run
-
-    def run(handle):  # one callback of the loop: its account starts at zero
-        ledger.turn()
-        try:
-            return original_run(handle)
-        finally:
-            ledger.turn()
-    monkeypatch.setattr(asyncio.events.Handle, "_run", run)
+    per_callback(monkeypatch, ledger)
     results = await run_op(op, n, shm)
     monkeypatch.undo()
     for r, (got, want, stats) in enumerate(results):
@@ -267,15 +274,7 @@ async def test_no_callback_moves_more_than_a_piece_when_frames_are_kept(monkeypa
         monkeypatch.setattr(importlib.import_module(f"collectives.algorithms.tcp.{name}"), "SEGMENT_NBYTES", PIECE)
     monkeypatch.setattr(broadcast_chain, "SEGMENT_MIN_NBYTES", PIECE // 4)  # segments sent at once (send_now)
     monkeypatch.setattr(broadcast_chain, "SEGMENT_MAX_NBYTES", PIECE // 4)
-    original_run = asyncio.events.Handle._run
-
-    def run(handle):
-        ledger.turn()
-        try:
-            return original_run(handle)
-        finally:
-            ledger.turn()
-    monkeypatch.setattr(asyncio.events.Handle, "_run", run)
+    per_callback(monkeypatch, ledger)
     waiter = 0 if op in ("reduce", "gather") else n - 1  # the rank that receives what the others send
 
     async def body(g):
