@@ -123,8 +123,8 @@ async def copy_step(dst: np.ndarray, src: np.ndarray) -> None:
 def segments(a: np.ndarray) -> list[np.ndarray]:
     """``a`` (1-D) cut into messages of at most ``tuning.SEGMENT_NBYTES`` (both ends of a message
     cut the same way; an array of at most one segment is one message). A message that arrives
-    before its receive is kept in a buffer of its size, allocated and zero-filled on the loop's
-    thread at once (a 64 MiB one: 35 ms), so no algorithm sends a whole large array as one."""
+    before its receive is kept in a buffer of its size that the loop's thread allocates and
+    later copies out, so an algorithm that reduces as it receives sends no larger one."""
     step = max(1, SEGMENT_NBYTES // a.itemsize)
     return [a[i:i + step] for i in range(0, a.size, step)] or [a]
 

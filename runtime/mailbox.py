@@ -44,8 +44,9 @@ MAX_OBJECT_NBYTES = 64 * 1024 * 1024  # msgpack objects and call arguments
 DEFAULT_MAX_UNEXPECTED_NBYTES = 1024 * 1024 * 1024
 _COPY_NOW_NBYTES = 64 * 1024  # a kept frame up to this is copied into its receive at once (well under a piece)
 KEPT_NOW_NBYTES = _COPY_NOW_NBYTES  # (the largest receive that a kept frame completes before post returns)
-# A kept frame's buffer from this size on is an anonymous mapping: a bytearray is zero-filled at once
-# by the loop callback that reads the frame's header (64 MiB: 35 ms of page faults and memset).
+# A kept frame's buffer from this size on is an anonymous mapping, whose pages the payload's reads
+# touch a piece at a time; a bytearray is zero-filled at once by the loop callback that reads the
+# frame's header (docs/design.md, "The loop's turns").
 _LAZY_NBYTES = 1 << 20
 _DEFAULT = object()  # "the mailbox's default_timeout_s" (None means no deadline, on purpose only)
 
