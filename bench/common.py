@@ -1,7 +1,7 @@
-"""Helpers shared by the benchmarks in bench/: sizes, statistics, the bus-bandwidth
-factors, a fixed-width table, JSON output, a busbw plot and the memory-bandwidth
-reference. Plain functions; no ringweave imports, so any benchmark (or a peer's
-process, such as an mpirun rank) can use them.
+"""Helpers shared by the benchmarks in bench/: sizes, statistics, an iteration's two
+times over the ranks, the bus-bandwidth factors, a fixed-width table, JSON output, a
+busbw plot and the memory-bandwidth reference. Plain functions; no ringweave imports,
+so any benchmark (or a peer's process, such as an mpirun rank) can use them.
 
     from bench.common import parse_sizes, stats, busbw_factor
     parse_sizes("4:64M:4")          # [4, 16, 64, ..., 16777216, 67108864]
