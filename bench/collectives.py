@@ -34,6 +34,10 @@ Method, per (op, size):
    runs K iterations of one variant before the next variant's (default 1). ringweave's calls
    run slower right after Gloo's (bench/results/small_calls.md#after-the-peers-calls), so K > 1
    shows a library closer to warm; K = 1 is the default, and the figures in bench/results use it.
+   ``--shuffle`` runs each round's variants in a new order (the same on every rank): the call before
+   decides which rank the next barrier lets out first, and in a fixed order a variant can be timed
+   mostly in one of them (at 2 ranks the tree broadcast, run after shm's, came out faster than
+   flat's in the small rows, the same message). Off by default, as bench/results were taken.
 3. every rank keeps each timed call's t0 and t1 (time.perf_counter), and an iteration has two times:
    ``call`` = the slowest rank's own t1 - t0 (each rank's clock starts when the barrier lets it out,
    so a rank let out early is charged its wait for the others), and ``last`` = max t1 - max t0 over
@@ -90,7 +94,8 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
 from bench.common import (TIMED, TIMINGS, MiB, Table, busbw_factor, clock_id, copy_bandwidth, fmt_bytes,  # noqa: E402
-                          gbps, iteration_times, out_path, parse_sizes, plot_busbw, stamps, stats, write_json)
+                          gbps, iteration_times, out_path, parse_sizes, plot_busbw, shuffled, stamps, stats,
+                          write_json)
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
        "barrier"]
@@ -639,7 +644,7 @@ async def rank_main(args) -> None:
     timing = "call" if clock_note else args.timing  # last needs one clock
 
     meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "small_iters": args.small_iters,
-            "warmup": args.warmup, "block": args.block, "timing": timing,
+            "warmup": args.warmup, "block": args.block, "shuffle": args.shuffle, "timing": timing,
             "last": f"absent: {clock_note}" if clock_note else "recorded (every rank on one clock: the same boot_id)",
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
@@ -711,7 +716,9 @@ async def rank_main(args) -> None:
             total = args.warmup + (max(args.iters, args.small_iters) if case.nbytes <= SMALL_ROW else args.iters)
             gaps = np.zeros((len(variants), 3))  # per variant: largest ticker gap busy, idle, busy CPU (s)
             for start in range(0, total, args.block):  # 2. rounds of every variant in turn
-                for i, v in enumerate(variants):  # --block calls of one variant, then the next one's
+                k = len(variants)  # --shuffle: an order per round, the same on every rank
+                for i in (shuffled(k, OPS.index(op), case.nbytes, start) if args.shuffle else range(k)):
+                    v = variants[i]  # --block calls of one variant, then the next one's
                     for it in range(start, min(start + args.block, total)):
                         await timed_call(v, case, record=it >= args.warmup, ticker=ticker)
                     if ticker is not None:
@@ -870,6 +877,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "entry to the last one's exit; needs one clock, else call); the JSON has both")
     p.add_argument("--block", type=int, default=1,
                    help="iterations of one variant in a row before the next variant's (default 1: alternate every call)")
+    p.add_argument("--shuffle", action="store_true",
+                   help="each round's variants in a new order, the same on every rank (default: one order every "
+                        "round), so that no variant is always timed after the same one")
     p.add_argument("--warmup-rounds", type=int, default=500,
                    help="untimed rounds of a 4 B all_reduce of every library before the first row (default 500)")
     p.add_argument("--compare", default="", help="gloo, mpi or gloo,mpi: peers measured in the same processes")

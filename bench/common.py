@@ -119,6 +119,23 @@ def iteration_times(reduced, one_clock: bool) -> dict:
     return {"call": call, "last": t1 - t0 if one_clock else None}
 
 
+def shuffled(k: int, *key: int) -> list[int]:
+    """A permutation of ``range(k)`` drawn from the integers ``key``: the same in every process, on
+    any Python or NumPy (splitmix64 of each index and the key, sorted), so that ranks agree on an
+    order without a message."""
+    seed = 0
+    for x in key:
+        seed = _mix(seed ^ x)
+    return sorted(range(k), key=lambda i: _mix(seed ^ i))
+
+
+def _mix(x: int) -> int:  # splitmix64's finalizer
+    x = (x + 0x9E3779B97F4A7C15) % 2 ** 64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+    return x ^ (x >> 31)
+
+
 def clock_id() -> int | None:
     """This host's clock as a number all of one host's processes share (the first 48 bits of
     /proc/sys/kernel/random/boot_id; exact in a float64, so the ranks can compare it with a

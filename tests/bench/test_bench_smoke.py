@@ -95,10 +95,11 @@ def test_table_json_and_plot(tmp_path):
 @pytest.mark.timeout(360)
 def test_blocks_of_one_variant_still_time_every_iteration(tmp_path):
     """--block 3 with 5 timed and 1 untimed iterations: blocks of 3, 3 (the last one cut short);
-    every variant still gets exactly 5 timed calls. Timed by ``last``."""
+    every variant still gets exactly 5 timed calls, also in an order of its own per round
+    (every rank the same one, else the calls would not match). Timed by ``last``."""
     stdout, data, _ = run_bench(tmp_path, "--ops", "all_reduce", "--algorithm", "all", "--block", "3",
-                                "--iters", "5", "--warmup", "1", "--timing", "last")
-    assert data["meta"]["block"] == 3
+                                "--iters", "5", "--warmup", "1", "--timing", "last", "--shuffle")
+    assert data["meta"]["block"] == 3 and data["meta"]["shuffle"] is True
     check_timings(data, "last")
     assert "(timing last)" in stdout and "comparison (rows of the default algorithm, timing last;" in stdout
     assert len(data["rows"]) >= 2 * 3  # two sizes, every algorithm

@@ -1,6 +1,7 @@
 """bench/common.py's two times of a timed iteration over the ranks (what bench/collectives.py
 reduces after each row): ``call`` = max over ranks of (t1 - t0), ``last`` = max t1 - max t0,
-checked against closed forms on made-up stamps. No speed is measured."""
+checked against closed forms on made-up stamps; the host's clock id; the rounds' order that every
+rank draws alike (--shuffle). No speed is measured."""
 
 import subprocess
 import sys
@@ -57,3 +58,18 @@ def test_every_process_of_a_host_has_the_same_clock_id():
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stderr[-2000:]
     assert int(other.stdout) == mine
+
+
+def test_every_process_draws_the_same_order_and_every_variant_follows_every_other():
+    orders = [common.shuffled(4, 3, 16, r) for r in range(400)]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    follows = {}
+    for o in orders:
+        for a, b in zip(o, o[1:]):
+            follows[a, b] = follows.get((a, b), 0) + 1
+    assert len(follows) == 12 and min(follows.values()) > 60  # 1200 pairs, about 100 each
+    code = "from bench import common; print([common.shuffled(4, 3, 16, r) for r in range(400)])"
+    other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={"PYTHONHASHSEED": "7", "PATH": ""})
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert other.stdout.strip() == str(orders)
