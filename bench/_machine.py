@@ -166,7 +166,9 @@ class Job:
             cmd += ["--warmup-rounds", str(p["rounds"]), "--plot", ""]
             if self.kind == "grid":
                 quick = ["--sizes", QUICK_GRID_SIZES] if p.get("quick") else ["--small-iters", str(SMALL_ITERS["grid"])]
-                return cmd + ["--algorithm", "all"] + quick
+                # a new order of the algorithms each round: in one order, the call before decides a small
+                # row (which rank the barrier lets out first), for one algorithm more than another
+                return cmd + ["--algorithm", "all", "--shuffle"] + quick
             cmd += ["--shm", s["shm"], "--ops", ",".join(s["ops"]), "--sizes", ",".join(map(str, s["sizes"]))]
             cmd += [] if p.get("quick") else ["--small-iters", str(SMALL_ITERS[self.kind])]
             cmd += ["--compare", ",".join(self.peers)] if self.peers else []

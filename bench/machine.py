@@ -34,7 +34,8 @@ before and after, one table (goal, layout, median, its timing with the other tim
 it, each run, the goal, met or not), the grid's rows over 10%, what was not run, and every job's
 command. Timing: the goals against peers are judged on bench/collectives.py's ``call`` time (the
 slowest rank's own t1 - t0, as they were set), the grid on ``last`` (max t1 - max t0 over the
-ranks: by call, the barrier's order of release decides the small rows).
+ranks: by call, the barrier's order of release decides the small rows), its algorithms in a new
+order each round (``--shuffle``: in one order, a variant can be timed mostly in one release order).
 """
 
 from __future__ import annotations

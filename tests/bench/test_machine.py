@@ -168,6 +168,8 @@ def test_each_job_compares_with_the_peers_its_goals_need_where_they_are():
     assert all(not j.peers for j in jobs.values())
     assert _machine.missing(next(g for g in goals if g.id == "tcp-2-64MiB"), nothing) == "no torch"
     assert _machine.missing(next(g for g in goals if g.id == "gap-tcp-2"), nothing) is None
+    grid = jobs["grid-2"].argv(jobs["grid-2"].params(1.0, False), out)
+    assert grid[grid.index("--algorithm") + 1] == "all" and "--shuffle" in grid and "--timing" not in grid
     gpt = jobs["gpt-2"].argv(jobs["gpt-2"].params(0.0, False), out)
     assert gpt[gpt.index("--steps") + 1] == "3" and gpt[gpt.index("--ranks") + 1] == "2" and "--compare" in gpt
 
