@@ -34,7 +34,18 @@ Method, per (op, size):
    runs K iterations of one variant before the next variant's (default 1). ringweave's calls
    run slower right after Gloo's (bench/results/small_calls.md#after-the-peers-calls), so K > 1
    shows a library closer to warm; K = 1 is the default, and the figures in bench/results use it.
-3. time of an iteration = the slowest rank's t1 - t0; the row shows the median (and min) over the
+   ``--shuffle`` runs each round's variants in a new order (the same on every rank): the call before
+   decides which rank the next barrier lets out first, and in a fixed order a variant can be timed
+   mostly in one of them (at 2 ranks the tree broadcast, run after shm's, came out faster than
+   flat's in the small rows, the same message). Off by default, as bench/results were taken.
+3. every rank keeps each timed call's t0 and t1 (time.perf_counter), and an iteration has two times:
+   ``call`` = the slowest rank's own t1 - t0 (each rank's clock starts when the barrier lets it out,
+   so a rank let out early is charged its wait for the others), and ``last`` = max t1 - max t0 over
+   the ranks, from the last rank's entry to the last rank's exit (<= call; only where every rank
+   reads one clock, the same boot_id: one host, network namespaces included; else absent, with a
+   note). ``--timing`` picks the figure of the printed rows, the comparison and ``time_us`` (default
+   call, as bench/results were taken); the JSON has both (``time_call_us``, ``time_last_us``, their
+   ``min_``; a peer's ``ratio_call``, ``ratio_last``). A row shows the median (and min) over the
    iterations. algbw = size / time, busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n;
    all_gather, reduce_scatter, all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1).
    "noise" is the widest interquartile range / median among the row's variants.
@@ -82,8 +93,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
-from bench.common import (MiB, Table, busbw_factor, copy_bandwidth, fmt_bytes, gbps, parse_sizes,  # noqa: E402
-                          out_path, plot_busbw, stats, write_json)
+from bench.common import (TIMED, TIMINGS, MiB, Table, busbw_factor, clock_id, copy_bandwidth, fmt_bytes,  # noqa: E402
+                          gbps, iteration_times, out_path, parse_sizes, plot_busbw, shuffled, stamps, stats,
+                          write_json)
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
        "barrier"]
@@ -410,7 +422,7 @@ class Variant:
     algorithm: str | None   # the name passed (ringweave), None = the library's own choice
     shown: str              # the algorithm as printed, e.g. "ring", "default=ring", "-"
     fn: object = None
-    times: list = field(default_factory=list)
+    stamps: list = field(default_factory=list)  # (t0, t1) of each timed call on this rank
 
 
 class Ticker:
@@ -488,7 +500,7 @@ async def timed_call(v: Variant, case: Case, record: bool, ticker: Ticker | None
         t1 = time.perf_counter()
         lib.barrier()
     if record:
-        v.times.append(t1 - t0)
+        v.stamps.append((t0, t1))
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -507,16 +519,34 @@ def ringweave_variants(rw: Ringweave, op: str, case: Case, choice: str, notes: s
     return [Variant(rw, None, default + "*")]
 
 
-def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: dict,
+def _both(f: dict) -> dict:
+    """``time_<timing>_us`` and ``min_<timing>_us`` of both timings (None where absent)."""
+    out = {}
+    for k in TIMINGS:
+        out[f"time_{k}_us"] = None if f[k] is None else f[k]["median_s"] * 1e6
+        out[f"min_{k}_us"] = None if f[k] is None else f[k]["min_s"] * 1e6
+    return out
+
+
+def _ratio(theirs: dict | None, ours: dict | None) -> float | None:
+    if theirs is None or ours is None:
+        return None
+    return theirs["median_s"] / ours["median_s"] if ours["median_s"] > 0 else float("nan")
+
+
+def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times: dict, peers: dict, timing: str,
                gaps: tuple[float, float, float] | None = None) -> dict:
     """One row of the JSON: ringweave's figures, each peer's under its label, the noise
-    (``copy_fraction`` is filled in at the end, once the memory reference is measured)."""
-    s = stats(times)
+    (``copy_fraction`` is filled in at the end, once the memory reference is measured).
+    ``times``: per-iteration seconds by timing (:func:`bench.common.iteration_times`), the peers'
+    the same under their labels; ``timing``: the one ``time_us``, the bandwidths and ``ratio`` use."""
+    f = {k: None if t is None else stats(t) for k, t in times.items()}
+    s = f[timing]
     factor = busbw_factor(case.op, n)
     rec = {"op": case.op, "algorithm": v.shown.rstrip("*"), "default": v.shown.endswith("*"),
            "bytes": case.nbytes, "count": case.block, "dtype": dtype.name, "world": n,
            "time_us": s["median_s"] * 1e6, "min_us": s["min_s"] * 1e6, "p25_us": s["p25_s"] * 1e6,
-           "p75_us": s["p75_s"] * 1e6, "iters": s["n"],
+           "p75_us": s["p75_s"] * 1e6, "iters": s["n"], **_both(f),
            "algbw_gbps": gbps(case.nbytes, s["median_s"]),
            "busbw_gbps": gbps(case.nbytes, s["median_s"]) * factor, "copy_fraction": None,
            "tick_gap_ms": None if gaps is None else gaps[0] * 1e3,
@@ -527,11 +557,12 @@ def row_record(n: int, dtype: np.dtype, case: Case, v: Variant, times, peers: di
         if why:
             rec[label] = {"unsupported": why}
             continue
-        p = stats(ptimes)
+        pf = {k: None if t is None else stats(t) for k, t in ptimes.items()}
+        p = pf[timing]
         spread.append((p["p75_s"] - p["p25_s"]) / p["median_s"] if p["median_s"] > 0 else 0.0)
         rec[label] = {"time_us": p["median_s"] * 1e6, "min_us": p["min_s"] * 1e6, "p25_us": p["p25_s"] * 1e6,
-                      "p75_us": p["p75_s"] * 1e6, "busbw_gbps": gbps(case.nbytes, p["median_s"]) * factor,
-                      "ratio": p["median_s"] / s["median_s"] if s["median_s"] > 0 else float("nan")}
+                      "p75_us": p["p75_s"] * 1e6, **_both(pf), "busbw_gbps": gbps(case.nbytes, p["median_s"]) * factor,
+                      "ratio": _ratio(p, s), **{f"ratio_{k}": _ratio(pf[k], f[k]) for k in TIMINGS}}
     rec["noise"] = max(spread)
     return rec
 
@@ -562,10 +593,23 @@ def flat_row(rec: dict, shown: str) -> dict:
 
 
 async def max_over_ranks(times: np.ndarray) -> np.ndarray:
-    """Per-iteration times -> the slowest rank's, on every rank (through ringweave, untimed)."""
+    """Per-iteration figures -> their maximum over the ranks, on every rank (through ringweave, untimed)."""
     from collectives import api
     await api.all_reduce(times, op="max")
     return times
+
+
+async def one_clock(n: int) -> str | None:
+    """None where every rank's t0 and t1 read one clock (the same :func:`bench.common.clock_id`),
+    else why not (then ``last`` is absent)."""
+    mine = clock_id()
+    ids = np.array([-1.0, 1.0]) if mine is None else np.array([mine, -mine], np.float64)
+    if n > 1:
+        await max_over_ranks(ids)  # [max id, -min id]
+    if ids[0] == -ids[1] and ids[0] >= 0:
+        return None
+    return ("the ranks do not share one clock (their boot_id differs, is unreadable, or perf_counter is not "
+            "CLOCK_MONOTONIC)")
 
 
 async def memory_reference(rt) -> dict:
@@ -596,9 +640,12 @@ async def rank_main(args) -> None:
     from collectives import api
     from runtime import env
     shm_given = env.SHM.given()  # None: unset
+    clock_note = await one_clock(n)
+    timing = "call" if clock_note else args.timing  # last needs one clock
 
     meta = {"world": n, "dtype": dtype.name, "iters": args.iters, "small_iters": args.small_iters,
-            "warmup": args.warmup, "block": args.block,
+            "warmup": args.warmup, "block": args.block, "shuffle": args.shuffle, "timing": timing,
+            "last": f"absent: {clock_note}" if clock_note else "recorded (every rank on one clock: the same boot_id)",
             "algorithm": args.algorithm, "host": platform.node(), "cores": os.cpu_count(),
             "python": platform.python_version(), "loop": type(asyncio.get_running_loop()).__module__,
             "RINGWEAVE_SHM": "(unset)" if shm_given is None else str(int(shm_given)), "launch": args.launched_by,
@@ -617,8 +664,11 @@ async def rank_main(args) -> None:
     if peers:
         say("# peers in the same processes: " + ", ".join(
             f"{p.label} ({meta['torch'] if p is gloo else meta['mpi']})" for p in peers))
-    say("# time = median over iterations of the slowest rank; ratio x<peer> = peer time / ringweave time "
-        "(>1: ringweave faster); * = the default choice (the tuning rules above, else the table)")
+    if clock_note:
+        say(f"# last timing absent: {clock_note}" + ("; --timing last falls back to call" if args.timing == "last"
+                                                       else ""))
+    say(f"# time = median over iterations of {TIMED[timing]} (timing {timing}); ratio x<peer> = peer time / "
+        "ringweave time (>1: ringweave faster); * = the default choice (the tuning rules above, else the table)")
     ticker = None
     if not args.no_ticker:
         ticker = Ticker()
@@ -666,27 +716,30 @@ async def rank_main(args) -> None:
             total = args.warmup + (max(args.iters, args.small_iters) if case.nbytes <= SMALL_ROW else args.iters)
             gaps = np.zeros((len(variants), 3))  # per variant: largest ticker gap busy, idle, busy CPU (s)
             for start in range(0, total, args.block):  # 2. rounds of every variant in turn
-                for i, v in enumerate(variants):  # --block calls of one variant, then the next one's
+                k = len(variants)  # --shuffle: an order per round, the same on every rank
+                for i in (shuffled(k, OPS.index(op), case.nbytes, start) if args.shuffle else range(k)):
+                    v = variants[i]  # --block calls of one variant, then the next one's
                     for it in range(start, min(start + args.block, total)):
                         await timed_call(v, case, record=it >= args.warmup, ticker=ticker)
                     if ticker is not None:
                         busy, _, cpu = ticker.take()
                         gaps[i, 0], gaps[i, 2] = max(gaps[i, 0], busy), max(gaps[i, 2], cpu)
             if ticker is not None:  # the floor: as long as the row's ringweave calls took (50 ms .. 0.5 s)
-                ours_s = sum(sum(v.times) for v in variants if v.lib is rw)
+                ours_s = sum(t1 - t0 for v in variants if v.lib is rw for t0, t1 in v.stamps)
                 await ticker.idle_for(min(0.5, max(0.05, ours_s)))
                 gaps[:, 1] = ticker.take()[1]
-            every = np.array([v.times for v in variants], np.float64)  # (variants, iters)
-            every = np.concatenate([every, gaps], axis=1)
+            t = np.array([v.stamps for v in variants], np.float64)  # (variants, iters, t0 / t1)
+            every = np.concatenate([stamps(t[..., 0], t[..., 1]), gaps], axis=1)
             every = (await max_over_ranks(every)) if n > 1 else every
-            every, gaps = every[:, :-3], every[:, -3:]
+            times = [iteration_times(e, clock_note is None) for e in every[:, :-3]]
+            gaps = every[:, -3:]
             if rank != 0:
                 continue
-            ours = [(v, every[i], gaps[i]) for i, v in enumerate(variants) if v.lib is rw]
-            theirs = {v.lib.label: (every[i], None) for i, v in enumerate(variants) if v.lib is not rw}
+            ours = [(v, times[i], gaps[i]) for i, v in enumerate(variants) if v.lib is rw]
+            theirs = {v.lib.label: (times[i], None) for i, v in enumerate(variants) if v.lib is not rw}
             theirs.update({label: (None, why) for label, why in skipped.items()})
-            for v, times, gap in ours:
-                rec = row_record(n, dtype, case, v, times, theirs, None if ticker is None else tuple(gap))
+            for v, vtimes, gap in ours:
+                rec = row_record(n, dtype, case, v, vtimes, theirs, timing, None if ticker is None else tuple(gap))
                 rows.append(rec)
                 table.row(flat_row(rec, v.shown))
     if ticker is not None:
@@ -710,7 +763,7 @@ async def rank_main(args) -> None:
               f"{membw['all_ranks_gbps']:.2f} GB/s together")
         for rec in rows:
             rec["copy_fraction"] = rec["busbw_gbps"] / one["median_gbps"] if one["median_gbps"] else None
-        summary = comparison(rows, [p.label for p in peers], membw, n)
+        summary = comparison(rows, [p.label for p in peers], membw, n, timing)
         for line in summary["lines"]:
             print(line)
         write_json(args.json, {"meta": meta, "rows": rows, "summary": summary})
@@ -724,12 +777,12 @@ async def rank_main(args) -> None:
 
 # --- the comparison and the plot -----------------------------------------------------------------
 
-def comparison(rows: list[dict], peers: list[str], membw: dict, n: int) -> dict:
+def comparison(rows: list[dict], peers: list[str], membw: dict, n: int, timing: str = "call") -> dict:
     """Ratios to each peer over the default-algorithm rows (what a user gets), per op: lines to
-    print and the figures. No targets: the reader judges the comparison."""
+    print and the figures (of the rows' ``timing``). No targets: the reader judges the comparison."""
     d = [r for r in rows if r["default"]]
-    lines = ["#", ("# comparison (rows of the default algorithm; ratio = peer time / ringweave time, >1: ringweave "
-                   "faster; for one size it is also the busbw ratio)")]
+    lines = ["#", (f"# comparison (rows of the default algorithm, timing {timing}; ratio = peer time / ringweave "
+                   "time, >1: ringweave faster; for one size it is also the busbw ratio)")]
     out = {"lines": lines, "comparisons": []}
     shm_rows = sorted({r["algorithm"] for r in d if r["algorithm"] in ("shm", "hierarchical")})
     used = f"ringweave used {'/'.join(shm_rows)}, shared memory" if shm_rows else "ringweave over TCP"
@@ -798,7 +851,7 @@ def plot(path: str, rows: list[dict], peers: list[str], meta: dict) -> str:
                 peer_seen.add(key)
                 lines.setdefault(p, []).append((r["bytes"], r[p]["busbw_gbps"]))
     title = (f"ringweave collectives, {meta['world']} ranks, {meta['dtype']}, {meta['host']} "
-             f"({meta['started']}); median of {meta['iters']}")
+             f"({meta['started']}); median of {meta['iters']} (timing {meta['timing']})")
     return plot_busbw(path, series, title, meta["memory"]["one_core"]["median_gbps"])
 
 
@@ -818,8 +871,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="at least N timed iterations in the rows of at most 64 KiB, where a call takes tens "
                         "of microseconds and a few iterations cannot rank the algorithms (default 0: --iters)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per row (default 3)")
+    p.add_argument("--timing", default="call", choices=TIMINGS,
+                   help="an iteration's time in the rows, the comparison and time_us: call, the slowest rank's "
+                        "own t1 - t0 (default), or last, max t1 - max t0 over the ranks (from the last rank's "
+                        "entry to the last one's exit; needs one clock, else call); the JSON has both")
     p.add_argument("--block", type=int, default=1,
                    help="iterations of one variant in a row before the next variant's (default 1: alternate every call)")
+    p.add_argument("--shuffle", action="store_true",
+                   help="each round's variants in a new order, the same on every rank (default: one order every "
+                        "round), so that no variant is always timed after the same one")
     p.add_argument("--warmup-rounds", type=int, default=500,
                    help="untimed rounds of a 4 B all_reduce of every library before the first row (default 500)")
     p.add_argument("--compare", default="", help="gloo, mpi or gloo,mpi: peers measured in the same processes")

@@ -1,7 +1,7 @@
-"""Helpers shared by the benchmarks in bench/: sizes, statistics, the bus-bandwidth
-factors, a fixed-width table, JSON output, a busbw plot and the memory-bandwidth
-reference. Plain functions; no ringweave imports, so any benchmark (or a peer's
-process, such as an mpirun rank) can use them.
+"""Helpers shared by the benchmarks in bench/: sizes, statistics, an iteration's two
+times over the ranks, the bus-bandwidth factors, a fixed-width table, JSON output, a
+busbw plot and the memory-bandwidth reference. Plain functions; no ringweave imports,
+so any benchmark (or a peer's process, such as an mpirun rank) can use them.
 
     from bench.common import parse_sizes, stats, busbw_factor
     parse_sizes("4:64M:4")          # [4, 16, 64, ..., 16777216, 67108864]
@@ -87,6 +87,67 @@ def stats(times_s) -> dict:
                 "p75_s": float("nan")}
     q = statistics.quantiles(t, n=4, method="inclusive") if len(t) > 1 else [t[0]] * 3
     return {"n": len(t), "median_s": statistics.median(t), "min_s": t[0], "p25_s": q[0], "p75_s": q[2]}
+
+
+# --- per-iteration times over the ranks ---------------------------------------------------------
+# Every rank stamps each timed call with t0 and t1 (time.perf_counter: CLOCK_MONOTONIC on Linux, one
+# clock for every process of a host). The ranks max-reduce [t1 - t0 | t0 | t1] element-wise, and
+# from that maximum come both figures of an iteration:
+#   call = max over ranks of (t1 - t0): the slowest rank's own call, each rank's clock starting when
+#          the barrier lets it out (a rank let out early is charged its wait for the others);
+#   last = max t1 - max t0: from the last rank's entry to the last rank's exit, on one clock only.
+# last <= call always: for the rank r with the largest t1, max t1 - max t0 <= t1[r] - t0[r].
+TIMINGS = ("call", "last")
+TIMED = {"call": "the slowest rank's own t1 - t0",
+         "last": "max t1 - max t0 over the ranks, from the last rank's entry to the last rank's exit"}
+
+
+def stamps(t0, t1) -> np.ndarray:
+    """One rank's timed iterations (``t0``, ``t1``: arrays ``(..., iters)``) as the array the ranks
+    max-reduce element-wise: ``[t1 - t0 | t0 | t1]`` along the last axis."""
+    t0, t1 = np.asarray(t0, np.float64), np.asarray(t1, np.float64)
+    return np.concatenate([t1 - t0, t0, t1], axis=-1)
+
+
+def iteration_times(reduced, one_clock: bool) -> dict:
+    """Per-iteration times from the element-wise maximum over the ranks of :func:`stamps`:
+    ``{"call": max(t1 - t0), "last": max(t1) - max(t0)}``, ``last`` None unless ``one_clock``
+    (the ranks' t0 and t1 read one clock)."""
+    reduced = np.asarray(reduced, np.float64)
+    k = reduced.shape[-1] // 3
+    call, t0, t1 = reduced[..., :k], reduced[..., k:2 * k], reduced[..., 2 * k:]
+    return {"call": call, "last": t1 - t0 if one_clock else None}
+
+
+def shuffled(k: int, *key: int) -> list[int]:
+    """A permutation of ``range(k)`` drawn from the integers ``key``: the same in every process, on
+    any Python or NumPy (splitmix64 of each index and the key, sorted), so that ranks agree on an
+    order without a message."""
+    seed = 0
+    for x in key:
+        seed = _mix(seed ^ x)
+    return sorted(range(k), key=lambda i: _mix(seed ^ i))
+
+
+def _mix(x: int) -> int:  # splitmix64's finalizer
+    x = (x + 0x9E3779B97F4A7C15) % 2 ** 64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+    return x ^ (x >> 31)
+
+
+def clock_id() -> int | None:
+    """This host's clock as a number all of one host's processes share (the first 48 bits of
+    /proc/sys/kernel/random/boot_id; exact in a float64, so the ranks can compare it with a
+    max-reduce); None where perf_counter is not CLOCK_MONOTONIC or the boot id cannot be read.
+    Network namespaces (bench/netem.py's emulated hosts) share both."""
+    if "CLOCK_MONOTONIC" not in time.get_clock_info("perf_counter").implementation:
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return int(f.read().strip().replace("-", "")[:12], 16)
+    except (OSError, ValueError):
+        return None
 
 
 # Bus-bandwidth factors exactly as nccl-tests (doc/PERFORMANCE.md) define them: busbw = algbw * factor,

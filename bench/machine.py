@@ -30,8 +30,12 @@ process group, SIGKILL 10 s later); the file says which.
 
 Output: ``--out`` (default bench/results; with ``--quick`` bench/out) gets machine-<key>.md, the key
 a slug of cores, memory, CPU model and GPU: the command, the machine, the date, the load average
-before and after, one table (goal, layout, median, each run, the goal, met or not), the grid's
-rows over 10%, what was not run, and every job's command.
+before and after, one table (goal, layout, median, its timing with the other timing's median beside
+it, each run, the goal, met or not), the grid's rows over 10%, what was not run, and every job's
+command. Timing: the goals against peers are judged on bench/collectives.py's ``call`` time (the
+slowest rank's own t1 - t0, as they were set), the grid on ``last`` (max t1 - max t0 over the
+ranks: by call, the barrier's order of release decides the small rows), its algorithms in a new
+order each round (``--shuffle``: in one order, a variant can be timed mostly in one release order).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ ROOT = os.path.dirname(HERE)
 # Run as a script, bench/ is sys.path[0] and bench/collectives.py would shadow the package
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) not in (HERE, ROOT)]
 
-from bench._machine import Goal, Job, _grid_details, describe, find_peers, missing, plan_goals  # noqa: E402
+from bench._machine import (OTHER, TIMED, Goal, Job, _grid_details, describe, find_peers, missing,  # noqa: E402
+                            plan_goals)
 
 SAFETY = 0.9          # plan to this share of the time left
 STOP_GRACE_S = 10.0   # SIGTERM to SIGKILL
@@ -248,6 +253,25 @@ def verdict(goal: Goal, records: list[Record], why_not: str | None, runs: int) -
     return goal.show(med), ", ".join(shown), ("met" if goal.met(med) else "not met") + note
 
 
+def timing_cell(goal: Goal, records: list[Record], why_not: str | None) -> str:
+    """The timing a goal is judged by and, beside it, the median of its runs by the other timing:
+    e.g. ``last (call 2.31x)``; the timing alone for a goal not measured here; ``-`` for a figure
+    that is no collective's time."""
+    if not goal.timing or why_not:
+        return goal.timing or "-"
+    values = []
+    for r in records:
+        if r.job.name == goal.job and r.data is not None:
+            try:
+                v = goal.other(r.data)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                v = None
+            if v is not None:
+                values.append(v)
+    other = goal.show(statistics.median(values)) if values else "-"
+    return f"{goal.timing} ({OTHER[goal.timing]} {other})"
+
+
 def _shown_cmd(cmd: list[str]) -> str:
     out = []
     for a in cmd:
@@ -290,15 +314,23 @@ def report(meta: dict, goals: list[Goal], records: list[Record], why_not: dict[s
     if meta["quick"]:
         lines.append("- Quick run (`--quick`): the fewest iterations, to check the command runs; its figures decide "
                      "nothing")
-    lines += ["", "| goal | layout | median | runs | goal value | verdict |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| goal | layout | median | timing | runs | goal value | verdict |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     details = []
     for g in goals:
         med, each, result = verdict(g, records, why_not[g.id], runs)
-        cells = [g.title, g.where, med, each, f"{g.better} {g.show(g.target)}", result]
+        cells = [g.title, g.where, med, timing_cell(g, records, why_not[g.id]), each, f"{g.better} {g.show(g.target)}",
+                 result]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         ran = [r.data for r in records if r.job.name == g.job and r.data is not None]
         if g.details and ran and not why_not[g.id]:
             details.append((g, g.details(ran)))
+    if any(g.timing for g in goals):
+        lines += ["", "Timing: bench/collectives.py records two times of each iteration, and the median above is of "
+                  "the one named (the other's median in brackets): " + "; ".join(f"{t}, {TIMED[t]}" for t in OTHER)
+                  + ". The goals against a peer are judged on call, as they were set; the grid on last, because by call "
+                  "the order in which the barrier lets the ranks out decides a small row (a rank let out first is "
+                  "charged its wait for the others)."]
     for g, text in details:
         lines += ["", f"### {g.title}, {g.where}", ""] + [f"- {t}" for t in text]
     skipped = [r for r in records if r.state in ("skipped", "stopped", "failed")]
@@ -331,6 +363,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "print the (op, size) rows whose default algorithm's time over the fastest's, median over "
                         "the files, is above --target")
     p.add_argument("--target", type=float, default=1.10, help="with --grid: the ratio a row may reach (default 1.10)")
+    p.add_argument("--timing", default="last", choices=sorted(TIMED),
+                   help="with --grid: the rows' time, as the grid goal judges it (default last: " + TIMED["last"]
+                        + "; call: " + TIMED["call"] + ", the only one of runs from before both were recorded)")
     p.add_argument("--table", action="store_true",
                    help="with --grid: each row's default is what this checkout's table chooses on one host with "
                         "shared memory on, not what the run marked (a table change judged on the same runs)")
@@ -343,10 +378,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def grid(paths: list[str], target: float, table: bool = False) -> list[str]:
+def grid(paths: list[str], target: float, table: bool = False, timing: str = "last") -> list[str]:
     """The grid goal's lines for these runs of one layout: how many (op, size) rows are within
-    ``target``, then each row over it, worst first. ``table``: the default of each row is
-    re-marked as :func:`table_choice` says."""
+    ``target`` by ``timing``, then each row over it, worst first. ``table``: the default of each
+    row is re-marked as :func:`table_choice` says."""
     import json
     runs = []
     for path in paths:
@@ -356,7 +391,7 @@ def grid(paths: list[str], target: float, table: bool = False) -> list[str]:
         for d in runs:
             for r in d["rows"]:
                 r["default"] = r["algorithm"] == table_choice(r)
-    return _grid_details(target)(runs)
+    return _grid_details(target, timing)(runs)
 
 
 # collectives.py's rows whose size is the whole output, not the block a rank passes to the table
@@ -380,7 +415,7 @@ def table_choice(row: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.grid:
-        print("\n".join(grid(args.grid, args.target, args.table)))
+        print("\n".join(grid(args.grid, args.target, args.table, args.timing)))
         return 0
     given = sys.argv[1:] if argv is None else argv
     command = "python bench/machine.py" + "".join(f" {shlex.quote(a)}" for a in given)

@@ -43,6 +43,22 @@ def table_rows(stdout: str) -> list[list[str]]:
     return rows
 
 
+def check_timings(data: dict, timing: str = "call") -> None:
+    """Every row (and peer) carries both timings, ``last`` (max t1 - max t0 over the ranks) never
+    above ``call`` (the slowest rank's t1 - t0); ``time_us`` is the one the run was told to use."""
+    assert data["meta"]["timing"] == timing
+    assert data["meta"]["last"].startswith("recorded"), data["meta"]["last"]  # the ranks share this host's clock
+    for r in data["rows"]:
+        for fig in [r] + [r[p] for p in ("gloo", "mpi-sm") if p in r]:
+            assert 0 < fig["time_last_us"] <= fig["time_call_us"] and 0 < fig["min_last_us"] <= fig["min_call_us"], fig
+            assert fig["time_us"] == fig[f"time_{timing}_us"] and fig["min_us"] == fig[f"min_{timing}_us"], fig
+        for p in ("gloo", "mpi-sm"):
+            if p in r:
+                for k in ("call", "last"):
+                    assert r[p][f"ratio_{k}"] == pytest.approx(r[p][f"time_{k}_us"] / r[f"time_{k}_us"])
+                assert r[p]["ratio"] == r[p][f"ratio_{timing}"]
+
+
 def check_plot(stdout: str, png: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{png} is not a PNG"
@@ -71,16 +87,21 @@ def test_table_json_and_plot(tmp_path):
         assert r["tick_gap_ms"] > 0 and r["idle_gap_ms"] > 0  # the ticker beside every row
     assert "tick(ms)" in stdout and "idle(ms)" in stdout
     assert {r["bytes"] for r in data["rows"] if r["op"] == "all_reduce"} == {4, 4096}
+    check_timings(data)
+    assert "median over iterations of the slowest rank's own t1 - t0 (timing call)" in stdout
     check_plot(stdout, png)
 
 
 @pytest.mark.timeout(360)
 def test_blocks_of_one_variant_still_time_every_iteration(tmp_path):
     """--block 3 with 5 timed and 1 untimed iterations: blocks of 3, 3 (the last one cut short);
-    every variant still gets exactly 5 timed calls."""
+    every variant still gets exactly 5 timed calls, also in an order of its own per round
+    (every rank the same one, else the calls would not match). Timed by ``last``."""
     stdout, data, _ = run_bench(tmp_path, "--ops", "all_reduce", "--algorithm", "all", "--block", "3",
-                                "--iters", "5", "--warmup", "1")
-    assert data["meta"]["block"] == 3
+                                "--iters", "5", "--warmup", "1", "--timing", "last", "--shuffle")
+    assert data["meta"]["block"] == 3 and data["meta"]["shuffle"] is True
+    check_timings(data, "last")
+    assert "(timing last)" in stdout and "comparison (rows of the default algorithm, timing last;" in stdout
     assert len(data["rows"]) >= 2 * 3  # two sizes, every algorithm
     assert all(r["iters"] == 5 for r in data["rows"])
 
@@ -103,6 +124,7 @@ def test_compare_gloo(tmp_path):
     for r in data["rows"]:
         assert r["gloo"]["time_us"] > 0 and r["gloo"]["ratio"] > 0
     assert any(c["peer"] == "gloo" for c in data["summary"]["comparisons"])
+    check_timings(data)
     check_plot(stdout, png)
 
 

@@ -30,14 +30,16 @@ def run_machine(tmp_path, *args, timeout_s=120):
 
 
 def rows_of(text: str) -> dict[str, list[str]]:
-    """The table's rows by goal and layout: [median, runs, goal, verdict]."""
+    """The table's rows by goal and layout: [median, runs, goal, verdict] (the timing cell checked)."""
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| goal | layout | median | runs | goal value | verdict |" and lines[1].startswith("| --- |")
+    assert lines[0] == "| goal | layout | median | timing | runs | goal value | verdict |"
+    assert lines[1].startswith("| --- |")
     rows = {}
     for ln in lines[2:]:
         cells = [c.strip() for c in ln.strip("|").split(" | ")]
-        assert len(cells) == 6, ln
-        rows[f"{cells[0]} / {cells[1]}"] = cells[2:]
+        assert len(cells) == 7, ln
+        assert re.fullmatch(r"-|call|last|(call \(last|last \(call) (-|[\d.]+( us|x))\)", cells[3]), ln
+        rows[f"{cells[0]} / {cells[1]}"] = cells[2:3] + cells[4:]
     return rows
 
 
@@ -166,6 +168,8 @@ def test_each_job_compares_with_the_peers_its_goals_need_where_they_are():
     assert all(not j.peers for j in jobs.values())
     assert _machine.missing(next(g for g in goals if g.id == "tcp-2-64MiB"), nothing) == "no torch"
     assert _machine.missing(next(g for g in goals if g.id == "gap-tcp-2"), nothing) is None
+    grid = jobs["grid-2"].argv(jobs["grid-2"].params(1.0, False), out)
+    assert grid[grid.index("--algorithm") + 1] == "all" and "--shuffle" in grid and "--timing" not in grid
     gpt = jobs["gpt-2"].argv(jobs["gpt-2"].params(0.0, False), out)
     assert gpt[gpt.index("--steps") + 1] == "3" and gpt[gpt.index("--ranks") + 1] == "2" and "--compare" in gpt
 

@@ -104,7 +104,11 @@ def test_two_namespaces_behind_shaped_links(tmp_path):
     stdout, _ = finish(start("-n", "2", "--rate", "1gbit", "--max-time-s", "120", "--", "--ops", "broadcast,all_reduce",
                              "--sizes", "4,1M", "--iters", "2", "--plot", "", "--json", str(out_json)), 170)
     assert "2 ranks (netem 2 namespaces, 1gbit)" in stdout, stdout[-3000:]
-    rows = {(r["op"], r["bytes"]): r for r in json.loads(out_json.read_text())["rows"]}
+    report = json.loads(out_json.read_text())
+    rows = {(r["op"], r["bytes"]): r for r in report["rows"]}
+    # the emulated hosts are namespaces of one machine: one clock (boot_id), so both timings are there
+    assert report["meta"]["last"].startswith("recorded"), report["meta"]["last"]
+    assert all(0 < r["time_last_us"] <= r["time_call_us"] for r in rows.values()), rows
     assert rows[("broadcast", 1 << 20)]["algorithm"] == "chain"  # the table's choice across hosts
     assert rows[("broadcast", 4)]["algorithm"] == "flat"
     # 1 MiB over a 1 Gbit/s link (125 MB/s) takes at least 6.3 ms even when tc's 256 KB burst lets
@@ -163,6 +167,7 @@ def test_every_row_has_its_peers_between_hosts(tmp_path):
     assert report["meta"]["host"] == "rw-netem-0"
     rows = report["rows"]
     assert len(rows) == 4 and all(r["gloo"]["time_us"] > 0 and r["mpi-tcp"]["time_us"] > 0 for r in rows), rows
+    assert all(0 < r[p]["time_last_us"] <= r[p]["time_call_us"] for r in rows for p in ("gloo", "mpi-tcp")), rows
 
 
 @needs_netns
