@@ -36,8 +36,9 @@ Method, per (op, size):
    shows a library closer to warm; K = 1 is the default, and the figures in bench/results use it.
    ``--shuffle`` runs each round's variants in a new order (the same on every rank): the call before
    decides which rank the next barrier lets out first, and in a fixed order a variant can be timed
-   mostly in one of them (at 2 ranks the tree broadcast, run after shm's, came out faster than
-   flat's in the small rows, the same message). Off by default, as bench/results were taken.
+   mostly in one of them (at 2 ranks flat and the tree, the same message, came out 0.75-2.11x apart
+   in one order, 0.89-1.35x shuffled: bench/results/broadcast.md). Off by default, as bench/results
+   were taken.
 3. every rank keeps each timed call's t0 and t1 (time.perf_counter), and an iteration has two times:
    ``call`` = the slowest rank's own t1 - t0 (each rank's clock starts when the barrier lets it out,
    so a rank let out early is charged its wait for the others), and ``last`` = max t1 - max t0 over
