@@ -154,8 +154,9 @@ def execute(rec: Record, log_path: str, timeout_s: float, why_limit: str) -> Non
         rec.state = "ok" if rc == 0 else "failed"
         if rc != 0:
             with open(log_path, errors="replace") as f:
-                tail = [ln.strip() for ln in f.read().splitlines() if ln.strip()][-2:]
-            rec.why = f"exit {rc}: " + " / ".join(tail)[-300:]
+                lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+            failed = [ln for ln in lines if "FAILED" in ln]  # bench/trainer.py's row of the configuration that failed
+            rec.why = f"exit {rc}: " + " / ".join(failed or lines[-2:])[-300:]
 
 
 def run_all(plan: list[tuple[Job, int, float]], budget_s: float, cores: int, quick: bool, tmp: str,
@@ -226,6 +227,15 @@ def _params(p: dict) -> str:
 
 # --- the report --------------------------------------------------------------------------------
 
+def _reading(read, data: dict) -> float | None:
+    """A goal's figure from one run's JSON (``read``: Goal.read or Goal.other), None where the run
+    lacks it."""
+    try:
+        return read(data)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
 def verdict(goal: Goal, records: list[Record], why_not: str | None, runs: int) -> tuple[str, str, str]:
     """(median, each run, verdict) of one goal row."""
     if why_not:
@@ -238,10 +248,7 @@ def verdict(goal: Goal, records: list[Record], why_not: str | None, runs: int) -
         return "-", "-", state + "; ".join(reasons)
     values, shown = [], []
     for r in ran:
-        try:
-            v = goal.read(r.data)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
-            v = None
+        v = _reading(goal.read, r.data)
         extra = goal.beside(r.data) if goal.beside and v is not None else None
         shown.append(goal.show(v) + (f" ({extra})" if extra else ""))
         if v is not None:
@@ -259,15 +266,8 @@ def timing_cell(goal: Goal, records: list[Record], why_not: str | None) -> str:
     that is no collective's time."""
     if not goal.timing or why_not:
         return goal.timing or "-"
-    values = []
-    for r in records:
-        if r.job.name == goal.job and r.data is not None:
-            try:
-                v = goal.other(r.data)
-            except (KeyError, TypeError, ValueError, ZeroDivisionError):
-                v = None
-            if v is not None:
-                values.append(v)
+    values = [v for r in records if r.job.name == goal.job and r.data is not None
+              for v in [_reading(goal.other, r.data)] if v is not None]
     other = goal.show(statistics.median(values)) if values else "-"
     return f"{goal.timing} ({OTHER[goal.timing]} {other})"
 

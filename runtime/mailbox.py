@@ -64,7 +64,7 @@ class _BufferPool:
     MIN_NBYTES = 64 * 1024
 
     def __init__(self, cap_nbytes: int = 256 * 1024 * 1024):
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[bytearray | mmap.mmap]] = {}
         self._cap = cap_nbytes
         self._held = 0
 

@@ -203,3 +203,13 @@ def test_a_job_that_fails_is_reported_with_its_last_lines(tmp_path):
     assert (rec.state, rec.why) == ("failed", "exit 1: b / --compare mpi: no mpirun")
     goal = _machine.Goal("g", "g", "2 ranks", "j", ">=", 1.0, "x", lambda d: d["v"])
     assert machine.verdict(goal, [rec], None, 3)[2] == "not measured: exit 1: b / --compare mpi: no mpirun"
+
+
+def test_a_trainer_job_that_fails_names_the_configuration_that_failed(tmp_path):
+    # bench/trainer.py prints one row per configuration, the failed one "FAILED (exit N)", then goes on
+    rows = ("       ddp     2   27248.6", " torch-ddp     2  FAILED (exit 134)  (load 1.7)",
+            "torch-fsdp     2   17162.3", "", "wrote out.json")
+    code = f"import sys; print({chr(10).join(rows)!r}); sys.exit(1)"
+    rec = machine.Record(_machine.Job("j", "trainer", 2, {}), 1, cmd=[sys.executable, "-c", code])
+    machine.execute(rec, str(tmp_path / "log"), 30.0, "at the budget")
+    assert (rec.state, rec.why) == ("failed", "exit 1: torch-ddp     2  FAILED (exit 134)  (load 1.7)")
