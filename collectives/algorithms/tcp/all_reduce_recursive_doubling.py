@@ -49,8 +49,9 @@ async def run(comm, x: np.ndarray, op: str) -> None:
     raw = scratch_pool.take(x.nbytes)
     scratch = raw[:x.nbytes].view(x.dtype)
     if folds:  # reduce in the extra rank r-1's array: x = x[r-1] <op> x[r]
-        arrived = [comm.irecv(r - 1, as_bytes(seg)) for seg in segments(scratch)]
-        for fut, theirs, mine in zip(arrived, segments(scratch), segments(x)):
+        theirs_segs = segments(scratch)
+        arrived = [comm.irecv(r - 1, as_bytes(seg)) for seg in theirs_segs]
+        for fut, theirs, mine in zip(arrived, theirs_segs, segments(x)):
             await fut
             await reduce_step(theirs, mine, op)
             await copy_step(mine, theirs)
